@@ -1,0 +1,330 @@
+/* core.c -- version, errors, context, tensors. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+int moe_libversion_number(void) { return MOE_VERSION_NUMBER; }
+const char *moe_libversion(void) { return MOE_VERSION; }
+
+const char *moe_errstr(int code) {
+  switch (code) {
+  case MOE_OK: return "not an error";
+  case MOE_ERR_ARG: return "bad argument";
+  case MOE_ERR_NOMEM: return "out of memory";
+  case MOE_ERR_CUDA: return "CUDA error";
+  case MOE_ERR_UNSUPPORTED: return "not supported in this build or on this device";
+  case MOE_ERR_INTERNAL: return "internal error";
+  default: return "unknown error code";
+  }
+}
+
+int moe_seterr(moe_ctx *ctx, int code, const char *fmt, ...) {
+  if (ctx) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->errmsg, sizeof ctx->errmsg, fmt, ap);
+    va_end(ap);
+  }
+  return code;
+}
+
+int moe_ok(moe_ctx *ctx) {
+  if (ctx) ctx->errmsg[0] = '\0';
+  return MOE_OK;
+}
+
+int moe_ctx_open(moe_ctx **out) {
+  if (!out) return MOE_ERR_ARG;
+  *out = calloc(1, sizeof **out);
+  return *out ? MOE_OK : MOE_ERR_NOMEM;
+}
+
+void moe_ctx_close(moe_ctx *ctx) { free(ctx); }
+
+const char *moe_errmsg(const moe_ctx *ctx) {
+  if (!ctx) return moe_errstr(MOE_ERR_NOMEM);
+  return ctx->errmsg;
+}
+
+int moe_ctx_set_stream(moe_ctx *ctx, void *stream) {
+  if (!ctx) return MOE_ERR_ARG;
+  ctx->stream = stream;
+  return moe_ok(ctx);
+}
+
+void *moe_ctx_stream(const moe_ctx *ctx) { return ctx ? ctx->stream : NULL; }
+
+int moe_device_count(moe_ctx *ctx, int kind, int *count) {
+  if (!count) return moe_seterr(ctx, MOE_ERR_ARG, "device_count: count is NULL");
+  if (kind == MOE_CPU) {
+    *count = 1;
+    return moe_ok(ctx);
+  }
+  if (kind != MOE_CUDA) return moe_seterr(ctx, MOE_ERR_ARG, "device_count: unknown device kind %d", kind);
+  if (cuda_device_count(count) != MOE_OK) *count = 0;
+  return moe_ok(ctx);
+}
+
+int moe_ctx_synchronize(moe_ctx *ctx, moe_device device) {
+  if (device.kind == MOE_CPU) return moe_ok(ctx);
+  return cuda_synchronize(ctx, device.index);
+}
+
+/* ---- tensors ---- */
+
+size_t moe_dtype_size(moe_dtype dtype) {
+  switch (dtype) {
+  case MOE_F32: return 4;
+  case MOE_BF16: return 2;
+  case MOE_I32: return 4;
+  }
+  return 0;
+}
+
+const char *moe_dtype_name(moe_dtype dtype) {
+  switch (dtype) {
+  case MOE_F32: return "f32";
+  case MOE_BF16: return "bf16";
+  case MOE_I32: return "i32";
+  }
+  return "?";
+}
+
+static int check_device(moe_ctx *ctx, moe_device device) {
+  if (device.kind == MOE_CPU) return MOE_OK;
+  if (device.kind != MOE_CUDA) return moe_seterr(ctx, MOE_ERR_ARG, "tensor: unknown device kind %d", device.kind);
+  int n = 0;
+  if (cuda_device_count(&n) != MOE_OK || n == 0)
+    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "tensor: cuda:%d is not available (%s)", device.index,
+                      n == 0 ? "no usable GPU in this build or on this machine" : "CUDA error");
+  if (device.index < 0 || device.index >= n)
+    return moe_seterr(ctx, MOE_ERR_ARG, "tensor: cuda:%d does not exist (%d GPU%s visible)", device.index, n,
+                      n == 1 ? "" : "s");
+  return MOE_OK;
+}
+
+int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape, moe_device device,
+                   moe_tensor **out) {
+  if (!out) return moe_seterr(ctx, MOE_ERR_ARG, "tensor: out is NULL");
+  *out = NULL;
+  if (dtype != MOE_F32 && dtype != MOE_BF16 && dtype != MOE_I32)
+    return moe_seterr(ctx, MOE_ERR_ARG, "tensor: unknown dtype %d", (int)dtype);
+  if (ndim < 0 || ndim > MOE_MAX_DIMS)
+    return moe_seterr(ctx, MOE_ERR_ARG, "tensor: %d dimensions, expected 0 to %d", ndim, MOE_MAX_DIMS);
+  if (ndim > 0 && !shape) return moe_seterr(ctx, MOE_ERR_ARG, "tensor: shape is NULL");
+  int64_t numel = 1;
+  for (int i = 0; i < ndim; i++) {
+    if (shape[i] < 0) return moe_seterr(ctx, MOE_ERR_ARG, "tensor: dimension %d is %lld, expected >= 0", i + 1, (long long)shape[i]);
+    if (shape[i] > 0 && numel > ((int64_t)1 << 40) / shape[i])
+      return moe_seterr(ctx, MOE_ERR_ARG, "tensor: more than 2^40 elements");
+    numel *= shape[i];
+  }
+  int rc = check_device(ctx, device);
+  if (rc) return rc;
+  moe_tensor *t = calloc(1, sizeof *t);
+  if (!t) return moe_seterr(ctx, MOE_ERR_NOMEM, "tensor: out of host memory");
+  t->dtype = dtype;
+  t->ndim = ndim;
+  for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
+  t->numel = numel;
+  t->device = device;
+  size_t nbytes = (size_t)numel * moe_dtype_size(dtype);
+  if (device.kind == MOE_CPU) {
+    /* zeroed, and never a NULL data pointer, even for an empty tensor */
+    t->data = calloc(nbytes ? nbytes : 1, 1);
+    if (!t->data) {
+      free(t);
+      return moe_seterr(ctx, MOE_ERR_NOMEM, "tensor: out of host memory (%zu bytes)", nbytes);
+    }
+  } else {
+    rc = cuda_alloc(ctx, device.index, nbytes ? nbytes : 16, &t->data);
+    if (rc) {
+      free(t);
+      return rc;
+    }
+  }
+  t->owns_data = 1;
+  *out = t;
+  return moe_ok(ctx);
+}
+
+int moe_tensor_view(moe_ctx *ctx, moe_tensor *base, int64_t offset, int ndim, const int64_t *shape,
+                    moe_tensor **out) {
+  if (!out || !base) return moe_seterr(ctx, MOE_ERR_ARG, "view: NULL argument");
+  *out = NULL;
+  if (ndim < 0 || ndim > MOE_MAX_DIMS || (ndim > 0 && !shape))
+    return moe_seterr(ctx, MOE_ERR_ARG, "view: %d dimensions, expected 0 to %d", ndim, MOE_MAX_DIMS);
+  int64_t numel = 1;
+  for (int i = 0; i < ndim; i++) {
+    if (shape[i] < 0) return moe_seterr(ctx, MOE_ERR_ARG, "view: dimension %d is %lld, expected >= 0", i + 1, (long long)shape[i]);
+    numel *= shape[i];
+  }
+  if (offset < 0 || offset > base->numel || numel > base->numel - offset) {
+    char b[160];
+    return moe_seterr(ctx, MOE_ERR_ARG, "view: elements [%lld, %lld) lie outside %s", (long long)offset,
+                      (long long)(offset + numel), moe_tensor_describe(base, b, sizeof b));
+  }
+  moe_tensor *t = calloc(1, sizeof *t);
+  if (!t) return moe_seterr(ctx, MOE_ERR_NOMEM, "view: out of host memory");
+  *t = *base;
+  t->ndim = ndim;
+  for (int i = 0; i < MOE_MAX_DIMS; i++) t->shape[i] = i < ndim ? shape[i] : 0;
+  t->numel = numel;
+  t->data = (char *)base->data + (size_t)offset * moe_dtype_size(base->dtype);
+  t->owns_data = 0;
+  *out = t;
+  return moe_ok(ctx);
+}
+
+void moe_tensor_free(moe_tensor *t) {
+  if (!t) return;
+  if (t->owns_data) {
+    if (t->device.kind == MOE_CPU) free(t->data);
+    else cuda_free(t->device.index, t->data);
+  }
+  free(t);
+}
+
+moe_dtype moe_tensor_dtype(const moe_tensor *t) { return t->dtype; }
+int moe_tensor_ndim(const moe_tensor *t) { return t->ndim; }
+int64_t moe_tensor_dim(const moe_tensor *t, int i) { return (i >= 0 && i < t->ndim) ? t->shape[i] : 1; }
+int64_t moe_tensor_numel(const moe_tensor *t) { return t->numel; }
+size_t moe_tensor_nbytes(const moe_tensor *t) { return (size_t)t->numel * moe_dtype_size(t->dtype); }
+moe_device moe_tensor_device(const moe_tensor *t) { return t->device; }
+void *moe_tensor_data(moe_tensor *t) { return t->data; }
+
+uint16_t moe_f32_to_bf16(float x) { return f32_to_bf16(x); }
+float moe_bf16_to_f32(uint16_t x) { return bf16_to_f32(x); }
+
+const char *moe_tensor_describe(const moe_tensor *t, char *buf, size_t n) {
+  if (!t) {
+    snprintf(buf, n, "nothing");
+    return buf;
+  }
+  size_t len = (size_t)snprintf(buf, n, "%s [", moe_dtype_name(t->dtype));
+  for (int i = 0; i < t->ndim && len < n; i++)
+    len += (size_t)snprintf(buf + len, n - len, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
+  if (len < n) {
+    if (t->device.kind == MOE_CPU) snprintf(buf + len, n - len, "] on cpu");
+    else snprintf(buf + len, n - len, "] on cuda:%d", t->device.index);
+  }
+  return buf;
+}
+
+int moe_check_tensor(moe_ctx *ctx, const char *stage, const char *what, const moe_tensor *t, moe_dtype dtype,
+                     int ndim, const int64_t *shape) {
+  char want[160], got[160];
+  int ok = t && t->dtype == dtype && (ndim < 0 || t->ndim == ndim);
+  for (int i = 0; ok && ndim > 0 && shape && i < ndim; i++)
+    if (shape[i] >= 0 && t->shape[i] != shape[i]) ok = 0;
+  if (ok) return MOE_OK;
+  size_t len = (size_t)snprintf(want, sizeof want, "%s", moe_dtype_name(dtype));
+  if (ndim >= 0) {
+    len += (size_t)snprintf(want + len, sizeof want - len, " [");
+    for (int i = 0; i < ndim && len < sizeof want; i++) {
+      if (shape && shape[i] >= 0)
+        len += (size_t)snprintf(want + len, sizeof want - len, "%s%lld", i ? ", " : "", (long long)shape[i]);
+      else
+        len += (size_t)snprintf(want + len, sizeof want - len, "%s_", i ? ", " : "");
+    }
+    if (len < sizeof want) snprintf(want + len, sizeof want - len, "]");
+  }
+  return moe_seterr(ctx, MOE_ERR_ARG, "%s: %s must be %s, got %s", stage, what, want,
+                    moe_tensor_describe(t, got, sizeof got));
+}
+
+int moe_check_same_device(moe_ctx *ctx, const char *stage, moe_device dev, const moe_tensor *const *ts, int n) {
+  for (int i = 0; i < n; i++) {
+    const moe_tensor *t = ts[i];
+    if (t && (t->device.kind != dev.kind || (dev.kind != MOE_CPU && t->device.index != dev.index))) {
+      char want[32], got[160];
+      if (dev.kind == MOE_CPU) snprintf(want, sizeof want, "cpu");
+      else snprintf(want, sizeof want, "cuda:%d", dev.index);
+      return moe_seterr(ctx, MOE_ERR_ARG, "%s: all tensors must be on %s, got %s", stage, want,
+                        moe_tensor_describe(t, got, sizeof got));
+    }
+  }
+  return MOE_OK;
+}
+
+/* ---- data movement ---- */
+
+int moe_tensor_write(moe_ctx *ctx, moe_tensor *t, const void *host, size_t nbytes) {
+  if (!t || (!host && nbytes)) return moe_seterr(ctx, MOE_ERR_ARG, "tensor_write: NULL argument");
+  if (nbytes != moe_tensor_nbytes(t))
+    return moe_seterr(ctx, MOE_ERR_ARG, "tensor_write: %zu bytes given, the tensor holds %zu", nbytes, moe_tensor_nbytes(t));
+  if (!nbytes) return moe_ok(ctx);
+  if (t->device.kind == MOE_CPU) {
+    memcpy(t->data, host, nbytes);
+    return moe_ok(ctx);
+  }
+  moe_device cpu = {MOE_CPU, 0};
+  return cuda_memcpy(ctx, t->device, t->data, cpu, host, nbytes);
+}
+
+int moe_tensor_read(moe_ctx *ctx, const moe_tensor *t, void *host, size_t nbytes) {
+  if (!t || (!host && nbytes)) return moe_seterr(ctx, MOE_ERR_ARG, "tensor_read: NULL argument");
+  if (nbytes != moe_tensor_nbytes(t))
+    return moe_seterr(ctx, MOE_ERR_ARG, "tensor_read: %zu bytes asked, the tensor holds %zu", nbytes, moe_tensor_nbytes(t));
+  if (!nbytes) return moe_ok(ctx);
+  if (t->device.kind == MOE_CPU) {
+    memcpy(host, t->data, nbytes);
+    return moe_ok(ctx);
+  }
+  moe_device cpu = {MOE_CPU, 0};
+  return cuda_memcpy(ctx, cpu, host, t->device, t->data, nbytes);
+}
+
+int moe_tensor_copy(moe_ctx *ctx, moe_tensor *dst, const moe_tensor *src) {
+  if (!dst || !src) return moe_seterr(ctx, MOE_ERR_ARG, "tensor_copy: NULL tensor");
+  if (dst->dtype != src->dtype || dst->numel != src->numel) {
+    char a[160], b[160];
+    return moe_seterr(ctx, MOE_ERR_ARG, "tensor_copy: cannot copy %s into %s", moe_tensor_describe(src, a, sizeof a),
+                      moe_tensor_describe(dst, b, sizeof b));
+  }
+  size_t nbytes = moe_tensor_nbytes(src);
+  if (!nbytes || dst == src) return moe_ok(ctx);
+  if (dst->device.kind == MOE_CPU && src->device.kind == MOE_CPU) {
+    memmove(dst->data, src->data, nbytes);
+    return moe_ok(ctx);
+  }
+  return cuda_memcpy(ctx, dst->device, dst->data, src->device, src->data, nbytes);
+}
+
+int moe_tensor_fill(moe_ctx *ctx, moe_tensor *t, double value) {
+  if (!t) return moe_seterr(ctx, MOE_ERR_ARG, "fill: NULL tensor");
+  if (t->dtype == MOE_I32 && (value != floor(value) || value < -2147483648.0 || value > 2147483647.0))
+    return moe_seterr(ctx, MOE_ERR_ARG, "fill: %g is not an i32 value", value);
+  if (t->device.kind != MOE_CPU) return cuda_fill(ctx, t, value);
+  if (t->dtype == MOE_F32) {
+    float v = (float)value, *p = t->data;
+    for (int64_t i = 0; i < t->numel; i++) p[i] = v;
+  } else if (t->dtype == MOE_BF16) {
+    uint16_t v = f32_to_bf16((float)value), *p = t->data;
+    for (int64_t i = 0; i < t->numel; i++) p[i] = v;
+  } else {
+    int32_t v = (int32_t)value, *p = t->data;
+    for (int64_t i = 0; i < t->numel; i++) p[i] = v;
+  }
+  return moe_ok(ctx);
+}
+
+int moe_tensor_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
+  if (!t) return moe_seterr(ctx, MOE_ERR_ARG, "randn: NULL tensor");
+  if (t->dtype == MOE_I32) return moe_seterr(ctx, MOE_ERR_ARG, "randn: dtype must be f32 or bf16, got i32");
+  if (!isfinite(std)) return moe_seterr(ctx, MOE_ERR_ARG, "randn: std must be finite");
+  if (t->device.kind != MOE_CPU) return cuda_randn(ctx, t, seed, std);
+  for (int64_t i = 0; i < t->numel; i++) {
+    /* two separately rounded multiplies, as the CUDA fill does them; the build turns off
+       floating-point contraction so that no fused multiply-add changes the bits */
+    float unit = (float)moe_randn_units(seed, (uint64_t)i) * MOE_RANDN_UNIT;
+    float v = unit * std;
+    if (t->dtype == MOE_F32) ((float *)t->data)[i] = v;
+    else ((uint16_t *)t->data)[i] = f32_to_bf16(v);
+  }
+  return moe_ok(ctx);
+}

@@ -1,0 +1,108 @@
+/* internal.h -- declarations shared by the library's C files and the CUDA launchers. */
+#ifndef MOELAB_INTERNAL_H
+#define MOELAB_INTERNAL_H
+
+#include "moelab.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct moe_tensor {
+  moe_dtype dtype;
+  int ndim;
+  int64_t shape[MOE_MAX_DIMS];
+  int64_t numel;
+  moe_device device;
+  void *data;
+  int owns_data; /* 0 for a view */
+};
+
+struct moe_ctx {
+  void *stream; /* cudaStream_t */
+  char errmsg[1024];
+};
+
+/* Records a message in ctx (when ctx is not NULL) and returns code. printf-style. */
+int moe_seterr(moe_ctx *ctx, int code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+/* Clears the message and returns MOE_OK. */
+int moe_ok(moe_ctx *ctx);
+
+/* "f32 [2, 3] on cuda:0" into buf; returns buf. */
+const char *moe_tensor_describe(const moe_tensor *t, char *buf, size_t n);
+
+/* Argument checks: each returns MOE_OK or records "<stage>: <what> must be ..., got ..." and
+ * returns MOE_ERR_ARG.  ndim < 0 skips the rank check; a shape entry < 0 matches any size. */
+int moe_check_tensor(moe_ctx *ctx, const char *stage, const char *what, const moe_tensor *t,
+                     moe_dtype dtype, int ndim, const int64_t *shape);
+/* Every non-NULL tensor in ts lives on dev. */
+int moe_check_same_device(moe_ctx *ctx, const char *stage, moe_device dev,
+                          const moe_tensor *const *ts, int n);
+
+static inline int moe_on_cpu(const moe_tensor *t) { return t->device.kind == MOE_CPU; }
+
+/* bf16 helpers usable from C and CUDA host code. */
+static inline float bf16_to_f32(uint16_t h) {
+  union { uint32_t u; float f; } v;
+  v.u = (uint32_t)h << 16;
+  return v.f;
+}
+static inline uint16_t f32_to_bf16(float f) {
+  union { uint32_t u; float f; } v;
+  v.f = f;
+  if ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x007fffffu)) return (uint16_t)((v.u >> 16) | 0x40);
+  v.u += 0x7fffu + ((v.u >> 16) & 1u);
+  return (uint16_t)(v.u >> 16);
+}
+
+/* The randn hash: element i of seed s -> four 16-bit uniforms summed.  Shared by the CPU fill
+ * and the CUDA fill so that both give the same bits. */
+static inline uint64_t moe_mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+static inline int32_t moe_randn_units(uint64_t seed, uint64_t i) {
+  uint64_t r = moe_mix64(moe_mix64(seed + 0x9e3779b97f4a7c15ull) ^ (i * 0xd1b54a32d192ed03ull));
+  int32_t s = (int32_t)(r & 0xffff) + (int32_t)((r >> 16) & 0xffff) + (int32_t)((r >> 32) & 0xffff) +
+              (int32_t)(r >> 48);
+  return s - 131070; /* centred: 4 * 65535 / 2 */
+}
+/* sqrt(3) / 65536 as the nearest float: sd of the sum of four 16-bit uniforms is 65536/sqrt(3). */
+#define MOE_RANDN_UNIT 2.64289974e-05f
+
+/* ---- CPU twins of the stages (lib/*.c); arguments already checked ---- */
+int route_cpu(moe_ctx *ctx, const moe_route_args *a);
+int schedule_cpu(moe_ctx *ctx, const moe_schedule_args *a);
+int dispatch_cpu(moe_ctx *ctx, const moe_dispatch_args *a);
+int experts_cpu(moe_ctx *ctx, const moe_experts_args *a);
+int logits_cpu(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
+int sigmoid_gate_cpu(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);
+int combine_cpu(moe_ctx *ctx, const moe_combine_args *a);
+
+/* ---- CUDA launchers (kernels/*.cu), same arguments, stream from ctx.  In a build without
+ * CUDA, lib/nocuda.c defines them to return MOE_ERR_UNSUPPORTED. ---- */
+int cuda_device_count(int *count);
+int cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out);
+void cuda_free(int device, void *p);
+int cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src_dev, const void *src,
+                size_t nbytes);
+int cuda_synchronize(moe_ctx *ctx, int device);
+int cuda_fill(moe_ctx *ctx, moe_tensor *t, double value);
+int cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std);
+int route_cuda(moe_ctx *ctx, const moe_route_args *a);
+int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a);
+int dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a);
+int experts_cuda(moe_ctx *ctx, const moe_experts_args *a);
+int logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
+int sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);
+int combine_cuda(moe_ctx *ctx, const moe_combine_args *a);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

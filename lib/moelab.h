@@ -1,0 +1,221 @@
+/*
+ * moelab.h -- the public C API of moelab, Mixture-of-Experts layer kernels.
+ *
+ * Plain C: no macros past this preamble are needed to call it, so the declarations between
+ * MOE_CDEF_BEGIN and MOE_CDEF_END can be handed to LuaJIT's ffi.cdef as they are.
+ *
+ * Conventions (SQLite's): every call returns an int status (MOE_OK or an error code); the
+ * context keeps the message of its last failure (moe_errmsg); moe_errstr names a code without
+ * a context.  Functions that take tensors run where the tensors are: all tensors of one call
+ * must live on one device.  Nothing here exits, aborts or longjmps.
+ *
+ * Data conditions found while computing (NaN logits, invalid expert ids, capacity overflow)
+ * are not errors of the C API: the stage records them in its stats tensor (where a captured
+ * CUDA graph can leave them) and the caller decides.  The Lua front-end raises on them.
+ */
+#ifndef MOELAB_H
+#define MOELAB_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32) && defined(MOE_BUILDING_SHARED)
+#define MOE_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define MOE_API __attribute__((visibility("default")))
+#else
+#define MOE_API
+#endif
+
+#define MOE_VERSION_MAJOR 0
+#define MOE_VERSION_MINOR 1
+#define MOE_VERSION_PATCH 0
+#define MOE_VERSION "0.1.0"
+#define MOE_VERSION_NUMBER (MOE_VERSION_MAJOR * 10000 + MOE_VERSION_MINOR * 100 + MOE_VERSION_PATCH)
+#define MOE_MAX_DIMS 4
+
+/* MOE_CDEF_BEGIN */
+
+enum {
+  MOE_OK = 0,
+  MOE_ERR_ARG = 1,         /* a bad argument: type, dtype, shape, device or value */
+  MOE_ERR_NOMEM = 2,       /* host or device allocation failed */
+  MOE_ERR_CUDA = 3,        /* a CUDA runtime or launch failure; the message names it */
+  MOE_ERR_UNSUPPORTED = 4, /* no backend for this device in this build */
+  MOE_ERR_INTERNAL = 5
+};
+
+typedef enum { MOE_F32 = 0, MOE_BF16 = 1, MOE_I32 = 2 } moe_dtype;
+typedef enum { MOE_CPU = 0, MOE_CUDA = 1 } moe_device_kind;
+typedef struct moe_device { int kind; int index; } moe_device;
+
+typedef struct moe_ctx moe_ctx;
+typedef struct moe_tensor moe_tensor;
+
+MOE_API int moe_libversion_number(void);
+MOE_API const char *moe_libversion(void);
+MOE_API const char *moe_errstr(int code);
+
+/* A context holds the last error message and, for CUDA, the stream that stages run on. */
+MOE_API int moe_ctx_open(moe_ctx **out);
+MOE_API void moe_ctx_close(moe_ctx *ctx);
+MOE_API const char *moe_errmsg(const moe_ctx *ctx);
+/* Number of usable devices of a kind: 1 for MOE_CPU, the visible GPUs for MOE_CUDA
+ * (0 in a build without CUDA or on a machine without a GPU). */
+MOE_API int moe_device_count(moe_ctx *ctx, int kind, int *count);
+/* The CUDA stream (a cudaStream_t, NULL = the legacy default stream) stages are issued on. */
+MOE_API int moe_ctx_set_stream(moe_ctx *ctx, void *stream);
+MOE_API void *moe_ctx_stream(const moe_ctx *ctx);
+/* Waits for all work issued on the context's stream (a no-op on the CPU). */
+MOE_API int moe_ctx_synchronize(moe_ctx *ctx, moe_device device);
+
+/* ---- tensors: contiguous, row-major, 0..4 dims ---- */
+MOE_API int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape,
+                           moe_device device, moe_tensor **out);
+MOE_API void moe_tensor_free(moe_tensor *t);
+MOE_API moe_dtype moe_tensor_dtype(const moe_tensor *t);
+MOE_API int moe_tensor_ndim(const moe_tensor *t);
+MOE_API int64_t moe_tensor_dim(const moe_tensor *t, int i);
+MOE_API int64_t moe_tensor_numel(const moe_tensor *t);
+MOE_API size_t moe_tensor_nbytes(const moe_tensor *t);
+MOE_API moe_device moe_tensor_device(const moe_tensor *t);
+/* Host or device address of the first element. */
+MOE_API void *moe_tensor_data(moe_tensor *t);
+MOE_API size_t moe_dtype_size(moe_dtype dtype);
+MOE_API const char *moe_dtype_name(moe_dtype dtype);
+/* Host memory in the tensor's own dtype (bf16 as uint16_t bits) <-> the tensor. */
+MOE_API int moe_tensor_write(moe_ctx *ctx, moe_tensor *t, const void *host, size_t nbytes);
+MOE_API int moe_tensor_read(moe_ctx *ctx, const moe_tensor *t, void *host, size_t nbytes);
+/* Same dtype and element count, any devices. */
+MOE_API int moe_tensor_copy(moe_ctx *ctx, moe_tensor *dst, const moe_tensor *src);
+/* A tensor over the elements [offset, offset + prod(shape)) of base, sharing its memory: it
+ * owns nothing, and base must outlive it (the Lua binding keeps base alive for it). */
+MOE_API int moe_tensor_view(moe_ctx *ctx, moe_tensor *base, int64_t offset, int ndim, const int64_t *shape,
+                            moe_tensor **out);
+/* Every element set to value, rounded to the dtype (NaN allowed for float dtypes). */
+MOE_API int moe_tensor_fill(moe_ctx *ctx, moe_tensor *t, double value);
+/* Pseudo-normal values: the Irwin-Hall sum of four 16-bit uniforms drawn from a hash of
+ * (seed, element index), centred and scaled to unit variance, times std.  Integer arithmetic
+ * and correctly rounded multiplies only, so every device produces the same bits. */
+MOE_API int moe_tensor_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std);
+
+/* bf16 <-> f32 on the host: round to nearest even, NaN stays NaN. */
+MOE_API uint16_t moe_f32_to_bf16(float x);
+MOE_API float moe_bf16_to_f32(uint16_t x);
+
+/* ---- 1. route: logits f32 [N, E] -> ids i32 [N, K], weights f32 [N, K] ---- */
+typedef enum { MOE_SCORE_SOFTMAX = 0, MOE_SCORE_SIGMOID = 1, MOE_SCORE_SQRTSOFTPLUS = 2 } moe_scoring;
+typedef struct moe_route_args {
+  moe_tensor *ids;           /* out: i32 [N, K]; -1 on a row with NaN logits */
+  moe_tensor *weights;       /* out: f32 [N, K]; 0 on a row with NaN logits */
+  moe_tensor *stats;         /* out: i32 [2] = {rows with NaN, first such row or -1}; may be NULL */
+  const moe_tensor *logits;  /* f32 [N, E] */
+  const moe_tensor *bias;    /* f32 [E] selection bias, or NULL (sigmoid and sqrtsoftplus only) */
+  int k;
+  int scoring;               /* moe_scoring */
+  int groups;                /* expert groups (sigmoid only); 1 = none; E % groups == 0 */
+  int topk_groups;           /* groups kept, 1..groups */
+  float scale;               /* routed scaling factor gamma (sigmoid, sqrtsoftplus); softmax ignores it */
+} moe_route_args;
+MOE_API int moe_route(moe_ctx *ctx, const moe_route_args *a);
+
+/* ---- 2. schedule: every rank's ids i32 [W, T, K] -> this rank's expert-major rows ---- */
+typedef enum { MOE_LAYOUT_ROUNDROBIN = 0, MOE_LAYOUT_PEER_MAJOR = 1 } moe_layout;
+enum { MOE_SCHED_THREADS = 1024 }; /* logical threads per source rank in "roundrobin" */
+enum {
+  MOE_STAT_ROWS_NEEDED = 0, /* padded rows the routes would need without capacity */
+  MOE_STAT_ROWS_USED = 1,   /* = expert_offsets[EL] */
+  MOE_STAT_DROPPED = 2,     /* local routes that got no row (capacity, expert_capacity) */
+  MOE_STAT_INVALID = 3,     /* ids outside [0, E) other than -1, over all ranks */
+  MOE_STAT_FIRST_INVALID = 4, /* flat index w*T*K + t*K + k of the first invalid id, or -1 */
+  MOE_SCHED_STATS = 5
+};
+typedef struct moe_schedule_args {
+  moe_tensor *peer_rank;         /* out: i32 [C]; -1 on padding and unused rows */
+  moe_tensor *peer_route;        /* out: i32 [C]; route index t*K + k in its source rank, or -1 */
+  moe_tensor *counts;            /* out: i32 [EL]; routes that got a row */
+  moe_tensor *tokens_per_expert; /* out: i32 [EL]; padded sizes */
+  moe_tensor *expert_offsets;    /* out: i32 [EL + 1]; exclusive prefix, last = rows used */
+  moe_tensor *route_row;         /* out: i32 [W, T*K]; row on this rank or -1 */
+  moe_tensor *stats;             /* out: i32 [MOE_SCHED_STATS] */
+  const moe_tensor *ids;         /* i32 [W, T, K] */
+  int experts;                   /* E, a multiple of W */
+  int rank;                      /* 0 <= rank < W */
+  int pad;                       /* >= 1 */
+  int capacity;                  /* C >= 0 */
+  int expert_capacity;           /* < 0: none; else rows kept per expert before padding */
+  int layout;                    /* moe_layout */
+} moe_schedule_args;
+MOE_API int moe_schedule(moe_ctx *ctx, const moe_schedule_args *a);
+
+/* ---- 3. dispatch: x bf16 [W, T, H] -> xs bf16 [C, H] ---- */
+typedef struct moe_dispatch_args {
+  moe_tensor *xs;                /* out: bf16 [C, H] */
+  const moe_tensor *x;           /* bf16 [W, T, H] */
+  const moe_tensor *peer_rank;   /* i32 [C] */
+  const moe_tensor *peer_route;  /* i32 [C] */
+  int k;
+  int zero_fill;                 /* nonzero: rows without a route are zeroed, else untouched */
+} moe_dispatch_args;
+MOE_API int moe_dispatch(moe_ctx *ctx, const moe_dispatch_args *a);
+
+/* ---- 4. experts: SwiGLU MLP per expert over its rows ---- */
+typedef struct moe_experts_args {
+  moe_tensor *ys;                    /* out: bf16 [C, H]; rows >= offsets[EL] untouched */
+  const moe_tensor *xs;              /* bf16 [C, H] */
+  const moe_tensor *expert_offsets;  /* i32 [EL + 1], read where the tensors live */
+  const moe_tensor *w_gate_up;       /* bf16 [EL, 2F, H]: F gate rows, then F up rows */
+  const moe_tensor *w_down;          /* bf16 [EL, H, F] */
+} moe_experts_args;
+MOE_API int moe_experts(moe_ctx *ctx, const moe_experts_args *a);
+
+/* ---- router logits: out f32 [N, E] = x bf16 [N, H] . w bf16 [E, H]^T, f32 accumulation ---- */
+MOE_API int moe_logits(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
+
+/* ---- gate: g f32 [T] = sigmoid(x . w) for the Qwen3.5 shared-expert gate ---- */
+MOE_API int moe_sigmoid_gate(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);
+
+/* ---- 5. combine: out[t] = sum_k w[t,k] * ys_owner[route_row_owner[rank, t*K+k]] (+ shared) ---- */
+typedef struct moe_combine_args {
+  moe_tensor *out;                  /* out: bf16 or f32 [T, H] */
+  const moe_tensor *weights;        /* f32 [T, K] of the source rank */
+  const moe_tensor *ids;            /* i32 [T, K] of the source rank: owner = id / (E / W) */
+  const moe_tensor *const *ys;      /* W owners' bf16 [C_o, H] */
+  const moe_tensor *const *route_row; /* W owners' i32 [W, T*K] */
+  int world;                        /* W */
+  int experts;                      /* E */
+  int rank;                         /* source rank p */
+  const moe_tensor *shared;         /* bf16 [T, H] shared-expert output, or NULL */
+  const moe_tensor *shared_gate;    /* f32 [T] multiplier of shared, or NULL (= 1) */
+} moe_combine_args;
+MOE_API int moe_combine(moe_ctx *ctx, const moe_combine_args *a);
+
+/* ---- the dense reference of a whole layer, CPU only, f32 throughout ----
+ * out[n] = sum_k w[n,k] * expert_{id[n,k]}(x[n]) + g[n] * shared(x[n]), where expert e's weights
+ * are w_gate_up[e / EL][e % EL], and nothing is rounded to bf16 between the products.  Masked
+ * (-1) ids add nothing; any other id outside [0, E) is an error. */
+typedef struct moe_reference_args {
+  moe_tensor *out;                        /* out: f32 [N, H] */
+  const moe_tensor *x;                    /* bf16 [N, H] */
+  const moe_tensor *ids;                  /* i32 [N, K] */
+  const moe_tensor *weights;              /* f32 [N, K] */
+  const moe_tensor *const *w_gate_up;     /* W ranks' bf16 [EL, 2F, H] */
+  const moe_tensor *const *w_down;        /* W ranks' bf16 [EL, H, F] */
+  int world;
+  int experts;
+  const moe_tensor *shared_gate_up;       /* bf16 [1, 2Fs, H], or NULL */
+  const moe_tensor *shared_down;          /* bf16 [1, H, Fs], or NULL */
+  const moe_tensor *shared_gate_w;        /* bf16 [H]: g = sigmoid(x . w), or NULL (g = 1) */
+} moe_reference_args;
+MOE_API int moe_reference(moe_ctx *ctx, const moe_reference_args *a);
+
+/* MOE_CDEF_END */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOELAB_H */

@@ -1,0 +1,44 @@
+/* nocuda.c -- the CUDA entry points of a build without the CUDA toolkit: no GPU is usable,
+ * and any attempt to run on one says so instead of failing obscurely. */
+#include "internal.h"
+
+#define NO_CUDA(stage) moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: this moelab was built without CUDA", stage)
+
+int cuda_device_count(int *count) {
+  *count = 0;
+  return MOE_OK;
+}
+int cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out) {
+  (void)device, (void)nbytes, (void)out;
+  return NO_CUDA("tensor");
+}
+void cuda_free(int device, void *p) { (void)device, (void)p; }
+int cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src_dev, const void *src, size_t nbytes) {
+  (void)dst_dev, (void)dst, (void)src_dev, (void)src, (void)nbytes;
+  return NO_CUDA("copy");
+}
+int cuda_synchronize(moe_ctx *ctx, int device) {
+  (void)device;
+  return NO_CUDA("synchronize");
+}
+int cuda_fill(moe_ctx *ctx, moe_tensor *t, double value) {
+  (void)t, (void)value;
+  return NO_CUDA("fill");
+}
+int cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
+  (void)t, (void)seed, (void)std;
+  return NO_CUDA("randn");
+}
+int route_cuda(moe_ctx *ctx, const moe_route_args *a) { (void)a; return NO_CUDA("route"); }
+int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) { (void)a; return NO_CUDA("schedule"); }
+int dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a) { (void)a; return NO_CUDA("dispatch"); }
+int experts_cuda(moe_ctx *ctx, const moe_experts_args *a) { (void)a; return NO_CUDA("experts"); }
+int logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
+  (void)out, (void)x, (void)w;
+  return NO_CUDA("logits");
+}
+int sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w) {
+  (void)g, (void)x, (void)w;
+  return NO_CUDA("sigmoid_gate");
+}
+int combine_cuda(moe_ctx *ctx, const moe_combine_args *a) { (void)a; return NO_CUDA("combine"); }
