@@ -75,7 +75,7 @@ static inline int32_t moe_randn_units(uint64_t seed, uint64_t i) {
 /* sqrt(3) / 65536 as the nearest float: sd of the sum of four 16-bit uniforms is 65536/sqrt(3). */
 #define MOE_RANDN_UNIT 2.64289974e-05f
 
-/* ---- CPU twins of the stages (lib/*.c); arguments already checked ---- */
+/* ---- CPU twins of the stages (lib/<stage>.c); arguments already checked ---- */
 int route_cpu(moe_ctx *ctx, const moe_route_args *a);
 int schedule_cpu(moe_ctx *ctx, const moe_schedule_args *a);
 int dispatch_cpu(moe_ctx *ctx, const moe_dispatch_args *a);
@@ -84,7 +84,7 @@ int logits_cpu(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_ten
 int sigmoid_gate_cpu(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);
 int combine_cpu(moe_ctx *ctx, const moe_combine_args *a);
 
-/* ---- CUDA launchers (kernels/*.cu), same arguments, stream from ctx.  In a build without
+/* ---- CUDA launchers (kernels/<stage>.cu), same arguments, stream from ctx.  In a build without
  * CUDA, lib/nocuda.c defines them to return MOE_ERR_UNSUPPORTED. ---- */
 int cuda_device_count(int *count);
 int cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out);

@@ -1,0 +1,268 @@
+/* experts.c -- stage 4, the SwiGLU MLP of each local expert over its rows, with the f32 dot
+ * products it shares with the dense reference (mlp.h); also the router logits and the
+ * shared-expert sigmoid gate, which are the same kind of product. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "mlp.h"
+
+/* GCC and Clang vector extensions turn the eight partial sums into two SIMD registers per row;
+ * plain -O2 does not vectorise these loops on its own (it may not reassociate the float sums,
+ * and its cheap cost model refuses the rest).  Lane l of a register holds exactly what the
+ * portable loop keeps in s[l], and every lane is one multiply then one add, so both paths give
+ * the same bits.  Define MOE_PORTABLE_C to build the portable loops. */
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(MOE_PORTABLE_C)
+#define MLP_VECTOR 1
+typedef float v4f __attribute__((vector_size(16)));
+static inline v4f load4(const float *p) {
+  v4f v;
+  memcpy(&v, p, sizeof v); /* unaligned load */
+  return v;
+}
+#else
+#define MLP_VECTOR 0
+#endif
+
+void mlp_bf16_to_f32(float *dst, const uint16_t *src, int64_t n) {
+  for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+}
+
+/* The one order in which the eight partial sums are combined (see mlp.h). */
+static inline float sum8(const float s[8]) {
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+float mlp_dot(const float *w, const float *x, int64_t n) {
+  float s[8] = {0};
+  int64_t i = 0;
+#if MLP_VECTOR
+  v4f a = {0}, b = {0};
+  for (; i + 8 <= n; i += 8) {
+    a += load4(w + i) * load4(x + i);
+    b += load4(w + i + 4) * load4(x + i + 4);
+  }
+  memcpy(s, &a, sizeof a);
+  memcpy(s + 4, &b, sizeof b);
+#else
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; l++) s[l] += w[i + l] * x[i + l];
+#endif
+  for (int l = 0; i < n; i++, l++) s[l] += w[i] * x[i];
+  return sum8(s);
+}
+
+void mlp_dot4(float out[MLP_ROWS], const float *w, const float *const x[MLP_ROWS], int64_t n) {
+  const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
+  float s0[8] = {0}, s1[8] = {0}, s2[8] = {0}, s3[8] = {0};
+  int64_t i = 0;
+#if MLP_VECTOR
+  /* each weight load serves four rows: eight accumulators, two weight registers */
+  v4f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+  for (; i + 8 <= n; i += 8) {
+    v4f wa = load4(w + i), wb = load4(w + i + 4);
+    a0 += wa * load4(x0 + i);
+    a1 += wa * load4(x1 + i);
+    a2 += wa * load4(x2 + i);
+    a3 += wa * load4(x3 + i);
+    b0 += wb * load4(x0 + i + 4);
+    b1 += wb * load4(x1 + i + 4);
+    b2 += wb * load4(x2 + i + 4);
+    b3 += wb * load4(x3 + i + 4);
+  }
+  memcpy(s0, &a0, sizeof a0), memcpy(s0 + 4, &b0, sizeof b0);
+  memcpy(s1, &a1, sizeof a1), memcpy(s1 + 4, &b1, sizeof b1);
+  memcpy(s2, &a2, sizeof a2), memcpy(s2 + 4, &b2, sizeof b2);
+  memcpy(s3, &a3, sizeof a3), memcpy(s3 + 4, &b3, sizeof b3);
+#else
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; l++) {
+      float wl = w[i + l];
+      s0[l] += wl * x0[i + l];
+      s1[l] += wl * x1[i + l];
+      s2[l] += wl * x2[i + l];
+      s3[l] += wl * x3[i + l];
+    }
+#endif
+  for (int l = 0; i < n; i++, l++) {
+    s0[l] += w[i] * x0[i];
+    s1[l] += w[i] * x1[i];
+    s2[l] += w[i] * x2[i];
+    s3[l] += w[i] * x3[i];
+  }
+  out[0] = sum8(s0), out[1] = sum8(s1), out[2] = sum8(s2), out[3] = sum8(s3);
+}
+
+/* out[r] = w . x[r] for r < nrows; a short block runs row by row (same bits, see mlp.h). */
+static void dot_rows(float *out, const float *w, const float *const x[MLP_ROWS], int nrows, int64_t n) {
+  if (nrows == MLP_ROWS) {
+    mlp_dot4(out, w, x, n);
+    return;
+  }
+  for (int r = 0; r < nrows; r++) out[r] = mlp_dot(w, x[r], n);
+}
+
+void mlp_swiglu(float *const y[MLP_ROWS], const float *const x[MLP_ROWS], int nrows, const float *w_gate_up,
+                const float *w_down, int64_t H, int64_t F, int round_h, float *h) {
+  const float *hr[MLP_ROWS];
+  for (int r = 0; r < MLP_ROWS; r++) hr[r] = h + r * F;
+  for (int64_t j = 0; j < F; j++) {
+    float g[MLP_ROWS], u[MLP_ROWS];
+    dot_rows(g, w_gate_up + j * H, x, nrows, H);
+    dot_rows(u, w_gate_up + (F + j) * H, x, nrows, H);
+    for (int r = 0; r < nrows; r++) {
+      float v = mlp_silu(g[r]) * u[r];
+      h[r * F + j] = round_h ? bf16_to_f32(f32_to_bf16(v)) : v;
+    }
+  }
+  for (int64_t i = 0; i < H; i++) {
+    float o[MLP_ROWS];
+    dot_rows(o, w_down + i * F, hr, nrows, F);
+    for (int r = 0; r < nrows; r++) y[r][i] = o[r];
+  }
+}
+
+/* ---- experts ---- */
+
+/* Offsets are data (written on the device by the schedule), so the stage trusts none of them.
+ * Expert e owns the rows [m_e, m_{e+1}), where m is the running maximum of the offsets clamped
+ * to [0, C]: for a valid schedule (non-decreasing offsets within [0, C]) that is exactly
+ * [offsets[e], offsets[e+1]); otherwise a decreasing step is an empty expert and nothing
+ * outside [0, C) is read or written, and each row is still written at most once. */
+static int64_t clamp_offset(int32_t v, int64_t C) { return v < 0 ? 0 : v > C ? C : v; }
+
+int experts_cpu(moe_ctx *ctx, const moe_experts_args *a) {
+  const int64_t C = a->xs->shape[0], H = a->xs->shape[1];
+  const int64_t EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
+  const int32_t *off = a->expert_offsets->data;
+  const uint16_t *xs = a->xs->data, *wgu = a->w_gate_up->data, *wd = a->w_down->data;
+  uint16_t *ys = a->ys->data;
+
+  /* f32 copies of one expert's weights, converted once per expert, and one row block */
+  size_t nfloat = (size_t)(3 * F * H + MLP_ROWS * (2 * H + F));
+  float *wf = malloc((nfloat ? nfloat : 1) * sizeof *wf);
+  if (!wf) return moe_seterr(ctx, MOE_ERR_NOMEM, "experts: out of host memory (%zu bytes of scratch)", nfloat * sizeof *wf);
+  float *wguf = wf, *wdf = wguf + 2 * F * H, *xb = wdf + H * F, *yb = xb + MLP_ROWS * H, *hb = yb + MLP_ROWS * H;
+  const float *xr[MLP_ROWS];
+  float *yr[MLP_ROWS];
+  for (int r = 0; r < MLP_ROWS; r++) xr[r] = xb + r * H, yr[r] = yb + r * H;
+
+  int64_t lo = clamp_offset(off[0], C);
+  for (int64_t e = 0; e < EL; e++) {
+    int64_t hi = clamp_offset(off[e + 1], C);
+    if (hi < lo) hi = lo;
+    if (hi > lo) {
+      mlp_bf16_to_f32(wguf, wgu + e * 2 * F * H, 2 * F * H);
+      mlp_bf16_to_f32(wdf, wd + e * H * F, H * F);
+      for (int64_t row = lo; row < hi; row += MLP_ROWS) {
+        int n = hi - row < MLP_ROWS ? (int)(hi - row) : MLP_ROWS;
+        /* the block is read whole before any of it is written, so ys may be xs itself */
+        mlp_bf16_to_f32(xb, xs + row * H, n * H);
+        mlp_swiglu(yr, xr, n, wguf, wdf, H, F, 1, hb);
+        for (int64_t i = 0; i < n * H; i++) ys[row * H + i] = f32_to_bf16(yb[i]);
+      }
+    }
+    lo = hi;
+  }
+  free(wf);
+  return moe_ok(ctx);
+}
+
+int moe_experts(moe_ctx *ctx, const moe_experts_args *a) {
+  static const char *stage = "experts";
+  if (!a) return moe_seterr(ctx, MOE_ERR_ARG, "experts: args is NULL");
+  int rc;
+  if ((rc = moe_check_tensor(ctx, stage, "xs", a->xs, MOE_BF16, 2, NULL))) return rc;
+  const int64_t C = a->xs->shape[0], H = a->xs->shape[1];
+  const int64_t ys_shape[] = {C, H};
+  if ((rc = moe_check_tensor(ctx, stage, "ys", a->ys, MOE_BF16, 2, ys_shape))) return rc;
+  const int64_t gu_shape[] = {-1, -1, H};
+  if ((rc = moe_check_tensor(ctx, stage, "w_gate_up", a->w_gate_up, MOE_BF16, 3, gu_shape))) return rc;
+  const int64_t EL = a->w_gate_up->shape[0], F2 = a->w_gate_up->shape[1];
+  if (F2 % 2) {
+    char got[160];
+    return moe_seterr(ctx, MOE_ERR_ARG, "experts: w_gate_up must be bf16 [EL, 2F, %lld] (F gate rows, then F up rows), got %s",
+                      (long long)H, moe_tensor_describe(a->w_gate_up, got, sizeof got));
+  }
+  const int64_t down_shape[] = {EL, H, F2 / 2};
+  if ((rc = moe_check_tensor(ctx, stage, "w_down", a->w_down, MOE_BF16, 3, down_shape))) return rc;
+  const int64_t off_shape[] = {EL + 1};
+  if ((rc = moe_check_tensor(ctx, stage, "expert_offsets", a->expert_offsets, MOE_I32, 1, off_shape))) return rc;
+  const moe_tensor *ts[] = {a->ys, a->xs, a->expert_offsets, a->w_gate_up, a->w_down};
+  if ((rc = moe_check_same_device(ctx, stage, a->xs->device, ts, 5))) return rc;
+  return moe_on_cpu(a->xs) ? experts_cpu(ctx, a) : experts_cuda(ctx, a);
+}
+
+/* ---- router logits ---- */
+
+int logits_cpu(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
+  const int64_t N = x->shape[0], H = x->shape[1], E = w->shape[0];
+  size_t nfloat = (size_t)(E * H + MLP_ROWS * H);
+  float *wf = malloc((nfloat ? nfloat : 1) * sizeof *wf);
+  if (!wf) return moe_seterr(ctx, MOE_ERR_NOMEM, "logits: out of host memory (%zu bytes of scratch)", nfloat * sizeof *wf);
+  float *xb = wf + E * H, *o = out->data;
+  const uint16_t *xh = x->data;
+  const float *xr[MLP_ROWS];
+  for (int r = 0; r < MLP_ROWS; r++) xr[r] = xb + r * H;
+  mlp_bf16_to_f32(wf, w->data, E * H);
+  for (int64_t n0 = 0; n0 < N; n0 += MLP_ROWS) {
+    int nr = N - n0 < MLP_ROWS ? (int)(N - n0) : MLP_ROWS;
+    mlp_bf16_to_f32(xb, xh + n0 * H, nr * H);
+    for (int64_t e = 0; e < E; e++) {
+      float v[MLP_ROWS];
+      dot_rows(v, wf + e * H, xr, nr, H);
+      for (int r = 0; r < nr; r++) o[(n0 + r) * E + e] = v[r];
+    }
+  }
+  free(wf);
+  return moe_ok(ctx);
+}
+
+int moe_logits(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
+  static const char *stage = "logits";
+  int rc;
+  if ((rc = moe_check_tensor(ctx, stage, "x", x, MOE_BF16, 2, NULL))) return rc;
+  const int64_t N = x->shape[0], H = x->shape[1];
+  const int64_t w_shape[] = {-1, H};
+  if ((rc = moe_check_tensor(ctx, stage, "w", w, MOE_BF16, 2, w_shape))) return rc;
+  const int64_t out_shape[] = {N, w->shape[0]};
+  if ((rc = moe_check_tensor(ctx, stage, "out", out, MOE_F32, 2, out_shape))) return rc;
+  const moe_tensor *ts[] = {out, x, w};
+  if ((rc = moe_check_same_device(ctx, stage, x->device, ts, 3))) return rc;
+  return moe_on_cpu(x) ? logits_cpu(ctx, out, x, w) : logits_cuda(ctx, out, x, w);
+}
+
+/* ---- shared-expert gate ---- */
+
+int sigmoid_gate_cpu(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w) {
+  const int64_t T = x->shape[0], H = x->shape[1];
+  size_t nfloat = (size_t)((1 + MLP_ROWS) * H);
+  float *wf = malloc((nfloat ? nfloat : 1) * sizeof *wf);
+  if (!wf) return moe_seterr(ctx, MOE_ERR_NOMEM, "sigmoid_gate: out of host memory (%zu bytes of scratch)", nfloat * sizeof *wf);
+  float *xb = wf + H, *o = g->data;
+  const uint16_t *xh = x->data;
+  const float *xr[MLP_ROWS];
+  for (int r = 0; r < MLP_ROWS; r++) xr[r] = xb + r * H;
+  mlp_bf16_to_f32(wf, w->data, H);
+  for (int64_t t0 = 0; t0 < T; t0 += MLP_ROWS) {
+    int nr = T - t0 < MLP_ROWS ? (int)(T - t0) : MLP_ROWS;
+    float v[MLP_ROWS];
+    mlp_bf16_to_f32(xb, xh + t0 * H, nr * H);
+    dot_rows(v, wf, xr, nr, H);
+    for (int r = 0; r < nr; r++) o[t0 + r] = mlp_sigmoid(v[r]);
+  }
+  free(wf);
+  return moe_ok(ctx);
+}
+
+int moe_sigmoid_gate(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w) {
+  static const char *stage = "sigmoid_gate";
+  int rc;
+  if ((rc = moe_check_tensor(ctx, stage, "x", x, MOE_BF16, 2, NULL))) return rc;
+  const int64_t w_shape[] = {x->shape[1]}, g_shape[] = {x->shape[0]};
+  if ((rc = moe_check_tensor(ctx, stage, "w", w, MOE_BF16, 1, w_shape))) return rc;
+  if ((rc = moe_check_tensor(ctx, stage, "g", g, MOE_F32, 1, g_shape))) return rc;
+  const moe_tensor *ts[] = {g, x, w};
+  if ((rc = moe_check_same_device(ctx, stage, x->device, ts, 3))) return rc;
+  return moe_on_cpu(x) ? sigmoid_gate_cpu(ctx, g, x, w) : sigmoid_gate_cuda(ctx, g, x, w);
+}

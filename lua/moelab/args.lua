@@ -1,0 +1,148 @@
+-- Argument checking for the front-end: every misuse raises an error that names the function,
+-- the option, the value and what was expected, in the "bad argument #1 to 'f' (...)" form that
+-- Lua's own library uses, pointed at the caller's line.
+local core = require "moelab.core"
+
+local args = {}
+
+local function describe(v)
+  local mt = getmetatable(v)
+  if type(mt) == "table" and mt.__name == "moelab.Tensor" then return tostring(v) end
+  if type(v) == "string" then return string.format("%q", v) end
+  if math.type(v) == "float" then return string.format("%.17g", v) end
+  return tostring(v)
+end
+args.describe = describe
+
+-- level 3 = the caller of the front-end function that called us
+function args.fail(fname, msg, level)
+  error(string.format("bad argument #1 to '%s' (%s)", fname, msg), (level or 2) + 1)
+end
+
+local function is_tensor(v)
+  local mt = getmetatable(v)
+  return type(mt) == "table" and mt.__name == "moelab.Tensor"
+end
+args.is_tensor = is_tensor
+
+-- kinds: "tensor", "integer", "number", "string", "boolean", "table", "function", "any",
+-- or a list of allowed strings {"a", "b"}.
+local function matches(kind, v)
+  if type(kind) == "table" then
+    for _, s in ipairs(kind) do if v == s then return true end end
+    return false
+  end
+  if kind == "any" then return true end
+  if kind == "tensor" then return is_tensor(v) end
+  if kind == "integer" then return math.type(v) == "integer" or (math.type(v) == "float" and v == math.floor(v) and v == v and math.abs(v) < 2^53) end
+  if kind == "number" then return type(v) == "number" end
+  return type(v) == kind
+end
+
+local function expected(kind)
+  if type(kind) == "table" then
+    local q = {}
+    for i, s in ipairs(kind) do q[i] = string.format("'%s'", s) end
+    return "one of " .. table.concat(q, ", ")
+  end
+  if kind == "tensor" then return "a moelab.Tensor" end
+  return (kind == "integer" and "an " or "a ") .. kind
+end
+
+local function sorted_keys(t)
+  local ks = {}
+  for k in pairs(t) do ks[#ks + 1] = tostring(k) end
+  table.sort(ks)
+  return ks
+end
+
+-- Checks an options table against spec = {name = kind, ...}; required = {name, ...}.
+-- Unknown keys are errors: a typo must not be silently ignored.  Returns opts.
+function args.options(fname, opts, spec, required, level)
+  level = (level or 2) + 1
+  if type(opts) ~= "table" or is_tensor(opts) then
+    args.fail(fname, "expected a table of options, got " .. (is_tensor(opts) and "a moelab.Tensor" or type(opts)), level)
+  end
+  for k, v in pairs(opts) do
+    local kind = spec[k]
+    if kind == nil then
+      args.fail(fname, string.format("unknown option '%s'; expected one of: %s", tostring(k),
+        table.concat(sorted_keys(spec), ", ")), level)
+    end
+    if not matches(kind, v) then
+      args.fail(fname, string.format("option '%s' must be %s, got %s", k, expected(kind), describe(v)), level)
+    end
+  end
+  for _, k in ipairs(required or {}) do
+    if opts[k] == nil then
+      args.fail(fname, string.format("option '%s' is required (%s)", k, expected(spec[k])), level)
+    end
+  end
+  for k, v in pairs(opts) do
+    if spec[k] == "integer" and math.type(v) == "float" then opts[k] = math.tointeger(v) end
+  end
+  return opts
+end
+
+-- A range check for an integer or number option that is present.
+function args.range(fname, name, v, lo, hi, level)
+  if v == nil then return end
+  if (lo and v < lo) or (hi and v > hi) then
+    local want
+    if lo and hi then want = string.format("between %s and %s", lo, hi)
+    elseif lo then want = string.format(">= %s", lo)
+    else want = string.format("<= %s", hi) end
+    args.fail(fname, string.format("option '%s' must be %s, got %s", name, want, describe(v)), (level or 2) + 1)
+  end
+end
+
+-- shape string "[2, 3]"
+function args.shape_str(shape)
+  local s = {}
+  for i, d in ipairs(shape) do s[i] = tostring(d) end
+  return "[" .. table.concat(s, ", ") .. "]"
+end
+
+-- Checks a tensor's dtype and shape (a nil in want_shape matches any size).
+function args.tensor(fname, name, t, dtype, want_shape, level)
+  level = (level or 2) + 1
+  if not is_tensor(t) then
+    args.fail(fname, string.format("option '%s' must be a moelab.Tensor, got %s", name, describe(t)), level)
+  end
+  local ok = (dtype == nil or t.dtype == dtype)
+  local shape = t.shape
+  if want_shape then
+    if #shape ~= #want_shape then ok = false end
+    for i = 1, #want_shape do
+      if want_shape[i] ~= nil and want_shape[i] ~= false and shape[i] ~= want_shape[i] then ok = false end
+    end
+  end
+  if not ok then
+    local w = {}
+    for i = 1, want_shape and #want_shape or 0 do
+      w[i] = (want_shape[i] == nil or want_shape[i] == false) and "_" or tostring(want_shape[i])
+    end
+    args.fail(fname, string.format("option '%s' must be %s%s, got %s", name, dtype or "a tensor",
+      want_shape and (" [" .. table.concat(w, ", ") .. "]") or "", tostring(t)), level)
+  end
+  return t
+end
+
+-- All tensors named in names (fields of opts; nil ones skipped) live on one device; returns it.
+function args.same_device(fname, opts, names, level)
+  local dev, first
+  for _, name in ipairs(names) do
+    local t = opts[name]
+    if is_tensor(t) then
+      if dev == nil then dev, first = t.device, name
+      elseif t.device ~= dev then
+        args.fail(fname, string.format("option '%s' is on %s but '%s' is on %s; all tensors must be on one device",
+          name, t.device, first, dev), (level or 2) + 1)
+      end
+    end
+  end
+  return dev
+end
+
+args.core = core
+return args

@@ -1,0 +1,35 @@
+-- moe.bench(fn, {warmup=, iters=, device=}): runs fn warmup times, then times iters runs one by
+-- one and returns {median_ms, min_ms, max_ms, mean_ms, iters, times_ms}.  On the CPU it reads a
+-- monotonic wall clock; on a GPU it synchronises the device around each run so the time is the
+-- device's, not the launch's.
+local core = require "moelab.core"
+local args = require "moelab.args"
+
+local function bench(fn, opts)
+  if type(fn) ~= "function" then args.fail("bench", "expected a function to time, got " .. args.describe(fn)) end
+  opts = args.options("bench", opts or {}, { warmup = "integer", iters = "integer", device = "string" })
+  local warmup, iters = opts.warmup or 3, opts.iters or 10
+  args.range("bench", "warmup", warmup, 0)
+  args.range("bench", "iters", iters, 1)
+  local device = opts.device or "cpu"
+  local sync = device ~= "cpu" and function() core.synchronize(device) end or function() end
+  for _ = 1, warmup do fn() end
+  sync()
+  local times = {}
+  for i = 1, iters do
+    local t0 = core.now()
+    fn()
+    sync()
+    times[i] = (core.now() - t0) * 1e3
+  end
+  local sorted = { table.unpack(times) }
+  table.sort(sorted)
+  local sum = 0
+  for _, t in ipairs(times) do sum = sum + t end
+  local mid = #sorted // 2
+  local median = #sorted % 2 == 1 and sorted[mid + 1] or (sorted[mid] + sorted[mid + 1]) / 2
+  return { median_ms = median, min_ms = sorted[1], max_ms = sorted[#sorted], mean_ms = sum / iters,
+    iters = iters, times_ms = times }
+end
+
+return bench

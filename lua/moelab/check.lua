@@ -1,0 +1,109 @@
+-- Result checks that raise with a useful diff: the error, the tolerance, the first mismatches.
+local args = require "moelab.args"
+
+local check = {}
+
+local function flat(v, what)
+  if args.is_tensor(v) then return v:flat(), v.shape end
+  if type(v) == "table" then return v, { #v } end
+  error(string.format("check: %s must be a moelab.Tensor or a flat table, got %s", what, args.describe(v)), 3)
+end
+
+local function index_str(i, shape)
+  -- 1-based flat index -> "[a, b, c]" (0-based per dimension, as the C side counts)
+  local idx, rest = {}, i - 1
+  for d = #shape, 1, -1 do
+    local n = shape[d]
+    if n == 0 then break end
+    idx[d] = rest % n
+    rest = rest // n
+  end
+  local s = {}
+  for d = 1, #shape do s[d] = tostring(idx[d] or 0) end
+  return "[" .. table.concat(s, ", ") .. "]"
+end
+
+local function same_shape(a, b)
+  if #a ~= #b then return false end
+  for i = 1, #a do if a[i] ~= b[i] then return false end end
+  return true
+end
+
+-- Error metrics of got against ref: max |got - ref|, max |ref|, their ratio, relative L2, NaNs.
+function check.metrics(got, ref)
+  local g, gs = flat(got, "got")
+  local r, rs = flat(ref, "ref")
+  if #g ~= #r then
+    error(string.format("check: got has %d elements %s, ref has %d %s", #g, args.shape_str(gs), #r, args.shape_str(rs)), 2)
+  end
+  local max_abs, max_ref, sq_diff, sq_ref, nans, worst = 0, 0, 0, 0, 0, nil
+  for i = 1, #g do
+    local a, b = g[i], r[i]
+    if a ~= a or b ~= b then
+      nans = nans + 1
+      worst = worst or i
+    else
+      local d = math.abs(a - b)
+      if d > max_abs then max_abs, worst = d, (nans == 0 and i or worst) end
+      if math.abs(b) > max_ref then max_ref = math.abs(b) end
+      sq_diff = sq_diff + d * d
+      sq_ref = sq_ref + b * b
+    end
+  end
+  return {
+    n = #g, max_abs = max_abs, max_ref = max_ref, nans = nans,
+    rel_max = max_ref > 0 and max_abs / max_ref or max_abs,
+    rel_l2 = sq_ref > 0 and math.sqrt(sq_diff / sq_ref) or math.sqrt(sq_diff),
+    worst = worst, shape = gs,
+  }
+end
+
+-- Raises unless max|got-ref| <= atol + rtol * max|ref| and relative L2 <= l2 (no NaN anywhere).
+-- Defaults are DESIGN.md's bf16 tolerances: rtol = 2e-2, l2 = 1e-2, atol = 0.
+function check.close(got, ref, opts)
+  opts = args.options("check.close", opts or {}, { rtol = "number", atol = "number", l2 = "number", what = "string" })
+  local rtol, atol, l2 = opts.rtol or 2e-2, opts.atol or 0, opts.l2 or 1e-2
+  local m = check.metrics(got, ref)
+  local ok = m.nans == 0 and m.max_abs <= atol + rtol * m.max_ref and m.rel_l2 <= l2
+  if not ok then
+    local g, r = flat(got, "got"), flat(ref, "ref")
+    local lines = {}
+    local shown = 0
+    for i = 1, #g do
+      local a, b = g[i], r[i]
+      if a ~= a or b ~= b or math.abs(a - b) > atol + rtol * m.max_ref then
+        lines[#lines + 1] = string.format("  at %s: got %.6g, expected %.6g", index_str(i, m.shape), a, b)
+        shown = shown + 1
+        if shown == 5 then break end
+      end
+    end
+    error(string.format("%snot close: max |got - ref| = %.4g (%.4g of max |ref| = %.4g; allowed %.4g + %.4g), "
+      .. "relative L2 = %.4g (allowed %.4g), %d NaN\n%s", opts.what and (opts.what .. ": ") or "", m.max_abs, m.rel_max,
+      m.max_ref, atol, rtol, m.rel_l2, l2, m.nans, table.concat(lines, "\n")), 2)
+  end
+  return m
+end
+
+-- Raises unless a and b hold exactly the same values (and shapes, for tensors).
+function check.equal(a, b, what)
+  local x, xs = flat(a, "a")
+  local y, ys = flat(b, "b")
+  local prefix = what and (what .. ": ") or ""
+  if args.is_tensor(a) and args.is_tensor(b) and not same_shape(xs, ys) then
+    error(string.format("%sshapes differ: %s vs %s", prefix, args.shape_str(xs), args.shape_str(ys)), 2)
+  end
+  if #x ~= #y then error(string.format("%slengths differ: %d vs %d", prefix, #x, #y), 2) end
+  local bad, lines = 0, {}
+  for i = 1, #x do
+    if x[i] ~= y[i] and not (x[i] ~= x[i] and y[i] ~= y[i]) then
+      bad = bad + 1
+      if bad <= 5 then lines[#lines + 1] = string.format("  at %s: %s vs %s", index_str(i, xs), tostring(x[i]), tostring(y[i])) end
+    end
+  end
+  if bad > 0 then
+    error(string.format("%s%d of %d elements differ\n%s", prefix, bad, #x, table.concat(lines, "\n")), 2)
+  end
+  return true
+end
+
+return check

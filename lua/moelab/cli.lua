@@ -1,0 +1,60 @@
+-- Command-line flags for scenarios: `--name value` or `--name=value`, typed by a spec, with
+-- --help.  An unknown flag or a bad value prints the usage and exits with status 2.
+local cli = {}
+
+-- spec: list of {name, kind ("integer"|"number"|"string"|"list"|"flag"), default, help}
+function cli.parse(argv, spec, title)
+  local by_name, opts = {}, {}
+  for _, f in ipairs(spec) do
+    by_name[f[1]] = f
+    opts[f[1]] = f[3]
+  end
+  local function usage(msg)
+    local out = msg and io.stderr or io.stdout
+    if msg then out:write(msg, "\n\n") end
+    out:write(title, "\n\nflags:\n")
+    for _, f in ipairs(spec) do
+      out:write(string.format("  --%-12s %s%s\n", f[1] .. (f[2] == "flag" and "" or " X"), f[4],
+        f[3] ~= nil and f[2] ~= "flag" and string.format(" (default %s)", tostring(f[3])) or ""))
+    end
+    os.exit(msg and 2 or 0)
+  end
+  local i = 1
+  while i <= #argv do
+    local a = argv[i]
+    local name, value = a:match("^%-%-([%w_%-]+)=(.*)$")
+    if not name then name = a:match("^%-%-([%w_%-]+)$") end
+    if not name then usage("unexpected argument '" .. a .. "'") end
+    if name == "help" then usage() end
+    local f = by_name[name]
+    if not f then usage("unknown flag --" .. name) end
+    if f[2] == "flag" then
+      opts[name] = true
+    else
+      if value == nil then
+        i = i + 1
+        value = argv[i]
+        if value == nil then usage("flag --" .. name .. " needs a value") end
+      end
+      if f[2] == "integer" then
+        local v = math.tointeger(tonumber(value))
+        if not v then usage(string.format("flag --%s needs an integer, got '%s'", name, value)) end
+        opts[name] = v
+      elseif f[2] == "number" then
+        local v = tonumber(value)
+        if not v then usage(string.format("flag --%s needs a number, got '%s'", name, value)) end
+        opts[name] = v
+      elseif f[2] == "list" then
+        local l = {}
+        for item in value:gmatch("[^,]+") do l[#l + 1] = item end
+        opts[name] = l
+      else
+        opts[name] = value
+      end
+    end
+    i = i + 1
+  end
+  return opts
+end
+
+return cli

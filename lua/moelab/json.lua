@@ -1,0 +1,57 @@
+-- A small JSON encoder for reports (scenarios' --json FILE): tables with only positive integer
+-- keys 1..n become arrays, other tables objects with sorted keys; numbers keep full precision.
+local json = {}
+
+local function encode(v, out)
+  local t = type(v)
+  if t == "nil" then out[#out + 1] = "null"
+  elseif t == "boolean" then out[#out + 1] = tostring(v)
+  elseif t == "number" then
+    if v ~= v or v == math.huge or v == -math.huge then out[#out + 1] = "null"
+    elseif math.type(v) == "integer" then out[#out + 1] = tostring(v)
+    else out[#out + 1] = string.format("%.17g", v) end
+  elseif t == "string" then
+    out[#out + 1] = '"' .. v:gsub('[%c"\\]', function(c)
+      local map = { ['"'] = '\\"', ['\\'] = '\\\\', ['\n'] = '\\n', ['\t'] = '\\t', ['\r'] = '\\r' }
+      return map[c] or string.format("\\u%04x", c:byte())
+    end) .. '"'
+  elseif t == "table" then
+    local n = #v
+    local is_array = true
+    for k in pairs(v) do
+      if math.type(k) ~= "integer" or k < 1 or k > n then is_array = false break end
+    end
+    if is_array then
+      out[#out + 1] = "["
+      for i = 1, n do
+        if i > 1 then out[#out + 1] = "," end
+        encode(v[i], out)
+      end
+      out[#out + 1] = "]"
+    else
+      local keys = {}
+      for k in pairs(v) do keys[#keys + 1] = tostring(k) end
+      table.sort(keys)
+      out[#out + 1] = "{"
+      for i, k in ipairs(keys) do
+        if i > 1 then out[#out + 1] = "," end
+        encode(k, out)
+        out[#out + 1] = ":"
+        local val = v[k]
+        if val == nil then val = v[tonumber(k)] end
+        encode(val, out)
+      end
+      out[#out + 1] = "}"
+    end
+  else
+    error("json: cannot encode a " .. t, 2)
+  end
+end
+
+function json.encode(v)
+  local out = {}
+  encode(v, out)
+  return table.concat(out)
+end
+
+return json

@@ -1,0 +1,314 @@
+-- moe.layer{...}: one MoE layer over a world of W expert-parallel ranks, composed from the
+-- stateless stages.  Every buffer is allocated here, once, for a static capacity, so a forward
+-- pass allocates nothing and (on a GPU) can be captured as a CUDA graph.  On one device the W
+-- ranks live side by side: rank r's tokens are x[r], its experts are [r*EL, (r+1)*EL).
+local args = require "moelab.args"
+
+return function(moe)
+  local core = moe.core
+  local Layer = { __name = "moelab.Layer" }
+  Layer.__index = Layer
+
+  local SPEC = {
+    model = "any", world = "integer", tokens = "integer", hidden = "integer", ffn = "integer",
+    experts = "integer", k = "integer", shared_ffn = "integer", shared_gate = "boolean", shared = "boolean",
+    scoring = { "softmax", "sigmoid", "sqrtsoftplus" }, groups = "integer", topk_groups = "integer",
+    scale = "number", pad = "integer", layout = { "roundrobin", "peer_major" }, capacity = "integer",
+    expert_capacity = "integer", overflow = { "error", "drop" }, invalid = { "error", "skip" },
+    nan = { "error", "mask" }, device = "string", seed = "integer",
+  }
+  local MODEL_FIELDS = { "name", "experts", "k", "hidden", "ffn", "shared_ffn", "shared_gate", "scoring", "groups",
+    "topk_groups", "scale" }
+
+  local function model_names()
+    local names = {}
+    for name in pairs(moe.models) do names[#names + 1] = name end
+    table.sort(names)
+    return table.concat(names, ", ")
+  end
+
+  local function new_layer(o)
+    args.options("layer", o, SPEC, { "model", "tokens" })
+    local m = o.model
+    if type(m) == "string" then
+      if not moe.models[m] then
+        args.fail("layer", string.format("unknown model '%s'; expected one of: %s", m, model_names()))
+      end
+      m = moe.models[m]
+    elseif type(m) ~= "table" then
+      args.fail("layer", "option 'model' must be a preset from moe.models or its name, got " .. args.describe(m))
+    end
+    local cfg = {}
+    for _, f in ipairs(MODEL_FIELDS) do cfg[f] = m[f] end
+    for _, f in ipairs(MODEL_FIELDS) do if o[f] ~= nil then cfg[f] = o[f] end end
+    cfg.name = cfg.name or "custom"
+    cfg.groups, cfg.topk_groups = cfg.groups or 1, cfg.topk_groups or cfg.groups or 1
+    cfg.scale, cfg.shared_ffn = cfg.scale or 1.0, cfg.shared_ffn or 0
+    if o.shared == false then cfg.shared_ffn = 0 end
+    if o.shared == true and cfg.shared_ffn == 0 then cfg.shared_ffn = cfg.ffn end
+    if cfg.shared_ffn == 0 then cfg.shared_gate = false end
+    for _, f in ipairs { "experts", "k", "hidden", "ffn" } do
+      if math.type(cfg[f]) ~= "integer" then
+        args.fail("layer", string.format("the model has no integer '%s' (got %s)", f, args.describe(cfg[f])))
+      end
+    end
+    local W, T = o.world or 1, o.tokens
+    args.range("layer", "world", W, 1)
+    args.range("layer", "tokens", T, 1)
+    args.range("layer", "hidden", cfg.hidden, 1)
+    args.range("layer", "ffn", cfg.ffn, 1)
+    args.range("layer", "shared_ffn", cfg.shared_ffn, 0)
+    args.range("layer", "experts", cfg.experts, 1)
+    args.range("layer", "k", cfg.k, 1, cfg.experts)
+    args.range("layer", "pad", o.pad, 1)
+    if cfg.experts % W ~= 0 then
+      args.fail("layer", string.format("the %d experts cannot be split over a world of %d ranks (%d %% %d ~= 0)",
+        cfg.experts, W, cfg.experts, W))
+    end
+    local E, K, H, F, Fs = cfg.experts, cfg.k, cfg.hidden, cfg.ffn, cfg.shared_ffn
+    local EL, pad = E // W, o.pad or 1
+    local device = o.device or moe.default_device()
+    local seed = o.seed or 0
+    -- Default capacity: twice the mean rows of a rank plus one pad per expert; skewed routing
+    -- needs more (the layer raises on overflow unless overflow = "drop").
+    local capacity = o.capacity or (2 * T * K + EL * pad)
+    args.range("layer", "capacity", capacity, 0, 2^31 - 1)
+
+    local self = setmetatable({
+      cfg = cfg, world = W, tokens = T, experts = E, local_experts = EL, k = K, hidden = H, ffn = F,
+      shared_ffn = Fs, pad = pad, layout = o.layout or "roundrobin", capacity = capacity,
+      expert_capacity = o.expert_capacity, overflow = o.overflow or "error", invalid = o.invalid or "error",
+      nan = o.nan or "error", device = device, seed = seed, times = {},
+    }, Layer)
+
+    -- Weights, drawn from the seed: the same on every device.  Scaled so that activations stay O(1).
+    local sd = seed * 1000
+    local function randn(shape, s, std) return core.new("bf16", shape, device):randn(sd + s, std) end
+    self.w_router = randn({ E, H }, 1, 1 / math.sqrt(H))
+    if cfg.scoring ~= "softmax" then
+      self.bias = core.new("f32", { E }, device):randn(sd + 2, 0.1)
+    end
+    self.w_gate_up, self.w_down = {}, {}
+    for r = 1, W do
+      self.w_gate_up[r] = randn({ EL, 2 * F, H }, 10 + 2 * r, 1 / math.sqrt(H))
+      self.w_down[r] = randn({ EL, H, F }, 11 + 2 * r, 1 / math.sqrt(F))
+    end
+    if Fs > 0 then
+      self.shared_gate_up = randn({ 1, 2 * Fs, H }, 3, 1 / math.sqrt(H))
+      self.shared_down = randn({ 1, H, Fs }, 4, 1 / math.sqrt(Fs))
+      if cfg.shared_gate then self.shared_gate_w = randn({ H }, 5, 1 / math.sqrt(H)) end
+    end
+
+    -- Buffers.
+    self.logits = core.new("f32", { W * T, E }, device)
+    self.ids = core.new("i32", { W, T, K }, device)
+    self.weights = core.new("f32", { W, T, K }, device)
+    self.route_stats = core.new("i32", { 2 }, device)
+    self.out = core.new("bf16", { W, T, H }, device)
+    self.schedules, self.xs, self.ys, self.route_rows = {}, {}, {}, {}
+    for r = 1, W do
+      local s = moe.schedule_plan({ ids = self.ids, experts = E, rank = r - 1, pad = pad, capacity = capacity,
+        expert_capacity = o.expert_capacity, layout = self.layout, overflow = self.overflow,
+        invalid = self.invalid }, "layer", 2)
+      self.schedules[r] = s
+      self.route_rows[r] = s.route_row
+      self.xs[r] = core.new("bf16", { capacity, H }, device)
+      self.ys[r] = core.new("bf16", { capacity, H }, device)
+    end
+    if Fs > 0 then
+      self.shared_y = core.new("bf16", { W * T, H }, device)
+      self.shared_offsets = core.from_table({ 0, W * T }, "i32", device)
+      if cfg.shared_gate then self.gate = core.new("f32", { W * T }, device) end
+    end
+    return self
+  end
+
+  local function check_x(self, fname, x)
+    args.tensor(fname, "x", x, "bf16", { self.world, self.tokens, self.hidden }, 3)
+    if x.device ~= self.device then
+      args.fail(fname, string.format("x is on %s but the layer is on %s", x.device, self.device), 3)
+    end
+  end
+
+  local function timed(self, name, fn)
+    local t0 = core.now()
+    fn()
+    if self.device ~= "cpu" and self.sync_timing then core.synchronize(self.device) end
+    self.times[name] = (self.times[name] or 0) + (core.now() - t0) * 1e3
+  end
+
+  -- The routing step: router logits (or given ones), or given ids and weights.
+  local function route(self, x, o)
+    local W, T, K = self.world, self.tokens, self.k
+    if o.ids then
+      args.tensor("forward", "ids", o.ids, "i32", { W, T, K }, 3)
+      args.tensor("forward", "weights", o.weights, "f32", { W, T, K }, 3)
+      self.ids:copy(o.ids)
+      self.weights:copy(o.weights)
+      return
+    end
+    local logits = self.logits
+    if o.logits then
+      logits = args.tensor("forward", "logits", o.logits, "f32", { W * T, self.experts }, 3)
+    else
+      core.logits(logits, x:view(0, { W * T, self.hidden }), self.w_router)
+    end
+    core.route { ids = self.ids:view(0, { W * T, K }), weights = self.weights:view(0, { W * T, K }),
+      stats = self.route_stats, logits = logits, bias = self.bias, k = K, scoring = self.cfg.scoring,
+      groups = self.cfg.groups, topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
+  end
+
+  -- forward(x [, {logits=} or {ids=, weights=}]) -> out bf16 [W, T, H] (the layer's own buffer).
+  function Layer:forward(x, o)
+    o = args.options("forward", o or {}, { logits = "tensor", ids = "tensor", weights = "tensor", check = "boolean" })
+    if (o.ids == nil) ~= (o.weights == nil) then args.fail("forward", "give 'ids' and 'weights' together") end
+    if o.ids and o.logits then args.fail("forward", "give either 'logits' or 'ids' and 'weights', not both") end
+    check_x(self, "forward", x)
+    local W, T, H = self.world, self.tokens, self.hidden
+    local eager = o.check ~= false
+    self.times = {}
+    timed(self, "route", function() route(self, x, o) end)
+    if eager and not o.ids and self.nan == "error" then
+      local st = self.route_stats:flat()
+      if st[1] > 0 then
+        error(string.format("layer: route: router logits contain NaN in %d rows, the first is token %d of rank %d",
+          st[1], st[2] % T, st[2] // T), 2)
+      end
+    end
+    timed(self, "schedule", function()
+      for r = 1, W do self.schedules[r]:run() end
+    end)
+    if eager then
+      for r = 1, W do
+        local ok, err = pcall(self.schedules[r].check, self.schedules[r])
+        if not ok then error("layer: " .. tostring(err), 2) end
+      end
+    end
+    timed(self, "dispatch", function()
+      for r = 1, W do
+        local s = self.schedules[r]
+        core.dispatch { xs = self.xs[r], x = x, peer_rank = s.peer_rank, peer_route = s.peer_route, k = self.k,
+          zero_fill = false }
+      end
+    end)
+    timed(self, "experts", function()
+      for r = 1, W do
+        core.experts { ys = self.ys[r], xs = self.xs[r], expert_offsets = self.schedules[r].expert_offsets,
+          w_gate_up = self.w_gate_up[r], w_down = self.w_down[r] }
+      end
+    end)
+    if self.shared_ffn > 0 then
+      timed(self, "shared", function()
+        local xf = x:view(0, { W * T, H })
+        core.experts { ys = self.shared_y, xs = xf, expert_offsets = self.shared_offsets,
+          w_gate_up = self.shared_gate_up, w_down = self.shared_down }
+        if self.gate then core.sigmoid_gate(self.gate, xf, self.shared_gate_w) end
+      end)
+    end
+    timed(self, "combine", function()
+      for p = 1, W do
+        core.combine { out = self.out:select(p), weights = self.weights:select(p), ids = self.ids:select(p),
+          ys = self.ys, route_row = self.route_rows, world = W, experts = self.experts, rank = p - 1,
+          shared = self.shared_y and self.shared_y:view((p - 1) * T * H, { T, H }),
+          shared_gate = self.gate and self.gate:view((p - 1) * T, { T }) }
+      end
+    end)
+    return self.out
+  end
+
+  -- CPU copies of the weights, made once, for the reference.
+  local function cpu_weights(self)
+    if self.cpu then return self.cpu end
+    local function host(t) return t and (t.device == "cpu" and t or t:to("cpu")) end
+    local c = { w_gate_up = {}, w_down = {} }
+    for r = 1, self.world do
+      c.w_gate_up[r], c.w_down[r] = host(self.w_gate_up[r]), host(self.w_down[r])
+    end
+    c.w_router, c.bias = host(self.w_router), host(self.bias)
+    c.shared_gate_up, c.shared_down, c.shared_gate_w = host(self.shared_gate_up), host(self.shared_down),
+      host(self.shared_gate_w)
+    self.cpu = c
+    return c
+  end
+
+  -- reference(x [, {logits=} or {ids=, weights=}]) -> f32 [W, T, H] on the CPU: the dense
+  -- reference of DESIGN.md, computed on the CPU from its own routing, independent of any schedule.
+  function Layer:reference(x, o)
+    o = args.options("reference", o or {}, { logits = "tensor", ids = "tensor", weights = "tensor" })
+    check_x(self, "reference", x)
+    local W, T, K, H, E = self.world, self.tokens, self.k, self.hidden, self.experts
+    local c = cpu_weights(self)
+    local xc = x.device == "cpu" and x or x:to("cpu")
+    local xf = xc:view(0, { W * T, H })
+    local ids, weights
+    if o.ids then
+      ids, weights = o.ids:to("cpu"):view(0, { W * T, K }), o.weights:to("cpu"):view(0, { W * T, K })
+    else
+      local logits = o.logits and o.logits:to("cpu") or core.new("f32", { W * T, E }, "cpu")
+      if not o.logits then core.logits(logits, xf, c.w_router) end
+      ids, weights = core.new("i32", { W * T, K }, "cpu"), core.new("f32", { W * T, K }, "cpu")
+      core.route { ids = ids, weights = weights, logits = logits, bias = c.bias, k = K, scoring = self.cfg.scoring,
+        groups = self.cfg.groups, topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
+    end
+    local out = core.new("f32", { W * T, H }, "cpu")
+    core.reference { out = out, x = xf, ids = ids, weights = weights, w_gate_up = c.w_gate_up, w_down = c.w_down,
+      world = W, experts = E, shared_gate_up = c.shared_gate_up, shared_down = c.shared_down,
+      shared_gate_w = c.shared_gate_w }
+    return out:view(0, { W, T, H })
+  end
+
+  -- What the last forward did: rows, padding, loads, drops, per rank and over the world.
+  function Layer:stats()
+    local W, EL = self.world, self.local_experts
+    local st = { ranks = {}, loads = {}, rows_used = 0, rows_needed = 0, dropped = 0, invalid = 0, routes = 0 }
+    for r = 1, W do
+      local s = self.schedules[r]
+      local ss = s:read_stats()
+      local counts = s.counts:flat()
+      local routes = 0
+      for e = 1, EL do
+        st.loads[(r - 1) * EL + e] = counts[e]
+        routes = routes + counts[e]
+      end
+      st.ranks[r] = { rows_used = ss.rows_used, rows_needed = ss.rows_needed, dropped = ss.dropped, routes = routes }
+      st.rows_used = st.rows_used + ss.rows_used
+      st.rows_needed = st.rows_needed + ss.rows_needed
+      st.dropped = st.dropped + ss.dropped
+      st.routes = st.routes + routes
+      st.invalid = ss.invalid -- every rank sees all ids: the same count
+    end
+    local max_load, sum = 0, 0
+    for _, n in ipairs(st.loads) do
+      max_load = math.max(max_load, n)
+      sum = sum + n
+    end
+    st.max_load, st.mean_load = max_load, sum / #st.loads
+    st.padding = st.rows_used - st.routes
+    st.padding_waste = st.rows_used > 0 and st.padding / st.rows_used or 0
+    return st
+  end
+
+  function Layer:capture()
+    error(string.format("layer:capture: CUDA graphs need a layer on a cuda device (this one is on %s)", self.device), 2)
+  end
+
+  function Layer:__tostring()
+    local c = self.cfg
+    local lines = {
+      string.format("moelab.Layer(%s on %s: world %d, %d tokens per rank)", c.name, self.device, self.world, self.tokens),
+      string.format("  route     %s, E = %d, top-%d%s, scale %g", c.scoring, self.experts, self.k,
+        c.groups > 1 and string.format(", %d groups keep %d", c.groups, c.topk_groups) or "", c.scale),
+      string.format("  schedule  %s, pad %d, capacity %d rows per rank%s, overflow %s", self.layout, self.pad,
+        self.capacity, self.expert_capacity and (", expert capacity " .. self.expert_capacity) or "", self.overflow),
+      string.format("  experts   %d per rank, SwiGLU H = %d, F = %d", self.local_experts, self.hidden, self.ffn),
+    }
+    if self.shared_ffn > 0 then
+      lines[#lines + 1] = string.format("  shared    SwiGLU F = %d%s", self.shared_ffn,
+        c.shared_gate and ", sigmoid-gated" or "")
+    end
+    lines[#lines + 1] = "  combine   top-k in order, f32 accumulation, bf16 out"
+    return table.concat(lines, "\n")
+  end
+
+  return new_layer
+end

@@ -1,0 +1,165 @@
+-- One Kimi K2 MoE layer over 8 expert-parallel ranks, checked against the dense reference and timed.
+--
+--   lua scenarios/kimi.lua [--tokens N] [--hidden H] [--ffn F] [--world W] [--layout L] [--pad B]
+--                          [--device D] [--capacity C] [--seed S] [--json FILE]
+--
+-- On the CPU the run keeps Kimi K2's real E = 384, K = 8 and W = 8 but shrinks H, F and the
+-- token count so that it takes seconds; it then schedules the real shape (7,168 tokens on each
+-- of the 8 ranks) and reports rows, padding waste and expert-load imbalance there.
+-- Exits 1 when the layer does not match the reference.
+local moe = require "moelab"
+local cli = require "moelab.cli"
+local json = require "moelab.json"
+
+local model = moe.models.kimi_k2
+local device = moe.default_device()
+local small = device == "cpu"
+local opts = cli.parse(arg, {
+  { "tokens", "integer", small and 32 or 7168, "tokens per rank" },
+  { "hidden", "integer", small and 256 or model.hidden, "hidden size H" },
+  { "ffn", "integer", small and 128 or model.ffn, "expert FFN width F (and the shared expert's)" },
+  { "world", "integer", 8, "expert-parallel ranks W" },
+  { "layout", "string", "roundrobin", "row layout: roundrobin or peer_major" },
+  { "pad", "integer", 1, "pad each expert's rows to a multiple of this" },
+  { "device", "string", device, "cpu or cuda:N" },
+  { "capacity", "integer", nil, "rows per rank (default: twice the mean plus one pad per expert)" },
+  { "seed", "integer", 1, "seed of the weights and inputs" },
+  { "json", "string", nil, "also write the report as JSON to this file" },
+}, "lua scenarios/kimi.lua: one Kimi K2 MoE layer, expert parallel, checked and timed")
+
+local W, T, H, F = opts.world, opts.tokens, opts.hidden, opts.ffn
+local reduced = H ~= model.hidden or F ~= model.ffn or T ~= 7168
+
+local layer = moe.layer { model = model, world = W, tokens = T, hidden = H, ffn = F, shared_ffn = F,
+  pad = opts.pad, layout = opts.layout, capacity = opts.capacity, device = opts.device, seed = opts.seed }
+local x = moe.randn({ W, T, H }, { dtype = "bf16", device = opts.device, seed = opts.seed * 7919 + 1 })
+
+-- One forward to warm up and to check; then timed forwards.
+local out = layer:forward(x)
+local stats = layer:stats()
+local t0 = moe.core.now()
+local ref = layer:reference(x)
+local ref_ms = (moe.core.now() - t0) * 1e3
+local metrics = moe.check.metrics(out, ref)
+local rtol, l2tol = 2e-2, 1e-2
+local pass = metrics.nans == 0 and metrics.rel_max <= rtol and metrics.rel_l2 <= l2tol
+
+local stages = { "route", "schedule", "dispatch", "experts", "shared", "combine" }
+local times = {}
+local iters = small and 3 or 20
+for _ = 1, iters do
+  layer:forward(x)
+  for _, s in ipairs(stages) do
+    times[s] = times[s] or {}
+    table.insert(times[s], layer.times[s] or 0)
+  end
+end
+local function median(list)
+  local l = { table.unpack(list) }
+  table.sort(l)
+  local n = #l
+  return n % 2 == 1 and l[(n + 1) // 2] or (l[n // 2] + l[n // 2 + 1]) / 2
+end
+
+-- The real shape, scheduled: 7,168 tokens on each of 8 ranks, router-like logits.
+local real = { W = 8, T = 7168, E = model.experts, K = model.k }
+do
+  local N = real.W * real.T
+  local logits = moe.randn({ N, real.E }, { seed = opts.seed * 31 + 5, std = 1.5, device = opts.device })
+  local bias = moe.randn({ real.E }, { seed = opts.seed * 31 + 6, std = 0.1, device = opts.device })
+  local t1 = moe.core.now()
+  local ids = moe.route { logits = logits, k = real.K, scoring = model.scoring, bias = bias, scale = model.scale }
+  real.route_ms = (moe.core.now() - t1) * 1e3
+  ids = ids:view(0, { real.W, real.T, real.K })
+  real.ranks, real.loads = {}, {}
+  local sched_ms = 0
+  for r = 0, real.W - 1 do
+    local t2 = moe.core.now()
+    local s = moe.schedule { ids = ids, experts = real.E, rank = r, pad = opts.pad, layout = opts.layout }
+    sched_ms = sched_ms + (moe.core.now() - t2) * 1e3
+    local st = s:read_stats()
+    local counts = s.counts:flat()
+    local routes, maxl = 0, 0
+    for e = 1, #counts do
+      routes = routes + counts[e]
+      maxl = math.max(maxl, counts[e])
+      real.loads[#real.loads + 1] = counts[e]
+    end
+    real.ranks[r + 1] = { routes = routes, rows = st.rows_used, padding = st.rows_used - routes, max_load = maxl,
+      dropped = st.dropped }
+  end
+  real.schedule_ms = sched_ms / real.W
+  local maxl, sum = 0, 0
+  for _, n in ipairs(real.loads) do
+    maxl = math.max(maxl, n)
+    sum = sum + n
+  end
+  real.max_load, real.mean_load = maxl, sum / #real.loads
+end
+
+-- The report.
+local function p(...) io.write(string.format(...), "\n") end
+p("moelab %s: %s MoE layer, %d expert-parallel ranks, simulated on %s", moe.version, model.name, W, opts.device)
+p("  model     E = %d experts (%d per rank), top-%d, %s + bias, scale %g, 1 shared expert", model.experts,
+  model.experts // W, model.k, model.scoring, model.scale)
+p("  shape     H = %d, F = %d, %d tokens per rank%s", H, F, T,
+  reduced and string.format("  (real: H = %d, F = %d, T = 7168; reduced so the %s run takes seconds)", model.hidden,
+    model.ffn, opts.device) or "")
+p("  schedule  %s, pad %d, capacity %d rows per rank", layer.layout, layer.pad, layer.capacity)
+p("")
+p("  stage       median ms of %d", iters)
+local total = 0
+for _, s in ipairs(stages) do
+  if times[s] and layer.times[s] then
+    local m = median(times[s])
+    total = total + m
+    p("  %-10s %10.3f", s, m)
+  end
+end
+p("  %-10s %10.3f", "total", total)
+p("  %-10s %10.3f   (dense f32 reference, once)", "reference", ref_ms)
+p("")
+local rmin, rmax = math.huge, 0
+for _, r in ipairs(stats.ranks) do
+  rmin, rmax = math.min(rmin, r.rows_used), math.max(rmax, r.rows_used)
+end
+p("  rows          %d used over all ranks (per rank %d..%d of capacity %d), %d needed", stats.rows_used, rmin, rmax,
+  layer.capacity, stats.rows_needed)
+p("  padding       %d rows, %.1f%% of rows used", stats.padding, 100 * stats.padding_waste)
+p("  expert load   max %d, mean %.2f routes (max/mean %.2f)", stats.max_load, stats.mean_load,
+  stats.mean_load > 0 and stats.max_load / stats.mean_load or 0)
+p("  dropped %d, invalid %d routes", stats.dropped, stats.invalid)
+p("  check         max |out - ref| / max |ref| = %.3e (tol %.0e), relative L2 = %.3e (tol %.0e), %d NaN: %s",
+  metrics.rel_max, rtol, metrics.rel_l2, l2tol, metrics.nans, pass and "PASS" or "FAIL")
+p("")
+p("  real shape: %d ranks x %d tokens, E = %d, top-%d, pad %d, %s (router-like logits, std 1.5)", real.W, real.T,
+  real.E, real.K, opts.pad, opts.layout)
+p("  route %.1f ms for all %d tokens; schedule %.2f ms per rank (%s)", real.route_ms, real.W * real.T,
+  real.schedule_ms, opts.device)
+p("  rank   routes     rows  padding  max load  dropped")
+for r, v in ipairs(real.ranks) do
+  p("  %4d %8d %8d %8d %9d %8d", r - 1, v.routes, v.rows, v.padding, v.max_load, v.dropped)
+end
+p("  expert load over the world: max %d, mean %.1f (max/mean %.2f)", real.max_load, real.mean_load,
+  real.max_load / real.mean_load)
+
+if opts.json then
+  local f = assert(io.open(opts.json, "w"))
+  f:write(json.encode {
+    model = model.name, device = opts.device, world = W, tokens = T, hidden = H, ffn = F, pad = layer.pad,
+    layout = layer.layout, capacity = layer.capacity,
+    stage_ms = (function()
+      local m = {}
+      for _, s in ipairs(stages) do if times[s] and layer.times[s] then m[s] = median(times[s]) end end
+      return m
+    end)(),
+    stats = { rows_used = stats.rows_used, rows_needed = stats.rows_needed, padding = stats.padding,
+      max_load = stats.max_load, mean_load = stats.mean_load, dropped = stats.dropped, invalid = stats.invalid },
+    check = { rel_max = metrics.rel_max, rel_l2 = metrics.rel_l2, nans = metrics.nans, pass = pass },
+    real = { ranks = real.ranks, max_load = real.max_load, mean_load = real.mean_load, route_ms = real.route_ms,
+      schedule_ms = real.schedule_ms },
+  }, "\n")
+  f:close()
+end
+
+os.exit(pass and 0 or 1)
