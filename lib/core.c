@@ -1,9 +1,11 @@
 /* core.c -- version, errors, context, tensors. */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "internal.h"
 
@@ -43,7 +45,11 @@ int moe_ctx_open(moe_ctx **out) {
   return *out ? MOE_OK : MOE_ERR_NOMEM;
 }
 
-void moe_ctx_close(moe_ctx *ctx) { free(ctx); }
+void moe_ctx_close(moe_ctx *ctx) {
+  if (!ctx) return;
+  if (ctx->owns_stream) cuda_ctx_release(ctx);
+  free(ctx);
+}
 
 const char *moe_errmsg(const moe_ctx *ctx) {
   if (!ctx) return moe_errstr(MOE_ERR_NOMEM);
@@ -52,6 +58,8 @@ const char *moe_errmsg(const moe_ctx *ctx) {
 
 int moe_ctx_set_stream(moe_ctx *ctx, void *stream) {
   if (!ctx) return MOE_ERR_ARG;
+  if (ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "set_stream: not during a graph capture");
+  if (ctx->owns_stream) cuda_ctx_release(ctx);
   ctx->stream = stream;
   return moe_ok(ctx);
 }
@@ -327,4 +335,77 @@ int moe_tensor_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
     else ((uint16_t *)t->data)[i] = f32_to_bf16(v);
   }
   return moe_ok(ctx);
+}
+
+/* ---- graphs and events ---- */
+
+int moe_graph_begin(moe_ctx *ctx, moe_device device) {
+  if (!ctx) return MOE_ERR_ARG;
+  if (device.kind != MOE_CUDA)
+    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "graph: CUDA graphs need a cuda device, got cpu");
+  if (ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "graph: a capture is already under way");
+  return cuda_graph_begin(ctx, device.index);
+}
+
+int moe_graph_end(moe_ctx *ctx, moe_graph **out) {
+  if (!ctx || !out) return moe_seterr(ctx, MOE_ERR_ARG, "graph: NULL argument");
+  if (!ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "graph: no capture under way");
+  return cuda_graph_end(ctx, out);
+}
+
+int moe_graph_replay(moe_ctx *ctx, moe_graph *graph) {
+  if (!ctx || !graph) return moe_seterr(ctx, MOE_ERR_ARG, "graph: NULL argument");
+  return cuda_graph_replay(ctx, graph);
+}
+
+void moe_graph_free(moe_graph *graph) {
+  if (graph) cuda_graph_free(graph);
+}
+
+static double host_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+int moe_event_new(moe_ctx *ctx, moe_device device, moe_event **out) {
+  if (!out) return moe_seterr(ctx, MOE_ERR_ARG, "event: out is NULL");
+  *out = NULL;
+  int rc = check_device(ctx, device);
+  if (rc) return rc;
+  moe_event *e = calloc(1, sizeof *e);
+  if (!e) return moe_seterr(ctx, MOE_ERR_NOMEM, "event: out of host memory");
+  e->device = device;
+  if (device.kind == MOE_CUDA && (rc = cuda_event_new(ctx, device.index, &e->event)) != MOE_OK) {
+    free(e);
+    return rc;
+  }
+  *out = e;
+  return moe_ok(ctx);
+}
+
+int moe_event_record(moe_ctx *ctx, moe_event *e) {
+  if (!e) return moe_seterr(ctx, MOE_ERR_ARG, "event: NULL event");
+  if (e->device.kind == MOE_CPU) {
+    e->host_ms = host_ms();
+    return moe_ok(ctx);
+  }
+  return cuda_event_record(ctx, e->event);
+}
+
+int moe_event_elapsed(moe_ctx *ctx, const moe_event *start, const moe_event *stop, float *ms) {
+  if (!start || !stop || !ms) return moe_seterr(ctx, MOE_ERR_ARG, "event: NULL argument");
+  if (start->device.kind != stop->device.kind || start->device.index != stop->device.index)
+    return moe_seterr(ctx, MOE_ERR_ARG, "event: start and stop are on different devices");
+  if (start->device.kind == MOE_CPU) {
+    *ms = (float)(stop->host_ms - start->host_ms);
+    return moe_ok(ctx);
+  }
+  return cuda_event_elapsed(ctx, start->event, stop->event, ms);
+}
+
+void moe_event_free(moe_event *e) {
+  if (!e) return;
+  if (e->device.kind == MOE_CUDA) cuda_event_free(e->event);
+  free(e);
 }

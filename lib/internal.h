@@ -19,8 +19,17 @@ struct moe_tensor {
 };
 
 struct moe_ctx {
-  void *stream; /* cudaStream_t */
+  void *stream;      /* cudaStream_t the stages run on; NULL until set or first needed */
+  int owns_stream;   /* created by the library (cuda_ctx_stream), destroyed at close */
+  int stream_device; /* the device the owned stream belongs to */
+  int capturing;     /* inside moe_graph_begin/end: nothing may synchronise */
   char errmsg[1024];
+};
+
+struct moe_event {
+  moe_device device;
+  void *event;       /* cudaEvent_t on a GPU */
+  double host_ms;    /* monotonic clock on the CPU */
 };
 
 /* Records a message in ctx (when ctx is not NULL) and returns code. printf-style. */
@@ -87,6 +96,15 @@ int combine_cpu(moe_ctx *ctx, const moe_combine_args *a);
 /* ---- CUDA launchers (kernels/<stage>.cu), same arguments, stream from ctx.  In a build without
  * CUDA, lib/nocuda.c defines them to return MOE_ERR_UNSUPPORTED. ---- */
 int cuda_device_count(int *count);
+void cuda_ctx_release(moe_ctx *ctx); /* destroys an owned stream */
+int cuda_graph_begin(moe_ctx *ctx, int device);
+int cuda_graph_end(moe_ctx *ctx, moe_graph **out);
+int cuda_graph_replay(moe_ctx *ctx, moe_graph *graph);
+void cuda_graph_free(moe_graph *graph);
+int cuda_event_new(moe_ctx *ctx, int device, void **event);
+int cuda_event_record(moe_ctx *ctx, void *event);
+int cuda_event_elapsed(moe_ctx *ctx, void *start, void *stop, float *ms);
+void cuda_event_free(void *event);
 int cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out);
 void cuda_free(int device, void *p);
 int cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src_dev, const void *src,

@@ -73,6 +73,22 @@ MOE_API void *moe_ctx_stream(const moe_ctx *ctx);
 /* Waits for all work issued on the context's stream (a no-op on the CPU). */
 MOE_API int moe_ctx_synchronize(moe_ctx *ctx, moe_device device);
 
+/* ---- CUDA graphs: stages issued between begin and end on the context's stream are captured,
+ * not run; replay reruns them on whatever the captured tensors hold now.  GPU only. ---- */
+typedef struct moe_graph moe_graph;
+MOE_API int moe_graph_begin(moe_ctx *ctx, moe_device device);
+MOE_API int moe_graph_end(moe_ctx *ctx, moe_graph **out);
+MOE_API int moe_graph_replay(moe_ctx *ctx, moe_graph *graph);
+MOE_API void moe_graph_free(moe_graph *graph);
+
+/* ---- timing events: device events on a GPU (recorded on the context's stream), a monotonic
+ * host clock on the CPU.  elapsed waits for stop. ---- */
+typedef struct moe_event moe_event;
+MOE_API int moe_event_new(moe_ctx *ctx, moe_device device, moe_event **out);
+MOE_API int moe_event_record(moe_ctx *ctx, moe_event *event);
+MOE_API int moe_event_elapsed(moe_ctx *ctx, const moe_event *start, const moe_event *stop, float *ms);
+MOE_API void moe_event_free(moe_event *event);
+
 /* ---- tensors: contiguous, row-major, 0..4 dims ---- */
 MOE_API int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape,
                            moe_device device, moe_tensor **out);

@@ -8,6 +8,33 @@ int cuda_device_count(int *count) {
   *count = 0;
   return MOE_OK;
 }
+void cuda_ctx_release(moe_ctx *ctx) { (void)ctx; }
+int cuda_graph_begin(moe_ctx *ctx, int device) {
+  (void)device;
+  return NO_CUDA("graph");
+}
+int cuda_graph_end(moe_ctx *ctx, moe_graph **out) {
+  (void)out;
+  return NO_CUDA("graph");
+}
+int cuda_graph_replay(moe_ctx *ctx, moe_graph *graph) {
+  (void)graph;
+  return NO_CUDA("graph");
+}
+void cuda_graph_free(moe_graph *graph) { (void)graph; }
+int cuda_event_new(moe_ctx *ctx, int device, void **event) {
+  (void)device, (void)event;
+  return NO_CUDA("event");
+}
+int cuda_event_record(moe_ctx *ctx, void *event) {
+  (void)event;
+  return NO_CUDA("event");
+}
+int cuda_event_elapsed(moe_ctx *ctx, void *start, void *stop, float *ms) {
+  (void)start, (void)stop, (void)ms;
+  return NO_CUDA("event");
+}
+void cuda_event_free(void *event) { (void)event; }
 int cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out) {
   (void)device, (void)nbytes, (void)out;
   return NO_CUDA("tensor");

@@ -1,0 +1,26 @@
+// common.cuh -- what every CUDA launcher shares: error recording, the context's stream, bf16.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "internal.h"
+
+// Records "<stage>: <call> failed at file:line: cudaErrorName: text" in ctx and returns
+// MOE_ERR_CUDA from the enclosing function.
+#define MOE_CUDA_TRY(ctx, stage, call)                                                            \
+  do {                                                                                            \
+    cudaError_t err_ = (call);                                                                    \
+    if (err_ != cudaSuccess)                                                                      \
+      return moe_seterr((ctx), MOE_ERR_CUDA, "%s: %s failed at %s:%d: %s: %s", (stage), #call,     \
+                        __FILE__, __LINE__, cudaGetErrorName(err_), cudaGetErrorString(err_));    \
+  } while (0)
+
+// After a launch: the launch error (bad configuration, no kernel image for this GPU).
+#define MOE_CUDA_LAUNCHED(ctx, stage) MOE_CUDA_TRY(ctx, stage, cudaGetLastError())
+
+// The stream the context's stages run on, created on first use (non-blocking, so that a
+// graph can be captured from it); sets the device of the calling thread.
+int cuda_ctx_stream(moe_ctx *ctx, int device, cudaStream_t *out);
+
+static inline int cdiv(long long a, long long b) { return (int)((a + b - 1) / b); }
