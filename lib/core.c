@@ -102,15 +102,15 @@ const char *moe_dtype_name(moe_dtype dtype) {
   return "?";
 }
 
-static int check_device(moe_ctx *ctx, moe_device device) {
+static int check_device(moe_ctx *ctx, const char *stage, moe_device device) {
   if (device.kind == MOE_CPU) return MOE_OK;
-  if (device.kind != MOE_CUDA) return moe_seterr(ctx, MOE_ERR_ARG, "tensor: unknown device kind %d", device.kind);
+  if (device.kind != MOE_CUDA) return moe_seterr(ctx, MOE_ERR_ARG, "%s: unknown device kind %d", stage, device.kind);
   int n = 0;
   if (cuda_device_count(&n) != MOE_OK || n == 0)
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "tensor: cuda:%d is not available (%s)", device.index,
+    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: cuda:%d is not available (%s)", stage, device.index,
                       n == 0 ? "no usable GPU in this build or on this machine" : "CUDA error");
   if (device.index < 0 || device.index >= n)
-    return moe_seterr(ctx, MOE_ERR_ARG, "tensor: cuda:%d does not exist (%d GPU%s visible)", device.index, n,
+    return moe_seterr(ctx, MOE_ERR_ARG, "%s: cuda:%d does not exist (%d GPU%s visible)", stage, device.index, n,
                       n == 1 ? "" : "s");
   return MOE_OK;
 }
@@ -131,7 +131,7 @@ int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape
       return moe_seterr(ctx, MOE_ERR_ARG, "tensor: more than 2^40 elements");
     numel *= shape[i];
   }
-  int rc = check_device(ctx, device);
+  int rc = check_device(ctx, "tensor", device);
   if (rc) return rc;
   moe_tensor *t = calloc(1, sizeof *t);
   if (!t) return moe_seterr(ctx, MOE_ERR_NOMEM, "tensor: out of host memory");
@@ -371,7 +371,7 @@ static double host_ms(void) {
 int moe_event_new(moe_ctx *ctx, moe_device device, moe_event **out) {
   if (!out) return moe_seterr(ctx, MOE_ERR_ARG, "event: out is NULL");
   *out = NULL;
-  int rc = check_device(ctx, device);
+  int rc = check_device(ctx, "event", device);
   if (rc) return rc;
   moe_event *e = calloc(1, sizeof *e);
   if (!e) return moe_seterr(ctx, MOE_ERR_NOMEM, "event: out of host memory");

@@ -13,8 +13,6 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "internal.h"
-
 /* Rows processed together against each weight row: four rows of eight partial sums fill
  * eight of the sixteen SSE registers. */
 enum { MLP_ROWS = 4 };

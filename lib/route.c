@@ -4,8 +4,8 @@
  * To make that possible the selection never depends on a float reduction or on a libm:
  *
  *   softmax       selects on the logits themselves.  Softmax is strictly increasing, so the
- *                 top-k of l is the exact top-k of p, not one perturbed by rounding p (which
- *                 would also tie on the order of a parallel sum).  Then, in float:
+ *                 top-k of l is the exact top-k of p; p rounded to float can tie where l does
+ *                 not, and would depend on the order of the sum.  Then, in float:
  *                 m = max l; e_i = exp(l_i - m); sum = e_0 + e_1 + ... (ascending i);
  *                 p_i = e_i / sum; w_j = p_S(j) / (p_S(0) + ... + p_S(K-1)).
  *   sigmoid       s_i = sigmoid(l_i); key_i = s_i + b_i (s_i without a bias).  With groups > 1,

@@ -1,7 +1,7 @@
 -- moe.bench(fn, {warmup=, iters=, device=}): runs fn warmup times, then times iters runs one by
--- one and returns {median_ms, min_ms, max_ms, mean_ms, iters, times_ms}.  On the CPU it reads a
--- monotonic wall clock; on a GPU it synchronises the device around each run so the time is the
--- device's, not the launch's.
+-- one and returns {median_ms, min_ms, max_ms, mean_ms, iters, times_ms}.  Each run is timed
+-- with a pair of events: device events on a GPU (the device's time, not the launch's), a
+-- monotonic wall clock on the CPU.
 local core = require "moelab.core"
 local args = require "moelab.args"
 
@@ -12,15 +12,14 @@ local function bench(fn, opts)
   args.range("bench", "warmup", warmup, 0)
   args.range("bench", "iters", iters, 1)
   local device = opts.device or "cpu"
-  local sync = device ~= "cpu" and function() core.synchronize(device) end or function() end
   for _ = 1, warmup do fn() end
-  sync()
+  local start, stop = core.event_new(device), core.event_new(device)
   local times = {}
   for i = 1, iters do
-    local t0 = core.now()
+    start:record()
     fn()
-    sync()
-    times[i] = (core.now() - t0) * 1e3
+    stop:record()
+    times[i] = stop:elapsed_since(start)
   end
   local sorted = { table.unpack(times) }
   table.sort(sorted)

@@ -177,7 +177,8 @@ end
 
 -- Runs the scheduler into the plan's buffers; reads nothing back (capturable).
 function Schedule:run()
-  core.schedule { peer_rank = self.peer_rank, peer_route = self.peer_route, counts = self.counts,
+  local run = self.legacy and core.schedule_legacy or core.schedule
+  run { peer_rank = self.peer_rank, peer_route = self.peer_route, counts = self.counts,
     tokens_per_expert = self.tokens_per_expert, expert_offsets = self.expert_offsets, route_row = self.route_row,
     stats = self.stats_tensor, ids = self.ids, experts = self.experts, rank = self.rank, pad = self.pad,
     capacity = self.capacity, expert_capacity = self.expert_capacity, layout = self.layout }
@@ -327,6 +328,29 @@ function moe.combine(o)
   core.combine { out = out, weights = o.weights, ids = s1.ids:select(rank + 1), ys = ys, route_row = route_rows,
     world = W, experts = s1.experts, rank = rank, shared = o.shared, shared_gate = o.shared_gate }
   return out
+end
+
+-- ---------------------------------------------------------------- graphs and device timing
+
+-- Captures the stages fn issues on a GPU into a CUDA graph; graph:replay() reruns them on
+-- whatever their tensors hold then.  Nothing inside fn may read results back to the host.
+function moe.graph(fn, opts)
+  if type(fn) ~= "function" then args.fail("graph", "expected a function to capture, got " .. args.describe(fn)) end
+  opts = args.options("graph", opts or {}, { device = "string" })
+  local dev = opts.device or moe.default_device()
+  if dev == "cpu" then args.fail("graph", "CUDA graphs need a cuda device, got 'cpu'") end
+  core.graph_begin(dev)
+  local ok, err = pcall(fn)
+  local ended, graph = pcall(core.graph_end) -- always end the capture, even after a failure
+  if not ok then error("graph: capture failed: " .. tostring(err), 2) end
+  if not ended then error(graph, 2) end
+  return graph
+end
+
+-- A timing event: device events on a GPU, a monotonic clock on the CPU.
+-- e:record(); stop:elapsed_since(start) -> milliseconds.
+function moe.event(device)
+  return core.event_new(device or moe.default_device())
 end
 
 -- ---------------------------------------------------------------- the rest

@@ -288,8 +288,46 @@ return function(moe)
     return st
   end
 
-  function Layer:capture()
-    error(string.format("layer:capture: CUDA graphs need a layer on a cuda device (this one is on %s)", self.device), 2)
+  -- capture([x]) -> a graph of the whole forward pass over the input buffer x (default: the
+  -- layer's own buffer layer.input, which the caller fills).  graph:replay() reruns it on the
+  -- current contents of x, routing included, and returns the output buffer; graph:check()
+  -- reads the stats the last replay left on the device and raises on what the layer's
+  -- policies do not allow (a captured pass cannot raise by itself).
+  local Graph = { __name = "moelab.LayerGraph" }
+  Graph.__index = Graph
+
+  function Layer:capture(x)
+    if self.device == "cpu" then
+      error("layer:capture: CUDA graphs need a layer on a cuda device (this one is on cpu)", 2)
+    end
+    if x == nil then
+      self.input = self.input or core.new("bf16", { self.world, self.tokens, self.hidden }, self.device)
+      x = self.input
+    end
+    check_x(self, "capture", x)
+    local graph = moe.graph(function() self:forward(x, { check = false }) end, { device = self.device })
+    return setmetatable({ graph = graph, layer = self, x = x }, Graph)
+  end
+
+  function Graph:replay()
+    self.graph:replay()
+    return self.layer.out
+  end
+
+  function Graph:check()
+    local layer = self.layer
+    local st = layer.route_stats:flat()
+    if st[1] > 0 and layer.nan == "error" then
+      error(string.format("layer: route: router logits contained NaN in %d rows (those tokens were routed nowhere)",
+        st[1]), 2)
+    end
+    for r = 1, layer.world do
+      local s = layer.schedules[r]
+      s.stats = nil
+      local ok, err = pcall(s.check, s)
+      if not ok then error("layer: " .. tostring(err), 2) end
+    end
+    return self
   end
 
   function Layer:__tostring()
