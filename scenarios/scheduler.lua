@@ -37,7 +37,7 @@ local function route_ids(c, seed)
   local m = c.model
   local N = c.W * c.T
   local logits = moe.randn({ N, m.experts }, { seed = seed, std = 1.5, device = dev })
-  local bias = m.scoring ~= "softmax" and moe.randn({ m.experts }, { seed = seed + 1, std = 0.1, device = dev }) or nil
+  local bias = m.scoring ~= "softmax" and moe.randn({ m.experts }, { seed = seed + 1, std = 0.005, device = dev }) or nil
   local ids = moe.route { logits = logits, k = m.k, scoring = m.scoring, bias = bias, groups = m.groups,
     topk_groups = m.topk_groups, scale = m.scale }
   return ids:view(0, { c.W, c.T, m.k })

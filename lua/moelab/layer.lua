@@ -86,7 +86,7 @@ return function(moe)
     local function randn(shape, s, std) return core.new("bf16", shape, device):randn(sd + s, std) end
     self.w_router = randn({ E, H }, 1, 1 / math.sqrt(H))
     if cfg.scoring ~= "softmax" then
-      self.bias = core.new("f32", { E }, device):randn(sd + 2, 0.1)
+      self.bias = core.new("f32", { E }, device):randn(sd + 2, 0.005)
     end
     self.w_gate_up, self.w_down = {}, {}
     for r = 1, W do
@@ -231,30 +231,95 @@ return function(moe)
     return c
   end
 
-  -- reference(x [, {logits=} or {ids=, weights=}]) -> f32 [W, T, H] on the CPU: the dense
-  -- reference of DESIGN.md, computed on the CPU from its own routing, independent of any schedule.
+  -- Rows tokens (0-based flat indices over the W*T tokens) of a [W, T, ...] tensor, gathered
+  -- into a CPU tensor [#tokens, ...] one row copy at a time.
+  local function gather_rows(t, tokens, width, dtype)
+    local g = core.new(dtype or t.dtype, { #tokens, width }, "cpu")
+    for i, tok in ipairs(tokens) do g:select(i):copy(t:view(tok * width, { width })) end
+    return g
+  end
+
+  -- reference(x [, opts]) -> f32 on the CPU: the dense reference of DESIGN.md, independent of any
+  -- schedule.  opts: logits= (route these), or ids= and weights= (this routing), or
+  -- routing = "forward" (the routing the last forward chose, read back from the layer); by
+  -- default the reference routes x itself, on the CPU.  tokens = {flat 0-based indices} computes
+  -- only those tokens and returns [#tokens, H]; otherwise [W, T, H].
   function Layer:reference(x, o)
-    o = args.options("reference", o or {}, { logits = "tensor", ids = "tensor", weights = "tensor" })
+    o = args.options("reference", o or {}, { logits = "tensor", ids = "tensor", weights = "tensor",
+      routing = { "own", "forward" }, tokens = "table" })
     check_x(self, "reference", x)
     local W, T, K, H, E = self.world, self.tokens, self.k, self.hidden, self.experts
     local c = cpu_weights(self)
-    local xc = x.device == "cpu" and x or x:to("cpu")
-    local xf = xc:view(0, { W * T, H })
-    local ids, weights
-    if o.ids then
-      ids, weights = o.ids:to("cpu"):view(0, { W * T, K }), o.weights:to("cpu"):view(0, { W * T, K })
+    local all = {}
+    if o.tokens then
+      for i, tok in ipairs(o.tokens) do
+        if math.type(tok) ~= "integer" or tok < 0 or tok >= W * T then
+          args.fail("reference", string.format("tokens[%d] must be a token index in [0, %d), got %s", i, W * T,
+            args.describe(tok)))
+        end
+      end
     else
-      local logits = o.logits and o.logits:to("cpu") or core.new("f32", { W * T, E }, "cpu")
-      if not o.logits then core.logits(logits, xf, c.w_router) end
-      ids, weights = core.new("i32", { W * T, K }, "cpu"), core.new("f32", { W * T, K }, "cpu")
+      for i = 1, W * T do all[i] = i - 1 end
+    end
+    local tokens = o.tokens or all
+    local N = #tokens
+    local whole = o.tokens == nil
+    local xf = whole and (x.device == "cpu" and x or x:to("cpu")):view(0, { W * T, H }) or gather_rows(x, tokens, H)
+    local ids, weights
+    if o.ids or o.routing == "forward" then
+      local src_ids, src_w = o.ids or self.ids, o.weights or self.weights
+      if whole then
+        ids, weights = src_ids:to("cpu"):view(0, { N, K }), src_w:to("cpu"):view(0, { N, K })
+      else
+        ids, weights = gather_rows(src_ids, tokens, K), gather_rows(src_w, tokens, K)
+      end
+    else
+      local logits
+      if o.logits then
+        logits = whole and o.logits:to("cpu") or gather_rows(o.logits, tokens, E)
+      else
+        logits = core.new("f32", { N, E }, "cpu")
+        core.logits(logits, xf, c.w_router)
+      end
+      ids, weights = core.new("i32", { N, K }, "cpu"), core.new("f32", { N, K }, "cpu")
       core.route { ids = ids, weights = weights, logits = logits, bias = c.bias, k = K, scoring = self.cfg.scoring,
         groups = self.cfg.groups, topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
     end
-    local out = core.new("f32", { W * T, H }, "cpu")
+    local out = core.new("f32", { N, H }, "cpu")
     core.reference { out = out, x = xf, ids = ids, weights = weights, w_gate_up = c.w_gate_up, w_down = c.w_down,
       world = W, experts = E, shared_gate_up = c.shared_gate_up, shared_down = c.shared_down,
       shared_gate_w = c.shared_gate_w }
-    return out:view(0, { W, T, H })
+    return whole and out:view(0, { W, T, H }) or out
+  end
+
+  -- check(x [, {sample = n, rtol =, l2 =}]) -> metrics of the last forward's output against the
+  -- dense reference; raises when it is not within tolerance.  With sample, n tokens of each
+  -- rank (evenly spaced) are checked; with raise = false it returns the metrics and .pass, against the routing the forward chose (the router's
+  -- own exactness is the route stage's check): the way to check a layer too large for a full
+  -- CPU reference.
+  function Layer:check(x, o)
+    o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
+    local W, T, H = self.world, self.tokens, self.hidden
+    local got, ref
+    if o.sample and o.sample < T then
+      args.range("check", "sample", o.sample, 1)
+      local tokens = {}
+      for r = 0, W - 1 do
+        for i = 0, o.sample - 1 do tokens[#tokens + 1] = r * T + (i * T) // o.sample end
+      end
+      ref = self:reference(x, { tokens = tokens, routing = "forward" })
+      got = gather_rows(self.out, tokens, H)
+    else
+      ref = self:reference(x, { routing = self.device == "cpu" and "own" or "forward" })
+      got = self.out
+    end
+    if o.raise == false then
+      local m = moe.check.metrics(got, ref)
+      local rtol, l2 = o.rtol or 2e-2, o.l2 or 1e-2
+      m.rtol, m.l2, m.pass = rtol, l2, m.nans == 0 and m.rel_max <= rtol and m.rel_l2 <= l2
+      return m
+    end
+    return moe.check.close(got, ref, { rtol = o.rtol, l2 = o.l2, what = "layer" })
   end
 
   -- What the last forward did: rows, padding, loads, drops, per rank and over the world.
