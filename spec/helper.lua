@@ -15,7 +15,8 @@ function _G.device_tag(dev) return dev == "cpu" and "#cpu" or "#gpu" end
 -- Use inside a describe for a device: returns true (and marks the block skipped) when dev is absent.
 function _G.skip_without(dev)
   if dev == "cpu" or HAVE_GPU then return false end
-  pending("no GPU on this machine: " .. dev .. " suites skipped")
+  -- busted's `pending` lives in the suites' environment, not in this file's: take it from busted
+  require("busted").pending("no GPU on this machine: " .. dev .. " suites skipped")
   return true
 end
 

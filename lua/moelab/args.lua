@@ -36,6 +36,9 @@ local function matches(kind, v)
   if kind == "tensor" then return is_tensor(v) end
   if kind == "integer" then return math.type(v) == "integer" or (math.type(v) == "float" and v == math.floor(v) and v == v and math.abs(v) < 2^53) end
   if kind == "number" then return type(v) == "number" end
+  if kind == "device" then
+    return type(v) == "string" and (v == "cpu" or v == "cuda" or v:match("^cuda:%d+$") ~= nil)
+  end
   return type(v) == kind
 end
 
@@ -46,6 +49,7 @@ local function expected(kind)
     return "one of " .. table.concat(q, ", ")
   end
   if kind == "tensor" then return "a moelab.Tensor" end
+  if kind == "device" then return "a device, 'cpu' or 'cuda:N'" end
   return (kind == "integer" and "an " or "a ") .. kind
 end
 

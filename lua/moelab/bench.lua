@@ -7,7 +7,7 @@ local args = require "moelab.args"
 
 local function bench(fn, opts)
   if type(fn) ~= "function" then args.fail("bench", "expected a function to time, got " .. args.describe(fn)) end
-  opts = args.options("bench", opts or {}, { warmup = "integer", iters = "integer", device = "string" })
+  opts = args.options("bench", opts or {}, { warmup = "integer", iters = "integer", device = "device" })
   local warmup, iters = opts.warmup or 3, opts.iters or 10
   args.range("bench", "warmup", warmup, 0)
   args.range("bench", "iters", iters, 1)

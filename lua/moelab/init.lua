@@ -41,28 +41,28 @@ local function check_shape(fname, shape, level)
 end
 
 function moe.tensor(data, opts)
-  opts = args.options("tensor", opts or {}, { dtype = DTYPES, device = "string", shape = "table" })
+  opts = args.options("tensor", opts or {}, { dtype = DTYPES, device = "device", shape = "table" })
   if opts.shape then check_shape("tensor", opts.shape, 2) end
   return core.from_table(data, opts.dtype or "f32", opts.device or "cpu", opts.shape)
 end
 
 function moe.zeros(shape, opts)
   check_shape("zeros", shape, 2)
-  opts = args.options("zeros", opts or {}, { dtype = DTYPES, device = "string" })
+  opts = args.options("zeros", opts or {}, { dtype = DTYPES, device = "device" })
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu")
 end
 
 function moe.full(shape, value, opts)
   check_shape("full", shape, 2)
   if type(value) ~= "number" then args.fail("full", "value must be a number, got " .. args.describe(value)) end
-  opts = args.options("full", opts or {}, { dtype = DTYPES, device = "string" })
+  opts = args.options("full", opts or {}, { dtype = DTYPES, device = "device" })
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu"):fill(value)
 end
 
 -- Same seed, same values on every device (see moe_tensor_randn in moelab.h).
 function moe.randn(shape, opts)
   check_shape("randn", shape, 2)
-  opts = args.options("randn", opts or {}, { dtype = { "f32", "bf16" }, device = "string", seed = "integer", std = "number" })
+  opts = args.options("randn", opts or {}, { dtype = { "f32", "bf16" }, device = "device", seed = "integer", std = "number" })
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu"):randn(opts.seed or 0, opts.std or 1.0)
 end
 
@@ -146,19 +146,19 @@ function moe.schedule_plan(o, fname, level)
   local W, T, K = ids.shape[1], ids.shape[2], ids.shape[3]
   local E = o.experts
   args.range(fname, "experts", E, 1, nil, level)
-  if W < 1 then args.fail(fname, "option 'ids' has no ranks (its first dimension is 0)", level + 1) end
+  if W < 1 then args.fail(fname, "option 'ids' has no ranks (its first dimension is 0)", level) end
   if E % W ~= 0 then
     args.fail(fname, string.format("option 'experts' (%d) must be a multiple of the world size %d (ids is %s)",
-      E, W, args.shape_str(ids.shape)), level + 1)
+      E, W, args.shape_str(ids.shape)), level)
   end
   local rank, pad = o.rank or 0, o.pad or 1
   args.range(fname, "rank", rank, 0, W - 1, level)
   args.range(fname, "pad", pad, 1, nil, level)
-  args.range(fname, "capacity", o.capacity, 0, 2^31 - 1, level)
-  args.range(fname, "expert_capacity", o.expert_capacity, 0, 2^31 - 1, level)
+  args.range(fname, "capacity", o.capacity, 0, 0x7fffffff, level)
+  args.range(fname, "expert_capacity", o.expert_capacity, 0, 0x7fffffff, level)
   local EL = E // W
   local C = o.capacity or worst_case_rows(W, T, K, EL, pad, o.expert_capacity)
-  if C > 2^31 - 1 then args.fail(fname, "the default capacity exceeds 2^31 rows; pass capacity", level + 1) end
+  if C > 0x7fffffff then args.fail(fname, "the default capacity exceeds 2^31 rows; pass capacity", level) end
   local dev = ids.device
   local s = setmetatable({
     ids = ids, world = W, tokens = T, k = K, experts = E, local_experts = EL, rank = rank, pad = pad,
@@ -208,7 +208,7 @@ function Schedule:check(level)
   end
   if st.rows_needed > self.capacity and self.overflow == "error" then
     error(string.format("schedule: capacity overflow on rank %d: the routes need %d rows, capacity is %d "
-      .. "(%d routes would be dropped); raise capacity or pass overflow = 'drop'", self.rank, st.rows_needed,
+      .. "(%d routes lost their row); raise capacity or pass overflow = 'drop'", self.rank, st.rows_needed,
       self.capacity, st.dropped), level)
   end
   return self
@@ -310,7 +310,7 @@ function moe.combine(o)
         .. "top-%d, %d experts), got rank %d of %d ranks, %d tokens, top-%d, %d experts", i, i - 1, W, s1.tokens,
         s1.k, s1.experts, s.rank, s.world, s.tokens, s.k, s.experts))
     end
-    local y = args.tensor("combine", "ys[" .. i .. "]", ys[i], "bf16", { s.capacity, H })
+    local y = args.tensor("combine", "ys[" .. i .. "]", ys[i], "bf16", { s.capacity, H or false })
     H = H or y.shape[2]
     route_rows[i] = s.route_row
   end
@@ -336,7 +336,7 @@ end
 -- whatever their tensors hold then.  Nothing inside fn may read results back to the host.
 function moe.graph(fn, opts)
   if type(fn) ~= "function" then args.fail("graph", "expected a function to capture, got " .. args.describe(fn)) end
-  opts = args.options("graph", opts or {}, { device = "string" })
+  opts = args.options("graph", opts or {}, { device = "device" })
   local dev = opts.device or moe.default_device()
   if dev == "cpu" then args.fail("graph", "CUDA graphs need a cuda device, got 'cpu'") end
   core.graph_begin(dev)

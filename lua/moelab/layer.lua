@@ -15,7 +15,7 @@ return function(moe)
     scoring = { "softmax", "sigmoid", "sqrtsoftplus" }, groups = "integer", topk_groups = "integer",
     scale = "number", pad = "integer", layout = { "roundrobin", "peer_major" }, capacity = "integer",
     expert_capacity = "integer", overflow = { "error", "drop" }, invalid = { "error", "skip" },
-    nan = { "error", "mask" }, device = "string", seed = "integer",
+    nan = { "error", "mask" }, device = "device", seed = "integer",
   }
   local MODEL_FIELDS = { "name", "experts", "k", "hidden", "ffn", "shared_ffn", "shared_gate", "scoring", "groups",
     "topk_groups", "scale" }
@@ -72,7 +72,7 @@ return function(moe)
     -- Default capacity: twice the mean rows of a rank plus one pad per expert; skewed routing
     -- needs more (the layer raises on overflow unless overflow = "drop").
     local capacity = o.capacity or (2 * T * K + EL * pad)
-    args.range("layer", "capacity", capacity, 0, 2^31 - 1)
+    args.range("layer", "capacity", capacity, 0, 0x7fffffff)
 
     local self = setmetatable({
       cfg = cfg, world = W, tokens = T, experts = E, local_experts = EL, k = K, hidden = H, ffn = F,
@@ -141,16 +141,12 @@ return function(moe)
   local function route(self, x, o)
     local W, T, K = self.world, self.tokens, self.k
     if o.ids then
-      args.tensor("forward", "ids", o.ids, "i32", { W, T, K }, 3)
-      args.tensor("forward", "weights", o.weights, "f32", { W, T, K }, 3)
       self.ids:copy(o.ids)
       self.weights:copy(o.weights)
       return
     end
-    local logits = self.logits
-    if o.logits then
-      logits = args.tensor("forward", "logits", o.logits, "f32", { W * T, self.experts }, 3)
-    else
+    local logits = o.logits or self.logits
+    if not o.logits then
       core.logits(logits, x:view(0, { W * T, self.hidden }), self.w_router)
     end
     core.route { ids = self.ids:view(0, { W * T, K }), weights = self.weights:view(0, { W * T, K }),
@@ -165,6 +161,11 @@ return function(moe)
     if o.ids and o.logits then args.fail("forward", "give either 'logits' or 'ids' and 'weights', not both") end
     check_x(self, "forward", x)
     local W, T, H = self.world, self.tokens, self.hidden
+    if o.ids then
+      args.tensor("forward", "ids", o.ids, "i32", { W, T, self.k })
+      args.tensor("forward", "weights", o.weights, "f32", { W, T, self.k })
+    end
+    if o.logits then args.tensor("forward", "logits", o.logits, "f32", { W * T, self.experts }) end
     local eager = o.check ~= false
     self.times = {}
     timed(self, "route", function() route(self, x, o) end)

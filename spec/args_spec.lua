@@ -1,0 +1,282 @@
+-- Argument errors, as a table (lua-cjson's tests): one row per bad input, the fragments its
+-- message must contain beside it (plain text: the argument, the value, what was expected).
+-- Errors raised by the front-end must also point at the caller's line (this file), not at the
+-- front-end's own; rows marked `inside = true` come from the C binding, whose position is the
+-- front-end line that called it.
+local S = require "support"
+
+local L = moe.zeros({ 4, 8 })                                   -- logits
+local I = S.tensor({ 0, 1, 2, 3, 1, 2, 3, 0, 2, 0, 1, 3 }, "i32", { 2, 3, 2 }) -- ids, W = 2, T = 3, K = 2
+local BAD = S.tensor({ 0, 1, 2, 3, 1, 2, 3, 0, 2, 0, 1, 7 }, "i32", { 2, 3, 2 }) -- 7 at rank 1, token 2, slot 1
+local NAN = S.tensor({ 0, 0, 0, 0, 1, 2, 3, 4, 0 / 0, 1, 1, 1, 5, 5, 5, 5 }, "f32", { 4, 4 })
+local s0 = moe.schedule { ids = I, experts = 4, rank = 0 }
+local s1 = moe.schedule { ids = I, experts = 4, rank = 1 }
+local X = moe.zeros({ 2, 3, 4 }, { dtype = "bf16" })
+local function bf16(shape) return moe.zeros(shape, { dtype = "bf16" }) end
+local function i32(shape) return moe.zeros(shape, { dtype = "i32" }) end
+local XS, OFF, WGU, WD = bf16 { 6, 8 }, S.tensor({ 0, 2, 6 }, "i32", { 3 }), bf16 { 2, 8, 8 }, bf16 { 2, 8, 4 }
+local YS = { bf16 { s0.capacity, 4 }, bf16 { s1.capacity, 4 } }
+local W3 = moe.zeros({ 3, 2 })
+local function experts(o)
+  local a = { x = XS, offsets = OFF, w_gate_up = WGU, w_down = WD }
+  for k, v in pairs(o) do a[k] = v end
+  for k, v in pairs(a) do if v == false then a[k] = nil end end
+  return moe.experts(a)
+end
+local function combine(o)
+  local a = { schedules = { s0, s1 }, ys = YS, weights = W3 }
+  for k, v in pairs(o) do a[k] = v end
+  for k, v in pairs(a) do if v == false then a[k] = nil end end
+  return moe.combine(a)
+end
+local tiny = { name = "tiny", experts = 4, k = 2, hidden = 16, ffn = 8, scoring = "softmax" }
+local LAYER = moe.layer { model = tiny, world = 2, tokens = 2, device = "cpu" }
+local LX = moe.zeros({ 2, 2, 16 }, { dtype = "bf16" })
+
+local ROWS = {
+  -- tensors
+  { "tensor: unknown option", function() moe.tensor({ 1 }, { dtyp = "f32" }) end, "unknown option 'dtyp'" },
+  { "tensor: unknown dtype", function() moe.tensor({ 1 }, { dtype = "f16" }) end,
+    "option 'dtype' must be one of 'f32', 'bf16', 'i32', got \"f16\"" },
+  { "tensor: options not a table", function() moe.tensor({ 1 }, "f32") end, "expected a table of options, got string" },
+  { "tensor: a fraction for i32", function() moe.tensor({ 1, 1.5 }, { dtype = "i32" }) end,
+    { "element [2] is 1.5", "i32" }, inside = true },
+  { "tensor: i32 out of range", function() moe.tensor({ 2 ^ 31 }, { dtype = "i32" }) end, { "2147483648", "i32" },
+    inside = true },
+  { "tensor: a string element", function() moe.tensor({ 1, "a" }) end, { "element [2]", "string" }, inside = true },
+  { "tensor: ragged", function() moe.tensor({ { 1, 2 }, { 3 } }) end, { "ragged", "[2]" }, inside = true },
+  { "tensor: nested deeper than 4", function() moe.tensor({ { { { { 1 } } } } }) end, "4", inside = true },
+  { "tensor: shape and data disagree", function() moe.tensor({ 1, 2, 3 }, { shape = { 2, 2 } }) end, { "4", "3" },
+    inside = true },
+  { "zeros: shape not a table", function() moe.zeros(3) end, "shape must be a table of sizes, got 3" },
+  { "zeros: negative size", function() moe.zeros({ 2, -1 }) end, "shape[2] must be a non-negative integer, got -1" },
+  { "zeros: fractional size", function() moe.zeros({ 2, 1.5 }) end, "shape[2] must be a non-negative integer, got 1.5" },
+  { "zeros: 5 dimensions", function() moe.zeros({ 1, 1, 1, 1, 1 }) end, "at most 4 dimensions, got 5" },
+  { "zeros: device not a string", function() moe.zeros({ 2 }, { device = 0 }) end,
+    "option 'device' must be a device, 'cpu' or 'cuda:N', got 0" },
+  { "zeros: bad device string", function() moe.zeros({ 2 }, { device = "gpu" }) end,
+    "option 'device' must be a device, 'cpu' or 'cuda:N', got \"gpu\"" },
+  { "zeros: malformed cuda device", function() moe.zeros({ 2 }, { device = "cuda:x" }) end,
+    "option 'device' must be a device, 'cpu' or 'cuda:N', got \"cuda:x\"" },
+  { "zeros: absent GPU", function() moe.zeros({ 2 }, { device = "cuda:99" }) end, "cuda:99", inside = true },
+  { "to: bad device string", function() L:to("tpu") end, { "'tpu'", "expected 'cpu' or 'cuda:N'" }, inside = true },
+  { "randn: i32", function() moe.randn({ 2 }, { dtype = "i32" }) end,
+    "option 'dtype' must be one of 'f32', 'bf16', got \"i32\"" },
+  { "randn: fractional seed", function() moe.randn({ 2 }, { seed = 1.5 }) end, "option 'seed' must be an integer, got 1.5" },
+  { "randn: unknown option", function() moe.randn({ 2 }, { sed = 1 }) end, "unknown option 'sed'" },
+  { "full: value not a number", function() moe.full({ 2 }, "x") end, "value must be a number, got \"x\"" },
+
+  -- route
+  { "route: unknown option", function() moe.route { logits = L, k = 2, topk = 2 } end, "unknown option 'topk'" },
+  { "route: options not a table", function() moe.route(L) end, "expected a table of options, got a moelab.Tensor" },
+  { "route: logits missing", function() moe.route { k = 2 } end, "option 'logits' is required" },
+  { "route: logits not a tensor", function() moe.route { logits = { 1, 2 }, k = 2 } end,
+    "option 'logits' must be a moelab.Tensor, got table" },
+  { "route: logits bf16", function() moe.route { logits = bf16 { 4, 8 }, k = 2 } end,
+    "option 'logits' must be f32 [_, _], got moelab.Tensor(bf16 [4, 8] on cpu)" },
+  { "route: logits 3-D", function() moe.route { logits = moe.zeros({ 4, 8, 1 }), k = 2 } end,
+    "option 'logits' must be f32 [_, _], got moelab.Tensor(f32 [4, 8, 1] on cpu)" },
+  { "route: K > E", function() moe.route { logits = L, k = 9 } end, "option 'k' must be between 1 and 8, got 9" },
+  { "route: K = 0", function() moe.route { logits = L, k = 0 } end, "option 'k' must be between 1 and 8, got 0" },
+  { "route: k a string", function() moe.route { logits = L, k = "2" } end, "option 'k' must be an integer, got \"2\"" },
+  { "route: k fractional", function() moe.route { logits = L, k = 1.5 } end, "option 'k' must be an integer, got 1.5" },
+  { "route: unknown scoring", function() moe.route { logits = L, k = 2, scoring = "relu" } end,
+    "option 'scoring' must be one of 'softmax', 'sigmoid', 'sqrtsoftplus', got \"relu\"" },
+  { "route: groups not dividing E", function() moe.route { logits = L, k = 2, scoring = "sigmoid", groups = 3 } end,
+    "option 'groups' (3) must divide the number of experts (8)" },
+  { "route: groups with softmax", function() moe.route { logits = L, k = 2, groups = 2 } end,
+    "option 'groups' (2) needs scoring = 'sigmoid', got 'softmax'" },
+  { "route: topk_groups > groups", function()
+    moe.route { logits = L, k = 2, scoring = "sigmoid", groups = 4, topk_groups = 5 }
+  end, "option 'topk_groups' must be between 1 and 4, got 5" },
+  { "route: K larger than the kept groups", function()
+    moe.route { logits = L, k = 5, scoring = "sigmoid", groups = 4, topk_groups = 2 }
+  end, "option 'k' (5) exceeds the 4 experts in the 2 kept groups" },
+  { "route: bias with softmax", function() moe.route { logits = L, k = 2, bias = moe.zeros({ 8 }) } end,
+    "option 'bias' needs scoring = 'sigmoid' or 'sqrtsoftplus'" },
+  { "route: bias of the wrong size", function()
+    moe.route { logits = L, k = 2, scoring = "sigmoid", bias = moe.zeros({ 7 }) }
+  end, "option 'bias' must be f32 [8], got moelab.Tensor(f32 [7] on cpu)" },
+  { "route: negative scale", function() moe.route { logits = L, k = 2, scoring = "sigmoid", scale = -1 } end,
+    "option 'scale' must be a finite number > 0, got -1" },
+  { "route: NaN scale", function() moe.route { logits = L, k = 2, scoring = "sigmoid", scale = 0 / 0 } end,
+    { "option 'scale' must be a finite number > 0, got", "nan" } },
+  { "route: NaN logits", function() moe.route { logits = NAN, k = 2 } end,
+    "logits contain NaN in 1 row, the first is row 2 (0-based) of 4" },
+  { "route: unknown nan policy", function() moe.route { logits = L, k = 2, nan = "ignore" } end,
+    "option 'nan' must be one of 'error', 'mask', got \"ignore\"" },
+  { "route: ids of the wrong shape", function() moe.route { logits = L, k = 2, ids = i32 { 4, 3 } } end,
+    "option 'ids' must be i32 [4, 2], got moelab.Tensor(i32 [4, 3] on cpu)" },
+  { "route: weights of the wrong dtype", function() moe.route { logits = L, k = 2, weights = bf16 { 4, 2 } } end,
+    "option 'weights' must be f32 [4, 2], got moelab.Tensor(bf16 [4, 2] on cpu)" },
+
+  -- schedule
+  { "schedule: unknown option", function() moe.schedule { ids = I, experts = 4, capacty = 8 } end,
+    "unknown option 'capacty'" },
+  { "schedule: ids missing", function() moe.schedule { experts = 4 } end, "option 'ids' is required" },
+  { "schedule: experts missing", function() moe.schedule { ids = I } end, "option 'experts' is required" },
+  { "schedule: ids f32", function() moe.schedule { ids = moe.zeros({ 2, 3, 2 }), experts = 4 } end,
+    "option 'ids' must be i32 [_, _, _], got moelab.Tensor(f32 [2, 3, 2] on cpu)" },
+  { "schedule: ids 2-D", function() moe.schedule { ids = i32 { 6, 2 }, experts = 4 } end,
+    "option 'ids' must be i32 [_, _, _], got moelab.Tensor(i32 [6, 2] on cpu)" },
+  { "schedule: no ranks", function() moe.schedule { ids = i32 { 0, 3, 2 }, experts = 4 } end,
+    "option 'ids' has no ranks" },
+  { "schedule: E not divisible by W", function() moe.schedule { ids = I, experts = 5 } end,
+    "option 'experts' (5) must be a multiple of the world size 2" },
+  { "schedule: E = 0", function() moe.schedule { ids = I, experts = 0 } end, "option 'experts' must be >= 1, got 0" },
+  { "schedule: rank = W", function() moe.schedule { ids = I, experts = 4, rank = 2 } end,
+    "option 'rank' must be between 0 and 1, got 2" },
+  { "schedule: rank < 0", function() moe.schedule { ids = I, experts = 4, rank = -1 } end,
+    "option 'rank' must be between 0 and 1, got -1" },
+  { "schedule: pad 0", function() moe.schedule { ids = I, experts = 4, pad = 0 } end, "option 'pad' must be >= 1, got 0" },
+  { "schedule: negative capacity", function() moe.schedule { ids = I, experts = 4, capacity = -1 } end,
+    { "option 'capacity' must be between 0 and 2147483647", "got -1" } },
+  { "schedule: negative expert_capacity", function() moe.schedule { ids = I, experts = 4, expert_capacity = -2 } end,
+    { "option 'expert_capacity' must be between 0 and 2147483647", "got -2" } },
+  { "schedule: capacity past i32", function() moe.schedule { ids = I, experts = 4, capacity = 2 ^ 31 } end,
+    { "option 'capacity' must be between 0 and 2147483647", "got 2147483648" } },
+  { "schedule: unknown layout", function() moe.schedule { ids = I, experts = 4, layout = "rr" } end,
+    "option 'layout' must be one of 'roundrobin', 'peer_major', got \"rr\"" },
+  { "schedule: unknown overflow policy", function() moe.schedule { ids = I, experts = 4, overflow = "ignore" } end,
+    "option 'overflow' must be one of 'error', 'drop', got \"ignore\"" },
+  { "schedule: unknown invalid policy", function() moe.schedule { ids = I, experts = 4, invalid = "mask" } end,
+    "option 'invalid' must be one of 'error', 'skip', got \"mask\"" },
+  { "schedule: an id out of range names the id, rank, token and slot", function()
+    moe.schedule { ids = BAD, experts = 4 }
+  end, "invalid expert id 7 at rank 1, token 2, slot 1 (expected -1 or 0..3)" },
+  { "schedule: an id out of range, from another rank's schedule", function()
+    moe.schedule { ids = BAD, experts = 4, rank = 0, invalid = "error" }
+  end, "invalid expert id 7 at rank 1, token 2, slot 1" },
+  { "schedule: capacity overflow", function() moe.schedule { ids = I, experts = 4, capacity = 2 } end,
+    "capacity overflow on rank 0: the routes need 6 rows, capacity is 2 (4 routes lost their row)" },
+
+  -- dispatch
+  { "dispatch: unknown option", function() moe.dispatch { x = X, schedule = s0, zero_fil = true } end,
+    "unknown option 'zero_fil'" },
+  { "dispatch: schedule missing", function() moe.dispatch { x = X } end, "option 'schedule' is required" },
+  { "dispatch: x f32", function() moe.dispatch { x = moe.zeros({ 2, 3, 4 }), schedule = s0 } end,
+    "option 'x' must be bf16 [_, _, _], got moelab.Tensor(f32 [2, 3, 4] on cpu)" },
+  { "dispatch: x of another world size", function() moe.dispatch { x = bf16 { 3, 3, 4 }, schedule = s0 } end,
+    "option 'x' is [3, 3, 4] but the schedule was made for 2 ranks of 3 tokens" },
+  { "dispatch: x of another token count", function() moe.dispatch { x = bf16 { 2, 4, 4 }, schedule = s0 } end,
+    "option 'x' is [2, 4, 4] but the schedule was made for 2 ranks of 3 tokens" },
+  { "dispatch: schedule not a Schedule", function() moe.dispatch { x = X, schedule = {} } end,
+    "option 'schedule' must be a moelab.Schedule (from moe.schedule), got table" },
+  { "dispatch: k differs from the schedule's", function() moe.dispatch { x = X, schedule = s0, k = 3 } end,
+    "option 'k' (3) differs from the schedule's top-k (2)" },
+  { "dispatch: out of the wrong shape", function() moe.dispatch { x = X, schedule = s0, out = bf16 { 5, 4 } } end,
+    string.format("option 'out' must be bf16 [%d, 4], got moelab.Tensor(bf16 [5, 4] on cpu)", s0.capacity) },
+
+  -- experts
+  { "experts: unknown option", function() experts { bias = L } end, "unknown option 'bias'" },
+  { "experts: w_down missing", function() experts { w_down = false } end, "option 'w_down' is required" },
+  { "experts: x f32", function() experts { x = moe.zeros({ 6, 8 }) } end,
+    "option 'x' must be bf16 [_, _], got moelab.Tensor(f32 [6, 8] on cpu)" },
+  { "experts: odd gate_up rows", function() experts { w_gate_up = bf16 { 2, 7, 8 } } end,
+    "option 'w_gate_up' must have an even number of rows (gate, then up), got moelab.Tensor(bf16 [2, 7, 8] on cpu)" },
+  { "experts: gate_up of another H", function() experts { w_gate_up = bf16 { 2, 8, 5 } } end,
+    "option 'w_gate_up' must be bf16 [_, _, 8], got moelab.Tensor(bf16 [2, 8, 5] on cpu)" },
+  { "experts: w_down transposed", function() experts { w_down = bf16 { 2, 4, 8 } } end,
+    "option 'w_down' must be bf16 [2, 8, 4], got moelab.Tensor(bf16 [2, 4, 8] on cpu)" },
+  { "experts: offsets too short", function() experts { offsets = i32 { 2 } } end,
+    "option 'offsets' must be i32 [3], got moelab.Tensor(i32 [2] on cpu)" },
+  { "experts: offsets f32", function() experts { offsets = moe.zeros({ 3 }) } end,
+    "option 'offsets' must be i32 [3], got moelab.Tensor(f32 [3] on cpu)" },
+  { "experts: out of the wrong shape", function() experts { out = bf16 { 6, 4 } } end,
+    "option 'out' must be bf16 [6, 8], got moelab.Tensor(bf16 [6, 4] on cpu)" },
+
+  -- combine
+  { "combine: unknown option", function() combine { weight = W3 } end, "unknown option 'weight'" },
+  { "combine: weights missing", function() combine { weights = false } end, "option 'weights' is required" },
+  { "combine: schedule and schedules", function() combine { schedule = s0 } end, "give exactly one of 'schedule'" },
+  { "combine: neither y nor ys", function() combine { ys = false } end, "give exactly one of 'y'" },
+  { "combine: too few schedules", function() combine { schedules = { s0 } } end,
+    "a world of 2 ranks needs 2 schedules, got 1" },
+  { "combine: too few ys", function() combine { ys = { YS[1] } } end,
+    "a world of 2 ranks needs 2 expert outputs (ys), got 1" },
+  { "combine: schedules out of order", function() combine { schedules = { s1, s0 } } end,
+    "schedules[1] must be rank 0's schedule" },
+  { "combine: a schedule that is not one", function() combine { schedules = { s0, {} } } end,
+    "option 'schedules[2]' must be a moelab.Schedule (from moe.schedule), got table" },
+  { "combine: weights of the wrong shape", function() combine { weights = moe.zeros({ 3, 3 }) } end,
+    "option 'weights' must be f32 [3, 2], got moelab.Tensor(f32 [3, 3] on cpu)" },
+  { "combine: rank = W", function() combine { rank = 2 } end, "option 'rank' must be between 0 and 1, got 2" },
+  { "combine: ys of another H", function() combine { ys = { YS[1], bf16 { s1.capacity, 5 } } } end,
+    string.format("option 'ys[2]' must be bf16 [%d, 4], got moelab.Tensor(bf16 [%d, 5] on cpu)", s1.capacity,
+      s1.capacity) },
+  { "combine: ys of another capacity", function() combine { ys = { bf16 { s0.capacity + 1, 4 }, YS[2] } } end,
+    string.format("option 'ys[1]' must be bf16 [%d, _], got moelab.Tensor(bf16 [%d, 4] on cpu)", s0.capacity,
+      s0.capacity + 1) },
+  { "combine: shared of the wrong shape", function() combine { shared = bf16 { 3, 5 } } end,
+    "option 'shared' must be bf16 [3, 4], got moelab.Tensor(bf16 [3, 5] on cpu)" },
+  { "combine: shared_gate of the wrong shape", function() combine { shared = bf16 { 3, 4 }, shared_gate = moe.zeros({ 2 }) } end,
+    "option 'shared_gate' must be f32 [3], got moelab.Tensor(f32 [2] on cpu)" },
+  { "combine: unknown dtype", function() combine { dtype = "i32" } end,
+    "option 'dtype' must be one of 'bf16', 'f32', got \"i32\"" },
+
+  -- layer
+  { "layer: unknown model name", function() moe.layer { model = "kimi", tokens = 4 } end,
+    { "unknown model 'kimi'; expected one of: ", "kimi_k2", "qwen3_5_397b" } },
+  { "layer: model neither a name nor a preset", function() moe.layer { model = 42, tokens = 4 } end,
+    "option 'model' must be a preset from moe.models or its name, got 42" },
+  { "layer: unknown option", function() moe.layer { model = "kimi_k2", tokns = 4 } end, "unknown option 'tokns'" },
+  { "layer: tokens missing", function() moe.layer { model = "kimi_k2" } end, "option 'tokens' is required" },
+  { "layer: E not divisible by W", function() moe.layer { model = "kimi_k2", tokens = 4, world = 5 } end,
+    "the 384 experts cannot be split over a world of 5 ranks" },
+  { "layer: pad 0", function() moe.layer { model = tiny, tokens = 4, pad = 0 } end, "option 'pad' must be >= 1, got 0" },
+  { "layer: K > E", function() moe.layer { model = tiny, tokens = 4, k = 5 } end, "option 'k' must be between 1 and 4, got 5" },
+  { "layer: negative capacity", function() moe.layer { model = tiny, tokens = 4, capacity = -1 } end,
+    { "option 'capacity' must be between 0 and 2147483647", "got -1" } },
+  { "layer: unknown layout", function() moe.layer { model = tiny, tokens = 4, layout = "zigzag" } end,
+    "option 'layout' must be one of 'roundrobin', 'peer_major', got \"zigzag\"" },
+  { "layer: zero tokens", function() moe.layer { model = tiny, tokens = 0 } end, "option 'tokens' must be >= 1, got 0" },
+  { "layer: bad device string", function() moe.layer { model = tiny, tokens = 2, device = "tpu" } end,
+    "option 'device' must be a device, 'cpu' or 'cuda:N', got \"tpu\"" },
+  { "forward: x of the wrong shape", function() LAYER:forward(moe.zeros({ 2, 3, 16 }, { dtype = "bf16" })) end,
+    "option 'x' must be bf16 [2, 2, 16], got moelab.Tensor(bf16 [2, 3, 16] on cpu)" },
+  { "forward: unknown option", function() LAYER:forward(LX, { logit = moe.zeros({ 4, 4 }) }) end, "unknown option 'logit'" },
+  { "forward: ids without weights", function() LAYER:forward(LX, { ids = i32 { 2, 2, 2 } }) end,
+    "give 'ids' and 'weights' together" },
+  { "forward: logits and ids", function()
+    LAYER:forward(LX, { logits = moe.zeros({ 4, 4 }), ids = i32 { 2, 2, 2 }, weights = moe.zeros({ 2, 2, 2 }) })
+  end, "give either 'logits' or 'ids' and 'weights', not both" },
+  { "forward: logits of the wrong shape", function() LAYER:forward(LX, { logits = moe.zeros({ 4, 5 }) }) end,
+    "option 'logits' must be f32 [4, 4], got moelab.Tensor(f32 [4, 5] on cpu)" },
+  { "check.close: unknown option", function() moe.check.close(L, L, { rtl = 1 }) end, "unknown option 'rtl'" },
+}
+
+describe("argument errors", function()
+  for _, row in ipairs(ROWS) do
+    it(row[1], function()
+      local ok, err = pcall(row[2])
+      assert.is_false(ok, "no error raised")
+      err = tostring(err)
+      local frags = type(row[3]) == "table" and row[3] or { row[3] }
+      for _, frag in ipairs(frags) do
+        assert.truthy(err:find(frag, 1, true), string.format("expected %q in the message:\n%s", frag, err))
+      end
+      if not row.inside then
+        assert.truthy(err:find("^[^\n]-args_spec%.lua:%d+: "),
+          "the error should point at the caller (args_spec.lua), got:\n" .. err)
+      end
+    end)
+  end
+end)
+
+for _, dev in ipairs(ALL_DEVICES) do
+  if dev ~= "cpu" then
+    describe("argument errors across devices [" .. device_tag(dev) .. "]", function()
+      if skip_without(dev) then return end
+      it("route: bias on another device", function()
+        local ok, err = pcall(moe.route, { logits = L:to(dev), k = 2, scoring = "sigmoid", bias = moe.zeros({ 8 }) })
+        assert.is_false(ok)
+        assert.truthy(err:find("option 'bias' is on cpu but 'logits' is on " .. dev, 1, true), err)
+      end)
+      it("dispatch: x on another device than the schedule", function()
+        local ok, err = pcall(moe.dispatch, { x = X:to(dev), schedule = s0 })
+        assert.is_false(ok)
+        assert.truthy(err:find(dev, 1, true) and err:find("cpu", 1, true), err)
+      end)
+    end)
+  end
+end

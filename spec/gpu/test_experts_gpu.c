@@ -1,0 +1,365 @@
+/* test_experts_gpu.c -- the experts stage on the GPU against experts_cpu, through the public API
+ * only: fresh random inputs, ys poisoned with NaN so that rows the stage must not write are seen
+ * to stay untouched, odd sizes, bad offsets, in place, a captured graph replayed on new offsets;
+ * then the Kimi K2 rank-of-EP8 shape timed with device events (spot-checked on the CPU first).
+ * Prints one PASS/FAIL line per check; exits 77 without a GPU, 1 on any failure. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moelab.h"
+
+static moe_ctx *ctx;
+static int failures;
+static const moe_device CPU = {MOE_CPU, 0}, GPU = {MOE_CUDA, 0};
+
+/* An API call that must succeed; anything else ends the run (the state is unknown after it). */
+#define TRY(call)                                                                                                      \
+  do {                                                                                                                 \
+    if ((call) != MOE_OK) {                                                                                            \
+      printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, moe_errmsg(ctx));                                     \
+      exit(1);                                                                                                         \
+    }                                                                                                                  \
+  } while (0)
+
+#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
+#define NDIM(...) ((int)(sizeof((const int64_t[]){__VA_ARGS__}) / sizeof(int64_t)))
+#define NEW(dt, dev, ...) tnew(dt, dev, NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__))
+
+static moe_tensor *tnew(moe_dtype dt, moe_device dev, int ndim, const int64_t *shape) {
+  moe_tensor *t;
+  TRY(moe_tensor_new(ctx, dt, ndim, shape, dev, &t));
+  return t;
+}
+
+static moe_tensor *view(moe_tensor *base, int64_t offset, int ndim, const int64_t *shape) {
+  moe_tensor *t;
+  TRY(moe_tensor_view(ctx, base, offset, ndim, shape, &t));
+  return t;
+}
+
+/* A CPU copy of a tensor anywhere. */
+static moe_tensor *to_cpu(const moe_tensor *t) {
+  int64_t shape[4];
+  for (int i = 0; i < moe_tensor_ndim(t); i++) shape[i] = moe_tensor_dim(t, i);
+  moe_tensor *c = tnew(moe_tensor_dtype(t), CPU, moe_tensor_ndim(t), shape);
+  TRY(moe_tensor_copy(ctx, c, t));
+  return c;
+}
+
+static uint16_t *read_bf16(const moe_tensor *t) {
+  uint16_t *p = malloc(moe_tensor_nbytes(t) + 2);
+  if (!p) {
+    printf("FAIL out of host memory\n");
+    exit(1);
+  }
+  TRY(moe_tensor_read(ctx, t, p, moe_tensor_nbytes(t)));
+  return p;
+}
+
+#if defined(__GNUC__)
+static void check(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#endif
+static void check(int ok, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  printf("%s ", ok ? "PASS" : "FAIL");
+  vprintf(fmt, ap);
+  putchar('\n');
+  va_end(ap);
+  fflush(stdout);
+  failures += !ok;
+}
+
+/* The rows [lo, hi) experts_cpu writes: offsets clamped to [0, C], running maximum. */
+static void written_rows(const int32_t *off, int EL, int64_t C, int64_t *lo, int64_t *hi) {
+  int64_t m = off[0] < 0 ? 0 : off[0] > C ? C : off[0];
+  *lo = m;
+  for (int e = 1; e <= EL; e++) {
+    int64_t v = off[e] < 0 ? 0 : off[e] > C ? C : off[e];
+    if (v > m) m = v;
+  }
+  *hi = m;
+}
+
+/* got vs ref over [C, H]: rows in [lo, hi) finite and within the bf16 tolerance, every other row
+ * untouched (NaN where ref is NaN, else the same bits). */
+static void compare(const char *name, const uint16_t *got, const uint16_t *ref, int64_t C, int64_t H, int64_t lo,
+                    int64_t hi) {
+  double maxd = 0, maxr = 0, sd = 0, sr = 0;
+  int64_t nonfinite = 0, strayed = 0, first_bad = -1;
+  for (int64_t r = 0; r < C; r++)
+    for (int64_t i = 0; i < H; i++) {
+      const int64_t k = r * H + i;
+      const float g = moe_bf16_to_f32(got[k]), f = moe_bf16_to_f32(ref[k]);
+      if (r < lo || r >= hi) {
+        if (isnan(f) ? !isnan(g) : got[k] != ref[k]) strayed++, first_bad = first_bad < 0 ? r : first_bad;
+        continue;
+      }
+      if (!isfinite(g)) {
+        nonfinite++, first_bad = first_bad < 0 ? r : first_bad;
+        continue;
+      }
+      const double d = fabs((double)g - f);
+      maxd = fmax(maxd, d), maxr = fmax(maxr, fabs(f));
+      sd += d * d, sr += (double)f * f;
+    }
+  const double rel_max = maxr > 0 ? maxd / maxr : maxd, rel_l2 = sr > 0 ? sqrt(sd / sr) : sqrt(sd);
+  const int ok = !nonfinite && !strayed && rel_max <= 2e-2 && rel_l2 <= 1e-2;
+  char where[64] = "";
+  if (first_bad >= 0) snprintf(where, sizeof where, ", first bad row %lld", (long long)first_bad);
+  check(ok, "experts [%s]: rows [%lld, %lld) of %lld, max|d|/max|ref| = %.3e, rel L2 = %.3e, non-finite %lld, "
+            "stray writes %lld%s",
+        name, (long long)lo, (long long)hi, (long long)C, rel_max, rel_l2, (long long)nonfinite, (long long)strayed, where);
+}
+
+static void offsets_of(int32_t *off, const int *sizes, int EL, int pad) {
+  off[0] = 0;
+  for (int e = 0; e < EL; e++) off[e + 1] = off[e] + (sizes[e] + pad - 1) / pad * pad;
+}
+
+typedef struct {
+  const char *name;
+  int64_t C, H, F;
+  int EL;
+  const int32_t *offsets; /* EL + 1 */
+  int inplace;            /* ys is xs */
+  int misalign;           /* xs and ys are views at odd element offsets: the element-load path */
+} ecase;
+
+static void run_case(const ecase *c, uint64_t seed) {
+  const int64_t C = c->C, H = c->H, F = c->F, EL = c->EL;
+  moe_tensor *xbase = NULL, *ybase = NULL, *xs, *ys;
+  if (c->misalign) {
+    xbase = NEW(MOE_BF16, GPU, C * H + 8), ybase = NEW(MOE_BF16, GPU, C * H + 8);
+    xs = view(xbase, 3, 2, SHAPE(C, H)), ys = view(ybase, 5, 2, SHAPE(C, H));
+    moe_tensor *x = NEW(MOE_BF16, GPU, C, H);
+    TRY(moe_tensor_randn(ctx, x, seed, 1.0f));
+    TRY(moe_tensor_copy(ctx, xs, x));
+    moe_tensor_free(x);
+  } else {
+    xs = NEW(MOE_BF16, GPU, C, H);
+    TRY(moe_tensor_randn(ctx, xs, seed, 1.0f));
+    ys = c->inplace ? xs : NEW(MOE_BF16, GPU, C, H);
+  }
+  moe_tensor *wgu = NEW(MOE_BF16, GPU, EL, 2 * F, H), *wd = NEW(MOE_BF16, GPU, EL, H, F);
+  moe_tensor *off = NEW(MOE_I32, GPU, EL + 1);
+  TRY(moe_tensor_randn(ctx, wgu, seed + 1, (float)(1 / sqrt((double)(H ? H : 1)))));
+  TRY(moe_tensor_randn(ctx, wd, seed + 2, (float)(1 / sqrt((double)(F ? F : 1)))));
+  TRY(moe_tensor_write(ctx, off, c->offsets, (size_t)(EL + 1) * sizeof(int32_t)));
+  if (!c->inplace) TRY(moe_tensor_fill(ctx, ys, NAN));
+
+  moe_tensor *xs_c = to_cpu(xs), *wgu_c = to_cpu(wgu), *wd_c = to_cpu(wd), *off_c = to_cpu(off);
+  moe_tensor *ys_c = c->inplace ? xs_c : NEW(MOE_BF16, CPU, C, H);
+  if (!c->inplace) TRY(moe_tensor_fill(ctx, ys_c, NAN));
+
+  moe_experts_args g = {.ys = ys, .xs = xs, .expert_offsets = off, .w_gate_up = wgu, .w_down = wd};
+  TRY(moe_experts(ctx, &g));
+  TRY(moe_ctx_synchronize(ctx, GPU));
+  uint16_t *got = read_bf16(ys);
+  moe_experts_args r = {.ys = ys_c, .xs = xs_c, .expert_offsets = off_c, .w_gate_up = wgu_c, .w_down = wd_c};
+  TRY(moe_experts(ctx, &r));
+  int64_t lo, hi;
+  written_rows(c->offsets, c->EL, C, &lo, &hi);
+  compare(c->name, got, moe_tensor_data(ys_c), C, H, lo, hi);
+
+  if (!c->inplace) { /* bitwise reproducible run to run */
+    TRY(moe_tensor_fill(ctx, ys, NAN));
+    TRY(moe_experts(ctx, &g));
+    TRY(moe_ctx_synchronize(ctx, GPU));
+    uint16_t *again = read_bf16(ys);
+    check(!memcmp(got, again, moe_tensor_nbytes(ys)), "experts [%s]: a second run gives the same bits", c->name);
+    free(again);
+  }
+  free(got);
+  if (!c->inplace) moe_tensor_free(ys_c), moe_tensor_free(ys);
+  moe_tensor_free(xs_c), moe_tensor_free(wgu_c), moe_tensor_free(wd_c), moe_tensor_free(off_c);
+  moe_tensor_free(xs), moe_tensor_free(wgu), moe_tensor_free(wd), moe_tensor_free(off);
+  moe_tensor_free(xbase), moe_tensor_free(ybase);
+}
+
+static void test_cases(void) {
+  enum { EL4 = 4 };
+  int32_t o1[EL4 + 1], o2[EL4 + 1], o3[EL4 + 1], o4[EL4 + 1], o5[EL4 + 1], o6[3 + 1];
+  offsets_of(o1, (const int[]){0, 2, 13, 1}, EL4, 1);
+  offsets_of(o2, (const int[]){0, 0, 300, 0}, EL4, 1);
+  offsets_of(o3, (const int[]){0, 0, 0, 0}, EL4, 1);
+  offsets_of(o4, (const int[]){129, 1, 127, 255}, EL4, 1);
+  offsets_of(o5, (const int[]){5, 0, 130, 77}, EL4, 128);
+  offsets_of(o6, (const int[]){3, 70, 1}, 3, 1);
+  /* decreasing, negative and past-C offsets: clamped running maximum, as experts_cpu */
+  static const int32_t bad[EL4 + 1] = {-5, 40, 10, 90, 1000};
+  static const int32_t late[EL4 + 1] = {7, 7, 30, 20, 45}; /* rows before the first offset untouched too */
+  int32_t o_big[2 + 1];
+  offsets_of(o_big, (const int[]){200, 312}, 2, 1);
+  /* many experts, more than one pass of the tile map's 1024 threads, most of them tiny or empty */
+  enum { ELM = 1500 };
+  static int32_t many[ELM + 1];
+  int msizes[ELM];
+  for (int e = 0; e < ELM; e++) msizes[e] = (int)((e * 2654435761u >> 7) % 5) == 0 ? 9 : (int)(e * 40503u % 3);
+  msizes[700] = 260;
+  offsets_of(many, msizes, ELM, 1);
+  int32_t o_zero[2 + 1];
+  offsets_of(o_zero, (const int[]){3, 5}, 2, 1);
+
+  const ecase cases[] = {
+      {"sizes [0, 2, 13, 1], H 256, F 128", 32, 256, 128, EL4, o1, 0, 0},
+      {"one expert holds all rows, 2 tiles + 44", 320, 256, 128, EL4, o2, 0, 0},
+      {"all experts empty", 64, 256, 128, EL4, o3, 0, 0},
+      {"odd tails: H 264, F 136, sizes [129, 1, 127, 255]", 600, 264, 136, EL4, o4, 0, 0},
+      {"pad 128: sizes [5, 0, 130, 77]", 640, 256, 128, EL4, o5, 0, 0},
+      {"H 100, F 36 (element loads)", 80, 100, 36, 3, o6, 0, 0},
+      {"misaligned views (element loads)", 32, 256, 128, EL4, o1, 0, 1},
+      {"bad offsets [-5, 40, 10, 90, 1000]", 64, 256, 128, EL4, bad, 0, 0},
+      {"offsets [7, 7, 30, 20, 45]", 64, 128, 64, EL4, late, 0, 0},
+      {"in place (ys is xs), rows past the last offset keep xs", 40, 256, 128, EL4, o1, 1, 0},
+      {"in place, offsets past C clamped", 320, 256, 128, EL4, o4, 1, 0},
+      {"1500 experts", many[ELM] + 17, 64, 32, ELM, many, 0, 0},
+      {"F 0: rows are zeros", 16, 64, 0, 2, o_zero, 0, 0},
+      {"H 7168, F 2048, 512 rows", 520, 7168, 2048, 2, o_big, 0, 0},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) run_case(&cases[i], 1000 + 17 * i);
+}
+
+/* A graph captured on offsets for sizes [2, 0, 3, 2], replayed on [0, 4, 1, 6] without recapture. */
+static void test_graph(void) {
+  enum { C = 16, H = 256, F = 128, EL = 4 };
+  moe_tensor *xs = NEW(MOE_BF16, GPU, C, H), *ys = NEW(MOE_BF16, GPU, C, H);
+  moe_tensor *wgu = NEW(MOE_BF16, GPU, EL, 2 * F, H), *wd = NEW(MOE_BF16, GPU, EL, H, F), *off = NEW(MOE_I32, GPU, EL + 1);
+  TRY(moe_tensor_randn(ctx, xs, 7, 1.0f));
+  TRY(moe_tensor_randn(ctx, wgu, 8, 0.0625f));
+  TRY(moe_tensor_randn(ctx, wd, 9, 0.088f));
+  moe_tensor *xs_c = to_cpu(xs), *wgu_c = to_cpu(wgu), *wd_c = to_cpu(wd), *off_c = NEW(MOE_I32, CPU, EL + 1);
+  moe_tensor *ys_c = NEW(MOE_BF16, CPU, C, H);
+  const int sizes[2][EL] = {{2, 0, 3, 2}, {0, 4, 1, 6}};
+  moe_experts_args g = {.ys = ys, .xs = xs, .expert_offsets = off, .w_gate_up = wgu, .w_down = wd};
+  moe_experts_args r = {.ys = ys_c, .xs = xs_c, .expert_offsets = off_c, .w_gate_up = wgu_c, .w_down = wd_c};
+  moe_graph *graph = NULL;
+  for (int pass = 0; pass < 2; pass++) {
+    int32_t o[EL + 1];
+    offsets_of(o, sizes[pass], EL, 1);
+    TRY(moe_tensor_write(ctx, off, o, sizeof o));
+    TRY(moe_tensor_write(ctx, off_c, o, sizeof o));
+    TRY(moe_tensor_fill(ctx, ys, NAN));
+    TRY(moe_tensor_fill(ctx, ys_c, NAN));
+    TRY(moe_ctx_synchronize(ctx, GPU));
+    if (pass == 0) {
+      TRY(moe_graph_begin(ctx, GPU));
+      TRY(moe_experts(ctx, &g));
+      TRY(moe_graph_end(ctx, &graph));
+    }
+    TRY(moe_graph_replay(ctx, graph));
+    TRY(moe_ctx_synchronize(ctx, GPU));
+    uint16_t *got = read_bf16(ys);
+    TRY(moe_experts(ctx, &r));
+    compare(pass ? "graph replayed on sizes [0, 4, 1, 6]" : "graph captured on sizes [2, 0, 3, 2]", got,
+            moe_tensor_data(ys_c), C, H, 0, o[EL]);
+    free(got);
+  }
+  moe_graph_free(graph);
+  moe_tensor *ts[] = {xs, ys, wgu, wd, off, xs_c, wgu_c, wd_c, off_c, ys_c};
+  for (size_t i = 0; i < sizeof ts / sizeof *ts; i++) moe_tensor_free(ts[i]);
+}
+
+static int cmp_float(const void *a, const void *b) {
+  float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+
+/* Kimi K2, one rank of EP8: 48 local experts, 57,344 rows (T = 7168 tokens x 8 routes) spread
+ * evenly, H = 7168, F = 2048.  A few rows of three experts (first rows, a tile boundary, last
+ * rows) are checked on the CPU before anything is timed. */
+static void test_kimi(void) {
+  enum { EL = 48, H = 7168, F = 2048, ROWS = 57344, C = ROWS, ITERS = 10 };
+  int32_t o[EL + 1];
+  int sizes[EL];
+  for (int e = 0; e < EL; e++) sizes[e] = ROWS / EL + (e < ROWS % EL);
+  offsets_of(o, sizes, EL, 1);
+  moe_tensor *xs = NEW(MOE_BF16, GPU, C, H), *ys = NEW(MOE_BF16, GPU, C, H);
+  moe_tensor *wgu = NEW(MOE_BF16, GPU, EL, 2 * F, H), *wd = NEW(MOE_BF16, GPU, EL, H, F), *off = NEW(MOE_I32, GPU, EL + 1);
+  TRY(moe_tensor_randn(ctx, xs, 11, 1.0f));
+  TRY(moe_tensor_randn(ctx, wgu, 12, (float)(1 / sqrt(H))));
+  TRY(moe_tensor_randn(ctx, wd, 13, (float)(1 / sqrt(F))));
+  TRY(moe_tensor_write(ctx, off, o, sizeof o));
+  TRY(moe_tensor_fill(ctx, ys, NAN));
+  moe_experts_args g = {.ys = ys, .xs = xs, .expert_offsets = off, .w_gate_up = wgu, .w_down = wd};
+  TRY(moe_experts(ctx, &g));
+  TRY(moe_ctx_synchronize(ctx, GPU));
+
+  /* spot check: experts 0, 23, 47; local rows 0, 1, 127, 128, n-2, n-1 of each */
+  enum { NE = 3, NR = 6 };
+  const int ex[NE] = {0, 23, 47};
+  moe_tensor *xs_c = NEW(MOE_BF16, CPU, NE * NR, H), *ys_c = NEW(MOE_BF16, CPU, NE * NR, H);
+  moe_tensor *got_c = NEW(MOE_BF16, CPU, NE * NR, H), *off_c = NEW(MOE_I32, CPU, NE + 1);
+  moe_tensor *wgu_c = NEW(MOE_BF16, CPU, NE, 2 * F, H), *wd_c = NEW(MOE_BF16, CPU, NE, H, F);
+  int32_t oc[NE + 1];
+  for (int i = 0; i < NE; i++) {
+    const int e = ex[i], n = sizes[e], local[NR] = {0, 1, 127, 128, n - 2, n - 1};
+    for (int j = 0; j < NR; j++) {
+      const int64_t row = o[e] + local[j], dst = (int64_t)(i * NR + j) * H;
+      moe_tensor *src = view(xs, row * H, 1, SHAPE(H)), *d = view(xs_c, dst, 1, SHAPE(H));
+      moe_tensor *ysrc = view(ys, row * H, 1, SHAPE(H)), *yd = view(got_c, dst, 1, SHAPE(H));
+      TRY(moe_tensor_copy(ctx, d, src));
+      TRY(moe_tensor_copy(ctx, yd, ysrc));
+      moe_tensor_free(src), moe_tensor_free(d), moe_tensor_free(ysrc), moe_tensor_free(yd);
+    }
+    moe_tensor *wsrc = view(wgu, (int64_t)e * 2 * F * H, 3, SHAPE(1, 2 * F, H));
+    moe_tensor *wdst = view(wgu_c, (int64_t)i * 2 * F * H, 3, SHAPE(1, 2 * F, H));
+    moe_tensor *dsrc = view(wd, (int64_t)e * H * F, 3, SHAPE(1, H, F));
+    moe_tensor *ddst = view(wd_c, (int64_t)i * H * F, 3, SHAPE(1, H, F));
+    TRY(moe_tensor_copy(ctx, wdst, wsrc));
+    TRY(moe_tensor_copy(ctx, ddst, dsrc));
+    moe_tensor_free(wsrc), moe_tensor_free(wdst), moe_tensor_free(dsrc), moe_tensor_free(ddst);
+    oc[i] = i * NR;
+  }
+  oc[NE] = NE * NR;
+  TRY(moe_tensor_write(ctx, off_c, oc, sizeof oc));
+  moe_experts_args r = {.ys = ys_c, .xs = xs_c, .expert_offsets = off_c, .w_gate_up = wgu_c, .w_down = wd_c};
+  TRY(moe_experts(ctx, &r));
+  compare("Kimi K2 shape, 18 rows of experts 0, 23, 47 vs CPU", moe_tensor_data(got_c), moe_tensor_data(ys_c),
+          NE * NR, H, 0, NE * NR);
+
+  /* timing: two warm-up runs, then ITERS back to back with an event between each (no host
+   * synchronisation in between, so nothing but the stage is on the clock), median */
+  moe_event *ev[ITERS + 1];
+  for (int i = 0; i <= ITERS; i++) TRY(moe_event_new(ctx, GPU, &ev[i]));
+  for (int i = 0; i < 2; i++) TRY(moe_experts(ctx, &g));
+  TRY(moe_event_record(ctx, ev[0]));
+  for (int i = 0; i < ITERS; i++) {
+    TRY(moe_experts(ctx, &g));
+    TRY(moe_event_record(ctx, ev[i + 1]));
+  }
+  float ms[ITERS];
+  for (int i = 0; i < ITERS; i++) TRY(moe_event_elapsed(ctx, ev[i], ev[i + 1], &ms[i]));
+  qsort(ms, ITERS, sizeof *ms, cmp_float);
+  const double med = 0.5 * (ms[ITERS / 2 - 1] + ms[ITERS / 2]);
+  const double flops = (double)ROWS * (2.0 * 2 * F * H + 2.0 * H * F);
+  printf("TIME experts, Kimi K2 rank of EP8 (EL %d, %d rows, H %d, F %d): median %.3f ms (min %.3f, max %.3f) = %.1f "
+         "TFLOP/s (H200 dense bf16 peak: 989)\n",
+         EL, ROWS, H, F, med, ms[0], ms[ITERS - 1], flops / (med * 1e-3) / 1e12);
+  check(med > 0, "experts timing produced a time");
+  for (int i = 0; i <= ITERS; i++) moe_event_free(ev[i]);
+  moe_tensor *ts[] = {xs, ys, wgu, wd, off, xs_c, ys_c, got_c, off_c, wgu_c, wd_c};
+  for (size_t i = 0; i < sizeof ts / sizeof *ts; i++) moe_tensor_free(ts[i]);
+}
+
+int main(void) {
+  if (moe_ctx_open(&ctx) != MOE_OK) {
+    printf("FAIL cannot open a context\n");
+    return 1;
+  }
+  int n = 0;
+  if (moe_device_count(ctx, MOE_CUDA, &n) != MOE_OK || n == 0) {
+    printf("SKIP: no GPU\n");
+    moe_ctx_close(ctx);
+    return 77;
+  }
+  test_cases();
+  test_graph();
+  test_kimi();
+  moe_ctx_close(ctx);
+  printf("%s: test_experts_gpu, %d failure%s\n", failures ? "FAIL" : "PASS", failures, failures == 1 ? "" : "s");
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,234 @@
+-- The layer (stages composed over a simulated world of W ranks) against the dense reference of
+-- DESIGN.md, for every model preset at small H and F (real E and K), both layouts, pads 1 and
+-- 128, with DESIGN.md's bf16 tolerances (moe.check.close defaults).
+local S = require "support"
+
+local H, F = 32, 16 -- hidden and expert FFN width of the small layers
+
+local function preset_names()
+  local names = {}
+  for name in pairs(moe.models) do names[#names + 1] = name end
+  table.sort(names)
+  return names
+end
+
+local function small_layer(model, dev, o)
+  local m = type(model) == "string" and moe.models[model] or model
+  local opts = { model = model, world = 8, tokens = 4, hidden = H, ffn = F,
+    shared_ffn = (m.shared_ffn or 0) > 0 and F or nil, device = dev, seed = 1 }
+  for k, v in pairs(o or {}) do opts[k] = v end
+  return moe.layer(opts)
+end
+
+local function input(layer, seed)
+  return moe.randn({ layer.world, layer.tokens, layer.hidden }, { seed = seed or 2, dtype = "bf16",
+    device = layer.device })
+end
+
+-- The dense reference of x.  On a GPU the router's logits (a GEMM) may differ from the CPU's in
+-- the last bits, which may flip a near-tie: there the reference takes the routing the forward
+-- chose (the route stage itself is held to the CPU's ids in route_spec.lua).
+local function reference(layer, x)
+  return layer:reference(x, layer.device ~= "cpu" and { routing = "forward" } or nil)
+end
+
+-- The routing of the last forward with every route that got no row (dropped) masked to -1:
+-- what the layer's output must equal.  Returns ids i32 [W, T, K] on the CPU and the count.
+local function surviving_ids(layer)
+  local W, T, K, EL = layer.world, layer.tokens, layer.k, layer.local_experts
+  local ids = layer.ids:flat()
+  local rows = {}
+  for r = 1, W do rows[r] = layer.schedules[r].route_row:flat() end
+  local dropped = 0
+  for i = 1, W * T * K do
+    local id = ids[i]
+    if id >= 0 and rows[id // EL + 1][i] < 0 then
+      ids[i] = -1
+      dropped = dropped + 1
+    end
+  end
+  return S.tensor(ids, "i32", { W, T, K }), dropped
+end
+
+-- logits f32 [W*T, E] that route every token to the experts listed (the first gets the most)
+local function logits_to(layer, experts)
+  local N, E = layer.world * layer.tokens, layer.experts
+  local flat = {}
+  for n = 0, N - 1 do
+    for e = 0, E - 1 do flat[n * E + e + 1] = -4 + (n + e) % 3 * 0.01 end
+    for j, e in ipairs(experts) do flat[n * E + e + 1] = 8 - 0.5 * j end
+  end
+  return S.tensor(flat, "f32", { N, E }, layer.device)
+end
+
+for _, dev in ipairs(ALL_DEVICES) do
+  describe("layer [" .. device_tag(dev) .. "]", function()
+    if skip_without(dev) then return end
+
+    describe("every preset against the dense reference", function()
+      for _, name in ipairs(preset_names()) do
+        it(name .. ", both layouts, pads 1 and 128", function()
+          local first
+          for _, layout in ipairs { "roundrobin", "peer_major" } do
+            for _, pad in ipairs { 1, 128 } do
+              local layer = small_layer(name, dev, { layout = layout, pad = pad })
+              assert.are.equal(moe.models[name].experts, layer.experts)
+              assert.are.equal(moe.models[name].k, layer.k)
+              local x = input(layer)
+              local out = layer:forward(x)
+              assert.close(out, reference(layer, x))
+              local st = layer:stats()
+              assert.are.equal(8 * 4 * layer.k, st.routes)
+              assert.are.equal(0, st.dropped)
+              if pad == 128 then assert.are.equal(0, st.rows_used % 128) end
+              -- a row's result does not depend on the rows it is grouped with (lib/mlp.h), and
+              -- combine's order is fixed: the layouts and pads agree bit for bit on the CPU
+              if dev == "cpu" then
+                first = first or out:to("cpu")
+                assert.tensor_equal(out, first, string.format("%s pad %d vs roundrobin pad 1", layout, pad))
+              end
+            end
+          end
+        end)
+      end
+    end)
+
+    it("is the same on every run", function()
+      local layer = small_layer("deepseek_v3", dev)
+      local x = input(layer)
+      local a = layer:forward(x):to("cpu")
+      local b = layer:forward(x):to("cpu")
+      assert.tensor_equal(b, a)
+    end)
+
+    describe("skewed routing", function()
+      it("with given logits sending every token to the same experts (rank 0's)", function()
+        local layer = small_layer("kimi_k2", dev, { capacity = 8 * 4 * 8 })
+        local x = input(layer)
+        local logits = logits_to(layer, { 0, 1, 2, 3, 4, 5, 6, 7 })
+        local out = layer:forward(x, { logits = logits })
+        assert.close(out, layer:reference(x, { logits = logits }))
+        local st = layer:stats()
+        assert.are.equal(8 * 4 * 8, st.ranks[1].routes)
+        for r = 2, 8 do assert.are.equal(0, st.ranks[r].routes) end
+      end)
+      it("with top-1 and every token on one expert", function()
+        local model = { name = "one", experts = 16, k = 1, hidden = H, ffn = F, scoring = "softmax" }
+        for _, layout in ipairs { "roundrobin", "peer_major" } do
+          local layer = small_layer(model, dev, { world = 4, tokens = 300, pad = 8, layout = layout,
+            capacity = 1200 })
+          local x = input(layer)
+          local logits = logits_to(layer, { 13 })
+          local out = layer:forward(x, { logits = logits })
+          assert.close(out, layer:reference(x, { logits = logits }))
+          local st = layer:stats()
+          assert.are.equal(1200, st.loads[14])
+          assert.are.equal(1200, st.max_load)
+        end
+      end)
+      it("with given ids and weights, masked routes included", function()
+        local layer = small_layer("qwen3_235b", dev)
+        local x = input(layer)
+        local ids, w = {}, {}
+        for i = 0, 8 * 4 * 8 - 1 do
+          ids[i + 1] = (i % 5 == 0) and -1 or (i * 37) % 128
+          w[i + 1] = 0.125 + (i % 3) * 0.0625
+        end
+        local it_, wt = S.tensor(ids, "i32", { 8, 4, 8 }, dev), S.tensor(w, "f32", { 8, 4, 8 }, dev)
+        local out = layer:forward(x, { ids = it_, weights = wt })
+        assert.close(out, layer:reference(x, { ids = it_, weights = wt }))
+      end)
+    end)
+
+    describe("the shared expert", function()
+      it("on and off, each against its reference, and it matters", function()
+        local on = small_layer("kimi_k2", dev)
+        local off = small_layer("kimi_k2", dev, { shared = false })
+        assert.are.equal(F, on.shared_ffn)
+        assert.are.equal(0, off.shared_ffn)
+        local x = input(on)
+        local a = on:forward(x):to("cpu")
+        assert.close(a, reference(on, x))
+        local b = off:forward(x):to("cpu")
+        assert.close(b, reference(off, x))
+        assert.is_false(pcall(moe.check.close, a, b), "the shared expert changed nothing")
+      end)
+      it("added to a model without one (shared = true)", function()
+        local layer = small_layer("qwen3_235b", dev, { shared = true })
+        assert.are.equal(F, layer.shared_ffn)
+        local x = input(layer)
+        assert.close(layer:forward(x), reference(layer, x))
+      end)
+      it("sigmoid-gated (qwen3_5_397b), and the gate matters", function()
+        local gated = small_layer("qwen3_5_397b", dev)
+        local plain = small_layer("qwen3_5_397b", dev, { shared_gate = false })
+        assert.is_truthy(gated.gate)
+        assert.is_falsy(plain.gate)
+        local x = input(gated)
+        local a = gated:forward(x):to("cpu")
+        assert.close(a, reference(gated, x))
+        local b = plain:forward(x):to("cpu")
+        assert.close(b, reference(plain, x))
+        assert.is_false(pcall(moe.check.close, a, b), "the gate changed nothing")
+      end)
+    end)
+
+    describe("capacity", function()
+      it("expert_capacity drops routes, and the rest match the reference without them", function()
+        local layer = small_layer("glm5", dev, { expert_capacity = 1 })
+        local x = input(layer)
+        local logits = logits_to(layer, { 0, 1, 2, 3, 40, 41, 42, 43 })
+        local out = layer:forward(x, { logits = logits })
+        local ids, dropped = surviving_ids(layer)
+        assert.are.equal(layer:stats().dropped, dropped)
+        assert.are.equal(8 * 4 * 8 - 8, dropped) -- one route per expert survives
+        assert.close(out, layer:reference(x, { ids = ids, weights = layer.weights }))
+      end)
+      it("overflow raises by default", function()
+        local layer = small_layer("kimi_k2", dev, { capacity = 10 })
+        local x = input(layer)
+        local ok, err = pcall(layer.forward, layer, x)
+        assert.is_false(ok)
+        assert.truthy(tostring(err):find("capacity overflow on rank %d+: the routes need %d+ rows, capacity is 10"), err)
+      end)
+      it("overflow = 'drop' drops, and the rest match the reference without the dropped routes", function()
+        for _, layout in ipairs { "roundrobin", "peer_major" } do
+          local layer = small_layer("kimi_k2", dev, { capacity = 40, overflow = "drop", layout = layout, pad = 8 })
+          local x = input(layer)
+          local out = layer:forward(x, { logits = logits_to(layer, { 0, 1, 2, 3, 4, 5, 6, 7 }) })
+          local st = layer:stats()
+          assert.is_true(st.dropped > 0)
+          local ids, dropped = surviving_ids(layer)
+          assert.are.equal(st.dropped, dropped)
+          assert.are.equal(8 * 4 * 8 - 40, dropped)
+          assert.close(out, layer:reference(x, { ids = ids, weights = layer.weights }))
+        end
+      end)
+    end)
+
+    if dev ~= "cpu" then
+      it("is close to the CPU layer given the same routing", function()
+        for _, name in ipairs { "kimi_k2", "qwen3_5_397b" } do
+          local cpu = small_layer(name, "cpu", { pad = 128 })
+          local gpu = small_layer(name, dev, { pad = 128 })
+          local x = input(cpu)
+          cpu:forward(x)
+          local a = cpu.out:to("cpu")
+          local ids, w = cpu.ids:to(dev), cpu.weights:to(dev)
+          local b = gpu:forward(x:to(dev), { ids = ids, weights = w }):to("cpu")
+          assert.close(b, a)
+        end
+      end)
+    end
+
+    it("NaN router logits raise, naming the token and rank", function()
+      local layer = small_layer("qwen3_235b", dev)
+      local x = input(layer)
+      local flat = moe.zeros({ 8 * 4, 128 }):flat()
+      flat[(4 * 5 + 2) * 128 + 7] = 0 / 0 -- token 2 of rank 5
+      local ok, err = pcall(layer.forward, layer, x, { logits = S.tensor(flat, "f32", { 32, 128 }, dev) })
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find("the first is token 2 of rank 5", 1, true), err)
+    end)
+  end)
+end

@@ -1,0 +1,68 @@
+-- Small helpers shared by the suites (plain Lua, no busted): rounding to the tensor dtypes as
+-- the library defines them, seeded random draws, tensors from flat tables.  Not a suite itself
+-- (no _spec in the name); the suites `require "support"`.
+local support = {}
+
+-- x rounded to the nearest f32 (round to nearest even: the C cast of a double).
+function support.f32(x)
+  return (string.unpack("<f", string.pack("<f", x)))
+end
+
+-- The bits of x as an f32, and back.
+local function f32_bits(x) return (string.unpack("<I4", string.pack("<f", x))) end
+local function from_f32_bits(u) return (string.unpack("<f", string.pack("<I4", u))) end
+
+-- x rounded to bf16 the way the library does it: to f32 first, then to the nearest bf16, ties to
+-- even; NaN stays NaN.  Written from the definition of round-to-nearest-even on the bits.
+function support.bf16(x)
+  if x ~= x then return x end
+  local u = f32_bits(x)
+  if (u & 0x7f800000) == 0x7f800000 then return from_f32_bits(u) end -- inf stays inf
+  local low = u & 0xffff
+  local hi = u >> 16
+  if low > 0x8000 or (low == 0x8000 and (hi & 1) == 1) then hi = hi + 1 end
+  return from_f32_bits((hi << 16) & 0xffffffff)
+end
+
+-- An integer in [a, b] from math.random (seeded by the caller).
+function support.int(a, b) return math.random(a, b) end
+function support.pick(list) return list[math.random(1, #list)] end
+function support.chance(p) return math.random() < p end
+
+-- A flat table of n copies of v.
+function support.filled(n, v)
+  local t = {}
+  for i = 1, n do t[i] = v end
+  return t
+end
+
+-- A tensor of dtype and shape on dev from a flat Lua table.
+function support.tensor(flat, dtype, shape, dev)
+  return moe.tensor(flat, { dtype = dtype, shape = shape, device = dev or "cpu" })
+end
+
+-- The flat contents of t read from any device.
+function support.flat(t) return t:flat() end
+
+-- "a=1 b=2" of the listed fields of t, for test names.
+function support.describe(t, fields)
+  local s = {}
+  for _, f in ipairs(fields) do s[#s + 1] = f .. "=" .. tostring(t[f]) end
+  return table.concat(s, " ")
+end
+
+-- Asserts |got[i] - ref[i]| <= rtol * |ref[i]| + atol for every i (flat tables), with the first
+-- offender in the message.
+function support.assert_near(got, ref, rtol, atol, what)
+  assert(#got == #ref, string.format("%s: %d values, expected %d", what or "values", #got, #ref))
+  for i = 1, #ref do
+    local g, r = got[i], ref[i]
+    if not (math.abs(g - r) <= rtol * math.abs(r) + atol) then
+      error(string.format("%s: at %d got %.9g, expected %.9g (|diff| %.3g > %.3g)", what or "values", i, g, r,
+        math.abs(g - r), rtol * math.abs(r) + atol), 2)
+    end
+  end
+  return true
+end
+
+return support
