@@ -7,13 +7,18 @@
 #include "internal.h"
 
 // Records "<stage>: <call> failed at file:line: cudaErrorName: text" in ctx and returns
-// MOE_ERR_CUDA from the enclosing function.
+// MOE_ERR_CUDA from the enclosing function.  The runtime keeps a failed call's error as the
+// thread's "last error" until cudaGetLastError reads it; reading it here keeps a handled
+// failure (an allocation that did not fit, say) from being reported again by the next
+// MOE_CUDA_LAUNCHED of an unrelated, successful launch.
 #define MOE_CUDA_TRY(ctx, stage, call)                                                            \
   do {                                                                                            \
     cudaError_t err_ = (call);                                                                    \
-    if (err_ != cudaSuccess)                                                                      \
+    if (err_ != cudaSuccess) {                                                                    \
+      (void)cudaGetLastError();                                                                   \
       return moe_seterr((ctx), MOE_ERR_CUDA, "%s: %s failed at %s:%d: %s: %s", (stage), #call,     \
                         __FILE__, __LINE__, cudaGetErrorName(err_), cudaGetErrorString(err_));    \
+    }                                                                                             \
   } while (0)
 
 // After a launch: the launch error (bad configuration, no kernel image for this GPU).

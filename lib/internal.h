@@ -24,6 +24,13 @@ struct moe_ctx {
   int stream_device; /* the device the owned stream belongs to */
   int capturing;     /* inside moe_graph_begin/end: nothing may synchronise */
   char errmsg[1024];
+  /* Device scratch of the CUDA stages (cuda_scratch_get, kernels/schedule.cu): the current block,
+   * and the blocks it replaced, kept until close because graphs captured earlier still use them. */
+  void *scratch;
+  size_t scratch_bytes;
+  int scratch_device;
+  void *scratch_stream; /* the stream it was last handed out for */
+  void *scratch_old;    /* retired blocks, a list private to kernels/schedule.cu */
 };
 
 struct moe_event {
@@ -54,13 +61,21 @@ int moe_check_same_device(moe_ctx *ctx, const char *stage, moe_device dev,
 
 static inline int moe_on_cpu(const moe_tensor *t) { return t->device.kind == MOE_CPU; }
 
-/* bf16 helpers usable from C and CUDA host code. */
-static inline float bf16_to_f32(uint16_t h) {
+/* The helpers below are compiled for the GPU too when a .cu file includes this header, so
+ * that the kernels compute the same bits as the CPU from the same source. */
+#if defined(__CUDACC__)
+#define MOE_HOSTDEV __host__ __device__
+#else
+#define MOE_HOSTDEV
+#endif
+
+/* bf16 helpers usable from C and CUDA code. */
+static inline MOE_HOSTDEV float bf16_to_f32(uint16_t h) {
   union { uint32_t u; float f; } v;
   v.u = (uint32_t)h << 16;
   return v.f;
 }
-static inline uint16_t f32_to_bf16(float f) {
+static inline MOE_HOSTDEV uint16_t f32_to_bf16(float f) {
   union { uint32_t u; float f; } v;
   v.f = f;
   if ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x007fffffu)) return (uint16_t)((v.u >> 16) | 0x40);
@@ -70,12 +85,12 @@ static inline uint16_t f32_to_bf16(float f) {
 
 /* The randn hash: element i of seed s -> four 16-bit uniforms summed.  Shared by the CPU fill
  * and the CUDA fill so that both give the same bits. */
-static inline uint64_t moe_mix64(uint64_t z) {
+static inline MOE_HOSTDEV uint64_t moe_mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
 }
-static inline int32_t moe_randn_units(uint64_t seed, uint64_t i) {
+static inline MOE_HOSTDEV int32_t moe_randn_units(uint64_t seed, uint64_t i) {
   uint64_t r = moe_mix64(moe_mix64(seed + 0x9e3779b97f4a7c15ull) ^ (i * 0xd1b54a32d192ed03ull));
   int32_t s = (int32_t)(r & 0xffff) + (int32_t)((r >> 16) & 0xffff) + (int32_t)((r >> 32) & 0xffff) +
               (int32_t)(r >> 48);
@@ -114,11 +129,27 @@ int cuda_fill(moe_ctx *ctx, moe_tensor *t, double value);
 int cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std);
 int route_cuda(moe_ctx *ctx, const moe_route_args *a);
 int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a);
+/* The scheduler this one replaced (one block per (local expert, source rank), scanning that
+ * rank's routes twice): roundrobin only, kept as the benchmark baseline and a second opinion. */
+int schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a);
 int dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a);
 int experts_cuda(moe_ctx *ctx, const moe_experts_args *a);
 int logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
 int sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);
 int combine_cuda(moe_ctx *ctx, const moe_combine_args *a);
+
+/* Device scratch owned by the context, for stages that need memory beyond their outputs.
+ * cuda_scratch_get hands out at least nbytes on device, valid in the order of stream (a
+ * cudaStream_t).  Its first MOE_SCRATCH_HEADER bytes are zero when first handed out, and kernels
+ * that use them as self-resetting counters leave them zero.  Outside a graph capture it is the
+ * context's block, reused by later calls on the same stream (*owned = 0); inside a capture, or
+ * where that block cannot serve, it is a stream-ordered allocation of this call alone (*owned =
+ * 1), given back by cuda_scratch_done after its last use has been issued.  So a captured graph
+ * stays valid as long as the context that captured it is open. */
+enum { MOE_SCRATCH_HEADER = 256 };
+int cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t nbytes, void **out, int *owned);
+int cuda_scratch_done(moe_ctx *ctx, void *stream, void *p, int owned);
+void cuda_scratch_release(moe_ctx *ctx); /* at close: frees every block */
 
 #ifdef __cplusplus
 }

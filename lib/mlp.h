@@ -10,6 +10,7 @@
 #ifndef MOELAB_MLP_H
 #define MOELAB_MLP_H
 
+#include "route_math.h"
 #include <math.h>
 #include <stdint.h>
 
@@ -37,6 +38,7 @@ void mlp_swiglu(float *const y[MLP_ROWS], const float *const x[MLP_ROWS], int nr
 /* silu(g) = g / (1 + e^-g) and sigmoid(z) = 1 / (1 + e^-z), in f32.  Large negative inputs
  * give e^-g = inf, hence -0 and 0 rather than NaN. */
 static inline float mlp_silu(float g) { return g / (1.0f + expf(-g)); }
-static inline float mlp_sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
+/* the routers' sigmoid (route_math.h), so the gate is the same bits on the CPU and the GPU */
+static inline float mlp_sigmoid(float z) { return moe_rm_sigmoid(z); }
 
 #endif

@@ -167,6 +167,10 @@ typedef struct moe_schedule_args {
   int layout;                    /* moe_layout */
 } moe_schedule_args;
 MOE_API int moe_schedule(moe_ctx *ctx, const moe_schedule_args *a);
+/* The scheduler moelab's CUDA one replaced (one block per (local expert, source rank)), kept as
+ * a benchmark baseline: same arguments and results, roundrobin only, GPU only
+ * (MOE_ERR_UNSUPPORTED otherwise). */
+MOE_API int moe_schedule_legacy(moe_ctx *ctx, const moe_schedule_args *a);
 
 /* ---- 3. dispatch: x bf16 [W, T, H] -> xs bf16 [C, H] ---- */
 typedef struct moe_dispatch_args {

@@ -58,6 +58,8 @@ int cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
 }
 int route_cuda(moe_ctx *ctx, const moe_route_args *a) { (void)a; return NO_CUDA("route"); }
 int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) { (void)a; return NO_CUDA("schedule"); }
+int schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a) { (void)a; return NO_CUDA("schedule_legacy"); }
+void cuda_scratch_release(moe_ctx *ctx) { (void)ctx; }
 int dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a) { (void)a; return NO_CUDA("dispatch"); }
 int experts_cuda(moe_ctx *ctx, const moe_experts_args *a) { (void)a; return NO_CUDA("experts"); }
 int logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {

@@ -25,7 +25,8 @@ static int overlap(const moe_tensor *x, const moe_tensor *y) {
   return a < b + moe_tensor_nbytes(y) && b < a + moe_tensor_nbytes(x);
 }
 
-int moe_schedule(moe_ctx *ctx, const moe_schedule_args *a) {
+/* The argument checks of moe_schedule, shared with moe_schedule_legacy. */
+static int schedule_check(moe_ctx *ctx, const moe_schedule_args *a) {
   if (!a) return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": arguments are NULL");
   int rc;
   if ((rc = moe_check_tensor(ctx, STAGE, "ids", a->ids, MOE_I32, 3, NULL))) return rc;
@@ -75,6 +76,12 @@ int moe_schedule(moe_ctx *ctx, const moe_schedule_args *a) {
         return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": %s and %s share memory; outputs must not overlap other arguments",
                           names[i], names[j]);
 
+  return MOE_OK;
+}
+
+int moe_schedule(moe_ctx *ctx, const moe_schedule_args *a) {
+  int rc = schedule_check(ctx, a);
+  if (rc) return rc;
   return moe_on_cpu(a->ids) ? schedule_cpu(ctx, a) : schedule_cuda(ctx, a);
 }
 
@@ -228,4 +235,17 @@ int schedule_cpu(moe_ctx *ctx, const moe_schedule_args *a) {
   }
   free(s.cnt), free(s.start), free(s.cursor), free(s.bucket), free(s.base), free(s.active);
   return rc;
+}
+
+/* The scheduler the CUDA one replaced, for benchmarks and as a second opinion: the same
+ * checks, then kernels/schedule_legacy.cu.  GPU and roundrobin only. */
+int moe_schedule_legacy(moe_ctx *ctx, const moe_schedule_args *a) {
+  int rc = schedule_check(ctx, a);
+  if (rc) return rc;
+  if (moe_on_cpu(a->ids))
+    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "schedule_legacy: runs on a GPU only; the tensors are on the CPU");
+  if (a->layout != MOE_LAYOUT_ROUNDROBIN)
+    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "schedule_legacy: only the roundrobin layout (%d) is implemented, got %d",
+                      MOE_LAYOUT_ROUNDROBIN, a->layout);
+  return schedule_legacy_cuda(ctx, a);
 }

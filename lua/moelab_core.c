@@ -747,10 +747,11 @@ static int l_route(lua_State *L) {
   return 0;
 }
 
-static int l_schedule(lua_State *L) {
+/* core.schedule{...} and core.schedule_legacy{...} (the benchmark baseline) take the same fields. */
+static int schedule_call(lua_State *L, const char *name, int (*run)(moe_ctx *, const moe_schedule_args *)) {
   static const char *const layouts[] = {"roundrobin", "peer_major", NULL};
   moe_ctx *ctx = getctx(L);
-  Args A = args_open(L, "schedule");
+  Args A = args_open(L, name);
   moe_schedule_args a;
   memset(&a, 0, sizeof a);
   a.peer_rank = tensor_field(&A, "peer_rank", REQUIRED);
@@ -768,10 +769,13 @@ static int l_schedule(lua_State *L) {
   a.expert_capacity = int_field(&A, "expert_capacity", OPTIONAL, -1);
   a.layout = option_field(&A, "layout", layouts, "'roundrobin' or 'peer_major'") == 0 ? MOE_LAYOUT_ROUNDROBIN
                                                                                      : MOE_LAYOUT_PEER_MAJOR;
-  int rc = moe_schedule(ctx, &a);
+  int rc = run(ctx, &a);
   if (rc) return fail(L, ctx, rc);
   return 0;
 }
+
+static int l_schedule(lua_State *L) { return schedule_call(L, "schedule", moe_schedule); }
+static int l_schedule_legacy(lua_State *L) { return schedule_call(L, "schedule_legacy", moe_schedule_legacy); }
 
 static int l_dispatch(lua_State *L) {
   moe_ctx *ctx = getctx(L);
@@ -1048,6 +1052,7 @@ static const luaL_Reg module_funcs[] = {
   {"synchronize", l_synchronize},
   {"route", l_route},
   {"schedule", l_schedule},
+  {"schedule_legacy", l_schedule_legacy},
   {"dispatch", l_dispatch},
   {"experts", l_experts},
   {"logits", l_logits},

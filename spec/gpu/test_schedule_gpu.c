@@ -5,7 +5,8 @@
  * write past an output's end (past capacity, say) shows as a mismatch.  A few cases run from a
  * captured CUDA graph, replayed on changed routings.  Then the two kernels are timed.
  *
- *   test_schedule_gpu [--quick]     --quick: skip the cases over 200,000 routes and the timing
+ *   test_schedule_gpu [--quick] [--max-routes N]
+ *     --quick: skip the cases over 200,000 routes, and the timing; --max-routes: skip those over N
  *
  * Exit status: 0 all passed, 1 a failure, 77 no GPU (skipped), 2 a setup error. */
 #include <limits.h>
@@ -19,6 +20,7 @@
 static moe_ctx *ctx;
 static const moe_device CPU = {MOE_CPU, 0}, GPU = {MOE_CUDA, 0};
 static int passed, failed, quick;
+static long long max_routes = -1;
 
 #define SENTINEL 0x3c3c3c3c /* never a row, route, count or stat of these cases */
 #define GUARD 97            /* elements of sentinel after every GPU output */
@@ -223,7 +225,7 @@ static void describe(char *buf, size_t len, const spec *s, int capacity) {
 
 static void run_case(const spec *s) {
   const long long routes = (long long)s->w * s->t * s->k;
-  if (quick && routes > 200000) return;
+  if (max_routes >= 0 && routes > max_routes) return;
   rng = s->seed;
   int32_t *host_ids = make_ids(s);
   const int capacity = capacity_for(s, rows_needed(s, host_ids));
@@ -565,9 +567,10 @@ static void timing(int t, float target_us) {
 
 int main(int argc, char **argv) {
   for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--quick")) quick = 1;
+    if (!strcmp(argv[i], "--quick")) quick = 1, max_routes = max_routes < 0 ? 200000 : max_routes;
+    else if (!strcmp(argv[i], "--max-routes") && i + 1 < argc) max_routes = atoll(argv[++i]);
     else {
-      fprintf(stderr, "usage: %s [--quick]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--quick] [--max-routes N]\n", argv[0]);
       return 2;
     }
   }

@@ -1,0 +1,422 @@
+// experts.cu -- stage 4 on the GPU: the SwiGLU MLP of every local expert over its rows.
+//
+// Three launches on the context's stream, all sized from the capacity C alone so that a CUDA
+// graph captured once stays right whatever offsets the schedule writes later:
+//
+//   tile_map   one block turns expert_offsets (read on the device) into a list of row tiles,
+//              each inside one expert: {expert, first row, end of the expert's rows}.  An
+//              expert of n rows gets ceil(n / 128) tiles, so a tile never mixes experts and
+//              never computes rows of a neighbour; the list has at most ceil(C/128) + min(EL, C)
+//              entries, and the GEMM grids cover that bound (blocks past the real count exit).
+//   gate_up    h [C, F] = bf16(silu(xs . W_gate^T) * (xs . W_up^T)): a block's B tile holds
+//              64 gate rows f0.. and the 64 up rows F+f0.., so both accumulators of an output
+//              element live in the same thread and SwiGLU is applied in the epilogue.
+//   down       ys [C, H] = h . W_down^T.
+//
+// The GEMM is the Ampere-style "simple but right" one: 128x128x64 block tiles, 8 warps of
+// 64x32, bf16 mma.sync.m16n8k16 with f32 accumulators, operands staged by cp.async three stages
+// deep in XOR-swizzled shared memory read with ldmatrix, the output tile staged in shared
+// memory and written with 16-byte stores.  (The Hopper wgmma/TMA kernel is a later step.)
+//
+// Rows: expert e owns [m_e, m_{e+1}) with m the running maximum of the offsets clamped to
+// [0, C], exactly as experts_cpu reads them, so bad offsets neither stray out of bounds nor
+// write a row twice.  Rows outside every segment are neither read nor written, so ys may be
+// xs itself (the down pass reads only h).
+//
+// Sizes: any H and F.  When H and F are multiples of 8 and every tensor is 16-byte aligned
+// (always true of whole tensors), operands move as 16-byte cp.async; otherwise (odd sizes, a
+// view at an odd offset) the same kernels load element by element: slower, same bits.
+// The intermediate h lives in scratch taken with cudaMallocAsync on the stream and given back
+// with cudaFreeAsync after the last launch (both are captured as graph memory nodes).
+#include <limits.h>
+#include <stdint.h>
+
+#include "common.cuh"
+
+namespace {
+
+constexpr int BM = 128;               // rows per tile
+constexpr int BN = 128;               // B rows per tile: down: 128 outputs; gate_up: 64 gate + 64 up
+constexpr int BK = 64;                // k per stage: 128 bytes per smem row, 8 chunks of 16 bytes
+constexpr int STAGES = 3;
+constexpr int THREADS = 256;          // 8 warps: 2 along rows x 4 along B rows, 64x32 each
+constexpr int GROUP_M = 8;            // row tiles per raster group (L2 reuse of W and xs)
+constexpr int MAP_THREADS = 1024;
+constexpr int A_BYTES = BM * BK * 2;
+constexpr int B_BYTES = BN * BK * 2;
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES; // 96 KiB: two blocks per SM
+constexpr int LOADS = BM * BK / 8 / THREADS;     // 16-byte chunks per thread per operand
+
+enum { GATE_UP = 0, DOWN = 1 };
+
+static_assert(BM == BN && LOADS * THREADS * 8 == BM * BK, "loader covers the tiles");
+
+template <int MODE> struct Shape {
+  static constexpr int OUT_N = MODE == GATE_UP ? BN / 2 : BN; // output columns per tile
+  static constexpr int OUT_LD = OUT_N + 8;                    // staging row, padded off the banks
+};
+static_assert(BM * Shape<DOWN>::OUT_LD * 2 <= SMEM_BYTES, "output staging fits");
+
+// ---- small PTX wrappers ----
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes from global to shared; src_bytes = 0 fills zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void mma_bf16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Byte offset of 16-byte chunk ch of tile row r: rows are 128 bytes, chunks XOR-swizzled by
+// r & 7 so that both the cp.async writes and the ldmatrix reads of 8 rows hit 8 distinct bank groups.
+__device__ __forceinline__ int swz(int r, int ch) { return r * (BK * 2) + ((ch ^ (r & 7)) << 4); }
+
+// ---- warp and block scans for the tile map (1024 threads) ----
+
+template <bool MAX> __device__ __forceinline__ int combine2(int a, int b) { return MAX ? max(a, b) : a + b; }
+
+// Inclusive scan of v over the block; *total gets the block's reduction.  s holds 32 ints.
+template <bool MAX> __device__ int block_scan(int v, int *s, int *total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int o = 1; o < 32; o <<= 1) {
+    int t = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v = combine2<MAX>(v, t);
+  }
+  if (lane == 31) s[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    int w = s[lane];
+    for (int o = 1; o < 32; o <<= 1) {
+      int t = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w = combine2<MAX>(w, t);
+    }
+    s[lane] = w;
+  }
+  __syncthreads();
+  if (warp > 0) v = combine2<MAX>(v, s[warp - 1]);
+  *total = s[31];
+  __syncthreads(); // s is reused by the next scan
+  return v;
+}
+
+__device__ __forceinline__ int clamp_row(int v, int C) { return v < 0 ? 0 : v > C ? C : v; }
+
+// map[t] = {expert, first row, end of the expert's rows, 0} for t < tiles, {-1, 0, 0, 0} after.
+// start/lo/hi are scratch of EL + 1, EL, EL ints.
+__global__ void __launch_bounds__(MAP_THREADS) tile_map_kernel(int4 *map, int *start, int *lo, int *hi,
+                                                                const int *offsets, int EL, int C, int tmax) {
+  __shared__ int s[32];
+  int carry_m = 0, carry_t = 0;
+  for (int base = 0; base < EL; base += MAP_THREADS) {
+    const int e = base + (int)threadIdx.x;
+    const int own = e < EL ? clamp_row(offsets[e], C) : 0;
+    const int next = e < EL ? clamp_row(offsets[e + 1], C) : 0;
+    int tot;
+    const int m = max(carry_m, block_scan<true>(own, s, &tot)); // m_e: running maximum through e
+    carry_m = max(carry_m, tot);
+    const int end = max(m, next);                                // m_{e+1}
+    const int tiles = e < EL ? (end - m + BM - 1) / BM : 0;
+    const int first = carry_t + block_scan<false>(tiles, s, &tot) - tiles;
+    carry_t += tot;
+    if (e < EL) start[e] = first, lo[e] = m, hi[e] = end;
+  }
+  if (threadIdx.x == 0) start[EL] = carry_t;
+  __syncthreads(); // start/lo/hi written by other threads of this block are visible after this
+  const int total = carry_t;
+  for (int t = (int)threadIdx.x; t < tmax; t += MAP_THREADS) {
+    int4 v = make_int4(-1, 0, 0, 0);
+    if (t < total) {
+      // the last expert whose first tile is <= t; it is not empty since start[e + 1] > t
+      int a = 0, b = EL - 1;
+      while (a < b) {
+        int mid = (a + b + 1) >> 1;
+        if (start[mid] <= t) a = mid;
+        else b = mid - 1;
+      }
+      v = make_int4(a, lo[a] + (t - start[a]) * BM, hi[a], 0);
+    }
+    map[t] = v;
+  }
+}
+
+// ---- the grouped GEMM ----
+//
+// out[row, n] for rows of one map tile and n in one column tile, K-contiguous operands:
+//   A   [C, K]     rows of the tile (xs for gate_up, h for down)
+//   W   [EL, *, K] the tile's expert: gate_up reads rows n and F + n, down reads row n
+//   out [C, N]     N = F (h) for gate_up, H (ys) for down
+template <int MODE, bool VEC>
+__global__ void __launch_bounds__(THREADS, VEC ? 2 : 1)
+    experts_gemm_kernel(uint16_t *out, const uint16_t *A, const uint16_t *W, const int4 *map, int tmax, int ntn,
+                        int K, int N, long long w_expert) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int OUT_N = Shape<MODE>::OUT_N, OUT_LD = Shape<MODE>::OUT_LD;
+
+  // Raster: groups of GROUP_M row tiles; inside a group the row tile varies fastest, so the
+  // blocks resident together read the same W column tile of their expert and the same few A
+  // row tiles, from L2 rather than from memory.
+  const int bid = (int)blockIdx.x;
+  const int group = bid / (GROUP_M * ntn), first = group * GROUP_M;
+  const int gm = min(tmax - first, GROUP_M), local = bid - group * GROUP_M * ntn;
+  const int tm = first + local % gm, tn = local / gm;
+
+  const int4 tile = map[tm];
+  if (tile.x < 0) return; // past the last tile: the whole block leaves together
+  const int row0 = tile.y, rows = min(tile.z - row0, BM);
+  const uint16_t *Wexp = W + (long long)tile.x * w_expert;
+  const int n0 = tn * OUT_N;
+
+  const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / 4, wn = warp % 4;
+
+  // Loader: thread tid moves chunk (tid & 7) of tile rows tid/8 + 32i, i < LOADS, of A and B.
+  // Row i's source is base + i * step (+ the up half's offset for gate_up's B rows 64..127);
+  // recomputed per stage rather than kept as LOADS pointers, which the registers cannot spare.
+  const int lch = tid & 7, lrow = tid >> 3;
+  const long long step = 32ll * K;
+  const uint16_t *a_base = A + (long long)(row0 + lrow) * K;
+  const uint16_t *b_base = Wexp + (long long)(n0 + lrow) * K;
+  unsigned a_ok = 0, b_ok = 0;
+#pragma unroll
+  for (int i = 0; i < LOADS; i++) {
+    const int r = lrow + 32 * i;
+    a_ok |= (unsigned)(r < rows) << i;
+    b_ok |= (unsigned)(n0 + (MODE == GATE_UP ? r & (BN / 2 - 1) : r) < N) << i;
+  }
+  // B row i: gate_up: i = 0, 1 gate rows n0 + lrow + 32i, i = 2, 3 the same rows of the up half
+  auto b_row_off = [&](int i) -> long long {
+    return MODE == GATE_UP ? (i & 1) * step + (i >> 1) * (long long)N * K : i * step;
+  };
+  const uint32_t sbase = smem_u32(smem);
+  const int st_off = swz(lrow, lch); // (32i rows further keep the same swizzle)
+
+  auto load_stage = [&](int slot, int kt) {
+    const int k = kt * BK + lch * 8;
+    const uint32_t sa = sbase + slot * STAGE_BYTES + st_off, sb = sa + A_BYTES;
+#pragma unroll
+    for (int i = 0; i < LOADS; i++) {
+      const bool aok = (a_ok >> i) & 1, bok = (b_ok >> i) & 1;
+      const uint16_t *pa = a_base + i * step + k, *pb = b_base + b_row_off(i) + k;
+      if (VEC) { // K % 8 == 0: a chunk is all in or all out
+        const bool kin = k < K;
+        cp_async16(sa + i * 32 * (BK * 2), aok && kin ? pa : A, aok && kin ? 16 : 0);
+        cp_async16(sb + i * 32 * (BK * 2), bok && kin ? pb : W, bok && kin ? 16 : 0);
+      } else {
+        uint32_t va[4], vb[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          const int k0 = k + 2 * j;
+          uint32_t lo = aok && k0 < K ? pa[2 * j] : 0u, hi = aok && k0 + 1 < K ? pa[2 * j + 1] : 0u;
+          va[j] = lo | hi << 16;
+          lo = bok && k0 < K ? pb[2 * j] : 0u, hi = bok && k0 + 1 < K ? pb[2 * j + 1] : 0u;
+          vb[j] = lo | hi << 16;
+        }
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(sa + i * 32 * (BK * 2)), "r"(va[0]),
+                     "r"(va[1]), "r"(va[2]), "r"(va[3]) : "memory");
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(sb + i * 32 * (BK * 2)), "r"(vb[0]),
+                     "r"(vb[1]), "r"(vb[2]), "r"(vb[3]) : "memory");
+      }
+    }
+  };
+
+  // ldmatrix addressing.  A (m16 x k16 of mma tile mi): lane l gives row l & 15, chunk l >> 4.
+  // B (two n8 x k16 tiles of pair p): lane l gives row 8 (l >> 4) + (l & 7), chunk (l >> 3) & 1.
+  // Tile rows are multiples of 8 apart, so the swizzle term is lane & 7 throughout.
+  // B rows of pair p: gate_up: p = 0 the gate rows wn*16.., p = 1 the up rows 64 + wn*16..;
+  // down: rows wn*32 + 16p...
+  constexpr int B_PAIR = MODE == GATE_UP ? BN / 2 : 16;
+  const int a_row = wm * 64 + (lane & 15);
+  const int b_row = (MODE == GATE_UP ? wn * 16 : wn * 32) + ((lane >> 4) << 3) + (lane & 7);
+
+  float acc[4][4][4];
+#pragma unroll
+  for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int q = 0; q < 4; q++) acc[mi][j][q] = 0.f;
+
+  const int KT = (K + BK - 1) / BK;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; s++) {
+    if (s < KT) load_stage(s, s);
+    cp_async_commit();
+  }
+
+  for (int kt = 0; kt < KT; kt++) {
+    cp_async_wait<STAGES - 2>(); // this thread's copies of stage kt have landed
+    __syncthreads();             // everyone's have, and everyone is done with stage kt - 1
+    const int nk = kt + STAGES - 1;
+    if (nk < KT) load_stage(nk % STAGES, nk);
+    cp_async_commit();
+
+    const uint32_t sa = sbase + (kt % STAGES) * STAGE_BYTES, sb = sa + A_BYTES;
+#pragma unroll
+    for (int ks = 0; ks < BK / 16; ks++) {
+      uint32_t af[4][4], bfr[2][4];
+#pragma unroll
+      for (int mi = 0; mi < 4; mi++) ldsm_x4(af[mi], sa + swz(a_row + mi * 16, 2 * ks + (lane >> 4)));
+#pragma unroll
+      for (int p = 0; p < 2; p++) ldsm_x4(bfr[p], sb + swz(b_row + p * B_PAIR, 2 * ks + ((lane >> 3) & 1)));
+#pragma unroll
+      for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) mma_bf16(acc[mi][j], af[mi], bfr[j >> 1][(j & 1) * 2], bfr[j >> 1][(j & 1) * 2 + 1]);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads(); // the pipeline's shared memory becomes the output staging tile
+
+  // Accumulator (mi, j), element q: row wm*64 + 16mi + (lane >> 2) + 8(q >> 1), B row of pair
+  // j >> 1, column 8(j & 1) + 2(lane & 3) + (q & 1) inside it.
+  __nv_bfloat16 *so = reinterpret_cast<__nv_bfloat16 *>(smem);
+#pragma unroll
+  for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const int r = wm * 64 + mi * 16 + (lane >> 2) + half * 8;
+      if (MODE == GATE_UP) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+          const int c = wn * 16 + j * 8 + (lane & 3) * 2;
+          float h[2];
+#pragma unroll
+          for (int q = 0; q < 2; q++) {
+            const float g = acc[mi][j][half * 2 + q], u = acc[mi][j + 2][half * 2 + q];
+            h[q] = g / (1.0f + expf(-g)) * u; // silu(g) * u, as mlp_silu
+          }
+          *reinterpret_cast<__nv_bfloat162 *>(so + r * OUT_LD + c) = __floats2bfloat162_rn(h[0], h[1]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          const int c = wn * 32 + j * 8 + (lane & 3) * 2;
+          *reinterpret_cast<__nv_bfloat162 *>(so + r * OUT_LD + c) =
+              __floats2bfloat162_rn(acc[mi][j][half * 2], acc[mi][j][half * 2 + 1]);
+        }
+      }
+    }
+  __syncthreads();
+
+  constexpr int CPR = OUT_N / 8; // 16-byte chunks per output row
+  const uint16_t *so16 = reinterpret_cast<const uint16_t *>(smem);
+#pragma unroll
+  for (int c = tid; c < BM * CPR; c += THREADS) {
+    const int r = c / CPR, col = n0 + (c % CPR) * 8;
+    if (r >= rows) continue;
+    uint16_t *dst = out + (long long)(row0 + r) * N + col;
+    const uint16_t *src = so16 + r * OUT_LD + (c % CPR) * 8;
+    if (VEC) { // N % 8 == 0
+      if (col < N) *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(src);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; j++)
+        if (col + j < N) dst[j] = src[j];
+    }
+  }
+}
+
+template <int MODE, bool VEC>
+cudaError_t launch_gemm(cudaStream_t stream, uint16_t *out, const uint16_t *A, const uint16_t *W, const int4 *map,
+                        int tmax, int ntn, int K, int N, long long w_expert) {
+  auto kernel = experts_gemm_kernel<MODE, VEC>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  if (err != cudaSuccess) return err;
+  kernel<<<(unsigned)((long long)tmax * ntn), THREADS, SMEM_BYTES, stream>>>(out, A, W, map, tmax, ntn, K, N, w_expert);
+  return cudaGetLastError();
+}
+
+bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+} // namespace
+
+int experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
+  static const char *stage = "experts";
+  const long long C = a->xs->shape[0], H = a->xs->shape[1];
+  const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
+  // Rows, columns and tile indices are ints on the device; one tile row past C must fit too.
+  const long long lim = 1ll << 30;
+  if (C >= lim || H >= lim || F >= lim || EL >= lim)
+    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+                      "experts: the CUDA kernels take C, H, F and EL below 2^30, got C = %lld, H = %lld, F = %lld, EL = %lld",
+                      C, H, F, EL);
+  cudaStream_t stream;
+  int rc = cuda_ctx_stream(ctx, a->xs->device.index, &stream);
+  if (rc) return rc;
+  if (C == 0 || H == 0 || EL == 0) return moe_ok(ctx); // no row of ys to write
+
+  const long long tmax = (C + BM - 1) / BM + (EL < C ? EL : C);
+  const long long ntn_gu = (F + BN / 2 - 1) / (BN / 2), ntn_dn = (H + BN - 1) / BN;
+  if (tmax * (ntn_gu > ntn_dn ? ntn_gu : ntn_dn) > INT_MAX)
+    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts: C = %lld, H = %lld, F = %lld need more than 2^31 blocks",
+                      C, H, F);
+
+  // scratch: map [tmax] int4, start [EL + 1], lo [EL], hi [EL] ints, then h [C, F] bf16
+  const size_t map_bytes = ((size_t)tmax * sizeof(int4) + (size_t)(3 * EL + 1) * sizeof(int) + 255) & ~(size_t)255;
+  const size_t h_bytes = (size_t)C * (size_t)F * 2;
+  void *scratch = NULL;
+  cudaError_t err = cudaMallocAsync(&scratch, map_bytes + h_bytes, stream);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError(); // not sticky: leave no stale error for the next launch check
+    return moe_seterr(ctx, MOE_ERR_NOMEM, "experts: cannot allocate %zu bytes of device scratch on cuda:%d",
+                      map_bytes + h_bytes, a->xs->device.index);
+  }
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return moe_seterr(ctx, MOE_ERR_CUDA, "%s: cudaMallocAsync(scratch, %zu bytes) failed at %s:%d: %s: %s", stage,
+                      map_bytes + h_bytes, __FILE__, __LINE__, cudaGetErrorName(err), cudaGetErrorString(err));
+  }
+  int4 *map = (int4 *)scratch;
+  int *start = (int *)(map + tmax), *lo = start + EL + 1, *hi = lo + EL;
+  uint16_t *h = (uint16_t *)((char *)scratch + map_bytes);
+
+  const uint16_t *xs = (const uint16_t *)a->xs->data, *wgu = (const uint16_t *)a->w_gate_up->data;
+  const uint16_t *wdn = (const uint16_t *)a->w_down->data;
+  uint16_t *ys = (uint16_t *)a->ys->data;
+  const bool vec = H % 8 == 0 && F % 8 == 0 && aligned16(xs) && aligned16(ys) && aligned16(wgu) && aligned16(wdn);
+
+  const char *what = "tile_map_kernel launch";
+  tile_map_kernel<<<1, MAP_THREADS, 0, stream>>>(map, start, lo, hi, (const int *)a->expert_offsets->data, (int)EL,
+                                                 (int)C, (int)tmax);
+  err = cudaGetLastError();
+  if (err == cudaSuccess && F > 0) {
+    what = "gate_up launch";
+    err = vec ? launch_gemm<GATE_UP, true>(stream, h, xs, wgu, map, (int)tmax, (int)ntn_gu, (int)H, (int)F, 2 * F * H)
+              : launch_gemm<GATE_UP, false>(stream, h, xs, wgu, map, (int)tmax, (int)ntn_gu, (int)H, (int)F, 2 * F * H);
+  }
+  // F = 0 leaves h empty: the down pass sums nothing and writes zeros, as experts_cpu does.
+  if (err == cudaSuccess) {
+    what = "down launch";
+    err = vec ? launch_gemm<DOWN, true>(stream, ys, h, wdn, map, (int)tmax, (int)ntn_dn, (int)F, (int)H, H * F)
+              : launch_gemm<DOWN, false>(stream, ys, h, wdn, map, (int)tmax, (int)ntn_dn, (int)F, (int)H, H * F);
+  }
+  // Given back after the launches on the same stream, so the kernels are done with it first;
+  // on a failed launch it is given back all the same.
+  cudaError_t ferr = cudaFreeAsync(scratch, stream);
+  if (err == cudaSuccess && ferr != cudaSuccess) what = "cudaFreeAsync(scratch)", err = ferr;
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError(); // reported here, not again by the next stage's launch check
+    return moe_seterr(ctx, MOE_ERR_CUDA, "%s: %s failed at %s:%d: %s: %s", stage, what, __FILE__, __LINE__,
+                      cudaGetErrorName(err), cudaGetErrorString(err));
+  }
+  return moe_ok(ctx);
+}

@@ -1,0 +1,353 @@
+// runtime.cu -- the CUDA side of the core: devices, the context's stream, memory, copies,
+// fill and randn, graphs and events.  lib/nocuda.c stands in for this file in a build
+// without CUDA.
+#include <stdlib.h>
+#include <string.h>
+
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "common.cuh"
+
+static void capture_started(void);
+static void capture_ended(void);
+
+// ---- devices and the context's stream ----
+
+int cuda_device_count(int *count) {
+  int n = 0;
+  cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    // no driver, no device, a driver older than the runtime: all mean "no usable GPU" here
+    (void)cudaGetLastError();
+    n = 0;
+  }
+  *count = n;
+  return MOE_OK;
+}
+
+int cuda_ctx_stream(moe_ctx *ctx, int device, cudaStream_t *out) {
+  if (!ctx) return MOE_ERR_ARG; // the stream lives in the context: there must be one
+  MOE_CUDA_TRY(ctx, "stream", cudaSetDevice(device));
+  if (ctx->stream && ctx->owns_stream && ctx->stream_device != device) {
+    // A stream belongs to one device.  Outside a capture the context moves to the device now
+    // in use; its old stream is drained first so that nothing issued on it is outrun.
+    if (ctx->capturing)
+      return moe_seterr(ctx, MOE_ERR_ARG, "stream: a graph is being captured on cuda:%d, not on cuda:%d",
+                        ctx->stream_device, device);
+    int old = ctx->stream_device;
+    cudaStream_t s = (cudaStream_t)ctx->stream;
+    ctx->stream = NULL;
+    ctx->owns_stream = 0;
+    MOE_CUDA_TRY(ctx, "stream", cudaSetDevice(old));
+    cudaError_t err = cudaStreamSynchronize(s);
+    (void)cudaStreamDestroy(s);
+    MOE_CUDA_TRY(ctx, "stream", err);
+    MOE_CUDA_TRY(ctx, "stream", cudaSetDevice(device));
+  }
+  if (!ctx->stream) {
+    cudaStream_t s;
+    MOE_CUDA_TRY(ctx, "stream", cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    ctx->stream = s;
+    ctx->owns_stream = 1;
+    ctx->stream_device = device;
+  }
+  *out = (cudaStream_t)ctx->stream;
+  return MOE_OK;
+}
+
+void cuda_ctx_release(moe_ctx *ctx) {
+  if (!ctx || !ctx->owns_stream || !ctx->stream) {
+    if (ctx) ctx->owns_stream = 0;
+    return;
+  }
+  cudaStream_t s = (cudaStream_t)ctx->stream;
+  if (cudaSetDevice(ctx->stream_device) == cudaSuccess) {
+    if (ctx->capturing) {
+      // closed in the middle of a capture: end it, so that the stream can be destroyed
+      cudaGraph_t g = NULL;
+      if (cudaStreamEndCapture(s, &g) == cudaSuccess && g) (void)cudaGraphDestroy(g);
+      capture_ended();
+    }
+    (void)cudaStreamDestroy(s);
+  }
+  (void)cudaGetLastError();
+  ctx->capturing = 0;
+  ctx->stream = NULL;
+  ctx->owns_stream = 0;
+}
+
+// ---- memory ----
+
+int cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out) {
+  *out = NULL;
+  MOE_CUDA_TRY(ctx, "tensor", cudaSetDevice(device));
+  // cudaMalloc is one of the calls that a thread-local capture forbids (it would invalidate
+  // the graph); relaxed mode lets a tensor be made while a capture is under way.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  if (ctx && ctx->capturing) MOE_CUDA_TRY(ctx, "tensor", cudaThreadExchangeStreamCaptureMode(&mode));
+  void *p = NULL;
+  cudaError_t err = cudaMalloc(&p, nbytes);
+  if (ctx && ctx->capturing) (void)cudaThreadExchangeStreamCaptureMode(&mode);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    return moe_seterr(ctx, MOE_ERR_NOMEM, "tensor: out of memory on cuda:%d (%zu bytes asked)", device, nbytes);
+  }
+  MOE_CUDA_TRY(ctx, "tensor", err);
+  *out = p;
+  return MOE_OK;
+}
+
+// Frees run from destructors (Lua's __gc) at any moment, also in the middle of a graph
+// capture, where cudaFree (it synchronises the device) could invalidate the capture.  So while
+// any capture is under way, frees are only noted, and done by the first free after the last
+// capture has ended.
+static std::mutex free_lock;
+static int captures;                                 // captures under way, under free_lock
+static std::vector<std::pair<int, void *>> deferred; // (device, pointer), under free_lock
+
+static void free_now(int device, void *p) {
+  int cur = -1;
+  if (cudaGetDevice(&cur) != cudaSuccess) cur = -1;
+  if (cudaSetDevice(device) == cudaSuccess) (void)cudaFree(p);
+  if (cur >= 0 && cur != device) (void)cudaSetDevice(cur);
+  (void)cudaGetLastError();
+}
+
+static void capture_started(void) {
+  std::lock_guard<std::mutex> hold(free_lock);
+  captures++;
+}
+
+static void capture_ended(void) {
+  std::lock_guard<std::mutex> hold(free_lock);
+  if (captures > 0) captures--;
+}
+
+// Never fails visibly.
+void cuda_free(int device, void *p) {
+  std::vector<std::pair<int, void *>> todo;
+  {
+    std::lock_guard<std::mutex> hold(free_lock);
+    if (captures > 0) {
+      try {
+        if (p) deferred.emplace_back(device, p);
+        return;
+      } catch (...) {
+        // no memory to remember it: free it now after all, below
+      }
+    } else {
+      todo.swap(deferred);
+    }
+  }
+  for (auto &d : todo) free_now(d.first, d.second);
+  if (p) free_now(device, p);
+}
+
+int cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src_dev, const void *src, size_t nbytes) {
+  if (!nbytes) return moe_ok(ctx);
+  const int dst_gpu = dst_dev.kind == MOE_CUDA, src_gpu = src_dev.kind == MOE_CUDA;
+  if (!ctx) return MOE_ERR_ARG;
+  if (ctx->capturing && !(dst_gpu && src_gpu))
+    return moe_seterr(ctx, MOE_ERR_ARG, "copy: not allowed during graph capture (%s)",
+                      dst_gpu ? "host to device" : "device to host");
+  cudaStream_t s;
+  int rc = cuda_ctx_stream(ctx, dst_gpu ? dst_dev.index : src_dev.index, &s);
+  if (rc) return rc;
+  // cudaMemcpyDefault: unified addressing tells host from device memory and one GPU from another
+  MOE_CUDA_TRY(ctx, "copy", cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, s));
+  // Ordered after the stages issued before it on the stream; the host sees the data on return.
+  // Inside a capture the device-to-device copy is a node of the graph, nothing to wait for.
+  if (!ctx->capturing) MOE_CUDA_TRY(ctx, "copy", cudaStreamSynchronize(s));
+  return moe_ok(ctx);
+}
+
+int cuda_synchronize(moe_ctx *ctx, int device) {
+  if (!ctx) return MOE_ERR_ARG;
+  if (ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "synchronize: not allowed during graph capture");
+  cudaStream_t s;
+  int rc = cuda_ctx_stream(ctx, device, &s);
+  if (rc) return rc;
+  MOE_CUDA_TRY(ctx, "synchronize", cudaStreamSynchronize(s));
+  return moe_ok(ctx);
+}
+
+// ---- fill and randn ----
+
+// Grid-stride loops over n elements; the grid is capped, each thread takes several elements.
+static int grid_for(int64_t n, int threads) {
+  int64_t blocks = (n + threads - 1) / threads;
+  if (blocks > 65536) blocks = 65536;
+  return blocks < 1 ? 1 : (int)blocks;
+}
+
+// The value's bits were made on the host exactly as moe_tensor_fill makes them on the CPU
+// (the same double -> float -> bf16 conversions), so the GPU only stores them.
+template <typename T>
+__global__ void fill_kernel(T *__restrict__ p, int64_t n, T v) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    p[i] = v;
+}
+
+int cuda_fill(moe_ctx *ctx, moe_tensor *t, double value) {
+  if (!t->numel) return moe_ok(ctx);
+  cudaStream_t s;
+  int rc = cuda_ctx_stream(ctx, t->device.index, &s);
+  if (rc) return rc;
+  const int threads = 256;
+  const int blocks = grid_for(t->numel, threads);
+  if (t->dtype == MOE_F32) {
+    float v = (float)value;
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    fill_kernel<uint32_t><<<blocks, threads, 0, s>>>((uint32_t *)t->data, t->numel, bits);
+  } else if (t->dtype == MOE_BF16) {
+    fill_kernel<uint16_t><<<blocks, threads, 0, s>>>((uint16_t *)t->data, t->numel, f32_to_bf16((float)value));
+  } else {
+    fill_kernel<int32_t><<<blocks, threads, 0, s>>>((int32_t *)t->data, t->numel, (int32_t)value);
+  }
+  MOE_CUDA_LAUNCHED(ctx, "fill");
+  return moe_ok(ctx);
+}
+
+// moe_tensor_randn's loop, element for element: the integer hash, an exact int -> float
+// conversion (|units| <= 131070), then two separately rounded multiplies (__fmul_rn is never
+// contracted into an FMA), then the same round-to-nearest-even to bf16.
+template <int BF16>
+__global__ void randn_kernel(void *__restrict__ p, int64_t n, uint64_t seed, float std) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    float unit = __fmul_rn(__int2float_rn(moe_randn_units(seed, (uint64_t)i)), MOE_RANDN_UNIT);
+    float v = __fmul_rn(unit, std);
+    if (BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+  }
+}
+
+int cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
+  if (t->dtype != MOE_F32 && t->dtype != MOE_BF16)
+    return moe_seterr(ctx, MOE_ERR_ARG, "randn: dtype must be f32 or bf16, got %s", moe_dtype_name(t->dtype));
+  if (!t->numel) return moe_ok(ctx);
+  cudaStream_t s;
+  int rc = cuda_ctx_stream(ctx, t->device.index, &s);
+  if (rc) return rc;
+  const int threads = 256;
+  const int blocks = grid_for(t->numel, threads);
+  if (t->dtype == MOE_BF16) randn_kernel<1><<<blocks, threads, 0, s>>>(t->data, t->numel, seed, std);
+  else randn_kernel<0><<<blocks, threads, 0, s>>>(t->data, t->numel, seed, std);
+  MOE_CUDA_LAUNCHED(ctx, "randn");
+  return moe_ok(ctx);
+}
+
+// ---- graphs ----
+
+struct moe_graph {
+  cudaGraph_t g;
+  cudaGraphExec_t exec;
+  int device;
+};
+
+int cuda_graph_begin(moe_ctx *ctx, int device) {
+  cudaStream_t s;
+  int rc = cuda_ctx_stream(ctx, device, &s);
+  if (rc) return rc;
+  // thread-local: calls from this thread that would break the capture fail at once, while
+  // other threads are left alone
+  MOE_CUDA_TRY(ctx, "graph", cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  ctx->capturing = 1;
+  capture_started();
+  return moe_ok(ctx);
+}
+
+int cuda_graph_end(moe_ctx *ctx, moe_graph **out) {
+  *out = NULL;
+  cudaStream_t s = (cudaStream_t)ctx->stream;
+  int device = ctx->stream_device;
+  if (!ctx->owns_stream && cudaStreamGetDevice(s, &device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (cudaGetDevice(&device) != cudaSuccess) device = 0;
+  }
+  cudaGraph_t g = NULL;
+  cudaError_t err = cudaStreamEndCapture(s, &g);
+  ctx->capturing = 0; // the capture is over whether or not it produced a graph
+  capture_ended();
+  cuda_free(0, NULL); // the frees held back during the capture
+  if (err != cudaSuccess && g) (void)cudaGraphDestroy(g);
+  MOE_CUDA_TRY(ctx, "graph", err);
+  cudaGraphExec_t exec = NULL;
+  err = cudaGraphInstantiate(&exec, g, 0);
+  if (err != cudaSuccess) (void)cudaGraphDestroy(g);
+  MOE_CUDA_TRY(ctx, "graph", err);
+  moe_graph *graph = (moe_graph *)malloc(sizeof *graph);
+  if (!graph) {
+    (void)cudaGraphExecDestroy(exec);
+    (void)cudaGraphDestroy(g);
+    return moe_seterr(ctx, MOE_ERR_NOMEM, "graph: out of host memory");
+  }
+  graph->g = g;
+  graph->exec = exec;
+  graph->device = device;
+  *out = graph;
+  return moe_ok(ctx);
+}
+
+int cuda_graph_replay(moe_ctx *ctx, moe_graph *graph) {
+  cudaStream_t s;
+  int rc = cuda_ctx_stream(ctx, graph->device, &s);
+  if (rc) return rc;
+  MOE_CUDA_TRY(ctx, "graph", cudaGraphLaunch(graph->exec, s));
+  return moe_ok(ctx);
+}
+
+void cuda_graph_free(moe_graph *graph) {
+  if (!graph) return;
+  int cur = -1;
+  if (cudaGetDevice(&cur) != cudaSuccess) cur = -1;
+  if (cudaSetDevice(graph->device) == cudaSuccess) {
+    if (graph->exec) (void)cudaGraphExecDestroy(graph->exec);
+    if (graph->g) (void)cudaGraphDestroy(graph->g);
+  }
+  if (cur >= 0 && cur != graph->device) (void)cudaSetDevice(cur);
+  (void)cudaGetLastError();
+  free(graph);
+}
+
+// ---- events ----
+
+int cuda_event_new(moe_ctx *ctx, int device, void **event) {
+  *event = NULL;
+  MOE_CUDA_TRY(ctx, "event", cudaSetDevice(device));
+  cudaEvent_t e;
+  MOE_CUDA_TRY(ctx, "event", cudaEventCreate(&e));
+  *event = e;
+  return MOE_OK;
+}
+
+int cuda_event_record(moe_ctx *ctx, void *event) {
+  if (!ctx) return MOE_ERR_ARG;
+  // An event recorded inside a capture becomes part of the graph's dependencies, not a time
+  // stamp: time replays by recording around them.
+  if (ctx->capturing)
+    return moe_seterr(ctx, MOE_ERR_ARG, "event: cannot record during a graph capture (record around the replay)");
+  cudaStream_t s = (cudaStream_t)ctx->stream;
+  if (!s) {
+    int device = 0;
+    MOE_CUDA_TRY(ctx, "event", cudaGetDevice(&device));
+    int rc = cuda_ctx_stream(ctx, device, &s);
+    if (rc) return rc;
+  }
+  MOE_CUDA_TRY(ctx, "event", cudaEventRecord((cudaEvent_t)event, s));
+  return moe_ok(ctx);
+}
+
+int cuda_event_elapsed(moe_ctx *ctx, void *start, void *stop, float *ms) {
+  if (ctx && ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "event: cannot wait for an event during a graph capture");
+  MOE_CUDA_TRY(ctx, "event", cudaEventSynchronize((cudaEvent_t)stop));
+  MOE_CUDA_TRY(ctx, "event", cudaEventElapsedTime(ms, (cudaEvent_t)start, (cudaEvent_t)stop));
+  return moe_ok(ctx);
+}
+
+void cuda_event_free(void *event) {
+  if (event) (void)cudaEventDestroy((cudaEvent_t)event);
+  (void)cudaGetLastError();
+}

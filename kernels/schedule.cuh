@@ -1,0 +1,104 @@
+// schedule.cuh -- device helpers shared by the scheduler (schedule.cu) and its predecessor kept
+// as a baseline (schedule_legacy.cu): block-wide scans and reductions, programmatic dependent
+// launch, and the segment arithmetic of DESIGN.md section 2 that both must compute alike.
+#pragma once
+
+#include <stdint.h>
+
+#include "common.cuh"
+
+#define MOE_FULL_MASK 0xffffffffu
+
+// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream
+// serialisation may start while the kernel before it still runs; it must wait before it reads
+// what that kernel writes.  Without the launch attribute the wait returns at once.
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// Block-wide collectives: every thread of the block calls them (blockDim.x a multiple of 32);
+// sh is __shared__ room for 32 values, reusable right after the call returns.
+template <typename T> __device__ __forceinline__ T warp_inclusive_scan(T v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T t = __shfl_up_sync(MOE_FULL_MASK, v, o);
+    if (lane >= o) v += t;
+  }
+  return v;
+}
+
+// Exclusive prefix of v over the threads in order; *total gets the sum over the block.
+template <typename T> __device__ T block_exclusive_scan(T v, T *total, T *sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const T inc = warp_inclusive_scan(v);
+  __syncthreads(); // sh may still be read by a previous call
+  if (lane == 31) sh[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    const T s = warp_inclusive_scan(lane < nwarps ? sh[lane] : T(0));
+    sh[lane] = s;
+  }
+  __syncthreads();
+  *total = sh[nwarps - 1];
+  return (warp ? sh[warp - 1] : T(0)) + inc - v;
+}
+
+template <typename T> __device__ T block_sum(T v, T *sh) {
+  T total;
+  block_exclusive_scan(v, &total, sh);
+  return total;
+}
+
+__device__ __forceinline__ int block_min(int v, int *sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v = min(v, __shfl_xor_sync(MOE_FULL_MASK, v, o));
+  __syncthreads();
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  int m = sh[0];
+  for (int w = 1; w < nwarps; w++) m = min(m, sh[w]);
+  return m;
+}
+
+// An expert's segment (DESIGN.md 2): n_e = sum_p c[e][p], capped by expert_capacity when that is
+// set (>= 0); its padded size is roundup(n_e, pad), 0 when empty.
+__device__ __forceinline__ int segment_routes(int raw, int expert_capacity) {
+  return expert_capacity >= 0 && raw > expert_capacity ? expert_capacity : raw;
+}
+__device__ __forceinline__ long long segment_padded(int n, int pad) {
+  return n > 0 ? ((long long)n + pad - 1) / pad * pad : 0;
+}
+// Routes of a segment starting at base that get a row under capacity C: rows >= C are never used.
+__device__ __forceinline__ int segment_kept(int n, long long base, int capacity) {
+  const long long room = (long long)capacity - base;
+  return room <= 0 ? 0 : (int)(room < n ? room : n);
+}
+
+// Roundrobin position inside expert e's segment of the route with ordinal j from source rank p:
+// sum_q min(c[e][q], j) + #{q < p : c[e][q] > j}, with c = c[e][0..world) in shared memory, or
+// in global memory written by an earlier kernel (read through L2: kGlobal).
+template <bool kGlobal> __device__ __forceinline__ int roundrobin_position(const int32_t *c, int world, int p, int j) {
+  int pos = 0;
+  for (int q = 0; q < world; q++) {
+    const int cq = kGlobal ? __ldcg(c + q) : c[q];
+    pos += min(cq, j) + (q < p && cq > j);
+  }
+  return pos;
+}
+
+// out[e] = sum_{q < qend} c[e * world + q] for e < n, c in global memory written by an earlier
+// kernel or block.  Groups of g lanes (a power of two <= 32) take one expert each, so that the
+// loads of a block are in flight together whether world is 8 or 4,096.  Every thread calls it.
+template <typename Store>
+__device__ void sum_over_ranks(const int32_t *c, int world, int qend, int n, int g, Store store) {
+  const int sub = threadIdx.x & (g - 1), group = threadIdx.x / g, groups = blockDim.x / g;
+  for (int e0 = 0; e0 < n; e0 += groups) {
+    const int e = e0 + group;
+    int a = 0;
+    if (e < n)
+      for (int q = sub; q < qend; q += g) a += __ldcg(c + (size_t)e * world + q);
+    for (int o = g >> 1; o; o >>= 1) a += __shfl_xor_sync(MOE_FULL_MASK, a, o);
+    if (e < n && sub == 0) store(e, a);
+  }
+}
