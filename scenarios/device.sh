@@ -5,6 +5,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/moelab-out}
 mkdir -p "$out"
+export LUA_CPATH="./build/?.so;${LUA_CPATH:-;}"
 steps=${*:-build programs specs kimi scheduler}
 declare -A result
 run() { # name, limit in seconds, command...

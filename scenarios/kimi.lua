@@ -24,6 +24,7 @@ local opts = cli.parse(arg, {
   { "device", "string", device, "cpu or cuda:N" },
   { "capacity", "integer", nil, "rows per rank (default: twice the mean plus one pad per expert)" },
   { "seed", "integer", 1, "seed of the weights and inputs" },
+  { "sample", "integer", 8, "on a GPU: tokens of each rank checked against the CPU reference" },
   { "json", "string", nil, "also write the report as JSON to this file" },
 }, "lua scenarios/kimi.lua: one Kimi K2 MoE layer, expert parallel, checked and timed")
 
@@ -41,7 +42,7 @@ local stats = layer:stats()
 -- sample of tokens of each rank against the routing the GPU chose, and that routing against
 -- the CPU router run on the GPU's own logits, id for id.
 local t0 = moe.core.now()
-local sample = not small and 16 or nil
+local sample = not small and opts.sample or nil
 local metrics = layer:check(x, { sample = sample, raise = false })
 local ref_ms = (moe.core.now() - t0) * 1e3
 local rtol, l2tol = metrics.rtol, metrics.l2
@@ -60,9 +61,12 @@ local times = {}
 local iters = small and 3 or 20
 for _ = 1, iters do
   layer:forward(x)
+  local t = layer:stage_times()
   for _, s in ipairs(stages) do
-    times[s] = times[s] or {}
-    table.insert(times[s], layer.times[s] or 0)
+    if t[s] then
+      times[s] = times[s] or {}
+      table.insert(times[s], t[s])
+    end
   end
 end
 local function median(list)
@@ -72,22 +76,46 @@ local function median(list)
   return n % 2 == 1 and l[(n + 1) // 2] or (l[n // 2] + l[n // 2 + 1]) / 2
 end
 
+-- The whole pass as one CUDA graph, replayed on the same input (routing recomputed each time).
+local graph_ms
+if not small then
+  local g = layer:capture(x)
+  g:replay()
+  g:check()
+  graph_ms = moe.bench(function() g:replay() end, { warmup = 2, iters = iters, device = opts.device }).median_ms
+end
+
+-- Work per stage, for rates beside the ceilings measured on an H200 (METHOD.md): copy
+-- ~4.3 TB/s (bytes read + written), dense bf16 ~790 TFLOP/s.
+local rows = stats.rows_used
+local work = {
+  experts = { flop = rows * 6.0 * H * F },
+  shared = { flop = W * T * 6.0 * H * F },
+  dispatch = { bytes = rows * H * 2.0 * 2 },
+  combine = { bytes = (stats.routes + W * T * 2) * H * 2.0 },
+}
+
 -- The real shape, scheduled: 7,168 tokens on each of 8 ranks, router-like logits.
 local real = { W = 8, T = 7168, E = model.experts, K = model.k }
 do
   local N = real.W * real.T
   local logits = moe.randn({ N, real.E }, { seed = opts.seed * 31 + 5, std = 1.5, device = opts.device })
   local bias = moe.randn({ real.E }, { seed = opts.seed * 31 + 6, std = 0.005, device = opts.device })
-  local t1 = moe.core.now()
   local ids = moe.route { logits = logits, k = real.K, scoring = model.scoring, bias = bias, scale = model.scale }
-  real.route_ms = (moe.core.now() - t1) * 1e3
+  -- device time of the router alone, on preallocated outputs
+  local w = moe.zeros({ N, real.K }, { device = opts.device })
+  local st = moe.zeros({ 2 }, { dtype = "i32", device = opts.device })
+  real.route_ms = moe.bench(function()
+    moe.core.route { ids = ids, weights = w, stats = st, logits = logits, bias = bias, k = real.K,
+      scoring = model.scoring, scale = model.scale }
+  end, { warmup = small and 0 or 2, iters = small and 1 or 10, device = opts.device }).median_ms
   ids = ids:view(0, { real.W, real.T, real.K })
   real.ranks, real.loads = {}, {}
   local sched_ms = 0
   for r = 0, real.W - 1 do
-    local t2 = moe.core.now()
     local s = moe.schedule { ids = ids, experts = real.E, rank = r, pad = opts.pad, layout = opts.layout }
-    sched_ms = sched_ms + (moe.core.now() - t2) * 1e3
+    sched_ms = sched_ms + moe.bench(function() s:run() end,
+      { warmup = small and 0 or 2, iters = small and 1 or 10, device = opts.device }).median_ms
     local st = s:read_stats()
     local counts = s.counts:flat()
     local routes, maxl = 0, 0
@@ -118,16 +146,20 @@ p("  shape     H = %d, F = %d, %d tokens per rank%s", H, F, T,
     model.ffn, opts.device) or "")
 p("  schedule  %s, pad %d, capacity %d rows per rank", layer.layout, layer.pad, layer.capacity)
 p("")
-p("  stage       median ms of %d", iters)
+p("  stage       median ms of %d%s", iters, small and " (wall clock)" or " (device events)")
 local total = 0
 for _, s in ipairs(stages) do
-  if times[s] and layer.times[s] then
+  if times[s] then
     local m = median(times[s])
     total = total + m
-    p("  %-10s %10.3f", s, m)
+    local w, rate = work[s], ""
+    if w and w.flop and not small then rate = string.format("  %7.1f TFLOP/s (ceiling ~790)", w.flop / m / 1e9)
+    elseif w and w.bytes and not small then rate = string.format("  %7.2f TB/s (ceiling ~4.3)", w.bytes / m / 1e9) end
+    p("  %-10s %10.3f%s", s, m, rate)
   end
 end
 p("  %-10s %10.3f", "total", total)
+if graph_ms then p("  %-10s %10.3f   (the whole pass as one CUDA graph, replayed)", "graph", graph_ms) end
 p("  %-10s %10.3f   (dense f32 reference on the CPU, once, %s)", "reference", ref_ms,
   sample and string.format("%d tokens per rank", sample) or "every token")
 p("")
@@ -149,7 +181,7 @@ end
 p("")
 p("  real shape: %d ranks x %d tokens, E = %d, top-%d, pad %d, %s (router-like logits, std 1.5)", real.W, real.T,
   real.E, real.K, opts.pad, opts.layout)
-p("  route %.1f ms for all %d tokens; schedule %.2f ms per rank (%s)", real.route_ms, real.W * real.T,
+p("  route %.3f ms for all %d tokens; schedule %.3f ms per rank (%s)", real.route_ms, real.W * real.T,
   real.schedule_ms, opts.device)
 p("  rank   routes     rows  padding  max load  dropped")
 for r, v in ipairs(real.ranks) do
@@ -165,9 +197,9 @@ if opts.json then
     layout = layer.layout, capacity = layer.capacity,
     stage_ms = (function()
       local m = {}
-      for _, s in ipairs(stages) do if times[s] and layer.times[s] then m[s] = median(times[s]) end end
+      for _, s in ipairs(stages) do if times[s] then m[s] = median(times[s]) end end
       return m
-    end)(),
+    end)(), graph_ms = graph_ms,
     stats = { rows_used = stats.rows_used, rows_needed = stats.rows_needed, padding = stats.padding,
       max_load = stats.max_load, mean_load = stats.mean_load, dropped = stats.dropped, invalid = stats.invalid },
     check = { rel_max = metrics.rel_max, rel_l2 = metrics.rel_l2, nans = metrics.nans, pass = pass },

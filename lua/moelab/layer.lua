@@ -130,11 +130,36 @@ return function(moe)
     end
   end
 
+  -- Stage timing: a monotonic clock on the CPU; on a GPU a pair of device events around each
+  -- stage, read back only when asked (Layer:stage_times), so a forward pass never waits for the
+  -- device.  Nothing is timed while a graph is being captured.
   local function timed(self, name, fn)
-    local t0 = core.now()
+    if not self.timing then return fn() end
+    if self.device == "cpu" then
+      local t0 = core.now()
+      fn()
+      self.times[name] = (core.now() - t0) * 1e3
+      return
+    end
+    self.events = self.events or {}
+    local ev = self.events[name]
+    if not ev then
+      ev = { core.event_new(self.device), core.event_new(self.device) }
+      self.events[name] = ev
+    end
+    ev[1]:record()
     fn()
-    if self.device ~= "cpu" and self.sync_timing then core.synchronize(self.device) end
-    self.times[name] = (self.times[name] or 0) + (core.now() - t0) * 1e3
+    ev[2]:record()
+    self.times[name] = ev
+  end
+
+  -- Milliseconds per stage of the last eager forward (waits for the device on a GPU).
+  function Layer:stage_times()
+    local t = {}
+    for name, v in pairs(self.times) do
+      t[name] = type(v) == "table" and v[2]:elapsed_since(v[1]) or v
+    end
+    return t
   end
 
   -- The routing step: router logits (or given ones), or given ids and weights.
@@ -167,7 +192,7 @@ return function(moe)
     end
     if o.logits then args.tensor("forward", "logits", o.logits, "f32", { W * T, self.experts }) end
     local eager = o.check ~= false
-    self.times = {}
+    self.times, self.timing = {}, eager
     timed(self, "route", function() route(self, x, o) end)
     if eager and not o.ids and self.nan == "error" then
       local st = self.route_stats:flat()
