@@ -16,7 +16,8 @@
 // The GEMM is the Ampere-style "simple but right" one: 128x128x64 block tiles, 8 warps of
 // 64x32, bf16 mma.sync.m16n8k16 with f32 accumulators, operands staged by cp.async three stages
 // deep in XOR-swizzled shared memory read with ldmatrix, the output tile staged in shared
-// memory and written with 16-byte stores.  (The Hopper wgmma/TMA kernel is a later step.)
+// memory and written with 16-byte stores.  On compute capability 9.0 the TMA/wgmma kernel of
+// experts_sm90.cu runs instead; this one is its fallback and cross-check.
 //
 // Rows: expert e owns [m_e, m_{e+1}) with m the running maximum of the offsets clamped to
 // [0, C], exactly as experts_cpu reads them, so bad offsets neither stray out of bounds nor
@@ -30,6 +31,8 @@
 // with cudaFreeAsync after the last launch (both are captured as graph memory nodes).
 #include <limits.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "common.cuh"
 
@@ -349,6 +352,10 @@ bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 } // namespace
 
+// The Hopper kernel (kernels/experts_sm90.cu): MOE_ERR_UNSUPPORTED, with nothing done, when the
+// device or the shapes do not suit it.
+extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a);
+
 int experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   static const char *stage = "experts";
   const long long C = a->xs->shape[0], H = a->xs->shape[1];
@@ -363,6 +370,21 @@ int experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   int rc = cuda_ctx_stream(ctx, a->xs->device.index, &stream);
   if (rc) return rc;
   if (C == 0 || H == 0 || EL == 0) return moe_ok(ctx); // no row of ys to write
+
+  // On compute capability 9.0 the TMA/wgmma kernel goes first and this one is the fallback.
+  // MOE_EXPERTS_KERNEL=mma forces this kernel (the cross-check), =sm90 (or sm90x2, its
+  // two-CTA-cluster variant) forces the Hopper one and reports why when it cannot run.
+  const char *sel = getenv("MOE_EXPERTS_KERNEL");
+  const bool force_mma = sel && strcmp(sel, "mma") == 0, force_sm90 = sel && strncmp(sel, "sm90", 4) == 0;
+  if (!force_mma) {
+    int major = 0, minor = 0;
+    MOE_CUDA_TRY(ctx, stage, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a->xs->device.index));
+    MOE_CUDA_TRY(ctx, stage, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, a->xs->device.index));
+    if (force_sm90 || (major == 9 && minor == 0)) {
+      rc = experts_sm90_cuda(ctx, a);
+      if (rc != MOE_ERR_UNSUPPORTED || force_sm90) return rc;
+    }
+  }
 
   const long long tmax = (C + BM - 1) / BM + (EL < C ? EL : C);
   const long long ntn_gu = (F + BN / 2 - 1) / (BN / 2), ntn_dn = (H + BN - 1) / BN;

@@ -24,7 +24,7 @@ local opts = cli.parse(arg, {
   { "device", "string", device, "cpu or cuda:N" },
   { "capacity", "integer", nil, "rows per rank (default: twice the mean plus one pad per expert)" },
   { "seed", "integer", 1, "seed of the weights and inputs" },
-  { "sample", "integer", 8, "on a GPU: tokens of each rank checked against the CPU reference" },
+  { "sample", "integer", 4, "on a GPU: tokens of each rank checked against the CPU reference" },
   { "json", "string", nil, "also write the report as JSON to this file" },
 }, "lua scenarios/kimi.lua: one Kimi K2 MoE layer, expert parallel, checked and timed")
 

@@ -1,0 +1,784 @@
+// experts_sm90.cu -- stage 4 on Hopper (sm_90a): the grouped SwiGLU MLP on the copy engine
+// (TMA) and the warpgroup tensor-core instructions (wgmma).
+//
+// Same contract and the same three launches as experts.cu, which stays the fallback and the
+// cross-check (MOE_EXPERTS_KERNEL=mma):
+//
+//   map      one block turns expert_offsets (read on the device) into, per expert, its rows
+//            [lo, hi) -- the clamped running maximum experts_cpu reads -- and the prefix of its
+//            tile groups: ceil(ceil((hi - lo) / 128) / CM) groups of CM row tiles each.
+//   gate_up  h [C, F] = bf16(silu(xs . W_gate^T) * (xs . W_up^T)).  A tile's B operand is 128
+//            gate rows f0.. and the 128 up rows F + f0.., so the gate and the up accumulator of
+//            an output element sit in the same thread and SwiGLU is applied in the epilogue.
+//   down     ys [C, H] = h . W_down^T, 256 output columns per tile.
+//
+// The GEMM kernel (one per pass) is persistent and warp-specialised, 384 threads:
+//   warpgroup 0     the producer: one thread walks the work list and issues TMA bulk tensor
+//                   copies (128B swizzle) into a 4-stage ring of shared memory, each stage
+//                   completing on its "full" mbarrier by transaction bytes.  It keeps 40
+//                   registers (setmaxnreg.dec).
+//   warpgroups 1-2  the consumers, 64 rows of the 128-row tile each: wgmma.mma_async
+//                   m64n256k16 bf16 -> f32 with A and B read from shared memory through
+//                   descriptors, 128 accumulators per thread (setmaxnreg.inc to 232).  A warp
+//                   hands a stage back by arriving on its "empty" mbarrier once its wgmma
+//                   group that read it has retired.  The epilogue goes through a swizzled
+//                   shared-memory tile to 16-byte stores predicated on the expert's rows.
+// Tile 128 x 256 x 64 (M x N x K), 48 KiB a stage: 4 stages + 32 KiB of staging = 225 KiB.
+//
+// CM = 2 (MOE_EXPERTS_KERNEL=sm90x2) launches clusters of two CTAs that work on row tiles 2p and 2p+1 of the
+// same expert and the same column tile: each CTA loads one half of the shared B tile and
+// multicasts it to both, so the L2 -> SM traffic per tile falls from 48 to 32 KiB a stage.
+// A stage is then written by both CTAs' copies, so each CTA's consumers hand it back to both
+// producers (remote mbarrier arrivals), and every CTA of the pair walks the same work list in
+// lock step, a CTA without rows (the odd last tile of an expert) included: it loads and hands
+// back but computes nothing.  CM = 1 (no clusters) is the default: faster as measured.
+//
+// Work list: unit v = (expert, group of CM row tiles, column tile), experts in order; inside an
+// expert, row groups are taken GROUP_TILES row tiles at a time and, inside such a band, the row
+// tile varies fastest, so the CTAs in flight together share the band's A rows and a few B
+// column tiles in L2.  The grid is static (sized from C alone, persistent, one CTA per SM), so
+// a captured CUDA graph stays right for any offsets written later; units past the real count
+// are never visited.  Rows: a tile never mixes experts; A rows past the expert's end (the
+// next expert's rows, rows past C: TMA fills those with zeros) are loaded but never stored,
+// and a row of the output depends on its own A row alone.  A consumer warpgroup whose 64 rows
+// hold none of the expert's skips its tensor-core work (an expert's last, short tile).
+//
+// Requirements (else MOE_ERR_UNSUPPORTED, before any side effect, and experts.cu falls back):
+// compute capability 9.0, H and F multiples of 64 (whole K blocks; F > 0), every tensor
+// 16-byte aligned, EL * 2F and EL * H below 2^31.  Column tiles may run past F (gate_up, F %
+// 128 == 64) or past H (down, H % 256 != 0): those B rows belong to the up half, the next
+// expert or nothing (zero fill), and the columns they feed are not stored.
+//
+// The tensor maps (CUtensorMap) are encoded on the host through the driver's
+// cuTensorMapEncodeTiled, fetched with cudaGetDriverEntryPointByVersion so that nothing links
+// libcuda, and passed by value as __grid_constant__ parameters.
+#include <cuda.h> // CUtensorMap and the encode function's types only; no libcuda symbol is used
+#include <atomic>
+#include <limits.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.cuh"
+
+namespace {
+
+constexpr int BM = 128;                 // rows per tile (two consumer warpgroups of 64)
+constexpr int BN = 256;                 // B rows per tile: gate_up 128 gate + 128 up; down 256 outputs
+constexpr int BK = 64;                  // k per stage: one 128-byte swizzle row
+constexpr int STAGES = 4;
+constexpr int THREADS = 384;            // producer warpgroup + 2 consumer warpgroups
+[[maybe_unused]] constexpr int GROUP_TILES = 16; // row tiles per raster band
+constexpr int A_BYTES = BM * BK * 2;    // 16 KiB
+constexpr int B_HALF = BN / 2 * BK * 2; // 16 KiB: one TMA box of 128 rows
+constexpr int STAGE_BYTES = A_BYTES + 2 * B_HALF;
+constexpr int STG_BYTES = 64 * 256;     // a consumer's staging tile: 64 rows x 128 bf16 columns
+constexpr int SMEM_USED = STAGES * STAGE_BYTES + 2 * STG_BYTES + 2 * STAGES * 8;
+constexpr int SMEM_BYTES = SMEM_USED + 1024; // slack to align the ring to the 1024-byte swizzle atom
+constexpr int MAP_THREADS = 1024;
+[[maybe_unused]] constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232; // 128 * (40 + 2 * 232) <= 64 Ki registers
+
+enum { GATE_UP = 0, DOWN = 1 };
+
+static_assert(STAGE_BYTES % 1024 == 0 && A_BYTES % 1024 == 0 && B_HALF % 1024 == 0,
+              "every TMA destination and wgmma operand starts on a 1024-byte swizzle atom");
+static_assert(SMEM_BYTES <= 232448, "fits the 227 KiB a Hopper block may opt in to");
+
+// ---- the work list, shared by the map kernel (its prefix) and the GEMM (its decoding) ----
+
+__device__ __forceinline__ int clamp_row(int v, int C) { return v < 0 ? 0 : v > C ? C : v; }
+
+template <bool MAX> __device__ __forceinline__ int op2(int a, int b) { return MAX ? max(a, b) : a + b; }
+
+// Inclusive scan of v over the 1024 threads; *total gets the reduction.  ws holds 32 ints.
+template <bool MAX> __device__ int block_scan(int v, int *ws, int *total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int t = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v = op2<MAX>(v, t);
+  }
+  if (lane == 31) ws[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    int w = ws[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int t = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w = op2<MAX>(w, t);
+    }
+    ws[lane] = w;
+  }
+  __syncthreads();
+  if (warp > 0) v = op2<MAX>(v, ws[warp - 1]);
+  *total = ws[31];
+  __syncthreads(); // ws is reused by the next scan
+  return v;
+}
+
+// meta = start [EL + 1] (exclusive prefix of row-tile groups), lo [EL], hi [EL].
+__global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const int *offsets, int EL, int C, int cm) {
+  __shared__ int ws[32];
+  int *start = meta, *lo = meta + EL + 1, *hi = lo + EL;
+  int carry_m = 0, carry_g = 0;
+  for (int base = 0; base < EL; base += MAP_THREADS) {
+    const int e = base + (int)threadIdx.x;
+    const int own = e < EL ? clamp_row(offsets[e], C) : 0;
+    const int next = e < EL ? clamp_row(offsets[e + 1], C) : 0;
+    int tot;
+    const int m = max(carry_m, block_scan<true>(own, ws, &tot)); // m_e, running maximum through e
+    carry_m = max(carry_m, tot);
+    const int end = max(m, next);                                // m_{e+1}
+    const int tiles = (end - m + BM - 1) / BM;
+    const int groups = e < EL ? (tiles + cm - 1) / cm : 0;
+    const int first = carry_g + block_scan<false>(groups, ws, &tot) - groups;
+    carry_g += tot;
+    if (e < EL) start[e] = first, lo[e] = m, hi[e] = end;
+  }
+  if (threadIdx.x == 0) start[EL] = carry_g;
+}
+
+struct Work {
+  int e;    // expert
+  int row0; // this CTA's first row (may lie past the expert's rows: then rows = 0)
+  int rows; // rows of the expert in [row0, row0 + BM), 0..BM
+  int n;    // column tile
+};
+
+// Unit v of a pass with NT column tiles -> this CTA's tile.  Every role of every CTA of a
+// cluster decodes the same v the same way, so they agree without talking.
+template <int CM>
+__device__ __forceinline__ Work decode(int v, const int *__restrict__ meta, int EL, int NT, int rank) {
+  const int *start = meta, *lo = meta + EL + 1, *hi = lo + EL;
+  const int q = v / NT; // the group index: v lies in the expert whose groups hold q
+  int a = 0, b = EL - 1;
+  while (a < b) { // the last expert whose first group is <= q; it is not empty as start[a + 1] > q
+    const int mid = (a + b + 1) >> 1;
+    if (__ldg(start + mid) <= q) a = mid;
+    else b = mid - 1;
+  }
+  const int g0 = __ldg(start + a), groups = __ldg(start + a + 1) - g0;
+  const int local = v - g0 * NT;
+  constexpr int GB = GROUP_TILES / CM; // groups per raster band
+  const int band = local / (GB * NT), first = band * GB, nb = min(GB, groups - first);
+  const int l = local - band * GB * NT;
+  const int g = first + l % nb, n = l / nb;
+  Work w;
+  w.e = a;
+  w.row0 = __ldg(lo + a) + (g * CM + rank) * BM;
+  w.rows = min(max(__ldg(hi + a) - w.row0, 0), BM);
+  w.n = n;
+  return w;
+}
+
+// ---- PTX wrappers (sm_90a) ----
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOE_SM90A 1
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile("{\n\t.reg .pred p;\n\t"
+               "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+               "selp.u32 %0, 1, 0, p;\n\t}\n"
+               : "=r"(done)
+               : "r"(bar), "r"(parity)
+               : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+// Waits until the phase of parity `parity` has completed (the phase before the current one
+// counts as completed, which is how the producer's first pass through the ring goes through).
+// A wait that lasts MOE_SM90_WATCHDOG_NS (a whole pass takes milliseconds) can only be a broken
+// protocol: the kernel traps, so the launch fails with an error instead of hanging the stream.
+#ifndef MOE_SM90_WATCHDOG_NS
+#define MOE_SM90_WATCHDOG_NS 20000000000ull // 20 s; 0 turns the watchdog off
+#endif
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const uint64_t t0 = MOE_SM90_WATCHDOG_NS ? global_ns() : 0;
+  while (!mbar_try_wait(bar, parity))
+    if (MOE_SM90_WATCHDOG_NS && global_ns() - t0 > MOE_SM90_WATCHDOG_NS) __trap();
+}
+__device__ __forceinline__ void mbar_arrive_local(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives on the barrier at the same shared-memory offset in CTA `cta` of the cluster.
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
+  asm volatile("{\n\t.reg .b32 ra;\n\t"
+               "mapa.shared::cluster.u32 ra, %0, %1;\n\t"
+               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n\t}\n" ::"r"(bar),
+               "r"(cta)
+               : "memory");
+}
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t cluster_id_x() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t cluster_count_x() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%nclusterid.x;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void prefetch_tmap(const CUtensorMap *m) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(m)) : "memory");
+}
+// Box {BK elements of k, 128 rows} at (k, row) of the 2D map into shared memory at dst.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap *m, int k, int row, uint32_t bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+               "l"(reinterpret_cast<uint64_t>(m)), "r"(k), "r"(row), "r"(bar)
+               : "memory");
+}
+// The same box into dst of every CTA in mask; each CTA's barrier at offset bar gets the bytes.
+__device__ __forceinline__ void tma_load_multicast(uint32_t dst, const CUtensorMap *m, int k, int row, uint32_t bar,
+                                                   uint16_t mask) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+               "l"(reinterpret_cast<uint64_t>(m)), "r"(k), "r"(row), "r"(bar), "h"(mask)
+               : "memory");
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle layout that TMA
+// SWIZZLE_128B writes: rows of 128 bytes (64 bf16 of k), 16-byte chunk c of row r stored at
+// chunk c ^ (r & 7), groups of 8 rows 1024 bytes apart (the stride byte offset).  The leading
+// byte offset is unused for a swizzled K-major operand (one k16 slice lies inside the 128-byte
+// row); 1 by convention.  Base offset 0: every operand starts on a 1024-byte boundary.  The k16
+// slice j of a stage starts 32 j bytes further: + 2 j in the address field (units of 16 bytes).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFFu) >> 4)  // bits 0-13: start address >> 4
+         | (uint64_t)1 << 16                  // bits 16-29: leading byte offset >> 4 (unused)
+         | (uint64_t)(1024 >> 4) << 32        // bits 32-45: stride byte offset >> 4
+         | (uint64_t)1 << 62;                 // bits 62-63: swizzle mode 1 = 128B
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accesses of the accumulators across the asynchronous wgmma
+// and its wait: each register is "rewritten" here, in program order with the asm around it.
+__device__ __forceinline__ void fence_acc(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x 256] (+)= A[64 x 16] . B[256 x 16]^T, both K-major in shared memory; scale_d = 0 overwrites D.
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\t"
+      "setp.ne.b32 p, %130, 0;\n\t"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, 0;\n\t}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(scale_d)
+      : "memory");
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi); // .x (the lower column) in the low half
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+
+// silu(g) * u.  The fast exponential and division differ from experts_cpu's expf and '/' by a
+// few ulp of f32, far under the bf16 rounding that follows; e^-g = inf gives -0 as there.
+__device__ __forceinline__ float swiglu(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
+
+// Accumulator layout of wgmma m64nNk16 (f32): warp q of the warpgroup owns rows 16q..16q+15;
+// register i of lane l holds row 16q + l/4 + 8 ((i/2) % 2), column 8 (i/4) + 2 (l%4) + (i%2).
+// The consumer's 64 x 128 staging tile (256-byte rows) keeps 16-byte chunk c of row r at chunk
+// c ^ (r & 7): the 4-byte writes of a warp (8 rows x 4 lanes) and the 16-byte reads of each
+// quarter warp (8 chunks of one row) both touch 32 distinct banks.
+template <int MODE>
+__device__ __forceinline__ void epilogue(float (&d)[128], uint32_t stg, uint16_t *__restrict__ out, int N, int row0,
+                                         int rows, int col0, int bar_id, int t) {
+  const int lane = t & 31;
+  const int sw = lane >> 2; // (row & 7) of both rows this thread writes
+  const uint32_t wbase = stg + (uint32_t)(((t >> 5) * 16 + (lane >> 2)) * 256 + (lane & 3) * 4);
+  constexpr int PASSES = MODE == GATE_UP ? 1 : 2; // 128 output columns per pass
+#pragma unroll
+  for (int p = 0; p < PASSES; p++) {
+    named_bar_sync(bar_id, 128); // the staging tile's previous readers are done
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+#pragma unroll
+      for (int hh = 0; hh < 2; hh++) {
+        float v0, v1;
+        if (MODE == GATE_UP) { // gate column c in register i, its up column 128 + c in i + 64
+          const int i = j * 4 + hh * 2;
+          v0 = swiglu(d[i], d[i + 64]);
+          v1 = swiglu(d[i + 1], d[i + 65]);
+        } else {
+          const int i = (p * 16 + j) * 4 + hh * 2;
+          v0 = d[i];
+          v1 = d[i + 1];
+        }
+        st_shared_b32(wbase + (uint32_t)(hh * 8 * 256 + ((j ^ sw) << 4)), pack_bf16(v0, v1));
+      }
+    }
+    named_bar_sync(bar_id, 128);
+#pragma unroll
+    for (int q = 0; q < 8; q++) {
+      const int idx = t + 128 * q, r = idx >> 4, ch = idx & 15;
+      const uint4 v = ld_shared_v4(stg + (uint32_t)(r * 256 + ((ch ^ (r & 7)) << 4)));
+      const int col = col0 + p * 128 + ch * 8;
+      if (r < rows && col < N) *reinterpret_cast<uint4 *>(out + (long long)(row0 + r) * N + col) = v;
+    }
+  }
+}
+#endif // sm_90a
+
+// ---- the GEMM ----
+//
+// out [C, N] for the tiles of the work list:
+//   tma_a   A [C, K]: xs (gate_up, K = H) or h (down, K = F), box {64, 128}
+//   tma_b   W as [b_rows, K]: w_gate_up [EL * 2F, H] or w_down [EL * H, F], box {64, 128}
+//   N       output columns: F (h) or H (ys); F: the up rows' offset inside an expert (gate_up)
+template <int MODE, int CM>
+__global__ void __launch_bounds__(THREADS, 1)
+    sm90_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
+                     uint16_t *__restrict__ out, const int *__restrict__ meta, int EL, int NT, int KT, int N, int F,
+                     int b_rows) {
+#if defined(MOE_SM90A)
+  extern __shared__ unsigned char smem_raw[];
+  // The same offsets in every CTA (no static shared memory), which multicast relies on.
+  const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t staging = ring + STAGES * STAGE_BYTES;
+  const uint32_t bars = staging + 2 * STG_BYTES; // full[STAGES], then empty[STAGES]
+  auto full_bar = [&](int s) { return bars + 8u * (uint32_t)s; };
+  auto empty_bar = [&](int s) { return bars + 8u * (uint32_t)(STAGES + s); };
+
+  // warp-uniform by construction (a shuffle from lane 0), which ptxas needs to see to keep the
+  // wgmma of the consumer branch asynchronous
+  const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
+  const int rank = CM > 1 ? (int)cluster_ctarank() : 0;
+  const int cid = CM > 1 ? (int)cluster_id_x() : (int)blockIdx.x;
+  const int ncl = CM > 1 ? (int)cluster_count_x() : (int)gridDim.x;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; s++) {
+      mbar_init(full_bar(s), 1);           // the local producer's arrive.expect_tx (+ the bytes)
+      mbar_init(empty_bar(s), 8 * CM);     // one arrival per consumer warp of every CTA of the cluster
+    }
+    fence_mbarrier_init();
+  }
+  // The barriers are initialised before any thread (of either CTA) uses them.
+  if (CM > 1) {
+    __syncwarp(); // barrier.cluster.*.aligned: the warp converged again after thread 0's branch
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
+
+  const int units = __ldg(meta + EL) * NT;
+
+  if (wg == 0) {
+    setmaxnreg_dec<PRODUCER_REGS>();
+    if (threadIdx.x == 0) {
+      prefetch_tmap(&tma_a);
+      prefetch_tmap(&tma_b);
+      int s = 0;
+      uint32_t ph = 0;
+      for (int v = cid; v < units; v += ncl) {
+        const Work w = decode<CM>(v, meta, EL, NT, rank);
+        const int arow = w.rows > 0 ? w.row0 : 0; // a CTA without rows loads some in-range box
+        int b0, b1;
+        if (MODE == GATE_UP) b0 = w.e * 2 * F + w.n * (BN / 2), b1 = b0 + F; // gate rows, up rows
+        else b0 = w.e * N + w.n * BN, b1 = b0 + BN / 2;
+        // past the last weight row (down, H % 256 != 0): any in-range box; its columns are not stored
+        b0 = min(b0, b_rows - 1), b1 = min(b1, b_rows - 1);
+        for (int kb = 0; kb < KT; kb++) {
+          mbar_wait(empty_bar(s), ph ^ 1u); // every consumer warp of the cluster is done with slot s
+          const uint32_t sa = ring + (uint32_t)(s * STAGE_BYTES), sb = sa + A_BYTES;
+          mbar_expect_tx(full_bar(s), STAGE_BYTES);
+          tma_load(sa, &tma_a, kb * BK, arow, full_bar(s));
+          if (CM == 1) {
+            tma_load(sb, &tma_b, kb * BK, b0, full_bar(s));
+            tma_load(sb + B_HALF, &tma_b, kb * BK, b1, full_bar(s));
+          } else {
+            tma_load_multicast(sb + (uint32_t)(rank * B_HALF), &tma_b, kb * BK, rank ? b1 : b0, full_bar(s),
+                               (uint16_t)((1u << CM) - 1u));
+          }
+          if (++s == STAGES) s = 0, ph ^= 1u;
+        }
+      }
+    }
+  } else {
+    setmaxnreg_inc<CONSUMER_REGS>();
+    const int cw = wg - 1, t = (int)threadIdx.x & 127, lane = t & 31;
+    const uint32_t stg = staging + (uint32_t)(cw * STG_BYTES);
+    const uint64_t da0 = smem_desc(ring + (uint32_t)(cw * 64 * BK * 2)); // this warpgroup's 64 rows of A
+    const uint64_t db0 = smem_desc(ring + A_BYTES);
+    // A warp hands slot s back to the producer of every CTA of the cluster once its wgmma
+    // group that read the slot has retired.
+    auto release = [&](int s) {
+      if (lane == 0) {
+        if (CM == 1) mbar_arrive_local(empty_bar(s));
+        else
+          for (int c = 0; c < CM; c++) mbar_arrive_cluster(empty_bar(s), (uint32_t)c);
+      }
+    };
+    float d[128];
+#pragma unroll
+    for (int i = 0; i < 128; i++) d[i] = 0.f;
+    int s = 0;
+    uint32_t ph = 0;
+    for (int v = cid; v < units; v += ncl) {
+      const Work w = decode<CM>(v, meta, EL, NT, rank);
+      const int my_rows = w.rows - cw * 64; // rows of the expert among this warpgroup's 64
+      const bool active = __shfl_sync(0xffffffffu, my_rows, 0) > 0; // uniform over the warpgroup, as wgmma requires
+      if (active) {
+        int prev = 0;
+        for (int kb = 0; kb < KT; kb++) {
+          mbar_wait(full_bar(s), ph);
+          const uint64_t off = (uint64_t)(s * (STAGE_BYTES >> 4));
+          wgmma_fence();
+          fence_acc(d);
+#pragma unroll
+          for (int k = 0; k < BK / 16; k++) wgmma_m64n256k16(d, da0 + off + 2 * k, db0 + off + 2 * k, kb > 0 || k > 0);
+          wgmma_commit();
+          wgmma_wait<1>(); // the group of the previous k block has retired: its slot is free
+          fence_acc(d);
+          if (kb > 0) release(prev);
+          prev = s;
+          if (++s == STAGES) s = 0, ph ^= 1u;
+        }
+        wgmma_wait<0>();
+        fence_acc(d);
+        release(prev);
+        epilogue<MODE>(d, stg, out, N, w.row0 + cw * 64, my_rows, w.n * (MODE == GATE_UP ? BN / 2 : BN), 1 + cw, t);
+      } else {
+        // No rows here: keep the ring in step (wait for each stage, which also keeps this
+        // warpgroup from arriving twice in one phase) and hand every stage straight back.
+        for (int kb = 0; kb < KT; kb++) {
+          mbar_wait(full_bar(s), ph);
+          release(s);
+          if (++s == STAGES) s = 0, ph ^= 1u;
+        }
+      }
+    }
+  }
+  // No CTA leaves while its peer may still arrive on its barriers.
+  if (CM > 1) {
+    __syncwarp();
+    cluster_sync();
+  }
+#else
+  // Built without sm_90a (the host pass cannot tell sm_90 from sm_90a): a stub the host
+  // recognises by its 16 bytes of static shared memory (sm90a_built) and never launches.
+  __shared__ volatile unsigned char stub_marker[16];
+  stub_marker[threadIdx.x & 15] = 1;
+  __trap();
+#endif
+}
+
+// ---- host side ----
+
+typedef CUresult (*encode_tiled_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                    const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                    CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+encode_tiled_fn encode_tiled() {
+  static const encode_tiled_fn fn = []() -> encode_tiled_fn {
+    void *p = NULL;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = NULL;
+    (void)cudaGetLastError();
+    return reinterpret_cast<encode_tiled_fn>(p);
+  }();
+  return fn;
+}
+
+// A row-major bf16 [rows, k] matrix as a 2D tensor map with a {64, 128} box, 128B swizzle.
+bool encode_2d(CUtensorMap *m, const void *base, long long rows, long long k) {
+  encode_tiled_fn fn = encode_tiled();
+  if (!fn) return false;
+  const cuuint64_t dim[2] = {(cuuint64_t)k, (cuuint64_t)rows};
+  const cuuint64_t stride[1] = {(cuuint64_t)k * 2};
+  const cuuint32_t box[2] = {BK, BM};
+  const cuuint32_t estride[2] = {1, 1};
+  return fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dim, stride, box, estride,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+// Was the kernel built for sm_90a?  The stub that stands in for it otherwise has static shared
+// memory and the real kernel has none; an image for another architecture fails the query.
+bool sm90a_built() {
+  cudaFuncAttributes fa;
+  if (cudaFuncGetAttributes(&fa, sm90_gemm_kernel<GATE_UP, 1>) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return fa.sharedSizeBytes == 0;
+}
+
+// Clusters (CM > 1) or CTAs (CM = 1) that fit on the device at once: the persistent grid.
+// Cached per device and kernel; 0 when none fit.
+template <int MODE, int CM> int resident_groups(int dev) {
+  static std::atomic<int> cache[64];
+  if (dev >= 0 && dev < 64) {
+    const int c = cache[dev].load(std::memory_order_relaxed);
+    if (c > 0) return c - 1;
+  }
+  auto kernel = sm90_gemm_kernel<MODE, CM>;
+  int n = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (CM == 1) {
+    int sms = 0, per_sm = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, SMEM_BYTES) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    n = sms * per_sm;
+  } else {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CM, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(CM * 64, 1, 1);
+    cfg.blockDim = dim3(THREADS, 1, 1);
+    cfg.dynamicSmemBytes = SMEM_BYTES;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+  }
+  if (dev >= 0 && dev < 64) cache[dev].store(n + 1, std::memory_order_relaxed);
+  return n;
+}
+
+template <int MODE, int CM>
+cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, const CUtensorMap &tb, uint16_t *out,
+                        const int *meta, int EL, int NT, int KT, int N, int F, int b_rows) {
+  auto kernel = sm90_gemm_kernel<MODE, CM>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CM, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  cfg.gridDim = dim3((unsigned)(groups * CM), 1, 1);
+  cfg.blockDim = dim3(THREADS, 1, 1);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = CM > 1 ? 1 : 0;
+  err = cudaLaunchKernelEx(&cfg, kernel, ta, tb, out, meta, EL, NT, KT, N, F, b_rows);
+  if (err != cudaSuccess) return err;
+  return cudaGetLastError();
+}
+
+int unsupported(moe_ctx *ctx, const char *why) {
+  return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts (sm90): %s", why);
+}
+
+template <int CM>
+int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_xs, const CUtensorMap &t_wgu,
+        const CUtensorMap &t_wdn) {
+  static const char *stage = "experts";
+  const long long C = a->xs->shape[0], H = a->xs->shape[1];
+  const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
+  const long long tmax = (C + BM - 1) / BM + (EL < C ? EL : C); // row tiles, whatever the offsets
+  const int nt_gu = (int)((F + BN / 2 - 1) / (BN / 2)), nt_dn = (int)((H + BN - 1) / BN);
+  // grids: all that fit at once, no more than the most units a pass can have
+  const int fit_gu = resident_groups<GATE_UP, CM>(dev), fit_dn = resident_groups<DOWN, CM>(dev);
+  if (fit_gu <= 0 || fit_dn <= 0) return unsupported(ctx, "no CTA of the kernel fits on the device");
+  const int g_gu = (int)(tmax * nt_gu < fit_gu ? tmax * nt_gu : fit_gu);
+  const int g_dn = (int)(tmax * nt_dn < fit_dn ? tmax * nt_dn : fit_dn);
+
+  cudaStream_t stream;
+  int rc = cuda_ctx_stream(ctx, dev, &stream);
+  if (rc) return rc;
+
+  // scratch: meta = start [EL + 1], lo [EL], hi [EL] ints, then h [C, F] bf16
+  const size_t meta_bytes = ((size_t)(3 * EL + 1) * sizeof(int) + 255) & ~(size_t)255;
+  const size_t h_bytes = (size_t)C * (size_t)F * 2;
+  void *scratch = NULL;
+  cudaError_t err = cudaMallocAsync(&scratch, meta_bytes + h_bytes, stream);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    return moe_seterr(ctx, MOE_ERR_NOMEM, "experts: cannot allocate %zu bytes of device scratch on cuda:%d",
+                      meta_bytes + h_bytes, dev);
+  }
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return moe_seterr(ctx, MOE_ERR_CUDA, "%s: cudaMallocAsync(scratch, %zu bytes) failed at %s:%d: %s: %s", stage,
+                      meta_bytes + h_bytes, __FILE__, __LINE__, cudaGetErrorName(err), cudaGetErrorString(err));
+  }
+  int *meta = (int *)scratch;
+  uint16_t *h = (uint16_t *)((char *)scratch + meta_bytes);
+  uint16_t *ys = (uint16_t *)a->ys->data;
+
+  const char *what = "map launch";
+  CUtensorMap t_h;
+  if (!encode_2d(&t_h, h, C, F)) {
+    what = "cuTensorMapEncodeTiled(h)";
+    err = cudaErrorInvalidValue;
+  } else {
+    sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->expert_offsets->data, (int)EL, (int)C, CM);
+    err = cudaGetLastError();
+  }
+  if (err == cudaSuccess) {
+    what = "gate_up launch";
+    err = launch_gemm<GATE_UP, CM>(stream, g_gu, t_xs, t_wgu, h, meta, (int)EL, nt_gu, (int)(H / BK), (int)F, (int)F,
+                                   (int)(EL * 2 * F));
+  }
+  if (err == cudaSuccess) {
+    what = "down launch";
+    err = launch_gemm<DOWN, CM>(stream, g_dn, t_h, t_wdn, ys, meta, (int)EL, nt_dn, (int)(F / BK), (int)H, (int)F,
+                                (int)(EL * H));
+  }
+  // Given back after the launches on the same stream, so the kernels are done with it first;
+  // on a failed launch it is given back all the same.
+  cudaError_t ferr = cudaFreeAsync(scratch, stream);
+  if (err == cudaSuccess && ferr != cudaSuccess) what = "cudaFreeAsync(scratch)", err = ferr;
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return moe_seterr(ctx, MOE_ERR_CUDA, "%s: %s failed at %s:%d: %s: %s", stage, what, __FILE__, __LINE__,
+                      cudaGetErrorName(err), cudaGetErrorString(err));
+  }
+  return moe_ok(ctx);
+}
+
+} // namespace
+
+// Tried first by experts_cuda on a compute capability 9.0 device.  Everything that can make it
+// unsuitable is checked before anything is allocated or launched, so MOE_ERR_UNSUPPORTED leaves
+// no trace but the context's message.
+extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
+  const long long C = a->xs->shape[0], H = a->xs->shape[1];
+  const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
+  const int dev = a->xs->device.index;
+  char why[256];
+
+  int major = 0, minor = 0, optin = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return unsupported(ctx, "cannot read the device's compute capability");
+  }
+  if (major != 9 || minor != 0) {
+    snprintf(why, sizeof why, "needs compute capability 9.0, cuda:%d has %d.%d", dev, major, minor);
+    return unsupported(ctx, why);
+  }
+  if (optin < SMEM_BYTES) {
+    snprintf(why, sizeof why, "needs %d bytes of shared memory per block, cuda:%d offers %d", SMEM_BYTES, dev, optin);
+    return unsupported(ctx, why);
+  }
+  if (!sm90a_built()) return unsupported(ctx, "the library was not built for sm_90a");
+  if (H <= 0 || F <= 0 || H % BK || F % BK) {
+    snprintf(why, sizeof why, "needs H and F positive multiples of %d, got H = %lld, F = %lld", BK, H, F);
+    return unsupported(ctx, why);
+  }
+  if (!aligned16(a->xs->data) || !aligned16(a->ys->data) || !aligned16(a->w_gate_up->data) ||
+      !aligned16(a->w_down->data))
+    return unsupported(ctx, "needs xs, ys, w_gate_up and w_down 16-byte aligned");
+  const long long lim = 1ll << 30;
+  if (C >= lim || EL >= lim || EL * 2 * F > INT_MAX || EL * H > INT_MAX) {
+    snprintf(why, sizeof why, "needs C < 2^30 and EL * 2F, EL * H < 2^31, got C = %lld, EL = %lld, H = %lld, F = %lld",
+             C, EL, H, F);
+    return unsupported(ctx, why);
+  }
+  if (C == 0 || EL == 0) { // nothing to write; still leave the context on the right device
+    cudaStream_t stream;
+    int rc = cuda_ctx_stream(ctx, dev, &stream);
+    return rc ? rc : moe_ok(ctx);
+  }
+  const long long tmax = (C + BM - 1) / BM + (EL < C ? EL : C);
+  const long long nt = (F + BN / 2 - 1) / (BN / 2) > (H + BN - 1) / BN ? (F + BN / 2 - 1) / (BN / 2) : (H + BN - 1) / BN;
+  if (tmax * nt > INT_MAX) {
+    snprintf(why, sizeof why, "C = %lld, H = %lld, F = %lld give more than 2^31 tiles", C, H, F);
+    return unsupported(ctx, why);
+  }
+  if (!encode_tiled()) return unsupported(ctx, "the driver offers no cuTensorMapEncodeTiled");
+  CUtensorMap t_xs, t_wgu, t_wdn;
+  if (!encode_2d(&t_xs, a->xs->data, C, H) || !encode_2d(&t_wgu, a->w_gate_up->data, EL * 2 * F, H) ||
+      !encode_2d(&t_wdn, a->w_down->data, EL * H, F))
+    return unsupported(ctx, "cuTensorMapEncodeTiled refused a tensor");
+
+  // One CTA per tile by default: measured faster than the clusters of two on the H200 (591 vs
+  // 427 TFLOP/s at the Kimi K2 shape, 4.1 vs 1.9 TB/s of weights in decode; PERF.md).
+  // MOE_EXPERTS_KERNEL=sm90x2 selects the multicast clusters, kept for the next round of tuning.
+  const char *sel = getenv("MOE_EXPERTS_KERNEL");
+  if (sel && strcmp(sel, "sm90x2") == 0) return run<2>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  return run<1>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+}

@@ -1,0 +1,87 @@
+-- CUDA graphs and CUDA failures, GPU only: a captured layer replayed 1,000 times on fresh inputs
+-- (so fresh routing each time) equals the eager forward bit for bit; stats reach graph:check();
+-- a CUDA failure is a Lua error naming the stage and the CUDA error, and the process goes on.
+describe("graphs [#gpu]", function()
+  if skip_without("cuda:0") then return end
+  local dev = "cuda:0"
+
+  local function small_layer(o)
+    local opts = { model = "kimi_k2", world = 4, tokens = 16, hidden = 64, ffn = 32, shared_ffn = 32, device = dev,
+      seed = 3, capacity = 4 * 16 * 8 }
+    for k, v in pairs(o or {}) do opts[k] = v end
+    return moe.layer(opts)
+  end
+
+  it("1,000 replays with changing routing equal eager runs bit for bit", function()
+    local layer = small_layer()
+    local g = layer:capture()
+    local x = layer.input
+    local changed = 0
+    local last_ids
+    for i = 1, 1000 do
+      x:randn(1000 + i, 1.0)
+      local replayed = g:replay():to("cpu")
+      local ids = layer.ids:to("cpu")
+      g:check()
+      local eager = layer:forward(x):to("cpu")
+      assert.tensor_equal(replayed, eager)
+      assert.tensor_equal(ids, layer.ids:to("cpu"))
+      if last_ids and not pcall(moe.check.equal, ids, last_ids) then changed = changed + 1 end
+      last_ids = ids
+    end
+    assert.is_true(changed > 990, "the routing changed in only " .. changed .. " of 999 replays")
+  end)
+
+  it("a replay matches the dense reference", function()
+    local layer = small_layer { model = "qwen3_5_397b", pad = 128, capacity = 4 * 16 * 10 + 128 * 128 }
+    local g = layer:capture()
+    layer.input:randn(7, 1.0)
+    g:replay()
+    g:check()
+    assert.close(layer.out, layer:reference(layer.input, { routing = "forward" }))
+  end)
+
+  it("capacity overflow inside a graph is reported by graph:check, not hidden", function()
+    local layer = small_layer { capacity = 8 }
+    local g = layer:capture()
+    layer.input:randn(9, 1.0)
+    g:replay()
+    local ok, err = pcall(g.check, g)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("capacity overflow", 1, true), tostring(err))
+  end)
+
+  it("NaN logits inside a graph are reported by graph:check", function()
+    local layer = small_layer()
+    local g = layer:capture()
+    layer.input:fill(0 / 0)
+    g:replay()
+    local ok, err = pcall(g.check, g)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("NaN", 1, true), tostring(err))
+  end)
+
+  it("capture refuses a CPU layer with a clear error", function()
+    local layer = small_layer { device = "cpu" }
+    assert.has_error(function() layer:capture() end,
+      "layer:capture: CUDA graphs need a layer on a cuda device (this one is on cpu)")
+  end)
+
+  it("a CUDA allocation failure is a Lua error naming the stage and the CUDA error", function()
+    local ok, err = pcall(moe.zeros, { 1 << 19, 1 << 19 }, { device = dev })
+    assert.is_false(ok)
+    err = tostring(err)
+    assert.truthy(err:find("tensor", 1, true) and err:find("cudaErrorMemoryAllocation", 1, true), err)
+    -- and the device still works
+    assert.tensor_equal(moe.full({ 3 }, 2, { device = dev }):to("cpu"), moe.full({ 3 }, 2))
+  end)
+
+  it("a device copy during capture is refused", function()
+    local t = moe.zeros({ 4 }, { device = dev })
+    local ok, err = pcall(moe.graph, function() t:flat() end, { device = dev })
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("not allowed during graph capture", 1, true), tostring(err))
+    -- the failed capture left the stream usable
+    assert.tensor_equal(t:fill(5):to("cpu"), moe.full({ 4 }, 5))
+  end)
+end)
