@@ -233,6 +233,110 @@ typedef struct moe_reference_args {
 } moe_reference_args;
 MOE_API int moe_reference(moe_ctx *ctx, const moe_reference_args *a);
 
+/* ---- expert parallelism across GPUs: a world of W ranks on NCCL ----
+ * A moe_world is this process's part of a world of W ranks: one rank per GPU, each with an
+ * NCCL communicator and a stream of its own (created on the rank's device).  One process may
+ * hold all W ranks (moe_world_open_local, ncclCommInitAll) or one rank of a multi-process
+ * launch (moe_world_open_rank, ncclCommInitRank with an id made once by moe_world_unique_id
+ * and passed to every process).  Functions that act on "each local rank" take arrays with one
+ * entry per rank of this process, in the order of moe_world_local_rank.
+ *
+ * The exchange functions enqueue their work on the world's streams and never wait on the host,
+ * so they can be captured in a CUDA graph: bind a context to the rank's stream first
+ * (moe_world_bind), so that the stages run around them are ordered with them and a capture on
+ * the context captures them too.  Every rank must call the same exchange functions in the same
+ * order with the same sizes: moe_world_check_config, run once when a layer is built, verifies
+ * that and fails on every rank (never hangs) when the ranks disagree.  NCCL failures return
+ * MOE_ERR_CUDA with "world: rank r: ncclX failed: <NCCL's text>".  A build without NCCL (or
+ * without CUDA) returns MOE_ERR_UNSUPPORTED from every function that needs it. */
+typedef struct moe_world moe_world;
+enum { MOE_WORLD_ID_HEX = 256 }; /* hex digits of an ncclUniqueId (128 bytes); buffers need one more */
+
+/* A new NCCL unique id as MOE_WORLD_ID_HEX lower-case hex digits and a NUL (n >= 257). */
+MOE_API int moe_world_unique_id(moe_ctx *ctx, char *hex, size_t n);
+/* All ndev ranks in this process: rank i on GPU devices[i] (distinct). */
+MOE_API int moe_world_open_local(moe_ctx *ctx, int ndev, const int *devices, moe_world **out);
+/* Rank `rank` of world_size, on GPU `device`; every rank passes the same id (hex text).
+ * Blocks until all world_size ranks have joined (NCCL's bootstrap). */
+MOE_API int moe_world_open_rank(moe_ctx *ctx, int rank, int world_size, int device, const char *unique_id_hex,
+                                moe_world **out);
+/* Waits for the world's streams, then frees everything; NULL is a no-op. */
+MOE_API void moe_world_close(moe_world *w);
+MOE_API int moe_world_size(const moe_world *w);        /* W */
+MOE_API int moe_world_local_count(const moe_world *w); /* ranks held by this process */
+MOE_API int moe_world_local_rank(const moe_world *w, int i);   /* global rank of local rank i, or -1 */
+MOE_API int moe_world_local_device(const moe_world *w, int i); /* its GPU, or -1 */
+MOE_API void *moe_world_stream(const moe_world *w, int i);     /* its cudaStream_t, or NULL */
+/* Points ctx at local rank i's stream (moe_ctx_set_stream), after waiting for the work the
+ * context had issued on its previous stream; a no-op when it is already there (also inside a
+ * capture).  moe_world_unbind puts a context bound to one of w's streams back on its own. */
+MOE_API int moe_world_bind(moe_ctx *ctx, moe_world *w, int i);
+MOE_API int moe_world_unbind(moe_ctx *ctx, moe_world *w);
+
+/* What every rank must agree on before an exchange.  All fields are compared. */
+typedef struct moe_world_config {
+  int version;         /* MOE_VERSION_NUMBER of the rank's library */
+  int world;           /* W as the rank sees it */
+  int tokens;          /* T */
+  int k;               /* K */
+  int experts;         /* E */
+  int hidden;          /* H */
+  int capacity;        /* C */
+  int pad;
+  int layout;          /* moe_layout */
+  int expert_capacity; /* < 0: none */
+} moe_world_config;
+enum { MOE_WORLD_CONFIG_FIELDS = 10 };
+/* One all-gather of every rank's config (cfgs: one per local rank), then the comparison below
+ * on every rank: MOE_ERR_ARG on all of them, naming the ranks and the field, when they differ.
+ * Waits on the host: not during a capture. */
+MOE_API int moe_world_check_config(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs);
+/* The comparison alone, on configs gathered by any means (all[W]), as seen from rank `rank`. */
+MOE_API int moe_world_compare_configs(moe_ctx *ctx, int rank, int world, const moe_world_config *all);
+
+/* out[i] [W, ...] = every rank's in[i] [...] (same dtype and shape on every rank), in rank
+ * order: ncclAllGather.  allgather_ids is the routing step: ids i32 [T, K] -> [W, T, K]. */
+MOE_API int moe_world_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe_tensor *const *in);
+MOE_API int moe_world_allgather_ids(moe_ctx *ctx, moe_world *w, moe_tensor *const *all_ids,
+                                    const moe_tensor *const *ids);
+
+/* Dispatch across ranks: x_all = all-gather of every rank's x [T, H] (W*T*H bf16 arrive on each
+ * rank), then the local dispatch of x_all by this rank's schedule, exactly as in a simulated
+ * world whose x is x_all. */
+typedef struct moe_world_dispatch_args {
+  moe_tensor *xs;               /* out: bf16 [C, H] */
+  moe_tensor *x_all;            /* out: bf16 [W, T, H], every rank's tokens */
+  const moe_tensor *x;          /* bf16 [T, H], this rank's tokens */
+  const moe_tensor *peer_rank;  /* i32 [C], this rank's schedule */
+  const moe_tensor *peer_route; /* i32 [C] */
+  int k;
+  int zero_fill;
+} moe_world_dispatch_args;
+MOE_API int moe_world_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a);
+
+/* Combine across ranks.  Each owner o packs, for every source rank p, the rows of its ys that
+ * p's routes got (route_row[p, t*K+k]) into send_rows[p] [T*K, H] in (t, k) order (zero where
+ * the route has no row on o) and their marks into send_index[p] (t*K+k, or -1); a grouped
+ * ncclSend/ncclRecv gives rank p recv_rows[o] and recv_index[o] from every owner o; then p
+ * combines them with moe_combine's kernel: the same k-ascending f32 sum, so the same bits as
+ * the simulated world.  Per rank W*T*K*H bf16 rows and W*T*K i32 leave and arrive: dense, not
+ * sparse (a route has one owner, so (W-1)/W of the rows sent are zeros). */
+typedef struct moe_world_combine_args {
+  moe_tensor *out;                /* out: bf16 or f32 [T, H] */
+  const moe_tensor *weights;      /* f32 [T, K], this rank's */
+  const moe_tensor *ids;          /* i32 [T, K], this rank's */
+  const moe_tensor *ys;           /* bf16 [C, H], this rank's expert outputs */
+  const moe_tensor *route_row;    /* i32 [W, T*K], this rank's schedule */
+  moe_tensor *send_rows;          /* scratch: bf16 [W, T*K, H] */
+  moe_tensor *recv_rows;          /* scratch: bf16 [W, T*K, H] */
+  moe_tensor *send_index;         /* scratch: i32 [W, T*K] */
+  moe_tensor *recv_index;         /* scratch: i32 [W, T*K] */
+  int experts;                    /* E */
+  const moe_tensor *shared;       /* bf16 [T, H] or NULL */
+  const moe_tensor *shared_gate;  /* f32 [T] or NULL */
+} moe_world_combine_args;
+MOE_API int moe_world_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a);
+
 /* MOE_CDEF_END */
 
 #ifdef __cplusplus

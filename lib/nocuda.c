@@ -71,3 +71,40 @@ int sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const mo
   return NO_CUDA("sigmoid_gate");
 }
 int combine_cuda(moe_ctx *ctx, const moe_combine_args *a) { (void)a; return NO_CUDA("combine"); }
+
+/* moe_world (lib/world.c): no NCCL without CUDA. */
+#include "world.h"
+int nccl_available(moe_ctx *ctx) { return NO_CUDA("world"); }
+int nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]) {
+  (void)id;
+  return NO_CUDA("world: unique_id");
+}
+int nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id) {
+  (void)w, (void)id;
+  return NO_CUDA("world");
+}
+void nccl_world_release(moe_world *w) { (void)w; }
+int nccl_bind(moe_ctx *ctx, moe_world *w, int i) {
+  (void)w, (void)i;
+  return NO_CUDA("world: bind");
+}
+int nccl_unbind(moe_ctx *ctx, moe_world *w) {
+  (void)w;
+  return moe_ok(ctx);
+}
+int nccl_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe_tensor *const *in) {
+  (void)w, (void)out, (void)in;
+  return NO_CUDA("world: allgather");
+}
+int nccl_gather_configs(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs, moe_world_config *all) {
+  (void)w, (void)cfgs, (void)all;
+  return NO_CUDA("world: check_config");
+}
+int nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a) {
+  (void)w, (void)a;
+  return NO_CUDA("world: dispatch");
+}
+int nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a) {
+  (void)w, (void)a;
+  return NO_CUDA("world: combine");
+}

@@ -25,6 +25,7 @@ for s in $steps; do
     gpuspecs) run gpuspecs 400 busted --tags=gpu ;;
     kimi) run kimi 400 lua scenarios/kimi.lua --json "$out/kimi.json" ;;
     scheduler) run scheduler 300 lua scenarios/scheduler.lua --json "$out/scheduler.json" ;;
+    experts) run experts 400 lua scenarios/experts.lua --json "$out/experts.json" ;;
     memcheck) for p in build/gpu_tests/*; do run "memcheck-$(basename "$p")" 300 compute-sanitizer --tool memcheck "$p" --quick; done ;;
     racecheck) for p in build/gpu_tests/*; do run "racecheck-$(basename "$p")" 300 compute-sanitizer --tool racecheck "$p" --quick; done ;;
     *) echo "unknown step $s" ;;

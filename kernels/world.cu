@@ -1,0 +1,385 @@
+// world.cu -- moe_world on NCCL: communicators and streams, the all-gathers, and the dispatch
+// and combine exchanges.  Built only when NCCL is found (lib/world.c has the stand-ins
+// otherwise).
+//
+// Everything here is enqueued on the world's streams (one per local rank) and nothing waits
+// on the host, except where a context that is not bound to the world must be kept in order
+// (eager use only; see enter/leave) and at open, close and check_config.  So an exchange
+// issued on a bound context's stream inside a capture becomes part of the graph.
+//
+// With several ranks in one thread, NCCL needs the calls of all of them inside one
+// ncclGroupStart/ncclGroupEnd (otherwise the first rank's call would wait for peers that the
+// thread has not reached yet); kernels are launched outside the group, before or after it,
+// so that they keep their place in the stream order.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <vector>
+
+#include <nccl.h>
+
+#include "common.cuh"
+#include "world.h"
+
+static_assert(sizeof(ncclUniqueId) == MOE_WORLD_ID_BYTES, "ncclUniqueId is 128 bytes");
+
+namespace {
+
+inline ncclComm_t comm_of(const moe_world *w, int i) { return (ncclComm_t)w->comms[i]; }
+inline cudaStream_t stream_of(const moe_world *w, int i) { return (cudaStream_t)w->streams[i]; }
+
+// "world: rank r: ncclAllGather failed: <NCCL's text> (<its last error>)"; marks the world failed.
+int nccl_fail(moe_ctx *ctx, moe_world *w, int i, const char *op, ncclResult_t r) {
+  if (w) w->failed = 1;
+  const char *last = (w && i >= 0 && w->comms[i]) ? ncclGetLastError(comm_of(w, i)) : ncclGetLastError(nullptr);
+  char who[48];
+  if (w && i >= 0) snprintf(who, sizeof who, "rank %d", w->ranks[i]);
+  else if (w) snprintf(who, sizeof who, "ranks 0..%d", w->size - 1);
+  else snprintf(who, sizeof who, "this process");
+  return moe_seterr(ctx, MOE_ERR_CUDA, "world: %s: %s failed: %s%s%s%s", who, op, ncclGetErrorString(r),
+                    last && *last ? " (" : "", last && *last ? last : "", last && *last ? ")" : "");
+}
+
+#define NCCL_TRY(ctx, w, i, op, call)                                                                                 \
+  do {                                                                                                                 \
+    ncclResult_t r_ = (call);                                                                                          \
+    if (r_ != ncclSuccess) return nccl_fail((ctx), (w), (i), (op), r_);                                                \
+  } while (0)
+
+// A group of NCCL calls: the first failure is kept, ncclGroupEnd is always called.
+struct Group {
+  moe_ctx *ctx;
+  moe_world *w;
+  ncclResult_t r = ncclSuccess;
+  int at = -1;
+  const char *op = nullptr;
+  Group(moe_ctx *c, moe_world *ww) : ctx(c), w(ww) { r = ncclGroupStart(); op = r ? "ncclGroupStart" : nullptr; }
+  void call(int i, const char *name, ncclResult_t res) {
+    if (r == ncclSuccess && res != ncclSuccess) r = res, at = i, op = name;
+  }
+  bool ok() const { return r == ncclSuccess; }
+  int end() {
+    ncclResult_t e = (op && !strcmp(op, "ncclGroupStart")) ? r : ncclGroupEnd();
+    if (r != ncclSuccess) return nccl_fail(ctx, w, at, op, r);
+    if (e != ncclSuccess) return nccl_fail(ctx, w, w->nlocal == 1 ? 0 : -1, "ncclGroupEnd", e);
+    return MOE_OK;
+  }
+};
+
+// Work of a context that is not bound to the world (its stream is none of the world's) is
+// kept in order with the exchange by waiting on the host: before, for what the context issued;
+// after, for the exchange.  A capture cannot wait, so it must be bound.
+int enter(moe_ctx *ctx, moe_world *w, const char *stage, bool *unbound) {
+  *unbound = false;
+  if (!ctx || !ctx->stream) {
+    *unbound = true;
+    return MOE_OK;
+  }
+  for (int i = 0; i < w->nlocal; i++)
+    if (ctx->stream == w->streams[i]) return MOE_OK;
+  if (ctx->capturing)
+    return moe_seterr(ctx, MOE_ERR_ARG, "%s: the capturing context is not bound to the world (moe_world_bind first)", stage);
+  *unbound = true;
+  MOE_CUDA_TRY(ctx, stage, cudaStreamSynchronize((cudaStream_t)ctx->stream));
+  return MOE_OK;
+}
+
+int leave(moe_ctx *ctx, moe_world *w, const char *stage, bool unbound) {
+  if (!unbound) return moe_ok(ctx);
+  for (int i = 0; i < w->nlocal; i++) {
+    MOE_CUDA_TRY(ctx, stage, cudaSetDevice(w->devices[i]));
+    MOE_CUDA_TRY(ctx, stage, cudaStreamSynchronize(stream_of(w, i)));
+  }
+  return moe_ok(ctx);
+}
+
+// A context of the library's own for launching a stage on the world's stream i: the stage
+// launchers take their stream from a context.  Its message is copied to ctx on failure.
+struct StreamCtx {
+  moe_ctx c;
+  StreamCtx(const moe_world *w, int i) {
+    memset(&c, 0, sizeof c);
+    c.stream = w->streams[i];
+    c.stream_device = w->devices[i];
+  }
+  int pass(moe_ctx *ctx, int rc) const {
+    if (rc && ctx) moe_seterr(ctx, rc, "%s", c.errmsg);
+    return rc;
+  }
+};
+
+// ---- combine: the owner's pack ----
+
+// Row f = p * TK + q of the send buffer: ys[route_row[p, q]] when that is a row of ys, zeros
+// otherwise; its index: q or -1.
+template <typename V>
+__global__ void pack_kernel(V *__restrict__ send, int32_t *__restrict__ index, const V *__restrict__ ys,
+                            const int32_t *__restrict__ route_row, int64_t rows, int64_t C, int64_t TK, int64_t pieces) {
+  for (int64_t f = blockIdx.x; f < rows; f += gridDim.x) {
+    const int64_t row = route_row[f];
+    const bool has = row >= 0 && row < C;
+    if (threadIdx.x == 0) index[f] = has ? (int32_t)(f % TK) : -1;
+    V *out = send + f * pieces;
+    if (has) {
+      const V *in = ys + row * pieces;
+      for (int64_t c = threadIdx.x; c < pieces; c += blockDim.x) out[c] = __ldg(in + c);
+    } else {
+      for (int64_t c = threadIdx.x; c < pieces; c += blockDim.x) out[c] = V{};
+    }
+  }
+}
+
+template <typename V>
+void launch_pack(cudaStream_t s, const moe_world_combine_args *a, int64_t W, int64_t TK, int64_t H) {
+  const int64_t pieces = H * 2 / (int64_t)sizeof(V), rows = W * TK;
+  int64_t blocks = rows < (1 << 20) ? rows : (1 << 20);
+  const int threads = pieces >= 256 ? 256 : pieces >= 64 ? 128 : 32;
+  pack_kernel<V><<<(unsigned)(blocks ? blocks : 1), threads, 0, s>>>(
+      (V *)a->send_rows->data, (int32_t *)a->send_index->data, (const V *)a->ys->data,
+      (const int32_t *)a->route_row->data, rows, a->ys->shape[0], TK, pieces);
+}
+
+} // namespace
+
+// ---- open, close, bind ----
+
+int nccl_available(moe_ctx *ctx) { return moe_ok(ctx); }
+
+int nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]) {
+  ncclUniqueId u;
+  NCCL_TRY(ctx, nullptr, -1, "ncclGetUniqueId", ncclGetUniqueId(&u));
+  memcpy(id, u.internal, MOE_WORLD_ID_BYTES);
+  return MOE_OK;
+}
+
+int nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id) {
+  // NVLink SHARP (multicast) stays off: it reserves memory and changes algorithms under us, and
+  // the machines this was written for lend GPUs without it.  Set before the first init reads it.
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  for (int i = 0; i < w->nlocal; i++) {
+    MOE_CUDA_TRY(ctx, "world", cudaSetDevice(w->devices[i]));
+    cudaStream_t s;
+    MOE_CUDA_TRY(ctx, "world", cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    w->streams[i] = s;
+  }
+  if (!id) {
+    std::vector<ncclComm_t> comms((size_t)w->nlocal, nullptr);
+    NCCL_TRY(ctx, w, -1, "ncclCommInitAll", ncclCommInitAll(comms.data(), w->nlocal, w->devices));
+    for (int i = 0; i < w->nlocal; i++) w->comms[i] = comms[i];
+  } else {
+    ncclUniqueId u;
+    memcpy(u.internal, id, MOE_WORLD_ID_BYTES);
+    MOE_CUDA_TRY(ctx, "world", cudaSetDevice(w->devices[0]));
+    ncclComm_t c = nullptr;
+    NCCL_TRY(ctx, w, 0, "ncclCommInitRank", ncclCommInitRank(&c, w->size, u, w->ranks[0]));
+    w->comms[0] = c;
+  }
+  return moe_ok(ctx);
+}
+
+void nccl_world_release(moe_world *w) {
+  for (int i = 0; i < w->nlocal; i++) {
+    if (!w->streams[i]) continue;
+    if (cudaSetDevice(w->devices[i]) == cudaSuccess) {
+      if (!w->failed) (void)cudaStreamSynchronize(stream_of(w, i));
+      (void)cudaStreamDestroy(stream_of(w, i));
+    }
+    w->streams[i] = nullptr;
+  }
+  // After a failure a peer may be gone: abort, which does not wait for anyone.  Otherwise
+  // finalise (all local ranks in one group, as for any call of several ranks) and destroy.
+  if (!w->failed) {
+    if (ncclGroupStart() == ncclSuccess) {
+      for (int i = 0; i < w->nlocal; i++)
+        if (w->comms[i]) (void)ncclCommFinalize(comm_of(w, i));
+      (void)ncclGroupEnd();
+    }
+  }
+  for (int i = 0; i < w->nlocal; i++) {
+    if (!w->comms[i]) continue;
+    if (w->failed) (void)ncclCommAbort(comm_of(w, i));
+    else (void)ncclCommDestroy(comm_of(w, i));
+    w->comms[i] = nullptr;
+  }
+  (void)cudaGetLastError();
+}
+
+int nccl_bind(moe_ctx *ctx, moe_world *w, int i) {
+  if (ctx->stream == w->streams[i]) return moe_ok(ctx);
+  if (ctx->capturing)
+    return moe_seterr(ctx, MOE_ERR_ARG, "world: bind: not during a graph capture (bind before capturing)");
+  if (ctx->stream) MOE_CUDA_TRY(ctx, "world: bind", cudaStreamSynchronize((cudaStream_t)ctx->stream));
+  return moe_ctx_set_stream(ctx, w->streams[i]);
+}
+
+int nccl_unbind(moe_ctx *ctx, moe_world *w) {
+  for (int i = 0; i < w->nlocal; i++) {
+    if (!ctx->stream || ctx->stream != w->streams[i]) continue;
+    if (ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "world: unbind: not during a graph capture");
+    MOE_CUDA_TRY(ctx, "world: unbind", cudaStreamSynchronize((cudaStream_t)ctx->stream));
+    return moe_ctx_set_stream(ctx, nullptr);
+  }
+  return moe_ok(ctx);
+}
+
+// ---- collectives ----
+
+static void issue_allgather(Group &g, moe_world *w, moe_tensor *const *out, const moe_tensor *const *in) {
+  for (int i = 0; i < w->nlocal && g.ok(); i++)
+    g.call(i, "ncclAllGather",
+           ncclAllGather(in[i]->data, out[i]->data, moe_tensor_nbytes(in[i]), ncclUint8, comm_of(w, i), stream_of(w, i)));
+}
+
+int nccl_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe_tensor *const *in) {
+  static const char *stage = "world: allgather";
+  bool unbound;
+  int rc = enter(ctx, w, stage, &unbound);
+  if (rc) return rc;
+  Group g(ctx, w);
+  issue_allgather(g, w, out, in);
+  if ((rc = g.end())) return rc;
+  return leave(ctx, w, stage, unbound);
+}
+
+int nccl_gather_configs(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs, moe_world_config *all) {
+  static const char *stage = "world: check_config";
+  const size_t one = sizeof(moe_world_config), W = (size_t)w->size;
+  std::vector<void *> dev((size_t)w->nlocal, nullptr);
+  int rc = MOE_OK;
+  // the same bytes from every rank, whatever its layer: this collective itself cannot mismatch
+  for (int i = 0; i < w->nlocal && !rc; i++) {
+    rc = cuda_alloc(ctx, w->devices[i], one * (W + 1), &dev[i]);
+    if (!rc && cudaMemcpyAsync(dev[i], &cfgs[i], one, cudaMemcpyHostToDevice, stream_of(w, i)) != cudaSuccess) {
+      (void)cudaGetLastError();
+      rc = moe_seterr(ctx, MOE_ERR_CUDA, "%s: copying rank %d's configuration to cuda:%d failed", stage, w->ranks[i],
+                      w->devices[i]);
+    }
+  }
+  if (!rc) {
+    Group g(ctx, w);
+    for (int i = 0; i < w->nlocal && g.ok(); i++)
+      g.call(i, "ncclAllGather",
+             ncclAllGather(dev[i], (char *)dev[i] + one, one, ncclUint8, comm_of(w, i), stream_of(w, i)));
+    rc = g.end();
+  }
+  for (int i = 0; i < w->nlocal && !rc; i++) {
+    cudaError_t e = cudaSetDevice(w->devices[i]);
+    if (e == cudaSuccess) e = cudaMemcpyAsync(all + (size_t)i * W, (char *)dev[i] + one, one * W, cudaMemcpyDeviceToHost,
+                                              stream_of(w, i));
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_of(w, i));
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      rc = moe_seterr(ctx, MOE_ERR_CUDA, "%s: rank %d: reading the gathered configurations failed: %s: %s", stage,
+                      w->ranks[i], cudaGetErrorName(e), cudaGetErrorString(e));
+    }
+  }
+  for (int i = 0; i < w->nlocal; i++) {
+    if (!dev[i]) continue;
+    if (rc && cudaSetDevice(w->devices[i]) == cudaSuccess) (void)cudaStreamSynchronize(stream_of(w, i));
+    cuda_free(w->devices[i], dev[i]);
+  }
+  return rc;
+}
+
+// ---- dispatch: all-gather x, then the local dispatch of the gathered tokens ----
+
+int nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a) {
+  static const char *stage = "world: dispatch";
+  bool unbound;
+  int rc = enter(ctx, w, stage, &unbound);
+  if (rc) return rc;
+  {
+    Group g(ctx, w);
+    for (int i = 0; i < w->nlocal && g.ok(); i++)
+      g.call(i, "ncclAllGather",
+             ncclAllGather(a[i].x->data, a[i].x_all->data, moe_tensor_nbytes(a[i].x), ncclUint8, comm_of(w, i),
+                           stream_of(w, i)));
+    if ((rc = g.end())) return rc;
+  }
+  for (int i = 0; i < w->nlocal; i++) {
+    moe_dispatch_args d;
+    memset(&d, 0, sizeof d);
+    d.xs = a[i].xs;
+    d.x = a[i].x_all;
+    d.peer_rank = a[i].peer_rank;
+    d.peer_route = a[i].peer_route;
+    d.k = a[i].k;
+    d.zero_fill = a[i].zero_fill;
+    StreamCtx sc(w, i);
+    if ((rc = sc.pass(ctx, dispatch_cuda(&sc.c, &d)))) return rc;
+  }
+  return leave(ctx, w, stage, unbound);
+}
+
+// ---- combine: pack per source rank, all-to-all, combine the owners' rows ----
+
+int nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a) {
+  static const char *stage = "world: combine";
+  const int64_t W = w->size;
+  bool unbound;
+  int rc = enter(ctx, w, stage, &unbound);
+  if (rc) return rc;
+  for (int i = 0; i < w->nlocal; i++) {
+    const int64_t TK = a[i].route_row->shape[1], H = a[i].ys->shape[1];
+    if (!TK || !H) continue;
+    MOE_CUDA_TRY(ctx, stage, cudaSetDevice(w->devices[i]));
+    const uintptr_t ps = (uintptr_t)a[i].send_rows->data, py = (uintptr_t)a[i].ys->data;
+    if (H % 8 == 0 && ps % 16 == 0 && py % 16 == 0) launch_pack<uint4>(stream_of(w, i), &a[i], W, TK, H);
+    else if (H % 2 == 0 && ps % 4 == 0 && py % 4 == 0) launch_pack<uint32_t>(stream_of(w, i), &a[i], W, TK, H);
+    else launch_pack<uint16_t>(stream_of(w, i), &a[i], W, TK, H);
+    MOE_CUDA_LAUNCHED(ctx, stage);
+  }
+  {
+    Group g(ctx, w);
+    for (int i = 0; i < w->nlocal && g.ok(); i++) {
+      const size_t TK = (size_t)a[i].route_row->shape[1], H = (size_t)a[i].ys->shape[1];
+      const size_t rows = TK * H * 2, idx = TK * 4;
+      char *sr = (char *)a[i].send_rows->data, *rr = (char *)a[i].recv_rows->data;
+      char *si = (char *)a[i].send_index->data, *ri = (char *)a[i].recv_index->data;
+      ncclComm_t c = comm_of(w, i);
+      cudaStream_t s = stream_of(w, i);
+      for (int p = 0; p < w->size && g.ok(); p++) {
+        g.call(i, "ncclSend", ncclSend(sr + p * rows, rows, ncclUint8, p, c, s));
+        g.call(i, "ncclRecv", ncclRecv(rr + p * rows, rows, ncclUint8, p, c, s));
+        g.call(i, "ncclSend", ncclSend(si + p * idx, idx, ncclUint8, p, c, s));
+        g.call(i, "ncclRecv", ncclRecv(ri + p * idx, idx, ncclUint8, p, c, s));
+      }
+    }
+    if ((rc = g.end())) return rc;
+  }
+  // Owner o's rows for this rank arrive as recv_rows[o] [T*K, H], row t*K+k where the route
+  // got a row on o, and recv_index[o] marks them.  Seen as owner o's ys and, at "rank 0", its
+  // route_row, they are exactly what moe_combine reads: the same kernel gives the same bits.
+  std::vector<moe_tensor> views((size_t)(2 * W));
+  std::vector<const moe_tensor *> ys((size_t)W), rr((size_t)W);
+  for (int i = 0; i < w->nlocal; i++) {
+    const int64_t TK = a[i].route_row->shape[1], H = a[i].ys->shape[1];
+    for (int64_t o = 0; o < W; o++) {
+      moe_tensor &y = views[(size_t)(2 * o)], &r = views[(size_t)(2 * o + 1)];
+      y = *a[i].recv_rows;
+      y.ndim = 2, y.shape[0] = TK, y.shape[1] = H, y.shape[2] = 0, y.numel = TK * H, y.owns_data = 0;
+      y.data = (uint16_t *)a[i].recv_rows->data + o * TK * H;
+      r = *a[i].recv_index;
+      r.ndim = 2, r.shape[0] = 1, r.shape[1] = TK, r.numel = TK, r.owns_data = 0;
+      r.data = (int32_t *)a[i].recv_index->data + o * TK;
+      ys[(size_t)o] = &y;
+      rr[(size_t)o] = &r;
+    }
+    moe_combine_args c;
+    memset(&c, 0, sizeof c);
+    c.out = a[i].out;
+    c.weights = a[i].weights;
+    c.ids = a[i].ids;
+    c.ys = ys.data();
+    c.route_row = rr.data();
+    c.world = (int)W;
+    c.experts = a[i].experts;
+    c.rank = 0; // the received index is one row per owner: this rank's
+    c.shared = a[i].shared;
+    c.shared_gate = a[i].shared_gate;
+    StreamCtx sc(w, i);
+    if ((rc = sc.pass(ctx, combine_cuda(&sc.c, &c)))) return rc;
+  }
+  return leave(ctx, w, stage, unbound);
+}

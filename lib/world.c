@@ -1,0 +1,375 @@
+/* world.c -- moe_world, the host side: arguments, the unique id as hex text, the comparison of
+ * the ranks' configurations.  What needs NCCL is in kernels/world.cu; without it (a build with
+ * CUDA but no NCCL: MOE_WORLD_STUBS), the stand-ins at the end say so. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "world.h"
+
+_Static_assert(sizeof(moe_world_config) == MOE_WORLD_CONFIG_FIELDS * sizeof(int),
+               "moe_world_config is compared and gathered as an array of ints");
+
+/* In the order of moe_world_config's fields. */
+static const char *const config_fields[MOE_WORLD_CONFIG_FIELDS] = {
+  "version", "world", "tokens", "k", "experts", "hidden", "capacity", "pad", "layout", "expert_capacity",
+};
+
+static int hexval(int c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+static int parse_id(moe_ctx *ctx, const char *hex, unsigned char id[MOE_WORLD_ID_BYTES]) {
+  if (!hex) return moe_seterr(ctx, MOE_ERR_ARG, "world: the unique id is NULL");
+  size_t n = strlen(hex);
+  if (n != 2 * MOE_WORLD_ID_BYTES)
+    return moe_seterr(ctx, MOE_ERR_ARG, "world: the unique id must be %d hex digits (an ncclUniqueId), got %zu characters",
+                      2 * MOE_WORLD_ID_BYTES, n);
+  for (size_t i = 0; i < n; i += 2) {
+    int hi = hexval((unsigned char)hex[i]), lo = hexval((unsigned char)hex[i + 1]);
+    if (hi < 0 || lo < 0) {
+      size_t at = hi < 0 ? i : i + 1;
+      unsigned char c = (unsigned char)hex[at];
+      if (c >= 0x20 && c < 0x7f)
+        return moe_seterr(ctx, MOE_ERR_ARG, "world: the unique id has '%c' at position %zu, expected a hex digit", c, at + 1);
+      return moe_seterr(ctx, MOE_ERR_ARG, "world: the unique id has byte 0x%02x at position %zu, expected a hex digit", c,
+                        at + 1);
+    }
+    id[i / 2] = (unsigned char)(hi << 4 | lo);
+  }
+  return MOE_OK;
+}
+
+int moe_world_unique_id(moe_ctx *ctx, char *hex, size_t n) {
+  if (!hex || n < 2 * MOE_WORLD_ID_BYTES + 1)
+    return moe_seterr(ctx, MOE_ERR_ARG, "world: unique_id needs a buffer of at least %d bytes, got %zu",
+                      2 * MOE_WORLD_ID_BYTES + 1, hex ? n : 0);
+  unsigned char id[MOE_WORLD_ID_BYTES];
+  int rc = nccl_unique_id(ctx, id);
+  if (rc) return rc;
+  static const char digits[] = "0123456789abcdef";
+  for (int i = 0; i < MOE_WORLD_ID_BYTES; i++) {
+    hex[2 * i] = digits[id[i] >> 4];
+    hex[2 * i + 1] = digits[id[i] & 15];
+  }
+  hex[2 * MOE_WORLD_ID_BYTES] = '\0';
+  return moe_ok(ctx);
+}
+
+static moe_world *world_new(int size, int nlocal) {
+  moe_world *w = calloc(1, sizeof *w);
+  if (!w) return NULL;
+  w->size = size;
+  w->nlocal = nlocal;
+  w->ranks = calloc((size_t)nlocal, sizeof *w->ranks);
+  w->devices = calloc((size_t)nlocal, sizeof *w->devices);
+  w->comms = calloc((size_t)nlocal, sizeof *w->comms);
+  w->streams = calloc((size_t)nlocal, sizeof *w->streams);
+  if (!w->ranks || !w->devices || !w->comms || !w->streams) {
+    moe_world_close(w);
+    return NULL;
+  }
+  return w;
+}
+
+void moe_world_close(moe_world *w) {
+  if (!w) return;
+  if (w->comms && w->streams) nccl_world_release(w);
+  free(w->ranks);
+  free(w->devices);
+  free(w->comms);
+  free(w->streams);
+  free(w);
+}
+
+/* The GPU exists on this machine (after nccl_available: the build message comes first). */
+static int check_gpu(moe_ctx *ctx, int device) {
+  int n = 0;
+  if (cuda_device_count(&n) != MOE_OK) n = 0;
+  if (n == 0) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "world: no usable GPU on this machine (cuda:%d asked)", device);
+  if (device >= n)
+    return moe_seterr(ctx, MOE_ERR_ARG, "world: cuda:%d does not exist (%d GPU%s visible)", device, n, n == 1 ? "" : "s");
+  return MOE_OK;
+}
+
+static int open_world(moe_ctx *ctx, moe_world *w, const unsigned char *id, moe_world **out) {
+  int rc = nccl_world_open(ctx, w, id);
+  if (rc) {
+    moe_world_close(w);
+    return rc;
+  }
+  *out = w;
+  return moe_ok(ctx);
+}
+
+int moe_world_open_local(moe_ctx *ctx, int ndev, const int *devices, moe_world **out) {
+  if (!out) return moe_seterr(ctx, MOE_ERR_ARG, "world: out is NULL");
+  *out = NULL;
+  if (ndev < 1) return moe_seterr(ctx, MOE_ERR_ARG, "world: a world needs at least one device, got %d", ndev);
+  if (!devices) return moe_seterr(ctx, MOE_ERR_ARG, "world: devices is NULL");
+  for (int i = 0; i < ndev; i++) {
+    if (devices[i] < 0)
+      return moe_seterr(ctx, MOE_ERR_ARG, "world: devices[%d] is %d, expected a GPU index >= 0", i + 1, devices[i]);
+    for (int j = 0; j < i; j++)
+      if (devices[j] == devices[i])
+        return moe_seterr(ctx, MOE_ERR_ARG, "world: cuda:%d is listed twice (devices[%d] and devices[%d]); one rank per GPU",
+                          devices[i], j + 1, i + 1);
+  }
+  int rc = nccl_available(ctx);
+  if (rc) return rc;
+  for (int i = 0; i < ndev; i++)
+    if ((rc = check_gpu(ctx, devices[i]))) return rc;
+  moe_world *w = world_new(ndev, ndev);
+  if (!w) return moe_seterr(ctx, MOE_ERR_NOMEM, "world: out of host memory");
+  for (int i = 0; i < ndev; i++) {
+    w->ranks[i] = i;
+    w->devices[i] = devices[i];
+  }
+  return open_world(ctx, w, NULL, out);
+}
+
+int moe_world_open_rank(moe_ctx *ctx, int rank, int world_size, int device, const char *unique_id_hex,
+                        moe_world **out) {
+  if (!out) return moe_seterr(ctx, MOE_ERR_ARG, "world: out is NULL");
+  *out = NULL;
+  if (world_size < 1) return moe_seterr(ctx, MOE_ERR_ARG, "world: the world size must be >= 1, got %d", world_size);
+  if (rank < 0 || rank >= world_size)
+    return moe_seterr(ctx, MOE_ERR_ARG, "world: rank must be in [0, %d) for a world of %d, got %d", world_size, world_size,
+                      rank);
+  if (device < 0) return moe_seterr(ctx, MOE_ERR_ARG, "world: device must be a GPU index >= 0, got %d", device);
+  unsigned char id[MOE_WORLD_ID_BYTES];
+  int rc = parse_id(ctx, unique_id_hex, id);
+  if (rc) return rc;
+  if ((rc = nccl_available(ctx))) return rc;
+  if ((rc = check_gpu(ctx, device))) return rc;
+  moe_world *w = world_new(world_size, 1);
+  if (!w) return moe_seterr(ctx, MOE_ERR_NOMEM, "world: out of host memory");
+  w->ranks[0] = rank;
+  w->devices[0] = device;
+  return open_world(ctx, w, id, out);
+}
+
+int moe_world_size(const moe_world *w) { return w ? w->size : 0; }
+int moe_world_local_count(const moe_world *w) { return w ? w->nlocal : 0; }
+int moe_world_local_rank(const moe_world *w, int i) { return w && i >= 0 && i < w->nlocal ? w->ranks[i] : -1; }
+int moe_world_local_device(const moe_world *w, int i) { return w && i >= 0 && i < w->nlocal ? w->devices[i] : -1; }
+void *moe_world_stream(const moe_world *w, int i) { return w && i >= 0 && i < w->nlocal ? w->streams[i] : NULL; }
+
+int moe_world_bind(moe_ctx *ctx, moe_world *w, int i) {
+  if (!ctx || !w) return moe_seterr(ctx, MOE_ERR_ARG, "world: bind: NULL argument");
+  if (i < 0 || i >= w->nlocal)
+    return moe_seterr(ctx, MOE_ERR_ARG, "world: bind: local rank %d is not in [0, %d)", i, w->nlocal);
+  return nccl_bind(ctx, w, i);
+}
+
+int moe_world_unbind(moe_ctx *ctx, moe_world *w) {
+  if (!ctx || !w) return moe_seterr(ctx, MOE_ERR_ARG, "world: unbind: NULL argument");
+  return nccl_unbind(ctx, w);
+}
+
+/* ---- configurations ---- */
+
+int moe_world_compare_configs(moe_ctx *ctx, int rank, int world, const moe_world_config *all) {
+  if (world < 1 || !all) return moe_seterr(ctx, MOE_ERR_ARG, "world: compare_configs: no configurations");
+  if (rank < 0 || rank >= world)
+    return moe_seterr(ctx, MOE_ERR_ARG, "world: compare_configs: rank %d is not in [0, %d)", rank, world);
+  int first_rank = -1, first_field = -1, ndiff = 0;
+  int v0[MOE_WORLD_CONFIG_FIELDS], v[MOE_WORLD_CONFIG_FIELDS];
+  memcpy(v0, &all[0], sizeof v0);
+  for (int r = 1; r < world; r++) {
+    memcpy(v, &all[r], sizeof v);
+    int differs = 0;
+    for (int f = 0; f < MOE_WORLD_CONFIG_FIELDS; f++) {
+      if (v[f] == v0[f]) continue;
+      if (first_rank < 0) first_rank = r, first_field = f;
+      differs = 1;
+    }
+    ndiff += differs;
+  }
+  if (first_rank < 0) return moe_ok(ctx);
+  memcpy(v, &all[first_rank], sizeof v);
+  return moe_seterr(ctx, MOE_ERR_ARG,
+                    "world: rank %d: the ranks' configurations differ: %s is %d on rank 0 but %d on rank %d "
+                    "(%d of %d ranks differ from rank 0); every rank must build the same layer",
+                    rank, config_fields[first_field], v0[first_field], v[first_field], first_rank, ndiff, world);
+}
+
+int moe_world_check_config(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs) {
+  if (!w || !cfgs) return moe_seterr(ctx, MOE_ERR_ARG, "world: check_config: NULL argument");
+  if (ctx && ctx->capturing)
+    return moe_seterr(ctx, MOE_ERR_ARG, "world: check_config waits on the host: not during a graph capture");
+  moe_world_config *all = calloc((size_t)w->nlocal * (size_t)w->size, sizeof *all);
+  if (!all) return moe_seterr(ctx, MOE_ERR_NOMEM, "world: out of host memory");
+  int rc = nccl_gather_configs(ctx, w, cfgs, all);
+  /* every local rank judges its own gathered table: all ranks reach the same verdict */
+  for (int i = 0; rc == MOE_OK && i < w->nlocal; i++)
+    rc = moe_world_compare_configs(ctx, w->ranks[i], w->size, all + (size_t)i * w->size);
+  free(all);
+  return rc;
+}
+
+/* ---- exchange arguments ---- */
+
+static int check_on(moe_ctx *ctx, const char *stage, const char *what, const moe_tensor *t, int device) {
+  if (t->device.kind == MOE_CUDA && t->device.index == device) return MOE_OK;
+  char got[160];
+  return moe_seterr(ctx, MOE_ERR_ARG, "%s: %s must be on cuda:%d (its rank's GPU), got %s", stage, what, device,
+                    moe_tensor_describe(t, got, sizeof got));
+}
+
+static int check_gather(moe_ctx *ctx, const char *stage, const moe_world *w, int i, const moe_tensor *out,
+                        const moe_tensor *in) {
+  char what[48], got[160], want[160];
+  if (!in || !out) return moe_seterr(ctx, MOE_ERR_ARG, "%s: %s[%d] is NULL", stage, in ? "out" : "in", i);
+  if (in->ndim + 1 > MOE_MAX_DIMS)
+    return moe_seterr(ctx, MOE_ERR_ARG, "%s: in[%d] has %d dimensions, at most %d", stage, i, in->ndim, MOE_MAX_DIMS - 1);
+  int64_t shape[MOE_MAX_DIMS];
+  shape[0] = w->size;
+  for (int d = 0; d < in->ndim; d++) shape[d + 1] = in->shape[d];
+  snprintf(what, sizeof what, "out[%d]", i);
+  if (moe_check_tensor(ctx, stage, what, out, in->dtype, in->ndim + 1, shape)) {
+    moe_tensor like = *in;
+    like.ndim = in->ndim + 1;
+    for (int d = 0; d < like.ndim; d++) like.shape[d] = shape[d];
+    return moe_seterr(ctx, MOE_ERR_ARG, "%s: out[%d] must be %s (W = %d copies of in[%d]), got %s", stage, i,
+                      moe_tensor_describe(&like, want, sizeof want), w->size, i, moe_tensor_describe(out, got, sizeof got));
+  }
+  snprintf(what, sizeof what, "in[%d]", i);
+  int rc = check_on(ctx, stage, what, in, w->devices[i]);
+  if (!rc) {
+    snprintf(what, sizeof what, "out[%d]", i);
+    rc = check_on(ctx, stage, what, out, w->devices[i]);
+  }
+  return rc;
+}
+
+int moe_world_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe_tensor *const *in) {
+  static const char *stage = "world: allgather";
+  if (!w || !out || !in) return moe_seterr(ctx, MOE_ERR_ARG, "%s: NULL argument", stage);
+  int rc;
+  for (int i = 0; i < w->nlocal; i++)
+    if ((rc = check_gather(ctx, stage, w, i, out[i], in[i]))) return rc;
+  return nccl_allgather(ctx, w, out, in);
+}
+
+int moe_world_allgather_ids(moe_ctx *ctx, moe_world *w, moe_tensor *const *all_ids, const moe_tensor *const *ids) {
+  static const char *stage = "world: allgather_ids";
+  if (!w || !all_ids || !ids) return moe_seterr(ctx, MOE_ERR_ARG, "%s: NULL argument", stage);
+  char what[32];
+  int rc;
+  for (int i = 0; i < w->nlocal; i++) {
+    snprintf(what, sizeof what, "ids[%d]", i);
+    if ((rc = moe_check_tensor(ctx, stage, what, ids[i], MOE_I32, 2, NULL))) return rc;
+    if ((rc = check_gather(ctx, stage, w, i, all_ids[i], ids[i]))) return rc;
+  }
+  return nccl_allgather(ctx, w, all_ids, ids);
+}
+
+int moe_world_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *args) {
+  static const char *stage = "world: dispatch";
+  if (!w || !args) return moe_seterr(ctx, MOE_ERR_ARG, "%s: NULL argument", stage);
+  int rc;
+  for (int i = 0; i < w->nlocal; i++) {
+    const moe_world_dispatch_args *a = &args[i];
+    if ((rc = moe_check_tensor(ctx, stage, "x", a->x, MOE_BF16, 2, NULL))) return rc;
+    const int64_t T = a->x->shape[0], H = a->x->shape[1];
+    const int64_t all_shape[] = {w->size, T, H}, xs_shape[] = {-1, H};
+    if ((rc = moe_check_tensor(ctx, stage, "x_all", a->x_all, MOE_BF16, 3, all_shape))) return rc;
+    if ((rc = moe_check_tensor(ctx, stage, "xs", a->xs, MOE_BF16, 2, xs_shape))) return rc;
+    const int64_t row_shape[] = {a->xs->shape[0]};
+    if ((rc = moe_check_tensor(ctx, stage, "peer_rank", a->peer_rank, MOE_I32, 1, row_shape))) return rc;
+    if ((rc = moe_check_tensor(ctx, stage, "peer_route", a->peer_route, MOE_I32, 1, row_shape))) return rc;
+    if (a->k < 1) return moe_seterr(ctx, MOE_ERR_ARG, "%s: k must be >= 1, got %d", stage, a->k);
+    const moe_tensor *ts[] = {a->xs, a->x_all, a->x, a->peer_rank, a->peer_route};
+    static const char *names[] = {"xs", "x_all", "x", "peer_rank", "peer_route"};
+    for (int j = 0; j < 5; j++)
+      if ((rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
+  }
+  return nccl_dispatch(ctx, w, args);
+}
+
+int moe_world_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *args) {
+  static const char *stage = "world: combine";
+  if (!w || !args) return moe_seterr(ctx, MOE_ERR_ARG, "%s: NULL argument", stage);
+  int rc;
+  char got[160];
+  for (int i = 0; i < w->nlocal; i++) {
+    const moe_world_combine_args *a = &args[i];
+    if ((rc = moe_check_tensor(ctx, stage, "weights", a->weights, MOE_F32, 2, NULL))) return rc;
+    const int64_t T = a->weights->shape[0], K = a->weights->shape[1];
+    const int64_t tk[] = {T, K};
+    if ((rc = moe_check_tensor(ctx, stage, "ids", a->ids, MOE_I32, 2, tk))) return rc;
+    if ((rc = moe_check_tensor(ctx, stage, "ys", a->ys, MOE_BF16, 2, NULL))) return rc;
+    const int64_t H = a->ys->shape[1];
+    const int64_t rr[] = {w->size, T * K}, rows[] = {w->size, T * K, H}, th[] = {T, H}, t1[] = {T};
+    if ((rc = moe_check_tensor(ctx, stage, "route_row", a->route_row, MOE_I32, 2, rr))) return rc;
+    if ((rc = moe_check_tensor(ctx, stage, "send_rows", a->send_rows, MOE_BF16, 3, rows))) return rc;
+    if ((rc = moe_check_tensor(ctx, stage, "recv_rows", a->recv_rows, MOE_BF16, 3, rows))) return rc;
+    if ((rc = moe_check_tensor(ctx, stage, "send_index", a->send_index, MOE_I32, 2, rr))) return rc;
+    if ((rc = moe_check_tensor(ctx, stage, "recv_index", a->recv_index, MOE_I32, 2, rr))) return rc;
+    if (!a->out || (a->out->dtype != MOE_BF16 && a->out->dtype != MOE_F32) || a->out->ndim != 2 ||
+        a->out->shape[0] != T || a->out->shape[1] != H)
+      return moe_seterr(ctx, MOE_ERR_ARG, "%s: out must be bf16 or f32 [%lld, %lld], got %s", stage, (long long)T,
+                        (long long)H, moe_tensor_describe(a->out, got, sizeof got));
+    if (a->experts < 1 || a->experts % w->size)
+      return moe_seterr(ctx, MOE_ERR_ARG, "%s: experts must be a positive multiple of the world size %d, got %d", stage,
+                        w->size, a->experts);
+    if (a->shared && (rc = moe_check_tensor(ctx, stage, "shared", a->shared, MOE_BF16, 2, th))) return rc;
+    if (a->shared_gate) {
+      if (!a->shared) return moe_seterr(ctx, MOE_ERR_ARG, "%s: shared_gate is given without shared", stage);
+      if ((rc = moe_check_tensor(ctx, stage, "shared_gate", a->shared_gate, MOE_F32, 1, t1))) return rc;
+    }
+    if (a->send_rows == a->recv_rows || a->send_index == a->recv_index ||
+        (a->send_rows->data == a->recv_rows->data) || (a->send_index->data == a->recv_index->data))
+      return moe_seterr(ctx, MOE_ERR_ARG, "%s: the send and receive buffers must be distinct", stage);
+    const moe_tensor *ts[] = {a->out, a->weights, a->ids, a->ys, a->route_row, a->send_rows, a->recv_rows,
+                              a->send_index, a->recv_index, a->shared, a->shared_gate};
+    static const char *names[] = {"out", "weights", "ids", "ys", "route_row", "send_rows", "recv_rows",
+                                  "send_index", "recv_index", "shared", "shared_gate"};
+    for (int j = 0; j < 11; j++)
+      if (ts[j] && (rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
+  }
+  return nccl_combine(ctx, w, args);
+}
+
+/* ---- a build with CUDA but without NCCL ---- */
+#ifdef MOE_WORLD_STUBS
+#define NO_NCCL(what) moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "world: %s: this moelab was built without NCCL", what)
+int nccl_available(moe_ctx *ctx) { return NO_NCCL("expert parallelism across GPUs"); }
+int nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]) {
+  (void)id;
+  return NO_NCCL("unique_id");
+}
+int nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id) {
+  (void)w, (void)id;
+  return NO_NCCL("open");
+}
+void nccl_world_release(moe_world *w) { (void)w; }
+int nccl_bind(moe_ctx *ctx, moe_world *w, int i) {
+  (void)w, (void)i;
+  return NO_NCCL("bind");
+}
+int nccl_unbind(moe_ctx *ctx, moe_world *w) {
+  (void)w;
+  return moe_ok(ctx);
+}
+int nccl_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe_tensor *const *in) {
+  (void)w, (void)out, (void)in;
+  return NO_NCCL("allgather");
+}
+int nccl_gather_configs(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs, moe_world_config *all) {
+  (void)w, (void)cfgs, (void)all;
+  return NO_NCCL("check_config");
+}
+int nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a) {
+  (void)w, (void)a;
+  return NO_NCCL("dispatch");
+}
+int nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a) {
+  (void)w, (void)a;
+  return NO_NCCL("combine");
+}
+#endif

@@ -1,0 +1,48 @@
+/* world.h -- the private side of moe_world: its layout, and the entry points of the NCCL
+ * backend (kernels/world.cu).  lib/world.c checks arguments and calls them; a build without
+ * NCCL gets stand-ins that return MOE_ERR_UNSUPPORTED (lib/world.c under MOE_WORLD_STUBS, or
+ * lib/nocuda.c in a build without CUDA). */
+#ifndef MOELAB_WORLD_H
+#define MOELAB_WORLD_H
+
+#include "internal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { MOE_WORLD_ID_BYTES = 128 }; /* sizeof(ncclUniqueId), checked where nccl.h is seen */
+
+struct moe_world {
+  int size;     /* W */
+  int nlocal;   /* ranks held by this process */
+  int *ranks;   /* [nlocal] global ranks */
+  int *devices; /* [nlocal] their GPUs */
+  void **comms;   /* [nlocal] ncclComm_t; NULL until made */
+  void **streams; /* [nlocal] cudaStream_t on devices[i]; NULL until made */
+  int failed;     /* an NCCL call failed: close aborts instead of finalising (no waiting on peers) */
+};
+
+/* MOE_OK when this build can open a world, else MOE_ERR_UNSUPPORTED with the reason. */
+int nccl_available(moe_ctx *ctx);
+/* Fills id with a new ncclUniqueId. */
+int nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]);
+/* Makes w's streams and communicators for its nlocal ranks: ncclCommInitAll when id is NULL
+ * (then nlocal == size), else ncclCommInitRank of the one local rank.  On failure what was
+ * made is left in w for nccl_world_release. */
+int nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id);
+/* Waits for the streams, destroys communicators and streams; never fails visibly. */
+void nccl_world_release(moe_world *w);
+int nccl_bind(moe_ctx *ctx, moe_world *w, int i);
+int nccl_unbind(moe_ctx *ctx, moe_world *w);
+/* Arguments already checked by lib/world.c. */
+int nccl_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe_tensor *const *in);
+/* all: nlocal * W configs, local rank i's gathered table at all + i * W. */
+int nccl_gather_configs(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs, moe_world_config *all);
+int nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a);
+int nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

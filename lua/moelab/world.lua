@@ -1,0 +1,263 @@
+-- moe.world{...}: this process's part of a world of expert-parallel ranks on real GPUs, with
+-- NCCL between them (moelab.core's World).  Two ways to make one:
+--
+--   moe.world { devices = { 0, 1, 2, 3 } }                 -- every rank in this process
+--   moe.world { rank = r, size = W, device = d, id = hex }  -- one rank of a multi-process launch
+--   moe.world { rank = r, size = W, device = d, id_file = path }
+--   moe.world { from_env = true }  -- MOE_RANK, MOE_WORLD_SIZE, MOE_DEVICE, MOE_NCCL_ID or MOE_NCCL_ID_FILE
+--
+-- The id is an NCCL unique id as 256 hex digits, made once (moe.world_unique_id()) and given
+-- to every process.  The exchange methods (allgather_ids, dispatch, combine) take one value per
+-- local rank: a list, or the value itself when the process holds one rank.
+local args = require "moelab.args"
+
+local ENV = { rank = "MOE_RANK", size = "MOE_WORLD_SIZE", device = "MOE_DEVICE", id = "MOE_NCCL_ID",
+  id_file = "MOE_NCCL_ID_FILE" }
+local ID_DIGITS = 256
+
+return function(moe)
+  local core = moe.core
+  local World = { __name = "moelab.WorldFrontEnd" }
+  World.__index = World
+
+  -- Errors found while opening are raised as {msg} and rethrown at the caller's line.
+  local function bad(fmt, ...) error({ msg = string.format(fmt, ...) }, 0) end
+
+  local function hex_problem(s)
+    if #s ~= ID_DIGITS then
+      return string.format("must be %d hex digits (an NCCL unique id from moe.world_unique_id()), got %d character%s",
+        ID_DIGITS, #s, #s == 1 and "" or "s")
+    end
+    local at = s:find("[^%x]")
+    if at then return string.format("has %q at position %d, expected a hex digit", s:sub(at, at), at) end
+  end
+
+  local function trim(s) return (s:gsub("^%s+", ""):gsub("%s+$", "")) end
+
+  local function read_id_file(path)
+    local f, err = io.open(path, "r")
+    if not f then bad("option 'id_file': cannot read %q: %s", path, err) end
+    local text = f:read("a") or ""
+    f:close()
+    local id = trim(text)
+    local problem = hex_problem(id)
+    if problem then bad("option 'id_file' (%q) does not hold an id: its text %s", path, problem) end
+    return id
+  end
+
+  -- Fills the rank options missing from o from the environment.
+  local function from_env(o)
+    for _, key in ipairs { "rank", "size", "device" } do
+      if o[key] == nil then
+        local name, v = ENV[key], os.getenv(ENV[key])
+        if v == nil or v == "" then
+          bad("from_env: the environment variable %s is not set (or pass option '%s')", name, key)
+        end
+        local n = math.tointeger(tonumber(trim(v)))
+        if not n then bad("from_env: the environment variable %s must be an integer, got %q", name, v) end
+        o[key] = n
+      end
+    end
+    if o.id == nil and o.id_file == nil then
+      local id, file = os.getenv(ENV.id), os.getenv(ENV.id_file)
+      if id and id ~= "" and file and file ~= "" then
+        bad("from_env: both MOE_NCCL_ID and MOE_NCCL_ID_FILE are set; set one")
+      elseif id and id ~= "" then
+        local problem = hex_problem(trim(id))
+        if problem then bad("from_env: the environment variable MOE_NCCL_ID %s", problem) end
+        o.id = trim(id)
+      elseif file and file ~= "" then
+        o.id_file = file
+      else
+        bad("from_env: neither MOE_NCCL_ID nor MOE_NCCL_ID_FILE is set (or pass option 'id' or 'id_file')")
+      end
+    end
+  end
+
+  local function open(o)
+    args.options("world", o, { devices = "table", rank = "integer", size = "integer", device = "integer",
+      id = "string", id_file = "string", from_env = "boolean" }, nil, 3)
+    local copy = {}
+    for k, v in pairs(o) do copy[k] = v end
+    o = copy
+    if o.devices ~= nil then
+      for _, k in ipairs { "rank", "size", "device", "id", "id_file", "from_env" } do
+        if o[k] ~= nil then
+          bad("option 'devices' (every rank in this process) cannot be combined with option '%s' (one rank of a "
+            .. "multi-process launch)", k)
+        end
+      end
+      local n = #o.devices
+      if n == 0 then bad("option 'devices' must list at least one GPU index, got an empty table") end
+      local seen = {}
+      for k in pairs(o.devices) do
+        if math.type(k) ~= "integer" or k < 1 or k > n then
+          bad("option 'devices' must be a list of GPU indices, got a key %s", args.describe(k))
+        end
+      end
+      for i, d in ipairs(o.devices) do
+        if math.type(d) ~= "integer" or d < 0 then
+          bad("devices[%d] must be a GPU index (an integer >= 0), got %s", i, args.describe(d))
+        end
+        if seen[d] then bad("devices[%d] repeats GPU %d (devices[%d]); one rank per GPU", i, d, seen[d]) end
+        seen[d] = i
+      end
+      return core.world_open_local(o.devices)
+    end
+    if o.from_env then from_env(o) end
+    if o.rank == nil and o.size == nil then
+      bad("give option 'devices' (every rank in this process), or 'rank', 'size', 'device' and 'id' or 'id_file' "
+        .. "(one rank of a multi-process launch), or from_env = true")
+    end
+    for _, k in ipairs { "rank", "size", "device" } do
+      if o[k] == nil then bad("option '%s' is required with a multi-process world (an integer)", k) end
+    end
+    if o.size < 1 then bad("option 'size' must be >= 1, got %d", o.size) end
+    if o.rank < 0 or o.rank >= o.size then
+      bad("option 'rank' must be between 0 and %d (size %d), got %d", o.size - 1, o.size, o.rank)
+    end
+    if o.device < 0 then bad("option 'device' must be a GPU index >= 0, got %d", o.device) end
+    if (o.id == nil) == (o.id_file == nil) then
+      bad("give exactly one of option 'id' (the NCCL unique id as hex) and option 'id_file' (a file holding it)")
+    end
+    local id = o.id
+    if id then
+      local problem = hex_problem(id)
+      if problem then bad("option 'id' %s", problem) end
+    else
+      id = read_id_file(o.id_file)
+    end
+    return core.world_open_rank(o.rank, o.size, o.device, id)
+  end
+
+  local function new_world(o)
+    local ok, h = pcall(open, o)
+    if not ok then
+      if type(h) == "table" then args.fail("world", h.msg, 2) end
+      -- a failure of the library (no GPU, NCCL): pointed at the caller's line, not this file's
+      error((tostring(h):gsub("^[^\n]-world%.lua:%d+: ", "")), 2)
+    end
+    local self = setmetatable({ handle = h, size = h:size(), ranks = h:ranks(), devices = h:devices() }, World)
+    self.local_count = #self.ranks
+    self.rank = self.ranks[1] -- the first (with one rank per process: the) rank of this process
+    self.device = self.devices[1]
+    self.scratch = {}
+    return self
+  end
+
+  -- One value per local rank: v itself when this process holds one rank and v is not a list.
+  local function per_rank(self, fname, name, v, is_one)
+    if is_one(v) then
+      if self.local_count ~= 1 then
+        args.fail(fname, string.format("option '%s' needs one value per local rank (%d), got one", name,
+          self.local_count), 3)
+      end
+      return { v }, true
+    end
+    if type(v) ~= "table" or #v ~= self.local_count then
+      args.fail(fname, string.format("option '%s' must be a list of %d (one per local rank), got %s", name,
+        self.local_count, args.describe(v)), 3)
+    end
+    return v, false
+  end
+  local function is_tensor(v) return args.is_tensor(v) end
+
+  function World:__tostring() return tostring(self.handle) end
+  function World:close() self.handle:close() end
+  World.__close = World.close
+  -- Points the module's context at local rank i's stream (1-based, default 1): the stages
+  -- then run in order with the exchanges, and a capture takes both.
+  function World:bind(i) self.handle:bind(i or 1); return self end
+  function World:unbind() self.handle:unbind(); return self end
+
+  -- ids i32 [T, K] per local rank -> all ids i32 [W, T, K] per local rank.
+  function World:allgather_ids(ids, out)
+    local list, one = per_rank(self, "allgather_ids", "ids", ids, is_tensor)
+    local outs = {}
+    for i, t in ipairs(list) do
+      args.tensor("allgather_ids", "ids", t, "i32", { false, false }, 2)
+      outs[i] = out and (one and out or out[i]) or core.new("i32", { self.size, t.shape[1], t.shape[2] }, t.device)
+    end
+    self.handle:allgather_ids(outs, list)
+    return one and outs[1] or outs
+  end
+
+  -- cfg = {tokens=, k=, experts=, hidden=, capacity=, pad=, layout=, expert_capacity=}: the same
+  -- on every rank or every rank fails with the ranks and the field that differ.
+  function World:check_config(cfg)
+    local list = per_rank(self, "check_config", "cfg", cfg, function(v) return type(v) == "table" and v.tokens ~= nil end)
+    local full = {}
+    for i, c in ipairs(list) do
+      full[i] = {}
+      for k, v in pairs(c) do full[i][k] = v end
+      full[i].world = full[i].world or self.size
+      full[i].version = full[i].version or core.version_number
+    end
+    self.handle:check_config(full)
+    return self
+  end
+
+  local function is_args(v) return type(v) == "table" and (v.x ~= nil or v.schedule ~= nil) end
+
+  -- {x = bf16 [T, H], schedule = this rank's moe.Schedule (of the all-gathered ids), out=, x_all=,
+  -- zero_fill=} per local rank -> xs bf16 [C, H] (and x_all, every rank's tokens).
+  function World:dispatch(o)
+    local list, one = per_rank(self, "dispatch", "arguments", o, is_args)
+    local calls, outs, alls = {}, {}, {}
+    for i, a in ipairs(list) do
+      args.options("dispatch", a, { x = "tensor", schedule = "table", out = "tensor", x_all = "tensor",
+        zero_fill = "boolean" }, { "x", "schedule" }, 2)
+      local s = a.schedule
+      local x = args.tensor("dispatch", "x", a.x, "bf16", { s.tokens, false }, 2)
+      local H = x.shape[2]
+      outs[i] = a.out or core.new("bf16", { s.capacity, H }, x.device)
+      alls[i] = a.x_all or core.new("bf16", { self.size, s.tokens, H }, x.device)
+      calls[i] = { xs = outs[i], x_all = alls[i], x = x, peer_rank = s.peer_rank, peer_route = s.peer_route, k = s.k,
+        zero_fill = a.zero_fill or false }
+    end
+    self.handle:dispatch(calls)
+    if one then return outs[1], alls[1] end
+    return outs, alls
+  end
+
+  -- The scratch of combine ([W, T*K, H] rows and [W, T*K] marks, twice), kept per shape and device.
+  local function combine_scratch(self, TK, H, dev)
+    local key = string.format("%d:%d:%s", TK, H, dev)
+    local b = self.scratch[key]
+    if not b then
+      local W = self.size
+      b = { send_rows = core.new("bf16", { W, TK, H }, dev), recv_rows = core.new("bf16", { W, TK, H }, dev),
+        send_index = core.new("i32", { W, TK }, dev), recv_index = core.new("i32", { W, TK }, dev) }
+      self.scratch[key] = b
+    end
+    return b
+  end
+
+  -- {schedule = this rank's schedule, y = its experts' output bf16 [C, H], weights = f32 [T, K],
+  -- ids = i32 [T, K] (default: the schedule's, this rank's), out=, dtype=, shared=, shared_gate=}
+  -- per local rank -> out [T, H]: the same bits as moe.combine over a simulated world.
+  function World:combine(o)
+    local list, one = per_rank(self, "combine", "arguments", o, is_args)
+    local calls, outs = {}, {}
+    for i, a in ipairs(list) do
+      args.options("combine", a, { schedule = "table", y = "tensor", weights = "tensor", ids = "tensor", out = "tensor",
+        dtype = { "bf16", "f32" }, shared = "tensor", shared_gate = "tensor" }, { "schedule", "y", "weights" }, 2)
+      local s = a.schedule
+      local y = args.tensor("combine", "y", a.y, "bf16", { s.capacity, false }, 2)
+      local T, K, H = s.tokens, s.k, y.shape[2]
+      args.tensor("combine", "weights", a.weights, "f32", { T, K }, 2)
+      local ids = a.ids or s.ids:select(s.rank + 1)
+      outs[i] = a.out or core.new(a.dtype or "bf16", { T, H }, y.device)
+      local b = combine_scratch(self, T * K, H, y.device)
+      calls[i] = { out = outs[i], weights = a.weights, ids = ids, ys = y, route_row = s.route_row,
+        send_rows = b.send_rows, recv_rows = b.recv_rows, send_index = b.send_index, recv_index = b.recv_index,
+        experts = s.experts, shared = a.shared, shared_gate = a.shared_gate }
+    end
+    self.handle:combine(calls)
+    return one and outs[1] or outs
+  end
+
+  moe.world_unique_id = core.world_unique_id
+  moe.World = World
+  return new_world
+end

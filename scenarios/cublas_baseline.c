@@ -1,0 +1,290 @@
+/* cublas_baseline.c -- the cuBLAS reference points of scenarios/experts.lua.
+ *
+ *   cublas_baseline H F [--device N] [--warmup N] [--iters N] (--file PATH | N_0 N_1 ... N_{EL-1})
+ *
+ * A case is a list of expert row counts (on the command line, or one case per line of PATH:
+ * counts separated by blanks or commas, '#' starts a comment).  For each case it times, with
+ * CUDA events after warm-up, the median of --iters runs of
+ *   dense:      the case's rows as one matrix: gate_up [rows x H] x [H x 2F], then
+ *               down [rows x F] x [F x H] (one GEMM each, the same FLOPs as the experts stage);
+ *   per_expert: the same two GEMMs for each expert with its own row count and its own weights,
+ *               launched back to back on one stream (empty experts launch nothing).
+ * bf16 inputs, f32 accumulation (cublasGemmEx, CUBLAS_COMPUTE_32F), bf16 outputs.  SwiGLU is
+ * omitted: down reads the gate half of the gate_up output in place (leading dimension 2F), so
+ * the traffic and the FLOPs are those of the stage without its elementwise epilogue.
+ * Inputs are random bf16 (uniform in [-1, 1)); the results are not checked.
+ *
+ * Output, one line per case and kind, key=value separated by blanks (a leading '#' marks a note):
+ *   case=1 kind=dense experts=48 rows=57344 gemms=2 ms=8.123 tflops=621.6
+ * TFLOP/s counts rows x 6 x H x F.  Errors go to stderr with exit status 1. */
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CUDA_OK(call)                                                                                       \
+  do {                                                                                                      \
+    cudaError_t e_ = (call);                                                                                \
+    if (e_ != cudaSuccess) {                                                                                \
+      fprintf(stderr, "error: %s failed at %s:%d: %s: %s\n", #call, __FILE__, __LINE__, cudaGetErrorName(e_), \
+              cudaGetErrorString(e_));                                                                      \
+      exit(1);                                                                                              \
+    }                                                                                                       \
+  } while (0)
+
+#define CUBLAS_OK(call)                                                                                     \
+  do {                                                                                                      \
+    cublasStatus_t s_ = (call);                                                                             \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                      \
+      fprintf(stderr, "error: %s failed at %s:%d: %s: %s\n", #call, __FILE__, __LINE__, cublasGetStatusName(s_), \
+              cublasGetStatusString(s_));                                                                   \
+      exit(1);                                                                                              \
+    }                                                                                                       \
+  } while (0)
+
+static void die(const char *msg, const char *what) {
+  fprintf(stderr, "error: %s%s%s\n", msg, what ? ": " : "", what ? what : "");
+  fprintf(stderr, "usage: cublas_baseline H F [--device N] [--warmup N] [--iters N] (--file PATH | N_0 N_1 ...)\n");
+  exit(1);
+}
+
+static long parse_long(const char *s, const char *what, long lo, long hi) {
+  char *end;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (errno || end == s || *end || v < lo || v > hi) die(what, s);
+  return v;
+}
+
+typedef struct {
+  int n;        /* experts */
+  int64_t *rows;
+  int64_t total;
+} Case;
+
+typedef struct {
+  Case *v;
+  int n, cap;
+} Cases;
+
+static void add_case(Cases *cs, const int64_t *rows, int n) {
+  if (cs->n == cs->cap) {
+    cs->cap = cs->cap ? 2 * cs->cap : 16;
+    cs->v = realloc(cs->v, (size_t)cs->cap * sizeof *cs->v);
+    if (!cs->v) die("out of host memory", NULL);
+  }
+  Case *c = &cs->v[cs->n++];
+  c->n = n;
+  c->rows = malloc((size_t)(n ? n : 1) * sizeof *c->rows);
+  if (!c->rows) die("out of host memory", NULL);
+  c->total = 0;
+  for (int i = 0; i < n; i++) c->total += (c->rows[i] = rows[i]);
+}
+
+static void read_cases(Cases *cs, const char *path) {
+  FILE *f = fopen(path, "r");
+  if (!f) die("cannot open the case file", path);
+  char line[1 << 16];
+  int64_t rows[1 << 13];
+  while (fgets(line, sizeof line, f)) {
+    if (!strchr(line, '\n') && !feof(f)) die("a line of the case file is longer than 64 KiB", path);
+    char *hash = strchr(line, '#');
+    if (hash) *hash = '\0';
+    int n = 0;
+    for (char *tok = strtok(line, " \t\r\n,"); tok; tok = strtok(NULL, " \t\r\n,")) {
+      if (n == (int)(sizeof rows / sizeof rows[0])) die("more than 8192 experts in one case", path);
+      rows[n++] = parse_long(tok, "row counts must be integers in [0, 2^31)", 0, 0x7fffffffL);
+    }
+    if (n) add_case(cs, rows, n);
+  }
+  fclose(f);
+}
+
+/* Y [M x N] = X [M x K] . W^T with W [N x K], all row-major: in cuBLAS's column-major terms
+ * Y^T = op_T(W^T) . X^T, the "TN" product. */
+static void gemm(cublasHandle_t h, int64_t M, int64_t N, int64_t K, const void *W, int64_t ldw, const void *X,
+                 int64_t ldx, void *Y, int64_t ldy) {
+  const float one = 1.0f, zero = 0.0f;
+  CUBLAS_OK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)M, (int)K, &one, W, CUDA_R_16BF, (int)ldw, X,
+                         CUDA_R_16BF, (int)ldx, &zero, Y, CUDA_R_16BF, (int)ldy, CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT));
+}
+
+/* Fills n bf16 values at dst by copying the random pool over it. */
+static void fill(void *dst, size_t n, const void *pool, size_t pool_n) {
+  char *d = dst;
+  for (size_t done = 0; done < n;) {
+    size_t m = n - done < pool_n ? n - done : pool_n;
+    CUDA_OK(cudaMemcpy(d + done * 2, pool, m * 2, cudaMemcpyDeviceToDevice));
+    done += m;
+  }
+}
+
+static int cmp_float(const void *a, const void *b) {
+  float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+
+typedef struct {
+  cublasHandle_t h;
+  int64_t H, F;
+  uint16_t *x, *hbuf, *y, **wgu, **wdn;
+} Bufs;
+
+/* dense: all rows through expert 0's weights; else each expert through its own. */
+static void run_case(const Bufs *b, const Case *c, int dense) {
+  const int64_t H = b->H, F = b->F;
+  if (dense) {
+    if (!c->total) return;
+    gemm(b->h, c->total, 2 * F, H, b->wgu[0], H, b->x, H, b->hbuf, 2 * F);
+    gemm(b->h, c->total, H, F, b->wdn[0], F, b->hbuf, 2 * F, b->y, H);
+    return;
+  }
+  int64_t row = 0;
+  for (int e = 0; e < c->n; e++) {
+    int64_t m = c->rows[e];
+    if (!m) continue;
+    gemm(b->h, m, 2 * F, H, b->wgu[e], H, b->x + row * H, H, b->hbuf + row * 2 * F, 2 * F);
+    gemm(b->h, m, H, F, b->wdn[e], F, b->hbuf + row * 2 * F, 2 * F, b->y + row * H, H);
+    row += m;
+  }
+}
+
+int main(int argc, char **argv) {
+  int64_t H = 0, F = 0;
+  int device = 0, warmup = 3, iters = 10, npos = 0;
+  const char *file = NULL;
+  Cases cs = {0};
+  int64_t *cmd = calloc((size_t)argc, sizeof *cmd);
+  if (!cmd) die("out of host memory", NULL);
+  int ncmd = 0;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+      printf("usage: cublas_baseline H F [--device N] [--warmup N] [--iters N] (--file PATH | N_0 N_1 ...)\n");
+      return 0;
+    }
+    if (!strncmp(a, "--", 2)) {
+      if (i + 1 >= argc) die("flag needs a value", a);
+      const char *v = argv[++i];
+      if (!strcmp(a, "--device")) device = (int)parse_long(v, "--device needs a device number", 0, 1024);
+      else if (!strcmp(a, "--warmup")) warmup = (int)parse_long(v, "--warmup needs an integer >= 0", 0, 100000);
+      else if (!strcmp(a, "--iters")) iters = (int)parse_long(v, "--iters needs an integer >= 1", 1, 100000);
+      else if (!strcmp(a, "--file")) file = v;
+      else die("unknown flag", a);
+    } else if (npos == 0) {
+      H = parse_long(a, "H must be an integer in [1, 2^20]", 1, 1L << 20), npos++;
+    } else if (npos == 1) {
+      F = parse_long(a, "F must be an integer in [1, 2^20]", 1, 1L << 20), npos++;
+    } else {
+      cmd[ncmd++] = parse_long(a, "row counts must be integers in [0, 2^31)", 0, 0x7fffffffL);
+    }
+  }
+  if (npos < 2) die("H and F are required", NULL);
+  if (file && ncmd) die("give either --file or row counts, not both", NULL);
+  if (file) read_cases(&cs, file);
+  else if (ncmd) add_case(&cs, cmd, ncmd);
+  if (!cs.n) die("no case: give row counts or a --file with one case per line", NULL);
+
+  int64_t max_rows = 0;
+  int max_experts = 1;
+  for (int i = 0; i < cs.n; i++) {
+    if (cs.v[i].total > max_rows) max_rows = cs.v[i].total;
+    if (cs.v[i].n > max_experts) max_experts = cs.v[i].n;
+  }
+  if (max_rows > 0x7fffffffL) die("a case has more than 2^31 rows", NULL);
+
+  int ndev = 0;
+  CUDA_OK(cudaGetDeviceCount(&ndev));
+  if (device >= ndev) {
+    fprintf(stderr, "error: --device %d, but %d CUDA device%s\n", device, ndev, ndev == 1 ? "" : "s");
+    return 1;
+  }
+  CUDA_OK(cudaSetDevice(device));
+  struct cudaDeviceProp prop;
+  CUDA_OK(cudaGetDeviceProperties(&prop, device));
+
+  /* one pool of random bf16 values, copied over every buffer: filling gigabytes of weights
+   * from the host would take longer than the timing */
+  const size_t pool_n = (size_t)1 << 24;
+  uint16_t *host = malloc(pool_n * sizeof *host);
+  if (!host) die("out of host memory", NULL);
+  uint64_t s = 0x9e3779b97f4a7c15ull;
+  for (size_t i = 0; i < pool_n; i++) {
+    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+    float v = (float)((double)(s >> 40) / (double)(1ull << 24) * 2.0 - 1.0);
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    host[i] = (uint16_t)(u >> 16);
+  }
+  uint16_t *pool;
+  CUDA_OK(cudaMalloc((void **)&pool, pool_n * sizeof *pool));
+  CUDA_OK(cudaMemcpy(pool, host, pool_n * sizeof *pool, cudaMemcpyHostToDevice));
+  free(host);
+
+  Bufs b = {.H = H, .F = F};
+  size_t rows = (size_t)(max_rows ? max_rows : 1);
+  CUDA_OK(cudaMalloc((void **)&b.x, rows * (size_t)H * 2));
+  CUDA_OK(cudaMalloc((void **)&b.hbuf, rows * (size_t)(2 * F) * 2));
+  CUDA_OK(cudaMalloc((void **)&b.y, rows * (size_t)H * 2));
+  fill(b.x, rows * (size_t)H, pool, pool_n);
+  b.wgu = calloc((size_t)max_experts, sizeof *b.wgu);
+  b.wdn = calloc((size_t)max_experts, sizeof *b.wdn);
+  if (!b.wgu || !b.wdn) die("out of host memory", NULL);
+  for (int e = 0; e < max_experts; e++) {
+    CUDA_OK(cudaMalloc((void **)&b.wgu[e], (size_t)(2 * F) * (size_t)H * 2));
+    CUDA_OK(cudaMalloc((void **)&b.wdn[e], (size_t)H * (size_t)F * 2));
+    fill(b.wgu[e], (size_t)(2 * F) * (size_t)H, pool, pool_n);
+    fill(b.wdn[e], (size_t)H * (size_t)F, pool, pool_n);
+  }
+  CUBLAS_OK(cublasCreate(&b.h));
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUBLAS_OK(cublasSetStream(b.h, stream));
+  cudaEvent_t start, stop;
+  CUDA_OK(cudaEventCreate(&start));
+  CUDA_OK(cudaEventCreate(&stop));
+  float *ms = malloc((size_t)iters * sizeof *ms);
+  if (!ms) die("out of host memory", NULL);
+
+  printf("# cublas_baseline: H=%lld F=%lld on device %d (%s); cublasGemmEx bf16 in, f32 accumulate "
+         "(CUBLAS_COMPUTE_32F), bf16 out; gate_up then down, SwiGLU omitted; median of %d after %d warm-up\n",
+         (long long)H, (long long)F, device, prop.name, iters, warmup);
+  for (int ci = 0; ci < cs.n; ci++) {
+    const Case *c = &cs.v[ci];
+    int nonempty = 0;
+    for (int e = 0; e < c->n; e++) nonempty += c->rows[e] > 0;
+    for (int dense = 1; dense >= 0; dense--) {
+      for (int i = 0; i < warmup; i++) run_case(&b, c, dense);
+      for (int i = 0; i < iters; i++) {
+        CUDA_OK(cudaEventRecord(start, stream));
+        run_case(&b, c, dense);
+        CUDA_OK(cudaEventRecord(stop, stream));
+        CUDA_OK(cudaEventSynchronize(stop));
+        CUDA_OK(cudaEventElapsedTime(&ms[i], start, stop));
+      }
+      CUDA_OK(cudaGetLastError());
+      qsort(ms, (size_t)iters, sizeof *ms, cmp_float);
+      double med = iters % 2 ? ms[iters / 2] : 0.5 * (ms[iters / 2 - 1] + ms[iters / 2]);
+      double flop = (double)c->total * 6.0 * (double)H * (double)F;
+      printf("case=%d kind=%s experts=%d rows=%lld gemms=%d ms=%.4f tflops=%.2f\n", ci + 1,
+             dense ? "dense" : "per_expert", c->n, (long long)c->total, dense ? (c->total ? 2 : 0) : 2 * nonempty,
+             med, med > 0 ? flop / (med * 1e9) : 0.0);
+      fflush(stdout);
+    }
+  }
+
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cublasDestroy(b.h);
+  cudaStreamDestroy(stream);
+  for (int e = 0; e < max_experts; e++) cudaFree(b.wgu[e]), cudaFree(b.wdn[e]);
+  cudaFree(b.x), cudaFree(b.hbuf), cudaFree(b.y), cudaFree(pool);
+  free(b.wgu), free(b.wdn), free(ms), free(cmd);
+  for (int i = 0; i < cs.n; i++) free(cs.v[i].rows);
+  free(cs.v);
+  return 0;
+}

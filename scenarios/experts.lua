@@ -1,0 +1,425 @@
+-- The experts stage (gate_up + SwiGLU + down) of one rank of EP8 for every model preset, under
+-- four routing distributions and three pads, beside cuBLAS in the same run: a dense GEMM pair of
+-- the same FLOPs and a per-expert loop of GEMMs.
+--
+--   lua scenarios/experts.lua [--device D] [--models a,b] [--dists a,b] [--pads 1,128,256]
+--                             [--iters N] [--tokens T] [--hidden H] [--ffn F] [--seed S] [--json FILE]
+--
+-- For each (model, distribution): the ids of all 8 ranks x T tokens (T = 7168 on a GPU), rank 0's
+-- schedule at each pad with capacity = the rows it needs, xs = randn [rows, H], the preset's
+-- local weights (E/8 experts, randn with std 1/sqrt(H) and 1/sqrt(F), made once per preset).
+-- Each configuration runs once and the first and last rows of the most and the least loaded
+-- expert are copied out before it is timed with moe.bench (device events, 3 warm-ups, the
+-- median); they are compared with the CPU reference, one CPU call per (model, distribution).  TFLOP/s counts rows used (padding included) x 6·H·F; "useful"
+-- counts the routes only.  The cuBLAS numbers come from build/cublas_baseline (or
+-- $MOE_BUILD_DIR/cublas_baseline), run once per preset; n/a where it or a GPU is absent.
+-- On the CPU the presets keep their E and top-k but run at a tiny H, F and T, and the times are
+-- wall clock: only the GPU's are meaningful.  Exits 1 when a check fails.
+local moe = require "moelab"
+local cli = require "moelab.cli"
+local json = require "moelab.json"
+
+local MODEL_KEYS = { "kimi_k2", "deepseek_v3", "deepseek_v4_pro", "glm5", "qwen3_235b", "qwen3_5_397b" }
+local DISTS = { "uniform", "zipf", "hotspot", "router" }
+local W = 8
+local ZIPF_S = 1.0     -- P(popularity rank r) ∝ r^-s
+local HOT_SHARE = 0.8  -- hotspot: this share of routes goes to E/8 experts
+local ROUTER_STD = 1.5
+
+local opts = cli.parse(arg, {
+  { "device", "string", moe.default_device(), "cpu or cuda:N" },
+  { "models", "list", nil, "presets, comma separated (default all: " .. table.concat(MODEL_KEYS, ",") .. ")" },
+  { "dists", "list", nil, "routing distributions (default all: " .. table.concat(DISTS, ",") .. ")" },
+  { "pads", "list", nil, "pads (default 1,128,256)" },
+  { "iters", "integer", nil, "timed runs per configuration, the median is reported (default 10; 1 on the CPU)" },
+  { "tokens", "integer", nil, "tokens per rank (default 7168; 32 on the CPU)" },
+  { "hidden", "integer", nil, "override every preset's H (default the preset's; 128 on the CPU)" },
+  { "ffn", "integer", nil, "override every preset's F (default the preset's; 64 on the CPU)" },
+  { "seed", "integer", 1, "seed of the ids, inputs and weights" },
+  { "json", "string", nil, "also write the table as JSON to this file" },
+}, "lua scenarios/experts.lua: the experts stage per preset x routing distribution x pad, beside cuBLAS")
+
+local function usage_error(msg)
+  io.stderr:write("scenarios/experts.lua: ", msg, "\n")
+  os.exit(2)
+end
+
+local function pick(list, allowed, what)
+  if not list then return allowed end
+  local ok = {}
+  for _, a in ipairs(allowed) do ok[a] = true end
+  for _, v in ipairs(list) do
+    if not ok[v] then
+      usage_error(string.format("unknown %s '%s' (expected some of %s)", what, v, table.concat(allowed, ",")))
+    end
+  end
+  return list
+end
+
+local dev = opts.device
+if dev ~= "cpu" and not dev:match("^cuda:%d+$") then
+  usage_error("--device must be cpu or cuda:N, got '" .. dev .. "'")
+end
+local gpu = dev ~= "cpu"
+local model_keys = pick(opts.models, MODEL_KEYS, "model")
+local dists = pick(opts.dists, DISTS, "distribution")
+local pads = {}
+for i, p in ipairs(opts.pads or { "1", "128", "256" }) do
+  pads[i] = math.tointeger(tonumber(p))
+  if not pads[i] or pads[i] < 1 then usage_error("--pads needs integers >= 1, got '" .. p .. "'") end
+end
+local T = opts.tokens or (gpu and 7168 or 32)
+local iters = opts.iters or (gpu and 10 or 1)
+local warmup = gpu and 3 or 0
+if T < 1 or iters < 1 then usage_error("--tokens and --iters must be >= 1") end
+
+local function p(...) io.write(string.format(...), "\n") io.flush() end
+
+-- ---------------------------------------------------------------- routing distributions
+
+-- Popularity rank r (0-based) -> expert id, round robin over the ranks (a balanced placement):
+-- rank 0 owns popularity ranks 0, W, 2W, ..., so every rank holds its share of hot and cold.
+local function placed(r, E)
+  return (r % W) * (E // W) + r // W
+end
+
+-- ids i32 [W, T, K] on dev: each token's K distinct experts drawn from the distribution with
+-- Lua's seeded generator (xoshiro256**), or the softmax router on randn logits.
+local function make_ids(dist, E, K, seed)
+  local N = W * T
+  if dist == "router" then
+    local logits <close> = moe.randn({ N, E }, { seed = seed, std = ROUTER_STD, device = dev })
+    local ids = moe.route { logits = logits, k = K, scoring = "softmax" }
+    return ids:view(0, { W, T, K })
+  end
+  math.randomseed(seed)
+  local random = math.random
+  local draw
+  if dist == "uniform" then
+    draw = function() return random(0, E - 1) end
+  elseif dist == "zipf" then
+    local cdf, sum = {}, 0.0
+    for r = 1, E do
+      sum = sum + r ^ -ZIPF_S
+      cdf[r] = sum
+    end
+    draw = function()
+      local u = random() * sum
+      local lo, hi = 1, E
+      while lo < hi do
+        local mid = (lo + hi) // 2
+        if cdf[mid] < u then lo = mid + 1 else hi = mid end
+      end
+      return placed(lo - 1, E)
+    end
+  end
+  local nhot = math.max(E // 8, 1)
+  local ids, taken, n = {}, {}, 0
+  for t = 1, N do
+    local hot_taken = 0
+    for slot = 1, K do
+      local e
+      if dist == "hotspot" then
+        -- the side first, then distinct experts within it, so that rejections keep the share
+        local hot = random() < HOT_SHARE
+        if hot and hot_taken == nhot then hot = false end
+        if not hot and slot - 1 - hot_taken == E - nhot then hot = true end
+        if hot then hot_taken = hot_taken + 1 end
+        repeat
+          e = placed(hot and random(0, nhot - 1) or random(nhot, E - 1), E)
+        until taken[e] ~= t
+      else
+        repeat e = draw() until taken[e] ~= t
+      end
+      taken[e] = t
+      n = n + 1
+      ids[n] = e
+    end
+  end
+  return moe.tensor(ids, { dtype = "i32", device = dev, shape = { W, T, K } })
+end
+
+-- ---------------------------------------------------------------- checks against the CPU
+
+-- A small CPU problem per (model, distribution): the first and the last row of the segments of
+-- (at most) two experts at every pad, their xs rows and the device's output rows copied to the
+-- host as each pad runs, and the two experts' weights.  One CPU call covers all pads: most of
+-- its time goes to converting an expert's weights, whatever the number of rows.
+local Check = {}
+Check.__index = Check
+
+function Check.new(experts, scheds, wgu, wd, H, F)
+  local c = setmetatable({ experts = experts, H = H, plan = {}, offs = { 0 } }, Check)
+  for slot, e in ipairs(experts) do
+    for i, sc in ipairs(scheds) do
+      local lo, hi = sc.off[e + 1], sc.off[e + 2] - 1
+      c.plan[#c.plan + 1] = { pad = i, row = lo }
+      if hi > lo then c.plan[#c.plan + 1] = { pad = i, row = hi } end
+    end
+    c.offs[slot + 1] = #c.plan
+  end
+  local n, ne = #c.plan, #experts
+  if n == 0 then return c end
+  c.xs = moe.zeros({ n, H }, { dtype = "bf16" })
+  c.got = moe.zeros({ n, H }, { dtype = "bf16" })
+  c.wgu = moe.zeros({ ne, 2 * F, H }, { dtype = "bf16" })
+  c.wd = moe.zeros({ ne, H, F }, { dtype = "bf16" })
+  for i, e in ipairs(experts) do
+    local dst_gu <close> = c.wgu:select(i)
+    local src_gu <close> = wgu:select(e + 1)
+    local dst_d <close> = c.wd:select(i)
+    local src_d <close> = wd:select(e + 1)
+    dst_gu:copy(src_gu)
+    dst_d:copy(src_d)
+  end
+  return c
+end
+
+-- Copies pad i's rows of xs and ys (right after the run that wrote ys, before any timing).
+function Check:take(i, xs, ys)
+  local H = self.H
+  for j, pl in ipairs(self.plan) do
+    if pl.pad == i then
+      local dx <close> = self.xs:view((j - 1) * H, { 1, H })
+      local sx <close> = xs:view(pl.row * H, { 1, H })
+      local dy <close> = self.got:view((j - 1) * H, { 1, H })
+      local sy <close> = ys:view(pl.row * H, { 1, H })
+      dx:copy(sx)
+      dy:copy(sy)
+    end
+  end
+end
+
+-- Runs the CPU reference; returns per pad index {rows, rel_max, rel_l2, nans, pass} (nil where
+-- that pad had no row to check).
+function Check:finish()
+  local out = {}
+  if #self.plan == 0 then return out end
+  local ref = moe.experts { x = self.xs, offsets = moe.tensor(self.offs, { dtype = "i32" }), w_gate_up = self.wgu,
+    w_down = self.wd }
+  local gf, rf, H = self.got:flat(), ref:flat(), self.H
+  local by_pad = {}
+  for j, pl in ipairs(self.plan) do
+    local b = by_pad[pl.pad] or { got = {}, ref = {}, rows = 0 }
+    by_pad[pl.pad] = b
+    b.rows = b.rows + 1
+    for k = (j - 1) * H + 1, j * H do
+      b.got[#b.got + 1] = gf[k]
+      b.ref[#b.ref + 1] = rf[k]
+    end
+  end
+  for i, b in pairs(by_pad) do
+    local m = moe.check.metrics(b.got, b.ref)
+    out[i] = { rows = b.rows, experts = self.experts, rel_max = m.rel_max, rel_l2 = m.rel_l2, nans = m.nans,
+      pass = (pcall(moe.check.close, b.got, b.ref)) }
+  end
+  for _, k in ipairs { "xs", "got", "wgu", "wd" } do getmetatable(self[k]).__close(self[k]) end
+  getmetatable(ref).__close(ref)
+  return out
+end
+
+-- ---------------------------------------------------------------- one preset
+
+local function index_of(list, v)
+  for i, x in ipairs(list) do if x == v then return i end end
+end
+
+-- Runs every (distribution, pad) of one preset; returns its shape, its rows and the baseline's
+-- cases.  Seeds follow a preset's and a distribution's place in the full lists, so that a run
+-- of a subset (--models, --dists) draws the same ids, inputs and weights as the full run.
+local function run_model(key)
+  local mi = index_of(MODEL_KEYS, key)
+  local m = moe.models[key]
+  local E, K = m.experts, m.k
+  local EL = E // W
+  local H = opts.hidden or (gpu and m.hidden or 128)
+  local F = opts.ffn or (gpu and m.ffn or 64)
+  local wseed = opts.seed * 7919 + mi * 101
+  local wgu <close> = moe.randn({ EL, 2 * F, H },
+    { dtype = "bf16", std = 1 / math.sqrt(H), seed = wseed, device = dev })
+  local wd <close> = moe.randn({ EL, H, F }, { dtype = "bf16", std = 1 / math.sqrt(F), seed = wseed + 1, device = dev })
+  local shape = { key = key, name = m.name, E = E, EL = EL, K = K, H = H, F = F,
+    reduced = H ~= m.hidden or F ~= m.ffn or T ~= 7168 }
+  local rows, cases = {}, {}
+  for _, dist in ipairs(dists) do
+    local di = index_of(DISTS, dist)
+    local ids = make_ids(dist, E, K, opts.seed * 1000003 + mi * 1009 + di * 17)
+    -- rank 0's schedule at each pad: first with the worst-case capacity, to learn the rows it
+    -- needs, then with exactly that capacity
+    local scheds, cmax = {}, 1
+    for i, pad in ipairs(pads) do
+      local first = moe.schedule { ids = ids, experts = E, rank = 0, pad = pad }
+      local need = math.max(first:read_stats().rows_needed, 1)
+      local s = moe.schedule { ids = ids, experts = E, rank = 0, pad = pad, capacity = need }
+      scheds[i] = { s = s, st = s:read_stats(), counts = s.counts:flat(), padded = s.tokens_per_expert:flat(),
+        off = s.expert_offsets:flat() }
+      cmax = math.max(cmax, need)
+    end
+    -- the experts checked: the most loaded one and the least loaded non-empty one (loads do
+    -- not depend on the pad)
+    local counts = scheds[1].counts
+    local routes, maxl, hi_e, lo_e = 0, 0, nil, nil
+    for e = 0, EL - 1 do
+      local c = counts[e + 1]
+      routes = routes + c
+      if c > maxl then maxl, hi_e = c, e end
+      if c > 0 and (not lo_e or c < counts[lo_e + 1]) then lo_e = e end
+    end
+    local check_experts = { hi_e, lo_e ~= hi_e and lo_e or nil }
+    local check = Check.new(check_experts, scheds, wgu, wd, H, F)
+
+    local xs <close> = moe.randn({ cmax, H }, { dtype = "bf16", seed = wseed + 2 + di, device = dev })
+    local ys <close> = moe.zeros({ cmax, H }, { dtype = "bf16", device = dev })
+    local dist_rows = {}
+    for i, pad in ipairs(pads) do
+      local sc = scheds[i]
+      local C = sc.st.rows_used
+      local row = { model = m.name, key = key, dist = dist, pad = pad, E = E, EL = EL, K = K, H = H, F = F, T = T,
+        rows = C, routes = routes, max_load = maxl, mean_load = routes / EL, dropped = sc.st.dropped }
+      if C > 0 then
+        local xv <close> = xs:view(0, { C, H })
+        local yv <close> = ys:view(0, { C, H })
+        local offsets = sc.s.expert_offsets
+        local function run()
+          moe.experts { x = xv, offsets = offsets, w_gate_up = wgu, w_down = wd, out = yv }
+        end
+        run() -- the output to check, taken before any timing
+        check:take(i, xv, yv)
+        local r = moe.bench(run, { warmup = warmup, iters = iters, device = dev })
+        row.ms = r.median_ms
+        row.min_ms = r.min_ms
+        row.tflops = C * 6.0 * H * F / (r.median_ms * 1e9)
+        row.useful_tflops = routes * 6.0 * H * F / (r.median_ms * 1e9)
+      end
+      dist_rows[i] = row
+      rows[#rows + 1] = row
+      cases[#cases + 1] = sc.padded
+    end
+    for i, ck in pairs(check:finish()) do dist_rows[i].check = ck end
+    scheds = nil
+    collectgarbage()
+  end
+  return shape, rows, cases
+end
+
+-- ---------------------------------------------------------------- the cuBLAS baselines
+
+local build_dir = os.getenv("MOE_BUILD_DIR") or "build"
+local baseline_path = build_dir .. "/cublas_baseline"
+local baseline_note
+do
+  local f = io.open(baseline_path, "r")
+  if f then f:close() end
+  if not gpu then
+    baseline_note = "cuBLAS baselines: n/a on the CPU"
+  elseif not f then
+    baseline_note = string.format("cuBLAS baselines: n/a (%s not found; it is built with CUDA: cmake --build %s)",
+      baseline_path, build_dir)
+  end
+end
+
+local function shell_quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+
+-- Runs the baseline on one preset's cases (each a list of padded per-expert row counts, the
+-- work our kernel did) and fills the rows' cuBLAS columns.  Returns an error line or nil.
+local function run_baseline(shape, rows, cases)
+  local tmp = os.tmpname()
+  local f = assert(io.open(tmp, "w"))
+  for _, c in ipairs(cases) do f:write(table.concat(c, " "), "\n") end
+  f:close()
+  local cmd = string.format("%s %d %d --device %s --warmup 3 --iters %d --file %s 2>&1", shell_quote(baseline_path),
+    shape.H, shape.F, dev:match("%d+$"), iters, shell_quote(tmp))
+  local pipe = io.popen(cmd, "r")
+  local results, notes, errs = {}, {}, {}
+  for line in pipe:lines() do
+    if line:match("^case=") then
+      local kv = {}
+      for k, v in line:gmatch("(%w+)=(%S+)") do kv[k] = v end
+      local i = math.tointeger(tonumber(kv.case))
+      if i and rows[i] then
+        rows[i][kv.kind .. "_ms"] = tonumber(kv.ms)
+        rows[i][kv.kind .. "_tflops"] = tonumber(kv.tflops)
+      end
+      results[#results + 1] = line
+    elseif line:match("^#") then
+      notes[#notes + 1] = line
+    elseif line ~= "" then
+      errs[#errs + 1] = line
+    end
+  end
+  local ok, how, code = pipe:close()
+  os.remove(tmp)
+  if not ok then
+    return string.format("cublas_baseline %s %s: %s", how, tostring(code), errs[1] or "(no output)"), notes
+  end
+  return nil, notes
+end
+
+-- ---------------------------------------------------------------- the report
+
+local function fmt(v, f) return v and string.format(f, v) or "n/a" end
+local function rate(v) return v and string.format(v >= 10 and "%.1f" or "%.3g", v) or "n/a" end
+
+p("moelab %s: the experts stage (gate_up + SwiGLU + down), rank 0 of EP%d, %d tokens per rank, on %s", moe.version,
+  W, T, dev)
+p("  ids   every rank's ids drawn per distribution (seed %d); rank 0's schedule (roundrobin), capacity = rows needed",
+  opts.seed)
+p("        uniform: K distinct experts, uniform; zipf: P(popularity rank r) ∝ r^-%g, K distinct;", ZIPF_S)
+p("        hotspot: %d%% of routes to E/8 experts; router: softmax top-K of randn logits, std %g", HOT_SHARE * 100,
+  ROUTER_STD)
+p("        (zipf, hotspot: experts placed by popularity round robin over the ranks; rank 0 owns the 1st, 9th, 17th, ...)")
+p("  time  %s", gpu and string.format("median of %d runs, device events, after %d warm-ups", iters, warmup)
+  or string.format("wall clock on the CPU at a tiny shape, median of %d: only meaningful on a GPU", iters))
+p("  rate  TFLOP/s = rows used (padding included) x 6·H·F / time; useful = routes x 6·H·F / time;")
+p("        dense bf16 ceiling ~790 on an H200")
+p("  check the first and last rows of the most and least loaded experts against the CPU reference (rtol 2e-2, L2 1e-2)")
+if baseline_note then p("  %s", baseline_note) end
+p("")
+p("%-18s %-8s %4s %7s %16s %9s %8s %7s %8s %8s  %s", "model", "dist", "pad", "rows", "max/mean load", "ours ms",
+  "TFLOP/s", "useful", "cuBLAS", "cuBLAS", "check")
+p("%-18s %-8s %4s %7s %16s %9s %8s %7s %8s %8s", "", "", "", "", "", "", "", "", "dense", "/expert")
+
+local all_rows, shapes, failed, baseline_errors, baseline_notes = {}, {}, false, {}, {}
+for _, key in ipairs(model_keys) do
+  local shape, rows, cases = run_model(key)
+  collectgarbage()
+  shapes[#shapes + 1] = shape
+  if not baseline_note then
+    local err, notes = run_baseline(shape, rows, cases)
+    if err then baseline_errors[#baseline_errors + 1] = shape.name .. ": " .. err end
+    for _, n in ipairs(notes) do baseline_notes[#baseline_notes + 1] = n end
+  end
+  for _, r in ipairs(rows) do
+    local ck = r.check
+    local status = not ck and "-" or ck.pass and string.format("ok %.1e", ck.rel_max)
+      or string.format("FAIL %.1e/%.1e", ck.rel_max, ck.rel_l2)
+    if ck and not ck.pass then failed = true end
+    p("%-18s %-8s %4d %7d %16s %9s %8s %7s %8s %8s  %s", r.model, r.dist, r.pad, r.rows,
+      string.format("%d / %.1f", r.max_load, r.mean_load), fmt(r.ms, "%.3f"), rate(r.tflops),
+      rate(r.useful_tflops), rate(r.dense_tflops), rate(r.per_expert_tflops), status)
+    all_rows[#all_rows + 1] = r
+  end
+end
+
+p("")
+for _, s in ipairs(shapes) do
+  p("  %-18s E = %d (%d on rank 0), top-%d, H = %d, F = %d%s", s.name, s.E, s.EL, s.K, s.H, s.F,
+    s.reduced and string.format(" (real H = %d, F = %d, T = 7168)", moe.models[s.key].hidden, moe.models[s.key].ffn)
+    or "")
+end
+if not baseline_note then
+  p("  cuBLAS: dense = one gate_up GEMM [rows x H] x [H x 2F] and one down GEMM [rows x F] x [F x H] over all rows;")
+  p("          /expert = the same pair per expert with its padded row count and its own weights, back to back;")
+  p("          bf16 in, f32 accumulate, bf16 out; SwiGLU omitted; TFLOP/s over the same rows x 6·H·F as ours")
+end
+for _, e in ipairs(baseline_errors) do p("  cuBLAS baseline failed, %s", e) end
+if failed then p("  a check FAILED: see the check column") end
+
+if opts.json then
+  local f = assert(io.open(opts.json, "w"))
+  f:write(json.encode { device = dev, world = W, tokens = T, iters = iters, warmup = warmup, seed = opts.seed,
+    zipf_s = ZIPF_S, hot_share = HOT_SHARE, router_std = ROUTER_STD, models = shapes, rows = all_rows,
+    baseline = { path = baseline_path, note = baseline_note, notes = baseline_notes, errors = baseline_errors } }, "\n")
+  f:close()
+end
+os.exit(failed and 1 or 0)

@@ -1,0 +1,326 @@
+/* test_world_gpu.c -- moe_world through NCCL, through the public API only.
+ *
+ * On one GPU: a world of one rank (ncclCommInitAll over {0}, and ncclCommInitRank of a world of
+ * size 1 with a fresh unique id): all-gather of ids, the configuration check, and the exchange
+ * dispatch and combine against the plain stages, bit for bit; then the same captured in a CUDA
+ * graph.  With 2+ GPUs: a world of two ranks in this process against the simulated world of two
+ * ranks on cuda:0, bit for bit, and a configuration mismatch reported on both ranks.
+ * One PASS/FAIL line per check; exits 77 without a GPU or without NCCL, 1 on any failure. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moelab.h"
+
+static moe_ctx *ctx;
+static int failures;
+static const moe_device CPU = {MOE_CPU, 0};
+
+#define TRY_ON(c, call)                                                                                                \
+  do {                                                                                                                 \
+    if ((call) != MOE_OK) {                                                                                            \
+      printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, moe_errmsg(c));                                       \
+      exit(1);                                                                                                         \
+    }                                                                                                                  \
+  } while (0)
+#define TRY(call) TRY_ON(ctx, call)
+
+#if defined(__GNUC__)
+static void check(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#endif
+static void check(int ok, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  printf("%s ", ok ? "PASS" : "FAIL");
+  vprintf(fmt, ap);
+  putchar('\n');
+  va_end(ap);
+  fflush(stdout);
+  failures += !ok;
+}
+
+static moe_device gpu(int i) {
+  moe_device d = {MOE_CUDA, i};
+  return d;
+}
+
+static moe_tensor *tnew(moe_ctx *c, moe_dtype dt, moe_device dev, int ndim, const int64_t *shape) {
+  moe_tensor *t;
+  TRY_ON(c, moe_tensor_new(c, dt, ndim, shape, dev, &t));
+  return t;
+}
+#define T1(c, dt, dev, a) tnew(c, dt, dev, 1, (const int64_t[]){a})
+#define T2(c, dt, dev, a, b) tnew(c, dt, dev, 2, (const int64_t[]){a, b})
+#define T3(c, dt, dev, a, b, d) tnew(c, dt, dev, 3, (const int64_t[]){a, b, d})
+
+/* Byte-equal contents (any devices). */
+static int same(moe_ctx *c, const moe_tensor *a, const moe_tensor *b) {
+  size_t n = moe_tensor_nbytes(a);
+  if (n != moe_tensor_nbytes(b)) return 0;
+  char *x = malloc(n ? n : 1), *y = malloc(n ? n : 1);
+  if (!x || !y) exit(1);
+  TRY_ON(c, moe_tensor_read(c, a, x, n));
+  TRY_ON(c, moe_tensor_read(c, b, y, n));
+  int eq = memcmp(x, y, n) == 0;
+  free(x);
+  free(y);
+  return eq;
+}
+
+/* ids i32 [n, K] in [-1, E), about one in ten masked, on dev. */
+static moe_tensor *random_ids(moe_ctx *c, moe_device dev, int n, int K, int E, unsigned seed) {
+  int32_t *v = malloc((size_t)n * K * sizeof *v);
+  if (!v) exit(1);
+  srand(seed);
+  for (int i = 0; i < n * K; i++) v[i] = rand() % 10 == 0 ? -1 : rand() % E;
+  moe_tensor *t = T2(c, MOE_I32, dev, n, K);
+  TRY_ON(c, moe_tensor_write(c, t, v, (size_t)n * K * sizeof *v));
+  free(v);
+  return t;
+}
+
+typedef struct Sched {
+  moe_tensor *peer_rank, *peer_route, *counts, *tpe, *offsets, *route_row, *stats;
+} Sched;
+
+static Sched schedule(moe_ctx *c, moe_device dev, const moe_tensor *all_ids, int W, int T, int K, int E, int rank,
+                      int pad, int C) {
+  Sched s;
+  int EL = E / W;
+  s.peer_rank = T1(c, MOE_I32, dev, C);
+  s.peer_route = T1(c, MOE_I32, dev, C);
+  s.counts = T1(c, MOE_I32, dev, EL);
+  s.tpe = T1(c, MOE_I32, dev, EL);
+  s.offsets = T1(c, MOE_I32, dev, EL + 1);
+  s.route_row = T2(c, MOE_I32, dev, W, (int64_t)T * K);
+  s.stats = T1(c, MOE_I32, dev, MOE_SCHED_STATS);
+  moe_schedule_args a = {s.peer_rank, s.peer_route, s.counts, s.tpe, s.offsets, s.route_row, s.stats,
+                         all_ids, E, rank, pad, C, -1, MOE_LAYOUT_ROUNDROBIN};
+  TRY_ON(c, moe_schedule(c, &a));
+  return s;
+}
+
+static void sched_free(Sched *s) {
+  moe_tensor_free(s->peer_rank), moe_tensor_free(s->peer_route), moe_tensor_free(s->counts);
+  moe_tensor_free(s->tpe), moe_tensor_free(s->offsets), moe_tensor_free(s->route_row), moe_tensor_free(s->stats);
+}
+
+/* ---- one rank ---- */
+
+static void one_rank(moe_world *w, const char *how) {
+  const int T = 45, K = 6, E = 12, H = 136, C = 512, pad = 8;
+  const moe_device d = gpu(moe_world_local_device(w, 0));
+  TRY(moe_world_bind(ctx, w, 0));
+  check(moe_world_size(w) == 1 && moe_world_local_count(w) == 1 && moe_world_local_rank(w, 0) == 0,
+        "%s: one rank, rank 0", how);
+
+  moe_world_config cfg = {MOE_VERSION_NUMBER, 1, T, K, E, H, C, pad, MOE_LAYOUT_ROUNDROBIN, -1};
+  int rc = moe_world_check_config(ctx, w, &cfg);
+  check(rc == MOE_OK, "%s: check_config passes (%s)", how, rc ? moe_errmsg(ctx) : "ok");
+
+  moe_tensor *ids = random_ids(ctx, d, T, K, E, 1), *all = T3(ctx, MOE_I32, d, 1, T, K);
+  TRY(moe_world_allgather_ids(ctx, w, &all, (const moe_tensor *const *)&ids));
+  check(same(ctx, all, ids), "%s: allgather_ids of one rank gives the ids back", how);
+
+  Sched s = schedule(ctx, d, all, 1, T, K, E, 0, pad, C);
+  moe_tensor *x = T2(ctx, MOE_BF16, d, T, H), *x_all = T3(ctx, MOE_BF16, d, 1, T, H);
+  TRY(moe_tensor_randn(ctx, x, 7, 1.0f));
+  moe_tensor *xs = T2(ctx, MOE_BF16, d, C, H), *xs_ref = T2(ctx, MOE_BF16, d, C, H);
+  moe_world_dispatch_args da = {xs, x_all, x, s.peer_rank, s.peer_route, K, 1};
+  TRY(moe_world_dispatch(ctx, w, &da));
+  moe_dispatch_args pa = {xs_ref, x_all, s.peer_rank, s.peer_route, K, 1};
+  TRY(moe_dispatch(ctx, &pa));
+  check(same(ctx, x_all, x), "%s: dispatch gathers x", how);
+  check(same(ctx, xs, xs_ref), "%s: world dispatch equals dispatch bit for bit", how);
+
+  moe_tensor *ys = T2(ctx, MOE_BF16, d, C, H), *wts = T2(ctx, MOE_F32, d, T, K);
+  TRY(moe_tensor_randn(ctx, ys, 8, 1.0f));
+  TRY(moe_tensor_randn(ctx, wts, 9, 1.0f));
+  moe_tensor *sr = T3(ctx, MOE_BF16, d, 1, (int64_t)T * K, H), *rr = T3(ctx, MOE_BF16, d, 1, (int64_t)T * K, H);
+  moe_tensor *si = T2(ctx, MOE_I32, d, 1, (int64_t)T * K), *ri = T2(ctx, MOE_I32, d, 1, (int64_t)T * K);
+  moe_tensor *out = T2(ctx, MOE_BF16, d, T, H), *ref = T2(ctx, MOE_BF16, d, T, H);
+  moe_world_combine_args ca = {out, wts, ids, ys, s.route_row, sr, rr, si, ri, E, NULL, NULL};
+  TRY(moe_world_combine(ctx, w, &ca));
+  const moe_tensor *yl[] = {ys}, *rl[] = {s.route_row};
+  moe_combine_args pc = {ref, wts, ids, yl, rl, 1, E, 0, NULL, NULL};
+  TRY(moe_combine(ctx, &pc));
+  check(same(ctx, out, ref), "%s: world combine equals combine bit for bit", how);
+
+  /* the same exchange in a graph, replayed on other tokens and routing */
+  moe_graph *g = NULL;
+  TRY(moe_graph_begin(ctx, d));
+  int r1 = moe_world_allgather_ids(ctx, w, &all, (const moe_tensor *const *)&ids);
+  moe_schedule_args sa = {s.peer_rank, s.peer_route, s.counts, s.tpe, s.offsets, s.route_row, s.stats,
+                          all, E, 0, pad, C, -1, MOE_LAYOUT_ROUNDROBIN};
+  int r2 = moe_schedule(ctx, &sa);
+  int r3 = moe_world_dispatch(ctx, w, &da);
+  int r4 = moe_world_combine(ctx, w, &ca);
+  int r5 = moe_graph_end(ctx, &g);
+  check(!r1 && !r2 && !r3 && !r4 && !r5, "%s: the exchange captures (%s)", how,
+        (r1 || r2 || r3 || r4 || r5) ? moe_errmsg(ctx) : "ok");
+  if (g) {
+    moe_tensor *ids2 = random_ids(ctx, CPU, T, K, E, 2);
+    TRY(moe_tensor_copy(ctx, ids, ids2));
+    TRY(moe_tensor_randn(ctx, x, 17, 1.0f));
+    TRY(moe_graph_replay(ctx, g));
+    TRY(moe_ctx_synchronize(ctx, d));
+    Sched s2 = schedule(ctx, d, all, 1, T, K, E, 0, pad, C);
+    check(same(ctx, s2.route_row, s.route_row), "%s: replay: schedule of the new routing", how);
+    check(same(ctx, x_all, x), "%s: replay: dispatch gathers the new x", how);
+    TRY(moe_dispatch(ctx, &pa));
+    check(same(ctx, xs, xs_ref), "%s: replay: dispatch equals dispatch bit for bit", how);
+    TRY(moe_combine(ctx, &pc));
+    check(same(ctx, out, ref), "%s: replay: combine equals combine bit for bit", how);
+    sched_free(&s2);
+    moe_tensor_free(ids2);
+    moe_graph_free(g);
+  }
+  sched_free(&s);
+  moe_tensor *ts[] = {ids, all, x, x_all, xs, xs_ref, ys, wts, sr, rr, si, ri, out, ref};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_free(ts[i]);
+  TRY(moe_world_unbind(ctx, w));
+}
+
+/* ---- two ranks in this process against the simulated world on cuda:0 ---- */
+
+static void two_ranks(void) {
+  enum { W = 2 };
+  const int T = 33, K = 4, E = 8, H = 64, C = 400, pad = 4;
+  const int devs[W] = {0, 1};
+  moe_world *w = NULL;
+  TRY(moe_world_open_local(ctx, W, devs, &w));
+  moe_ctx *rc_[W];
+  for (int r = 0; r < W; r++) {
+    TRY(moe_ctx_open(&rc_[r]));
+    TRY_ON(rc_[r], moe_world_bind(rc_[r], w, r));
+  }
+
+  moe_world_config cfgs[W] = {{MOE_VERSION_NUMBER, W, T, K, E, H, C, pad, 0, -1},
+                              {MOE_VERSION_NUMBER, W, T, K, E, H, C, pad, 0, -1}};
+  int rc = moe_world_check_config(ctx, w, cfgs);
+  check(rc == MOE_OK, "W=2: equal configurations pass (%s)", rc ? moe_errmsg(ctx) : "ok");
+  cfgs[1].tokens = T + 1;
+  rc = moe_world_check_config(ctx, w, cfgs);
+  check(rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), "tokens is 33 on rank 0 but 34 on rank 1"),
+        "W=2: a mismatch is reported: %s", moe_errmsg(ctx));
+
+  /* each rank's ids, tokens, expert outputs and weights; the simulated world's copies on cuda:0 */
+  moe_tensor *ids[W], *all[W], *x[W], *x_all[W], *xs[W], *ys[W], *wts[W], *out[W];
+  moe_tensor *sr[W], *rr[W], *si[W], *ri[W];
+  Sched s[W];
+  moe_tensor *sim_ids = T3(ctx, MOE_I32, gpu(0), W, T, K), *sim_x = T3(ctx, MOE_BF16, gpu(0), W, T, H);
+  for (int r = 0; r < W; r++) {
+    moe_ctx *c = rc_[r];
+    ids[r] = random_ids(c, gpu(r), T, K, E, 10 + r);
+    all[r] = T3(c, MOE_I32, gpu(r), W, T, K);
+    x[r] = T2(c, MOE_BF16, gpu(r), T, H);
+    TRY_ON(c, moe_tensor_randn(c, x[r], 100 + r, 1.0f));
+    x_all[r] = T3(c, MOE_BF16, gpu(r), W, T, H);
+    xs[r] = T2(c, MOE_BF16, gpu(r), C, H);
+    ys[r] = T2(c, MOE_BF16, gpu(r), C, H);
+    TRY_ON(c, moe_tensor_randn(c, ys[r], 200 + r, 1.0f));
+    wts[r] = T2(c, MOE_F32, gpu(r), T, K);
+    TRY_ON(c, moe_tensor_randn(c, wts[r], 300 + r, 1.0f));
+    out[r] = T2(c, MOE_BF16, gpu(r), T, H);
+    sr[r] = T3(c, MOE_BF16, gpu(r), W, (int64_t)T * K, H), rr[r] = T3(c, MOE_BF16, gpu(r), W, (int64_t)T * K, H);
+    si[r] = T2(c, MOE_I32, gpu(r), W, (int64_t)T * K), ri[r] = T2(c, MOE_I32, gpu(r), W, (int64_t)T * K);
+    TRY_ON(c, moe_ctx_synchronize(c, gpu(r))); /* the copies below run on ctx's stream */
+    moe_tensor *v;
+    TRY(moe_tensor_view(ctx, sim_ids, (int64_t)r * T * K, 2, (const int64_t[]){T, K}, &v));
+    TRY(moe_tensor_copy(ctx, v, ids[r]));
+    moe_tensor_free(v);
+    TRY(moe_tensor_view(ctx, sim_x, (int64_t)r * T * H, 2, (const int64_t[]){T, H}, &v));
+    TRY(moe_tensor_copy(ctx, v, x[r]));
+    moe_tensor_free(v);
+  }
+  TRY(moe_world_allgather_ids(ctx, w, all, (const moe_tensor *const *)ids));
+  for (int r = 0; r < W; r++) check(same(ctx, all[r], sim_ids), "W=2: rank %d: allgather_ids gives every rank's ids", r);
+  for (int r = 0; r < W; r++) s[r] = schedule(rc_[r], gpu(r), all[r], W, T, K, E, r, pad, C);
+  for (int r = 0; r < W; r++) TRY_ON(rc_[r], moe_ctx_synchronize(rc_[r], gpu(r)));
+  moe_world_dispatch_args da[W];
+  moe_world_combine_args ca[W];
+  for (int r = 0; r < W; r++) {
+    moe_world_dispatch_args d = {xs[r], x_all[r], x[r], s[r].peer_rank, s[r].peer_route, K, 1};
+    moe_world_combine_args c = {out[r], wts[r], ids[r], ys[r], s[r].route_row, sr[r], rr[r], si[r], ri[r], E, NULL, NULL};
+    da[r] = d, ca[r] = c;
+  }
+  TRY(moe_world_dispatch(ctx, w, da));
+  TRY(moe_world_combine(ctx, w, ca));
+
+  /* the simulated world on cuda:0 */
+  const moe_tensor *sim_ys[W], *sim_rr[W];
+  Sched ss[W];
+  for (int r = 0; r < W; r++) {
+    ss[r] = schedule(ctx, gpu(0), sim_ids, W, T, K, E, r, pad, C);
+    check(same(ctx, ss[r].route_row, s[r].route_row) && same(ctx, ss[r].peer_rank, s[r].peer_rank) &&
+              same(ctx, ss[r].peer_route, s[r].peer_route),
+          "W=2: rank %d: schedule equals the simulated world's", r);
+    moe_tensor *ref_xs = T2(ctx, MOE_BF16, gpu(0), C, H);
+    moe_dispatch_args d = {ref_xs, sim_x, ss[r].peer_rank, ss[r].peer_route, K, 1};
+    TRY(moe_dispatch(ctx, &d));
+    check(same(ctx, ref_xs, xs[r]), "W=2: rank %d: dispatch equals the simulated world's bit for bit", r);
+    moe_tensor_free(ref_xs);
+    moe_tensor *y0 = T2(ctx, MOE_BF16, gpu(0), C, H);
+    TRY(moe_tensor_copy(ctx, y0, ys[r]));
+    sim_ys[r] = y0;
+    sim_rr[r] = ss[r].route_row;
+  }
+  for (int p = 0; p < W; p++) {
+    moe_tensor *ref = T2(ctx, MOE_BF16, gpu(0), T, H), *w0 = T2(ctx, MOE_F32, gpu(0), T, K), *i0;
+    TRY(moe_tensor_copy(ctx, w0, wts[p]));
+    TRY(moe_tensor_view(ctx, sim_ids, (int64_t)p * T * K, 2, (const int64_t[]){T, K}, &i0));
+    moe_combine_args c = {ref, w0, i0, sim_ys, sim_rr, W, E, p, NULL, NULL};
+    TRY(moe_combine(ctx, &c));
+    check(same(ctx, ref, out[p]), "W=2: rank %d: combine equals the simulated world's bit for bit", p);
+    moe_tensor_free(ref), moe_tensor_free(w0), moe_tensor_free(i0);
+  }
+  for (int r = 0; r < W; r++) {
+    moe_tensor_free((moe_tensor *)sim_ys[r]);
+    sched_free(&ss[r]);
+    sched_free(&s[r]);
+    moe_tensor *ts[] = {ids[r], all[r], x[r], x_all[r], xs[r], ys[r], wts[r], out[r], sr[r], rr[r], si[r], ri[r]};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_free(ts[i]);
+    TRY_ON(rc_[r], moe_world_unbind(rc_[r], w));
+    moe_ctx_close(rc_[r]);
+  }
+  moe_tensor_free(sim_ids), moe_tensor_free(sim_x);
+  moe_world_close(w);
+}
+
+int main(void) {
+  TRY(moe_ctx_open(&ctx));
+  int n = 0;
+  TRY(moe_device_count(ctx, MOE_CUDA, &n));
+  if (n == 0) {
+    printf("SKIP no GPU\n");
+    return 77;
+  }
+  moe_world *w = NULL;
+  int rc = moe_world_open_local(ctx, 1, (const int[]){0}, &w);
+  if (rc == MOE_ERR_UNSUPPORTED) {
+    printf("SKIP %s\n", moe_errmsg(ctx));
+    return 77;
+  }
+  TRY(rc);
+  one_rank(w, "W=1 local");
+  moe_world_close(w);
+
+  char hex[MOE_WORLD_ID_HEX + 1];
+  TRY(moe_world_unique_id(ctx, hex, sizeof hex));
+  check(strlen(hex) == MOE_WORLD_ID_HEX, "unique id: %d hex digits", MOE_WORLD_ID_HEX);
+  w = NULL;
+  TRY(moe_world_open_rank(ctx, 0, 1, 0, hex, &w));
+  one_rank(w, "W=1 rank");
+  moe_world_close(w);
+
+  rc = moe_world_open_rank(ctx, 0, 1, 0, "12zz", &w);
+  check(rc == MOE_ERR_ARG && w == NULL, "a malformed id is refused: %s", moe_errmsg(ctx));
+
+  if (n >= 2) two_ranks();
+  else printf("SKIP W=2: %d GPU visible\n", n);
+
+  moe_ctx_close(ctx);
+  printf("%s: %d failure%s\n", failures ? "FAIL" : "PASS", failures, failures == 1 ? "" : "s");
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,264 @@
+-- moe.world: argument errors (no GPU needed), the configuration comparison (no GPU needed),
+-- and a world of one rank through NCCL on cuda:0 against the plain stages (#gpu).  Worlds of
+-- several GPUs are exercised by spec/gpu/test_world_gpu.c where 2+ GPUs are visible.
+local S = require "support"
+
+local HEX = string.rep("0123456789abcdef", 16) -- a well-formed id (256 digits), not a live one
+local build = os.getenv("MOE_BUILD_DIR") or "build"
+local NOT_AN_ID = os.tmpname() -- a file that holds text, but no id (removed at the end)
+do
+  local f = assert(io.open(NOT_AN_ID, "w"))
+  f:write("not an id\n")
+  f:close()
+end
+
+-- Runs `code` in a fresh lua with exactly the MOE_* variables of env set; returns ok, output.
+local function run_with_env(env, code)
+  local vars = { "MOE_RANK", "MOE_WORLD_SIZE", "MOE_DEVICE", "MOE_NCCL_ID", "MOE_NCCL_ID_FILE" }
+  local cmd = { "env" }
+  for _, v in ipairs(vars) do cmd[#cmd + 1] = "-u " .. v end
+  for k, v in pairs(env) do cmd[#cmd + 1] = string.format("%s='%s'", k, v) end
+  cmd[#cmd + 1] = string.format("LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;'", build)
+  cmd[#cmd + 1] = string.format("lua -e '%s' 2>&1; echo \"exit=$?\"", code)
+  local p = io.popen(table.concat(cmd, " "))
+  local out = p:read("a")
+  p:close()
+  return tonumber(out:match("exit=(%d+)%s*$")) == 0, out
+end
+
+local ROWS = {
+  { "no options", function() moe.world {} end, "give option 'devices'" },
+  { "unknown option", function() moe.world { device = 0, ranks = 2 } end, "unknown option 'ranks'" },
+  { "devices not a table", function() moe.world { devices = 0 } end, "option 'devices' must be a table, got 0" },
+  { "devices empty", function() moe.world { devices = {} } end, "option 'devices' must list at least one GPU index" },
+  { "devices negative", function() moe.world { devices = { 0, -1 } } end,
+    "devices[2] must be a GPU index (an integer >= 0), got -1" },
+  { "devices not integers", function() moe.world { devices = { "cuda:0" } } end,
+    "devices[1] must be a GPU index (an integer >= 0), got \"cuda:0\"" },
+  { "devices repeated", function() moe.world { devices = { 0, 1, 0 } } end, "devices[3] repeats GPU 0 (devices[1])" },
+  { "devices with rank", function() moe.world { devices = { 0 }, rank = 0 } end,
+    "option 'devices' (every rank in this process) cannot be combined with option 'rank'" },
+  { "size 0", function() moe.world { rank = 0, size = 0, device = 0, id = HEX } end, "option 'size' must be >= 1, got 0" },
+  { "rank too large", function() moe.world { rank = 4, size = 4, device = 0, id = HEX } end,
+    "option 'rank' must be between 0 and 3 (size 4), got 4" },
+  { "rank negative", function() moe.world { rank = -1, size = 2, device = 0, id = HEX } end,
+    "option 'rank' must be between 0 and 1 (size 2), got -1" },
+  { "device missing", function() moe.world { rank = 0, size = 2, id = HEX } end,
+    "option 'device' is required with a multi-process world" },
+  { "device negative", function() moe.world { rank = 0, size = 2, device = -3, id = HEX } end,
+    "option 'device' must be a GPU index >= 0, got -3" },
+  { "no id", function() moe.world { rank = 0, size = 2, device = 0 } end, "give exactly one of option 'id'" },
+  { "id and id_file", function() moe.world { rank = 0, size = 2, device = 0, id = HEX, id_file = "x" } end,
+    "give exactly one of option 'id'" },
+  { "id too short", function() moe.world { rank = 0, size = 2, device = 0, id = "abc" } end,
+    "option 'id' must be 256 hex digits (an NCCL unique id from moe.world_unique_id()), got 3 characters" },
+  { "id not hex", function() moe.world { rank = 0, size = 2, device = 0, id = "g" .. HEX:sub(2) } end,
+    "option 'id' has \"g\" at position 1, expected a hex digit" },
+  { "id a number", function() moe.world { rank = 0, size = 2, device = 0, id = 12 } end,
+    "option 'id' must be a string, got 12" },
+  { "id file missing", function() moe.world { rank = 0, size = 2, device = 0, id_file = "/nonexistent/nccl.id" } end,
+    { "option 'id_file': cannot read \"/nonexistent/nccl.id\"", "No such file" } },
+  { "id file without an id", function() moe.world { rank = 0, size = 2, device = 0, id_file = NOT_AN_ID } end,
+    "does not hold an id: its text must be 256 hex digits" },
+}
+
+describe("moe.world argument errors [#cpu]", function()
+  teardown(function() os.remove(NOT_AN_ID) end)
+  for _, row in ipairs(ROWS) do
+    it(row[1], function()
+      local ok, err = pcall(row[2])
+      assert.is_false(ok, "no error raised")
+      err = tostring(err)
+      for _, frag in ipairs(type(row[3]) == "table" and row[3] or { row[3] }) do
+        assert.truthy(err:find(frag, 1, true), string.format("expected %q in the message:\n%s", frag, err))
+      end
+      assert.truthy(err:find("bad argument #1 to 'world'", 1, true), err)
+      assert.truthy(err:find("world_spec%.lua:%d+:"), "the error should point at the caller:\n" .. err)
+    end)
+  end
+end)
+
+describe("moe.world from the environment [#cpu]", function()
+  local ENV_ROWS = {
+    { "nothing set", {}, "the environment variable MOE_RANK is not set" },
+    { "size missing", { MOE_RANK = "0" }, "the environment variable MOE_WORLD_SIZE is not set" },
+    { "device missing", { MOE_RANK = "0", MOE_WORLD_SIZE = "2" }, "the environment variable MOE_DEVICE is not set" },
+    { "rank not a number", { MOE_RANK = "one", MOE_WORLD_SIZE = "2", MOE_DEVICE = "0" },
+      "the environment variable MOE_RANK must be an integer, got \"one\"" },
+    { "no id", { MOE_RANK = "0", MOE_WORLD_SIZE = "2", MOE_DEVICE = "0" },
+      "neither MOE_NCCL_ID nor MOE_NCCL_ID_FILE is set" },
+    { "both ids", { MOE_RANK = "0", MOE_WORLD_SIZE = "2", MOE_DEVICE = "0", MOE_NCCL_ID = HEX, MOE_NCCL_ID_FILE = "f" },
+      "both MOE_NCCL_ID and MOE_NCCL_ID_FILE are set" },
+    { "bad id", { MOE_RANK = "0", MOE_WORLD_SIZE = "2", MOE_DEVICE = "0", MOE_NCCL_ID = "xyz" },
+      "MOE_NCCL_ID must be 256 hex digits" },
+    { "rank out of range", { MOE_RANK = "2", MOE_WORLD_SIZE = "2", MOE_DEVICE = "0", MOE_NCCL_ID = HEX },
+      "option 'rank' must be between 0 and 1 (size 2), got 2" },
+    { "missing id file", { MOE_RANK = "0", MOE_WORLD_SIZE = "2", MOE_DEVICE = "0", MOE_NCCL_ID_FILE = "/nonexistent/id" },
+      "option 'id_file': cannot read \"/nonexistent/id\"" },
+  }
+  for _, row in ipairs(ENV_ROWS) do
+    it(row[1], function()
+      local ok, out = run_with_env(row[2], 'require("moelab").world{from_env = true}')
+      assert.is_false(ok, "no error raised:\n" .. out)
+      assert.truthy(out:find(row[3], 1, true), string.format("expected %q in:\n%s", row[3], out))
+    end)
+  end
+  it("an explicit option wins over the environment", function()
+    local ok, out = run_with_env({ MOE_RANK = "0", MOE_WORLD_SIZE = "2", MOE_DEVICE = "0", MOE_NCCL_ID = HEX },
+      'require("moelab").world{from_env = true, rank = 5}')
+    assert.is_false(ok)
+    assert.truthy(out:find("got 5", 1, true), out)
+  end)
+end)
+
+describe("world configurations [#cpu]", function()
+  local base = { world = 2, tokens = 32, k = 8, experts = 16, hidden = 64, capacity = 512, pad = 1, layout = "roundrobin" }
+  local function with(t)
+    local c = {}
+    for k, v in pairs(base) do c[k] = v end
+    for k, v in pairs(t) do c[k] = v end
+    return c
+  end
+  it("equal configurations pass on every rank", function()
+    for r = 0, 1 do moe.core.world_compare_configs(r, { base, with {} }) end
+  end)
+  it("a difference is reported on every rank, naming the field and the ranks", function()
+    for r = 0, 2 do
+      local ok, err = pcall(moe.core.world_compare_configs, r, { base, with {}, with { tokens = 16 } })
+      assert.is_false(ok)
+      assert.truthy(err:find("world: rank " .. r .. ": the ranks' configurations differ: tokens is 32 on rank 0 but 16 on rank 2",
+        1, true), err)
+      assert.truthy(err:find("(1 of 3 ranks differ from rank 0)", 1, true), err)
+    end
+  end)
+  it("layout, capacity and the library version count", function()
+    local ok, err = pcall(moe.core.world_compare_configs, 0, { base, with { layout = "peer_major" } })
+    assert.is_false(ok)
+    assert.truthy(err:find("layout is 0 on rank 0 but 1 on rank 1", 1, true), err)
+    ok, err = pcall(moe.core.world_compare_configs, 1, { base, with { capacity = 1024, version = 1 } })
+    assert.is_false(ok)
+    assert.truthy(err:find("version is " .. moe.core.version_number .. " on rank 0 but 1 on rank 1", 1, true), err)
+  end)
+end)
+
+describe("moe.world without a GPU [#cpu]", function()
+  if HAVE_GPU then
+    pending("a GPU is present: the one-rank world runs in the #gpu block below")
+    return
+  end
+  it("well-formed options fail with what is missing, not a crash", function()
+    local ok, err = pcall(moe.world, { rank = 0, size = 1, device = 0, id = HEX })
+    assert.is_false(ok)
+    assert.truthy(err:find("without CUDA", 1, true) or err:find("without NCCL", 1, true) or err:find("no usable GPU", 1, true),
+      err)
+  end)
+end)
+
+describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
+  if skip_without("cuda:0") then return end
+  local dev = "cuda:0"
+  local T, K, E, H = 37, 4, 8, 72
+  local world
+
+  local function ids_on(d)
+    math.randomseed(11)
+    local flat = {}
+    for i = 1, T * K do flat[i] = S.chance(0.1) and -1 or S.int(0, E - 1) end
+    return S.tensor(flat, "i32", { T, K }, d)
+  end
+
+  before_each(function()
+    world = world or moe.world { devices = { 0 } }
+    world:bind()
+  end)
+  teardown(function()
+    if world then world:close() end
+  end)
+
+  it("has one rank on cuda:0", function()
+    assert.are.equal(1, world.size)
+    assert.are.same({ 0 }, world.ranks)
+    assert.are.same({ dev }, world.devices)
+  end)
+
+  it("allgather_ids gives the input back as [1, T, K]", function()
+    local ids = ids_on(dev)
+    local all = world:allgather_ids(ids)
+    assert.are.same({ 1, T, K }, all.shape)
+    assert.tensor_equal(all:view(0, { T, K }), ids)
+  end)
+
+  it("the configuration check passes", function()
+    world:check_config { tokens = T, k = K, experts = E, hidden = H, capacity = 256, pad = 4, layout = "peer_major" }
+  end)
+
+  for _, shared in ipairs { false, true } do
+    it("dispatch and combine equal the plain stages bit for bit" .. (shared and " (shared expert)" or ""), function()
+      local ids = ids_on(dev)
+      local all = world:allgather_ids(ids)
+      local s = moe.schedule { ids = all, experts = E, rank = 0, pad = 4, capacity = 256 }
+      local x = moe.randn({ T, H }, { dtype = "bf16", seed = 3, device = dev })
+      local xs, x_all = world:dispatch { x = x, schedule = s, zero_fill = true }
+      local ref_xs = moe.dispatch { x = x:view(0, { 1, T, H }), schedule = s, zero_fill = true }
+      assert.tensor_equal(x_all:view(0, { T, H }), x)
+      assert.tensor_equal(xs, ref_xs)
+
+      local ys = moe.randn({ s.capacity, H }, { dtype = "bf16", seed = 4, device = dev })
+      local w = moe.randn({ T, K }, { seed = 5, device = dev })
+      local sh = shared and moe.randn({ T, H }, { dtype = "bf16", seed = 6, device = dev }) or nil
+      local g = shared and moe.randn({ T }, { seed = 7, device = dev }) or nil
+      local got = world:combine { schedule = s, y = ys, weights = w, shared = sh, shared_gate = g }
+      local ref = moe.combine { schedule = s, y = ys, weights = w, shared = sh, shared_gate = g }
+      assert.tensor_equal(got, ref)
+      local got32 = world:combine { schedule = s, y = ys, weights = w, dtype = "f32" }
+      local ref32 = moe.combine { schedule = s, y = ys, weights = w, dtype = "f32" }
+      assert.tensor_equal(got32, ref32)
+    end)
+  end
+
+  it("the exchange captures as a CUDA graph and replays on new routing", function()
+    local ids = ids_on(dev)
+    local all = moe.zeros({ 1, T, K }, { dtype = "i32", device = dev })
+    local s = moe.schedule_plan { ids = all, experts = E, rank = 0, pad = 2, capacity = 256 }
+    local x = moe.randn({ T, H }, { dtype = "bf16", seed = 8, device = dev })
+    local xs = moe.zeros({ 256, H }, { dtype = "bf16", device = dev })
+    local x_all = moe.zeros({ 1, T, H }, { dtype = "bf16", device = dev })
+    local w = moe.randn({ T, K }, { seed = 9, device = dev })
+    local out = moe.zeros({ T, H }, { dtype = "bf16", device = dev })
+    local function step()
+      world:allgather_ids(ids, all)
+      s:run()
+      world:dispatch { x = x, schedule = s, out = xs, x_all = x_all, zero_fill = true }
+      world:combine { schedule = s, y = xs, weights = w, out = out }
+    end
+    step() -- eager first: NCCL connects on its first use
+    local graph = moe.graph(step, { device = dev })
+    for seed = 20, 22 do
+      math.randomseed(seed)
+      local flat = {}
+      for i = 1, T * K do flat[i] = S.int(-1, E - 1) end
+      ids:copy(S.tensor(flat, "i32", { T, K }))
+      graph:replay()
+      local ref_s = moe.schedule { ids = ids:view(0, { 1, T, K }), experts = E, rank = 0, pad = 2, capacity = 256 }
+      local ref_xs = moe.dispatch { x = x:view(0, { 1, T, H }), schedule = ref_s, zero_fill = true }
+      assert.tensor_equal(s.route_row, ref_s.route_row)
+      assert.tensor_equal(xs, ref_xs)
+      assert.tensor_equal(out, moe.combine { schedule = ref_s, y = ref_xs, weights = w })
+    end
+  end)
+
+  it("one rank of a multi-process launch (ncclCommInitRank, size 1)", function()
+    local id = moe.world_unique_id()
+    assert.are.equal(256, #id)
+    local path = os.tmpname()
+    local f = assert(io.open(path, "w"))
+    f:write(id, "\n")
+    f:close()
+    local w1 = moe.world { rank = 0, size = 1, device = 0, id_file = path }
+    os.remove(path)
+    w1:bind()
+    local ids = ids_on(dev)
+    assert.tensor_equal(w1:allgather_ids(ids):view(0, { T, K }), ids)
+    w1:close()
+  end)
+end)
