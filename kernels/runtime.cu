@@ -92,7 +92,8 @@ int cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out) {
   if (ctx && ctx->capturing) (void)cudaThreadExchangeStreamCaptureMode(&mode);
   if (err == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
-    return moe_seterr(ctx, MOE_ERR_NOMEM, "tensor: out of memory on cuda:%d (%zu bytes asked)", device, nbytes);
+    return moe_seterr(ctx, MOE_ERR_NOMEM, "tensor: cudaMalloc of %zu bytes on cuda:%d failed: %s: %s", nbytes, device,
+                      cudaGetErrorName(err), cudaGetErrorString(err));
   }
   MOE_CUDA_TRY(ctx, "tensor", err);
   *out = p;
@@ -251,9 +252,11 @@ int cuda_graph_begin(moe_ctx *ctx, int device) {
   cudaStream_t s;
   int rc = cuda_ctx_stream(ctx, device, &s);
   if (rc) return rc;
-  // thread-local: calls from this thread that would break the capture fail at once, while
-  // other threads are left alone
-  MOE_CUDA_TRY(ctx, "graph", cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  // relaxed: the library's own paths never synchronise while ctx->capturing is set (they
+  // refuse instead), and relaxed mode lets what they call into -- NCCL's exchange, a lazy
+  // cudaFuncSetAttribute, the destruction of an unrelated graph -- go on without invalidating
+  // the capture
+  MOE_CUDA_TRY(ctx, "graph", cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
   ctx->capturing = 1;
   capture_started();
   return moe_ok(ctx);

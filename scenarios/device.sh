@@ -26,8 +26,12 @@ for s in $steps; do
     kimi) run kimi 400 lua scenarios/kimi.lua --json "$out/kimi.json" ;;
     scheduler) run scheduler 300 lua scenarios/scheduler.lua --json "$out/scheduler.json" ;;
     experts) run experts 400 lua scenarios/experts.lua --json "$out/experts.json" ;;
-    memcheck) for p in build/gpu_tests/*; do run "memcheck-$(basename "$p")" 300 compute-sanitizer --tool memcheck "$p" --quick; done ;;
-    racecheck) for p in build/gpu_tests/*; do run "racecheck-$(basename "$p")" 300 compute-sanitizer --tool racecheck "$p" --quick; done ;;
+    memcheck|racecheck)
+      # the programs without their timed shapes: experts takes --no-bench, the others --quick
+      for p in build/gpu_tests/*; do
+        flag=--quick; case $p in *experts*) flag=--no-bench ;; esac
+        run "$s-$(basename "$p")" 300 compute-sanitizer --tool "$s" --error-exitcode 1 "$p" $flag
+      done ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -339,9 +339,18 @@ function moe.graph(fn, opts)
   opts = args.options("graph", opts or {}, { device = "device" })
   local dev = opts.device or moe.default_device()
   if dev == "cpu" then args.fail("graph", "CUDA graphs need a cuda device, got 'cpu'") end
-  core.graph_begin(dev)
+  -- No garbage collection while capturing: a collected graph or event would be destroyed
+  -- mid-capture, a call that invalidates the capture under way.
+  local was_running = collectgarbage("isrunning")
+  collectgarbage("stop")
+  local begun, berr = pcall(core.graph_begin, dev)
+  if not begun then
+    if was_running then collectgarbage("restart") end
+    error(berr, 2)
+  end
   local ok, err = pcall(fn)
   local ended, graph = pcall(core.graph_end) -- always end the capture, even after a failure
+  if was_running then collectgarbage("restart") end
   if not ok then error("graph: capture failed: " .. tostring(err), 2) end
   if not ended then error(graph, 2) end
   return graph
