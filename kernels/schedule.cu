@@ -34,9 +34,14 @@
 //
 // So every output element is written exactly once, rows >= C never, nothing is cleared first,
 // the host never waits, and the work is two launches.  Kimi K2 rank of EP8 (W 8, T 7168, K 8,
-// E 384): 128 blocks of 3,648 routes; ids read once by each kernel (1.8 MB, the second time from
-// L2), route_row written once (1.8 MB), peer_rank/peer_route ~0.5 MB, scratch ~30 KB: about
-// 4 MB of DRAM traffic, so the time is the two launches and a few L2 round trips, ~5-8 us.
+// E 384): 128 blocks of 3,584 routes (64 logical threads x 56); ids read once by each kernel
+// (1.8 MB, the second time from L2), route_row written once (1.8 MB), peer_rank/peer_route
+// ~0.5 MB, scratch ~30 KB: about 4 MB of DRAM traffic, so the time is the two launches and a few
+// L2 round trips (count: ids, ticket, the last block's prefix; place: its staging), ~5-8 us.
+//
+// Scratch (ticket, per-block invalid counts, hist, c) is the context's (cuda_scratch_get): kept
+// across calls, so a call allocates nothing; inside a graph capture without a large enough block
+// it is a stream-ordered allocation that becomes the graph's own.
 //
 // Limits, none of them on the values: a chunk larger than the shared-memory tile is placed in
 // pieces (a running count per expert carries over, kept in scratch); more local experts than a
@@ -63,7 +68,7 @@ constexpr int kHistWindow = 12288;        // local experts counted in one pass (
 constexpr int kStageC = 4096;             // c[e][q] values staged in shared memory per window
 constexpr int kMaxScratchHist = 1 << 18;  // S * E bound, so that the prefix stays small
 constexpr int kMaxPlaceSmem =
-    (2 * kTile + (kWarps + 5) * kRankWindow + kStageC) * (int)sizeof(int32_t);
+    (2 * kTile + (kWarps + 5) * kRankWindow + 1 + kStageC) * (int)sizeof(int32_t);
 
 struct Params {
   const int32_t *ids;
@@ -258,10 +263,10 @@ __global__ void __launch_bounds__(kThreads, 2) schedule_place(const Params P) {
   int32_t *srow = tile + ts;                   // rank in the warp, then row (or -1)
   int32_t *cnt = srow + ts;                    // [kWarps + 1][wsz]: per-warp counts -> offsets; totals
   int32_t *run = cnt + (kWarps + 1) * P.rwin;  // j of the first route of the piece, per expert
-  int32_t *off = run + P.rwin;                 // expert_offsets
-  int32_t *lim = off + P.rwin;                 // counts: positions kept
+  int32_t *lim = run + P.rwin;                 // counts: positions kept
   int32_t *cpre = lim + P.rwin;                // peer_major: sum_{q<p} c[e][q]
-  int32_t *cst = cpre + P.rwin;                // roundrobin: c[e][q] of the window, when staged
+  int32_t *off = cpre + P.rwin;                // expert_offsets, one past the window too
+  int32_t *cst = off + P.rwin + 1;             // roundrobin: c[e][q] of the window, when staged
   const int q = (((ts + kWarps - 1) / kWarps) + 31) & ~31;
   const int seg0 = min(warp * q, ts), seg1 = min(seg0 + q, ts);
   const int32_t *ids = P.ids + (size_t)p * P.tk;
@@ -331,21 +336,17 @@ __global__ void __launch_bounds__(kThreads, 2) schedule_place(const Params P) {
         cnt[kWarps * wsz + e] = acc;
       }
 
-      if (!waited) {
-        griddep_wait(); // count has finished: prefixes, totals, offsets and counts are in memory
-        waited = true;
-        // unused rows [rows used, C): every block, striding
-        const int used = __ldcg(P.offsets + EL);
-        for (long long r = used + (long long)blk * kThreads + tid; r < P.capacity; r += (long long)nblk * kThreads) {
-          P.peer_rank[r] = -1;
-          P.peer_route[r] = -1;
-        }
+      int used = 0;
+      if (!waited) { // count has finished: prefixes, totals, offsets, counts are in memory
+        griddep_wait();
+        used = __ldcg(P.offsets + EL);
       }
 
       // stage the window
-      for (int e = tid; e < wsz; e += kThreads) {
-        run[e] = __ldcg(P.hist + (size_t)blk * EL + w0 + e);
+      for (int e = tid; e <= wsz; e += kThreads) {
         off[e] = __ldcg(P.offsets + w0 + e);
+        if (e == wsz) break;
+        run[e] = __ldcg(P.hist + (size_t)blk * EL + w0 + e);
         lim[e] = __ldcg(P.counts + w0 + e);
       }
       if (!P.roundrobin)
@@ -357,11 +358,17 @@ __global__ void __launch_bounds__(kThreads, 2) schedule_place(const Params P) {
       }
       __syncthreads();
 
+      if (!waited) { // unused rows [rows used, C): every block, striding
+        waited = true;
+        for (long long r = used + (long long)blk * kThreads + tid; r < P.capacity; r += (long long)nblk * kThreads) {
+          P.peer_rank[r] = -1;
+          P.peer_route[r] = -1;
+        }
+      }
       // padding rows of the experts this block owns, on the first piece only
       if (k == 0)
         for (int e = (blk - w0 % nblk + nblk) % nblk; e < wsz; e += nblk) {
-          const int end = e + 1 < wsz ? off[e + 1] : __ldcg(P.offsets + w0 + e + 1);
-          for (int r = off[e] + lim[e] + tid; r < end; r += kThreads) {
+          for (int r = off[e] + lim[e] + tid; r < off[e + 1]; r += kThreads) {
             P.peer_rank[r] = -1;
             P.peer_route[r] = -1;
           }
@@ -613,7 +620,7 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   P.ctot = P.hist + blocks * P.el;
 
   const size_t place_smem =
-      sizeof(int32_t) * ((size_t)2 * pw * P.prp + (size_t)(kWarps + 5) * P.rwin + (P.stage_c ? (size_t)P.rwin * W : 0));
+      sizeof(int32_t) * ((size_t)2 * pw * P.prp + (size_t)(kWarps + 5) * P.rwin + 1 + (P.stage_c ? (size_t)P.rwin * W : 0));
   if (place_smem > 48 * 1024 && !(device >= 0 && device < 64 && place_smem_raised[device].load())) {
     MOE_CUDA_TRY(ctx, STAGE, cudaFuncSetAttribute(schedule_place, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxPlaceSmem));
     if (device >= 0 && device < 64) place_smem_raised[device].store(true);

@@ -5,8 +5,9 @@
  * write past an output's end (past capacity, say) shows as a mismatch.  A few cases run from a
  * captured CUDA graph, replayed on changed routings.  Then the two kernels are timed.
  *
- *   test_schedule_gpu [--quick] [--max-routes N]
- *     --quick: skip the cases over 200,000 routes, and the timing; --max-routes: skip those over N
+ *   test_schedule_gpu [--quick] [--max-routes N] [--only LABEL]
+ *     --quick: skip the cases over 200,000 routes, and the timing; --max-routes: skip those over N;
+ *     --only: run only the cases whose label (kimi-k2, 512-tokens, graph, random, ...) is LABEL
  *
  * Exit status: 0 all passed, 1 a failure, 77 no GPU (skipped), 2 a setup error. */
 #include <limits.h>
@@ -21,6 +22,7 @@ static moe_ctx *ctx;
 static const moe_device CPU = {MOE_CPU, 0}, GPU = {MOE_CUDA, 0};
 static int passed, failed, quick;
 static long long max_routes = -1;
+static const char *only;
 
 #define SENTINEL 0x3c3c3c3c /* never a row, route, count or stat of these cases */
 #define GUARD 97            /* elements of sentinel after every GPU output */
@@ -226,6 +228,7 @@ static void describe(char *buf, size_t len, const spec *s, int capacity) {
 static void run_case(const spec *s) {
   const long long routes = (long long)s->w * s->t * s->k;
   if (max_routes >= 0 && routes > max_routes) return;
+  if (only && strcmp(only, s->label ? s->label : "random")) return;
   rng = s->seed;
   int32_t *host_ids = make_ids(s);
   const int capacity = capacity_for(s, rows_needed(s, host_ids));
@@ -276,6 +279,7 @@ static void run_case(const spec *s) {
 /* A schedule captured in a graph (on a fresh context, whose scratch the capture must allocate,
  * and on one that has scheduled before), replayed on three routings written between replays. */
 static void run_graph_case(const spec *s0, int fresh) {
+  if (only && strcmp(only, s0->label)) return;
   spec s = *s0;
   moe_ctx *outer = ctx;
   if (fresh && moe_ctx_open(&ctx)) exit(2);
@@ -569,8 +573,9 @@ int main(int argc, char **argv) {
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) quick = 1, max_routes = max_routes < 0 ? 200000 : max_routes;
     else if (!strcmp(argv[i], "--max-routes") && i + 1 < argc) max_routes = atoll(argv[++i]);
+    else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else {
-      fprintf(stderr, "usage: %s [--quick] [--max-routes N]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--quick] [--max-routes N] [--only LABEL]\n", argv[0]);
       return 2;
     }
   }
@@ -601,7 +606,7 @@ int main(int argc, char **argv) {
   random_cases(540);
 
   printf("%d passed, %d failed\n", passed, failed);
-  if (!quick && !failed) {
+  if (!quick && !only && !failed) {
     timing(7168, 12);
     timing(512, 6);
   }
