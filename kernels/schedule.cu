@@ -4,49 +4,49 @@
 // The problem.  A route's row depends on its ordinal j inside its (local expert e, source rank p)
 // group, which counts earlier routes in an order the layout fixes ("roundrobin": logical thread
 // th = i mod 1024 first, then i; "peer_major": i), and on the totals c[e][q] of every source rank.
-// Both kernels read the routes of one source rank as a grid: route i = m * stride + c, "column"
-// c and "row" m, where roundrobin has 1024 columns (the logical threads) and stride 1024, and
-// peer_major a single column (stride 1).  In both, the order of j is column-major (column by
-// column, rows ascending inside a column).  A chunk is a run of that order -- a power-of-two group
-// of columns for roundrobin, a run of rows for peer_major -- and each source rank is cut into S
-// chunks, one block of each kernel per (source rank, chunk), about one block per SM in all.
+// The routes of one source rank are read as a grid: route i = m * stride + c, "column" c and
+// "row" m, where roundrobin has 1024 columns (the logical threads) and stride 1024, peer_major a
+// single column.  In both, the order of j is column-major (column by column, rows ascending).  A
+// chunk is a run of that order -- a power-of-two group of columns for roundrobin, a run of rows
+// for peer_major -- and each source rank is cut into S chunks: W * S units, about one per SM.
 //
-//   count (grid W*S): histogram of the chunk's routes per local expert in shared memory (warp-
-//     aggregated atomics: only the sum matters), written to scratch hist[p][s][e]; invalid ids
-//     counted, with the least flat index.  The last block to finish (a ticket in scratch that it
-//     resets to 0) turns hist into an exclusive prefix over chunks in place, forms the totals
-//     c[e][q], and writes everything that depends on counts alone: n_e, padded sizes, base by a
-//     block scan, counts (routes kept), tokens_per_expert, expert_offsets (clamped to C), stats.
-//   place (grid W*S, launched with programmatic dependent launch, so it starts while count runs):
-//     before waiting on count, it loads the chunk into shared memory in column-major order (rows
-//     padded to an odd length, so both the transposing store and the ordered reads are free of
-//     bank conflicts) and ranks it: each warp takes a contiguous run of the order, 32 routes a step,
-//     groups equal experts of a step with log2(EL) ballots, and keeps a running count per expert
-//     in its own shared-memory row; an exclusive scan over the warps' rows then orders the warps.
-//     No atomics decide any order.  After the wait, j = prefix of earlier chunks + earlier warps
-//     + rank in the warp; roundrobin's position is sum_q min(c[e][q], j) + #{q < p : c[e][q] > j}
-//     (c of the expert staged in shared memory), peer_major's is sum_{q<p} c[e][q] + j.  A route
-//     with position < counts[e] goes to row expert_offsets[e] + position: peer_rank and peer_route
-//     written there, its row kept in shared memory, and route_row is then written for the whole
-//     chunk in memory order (coalesced; -1 for routes elsewhere, masked, invalid or dropped).
-//     The block also writes -1 into the padding rows of the experts it owns (e = block mod the
-//     grid) and, striding with all blocks, into the unused rows [rows used, C).
+// One cooperative kernel, one block per unit, in two phases around a grid barrier:
 //
-// So every output element is written exactly once, rows >= C never, nothing is cleared first,
-// the host never waits, and the work is two launches.  Kimi K2 rank of EP8 (W 8, T 7168, K 8,
-// E 384): 128 blocks of 3,584 routes (64 logical threads x 56); ids read once by each kernel
-// (1.8 MB, the second time from L2), route_row written once (1.8 MB), peer_rank/peer_route
-// ~0.5 MB, scratch ~30 KB: about 4 MB of DRAM traffic, so the time is the two launches and a few
-// L2 round trips (count: ids, ticket, the last block's prefix; place: its staging), ~5-8 us.
+//   1. The block loads its chunk into shared memory in column-major order (rows padded to an odd
+//      length, so the transposing store and the ordered reads are free of bank conflicts),
+//      counting invalid ids on the way, and ranks it: each warp takes a contiguous run of the
+//      order, 32 routes a step, groups equal experts of a step with log2(EL) ballots, and keeps a
+//      running count per expert in its own shared-memory row; an exclusive scan over the warps'
+//      rows orders the warps, and its last row is the chunk's histogram, written to scratch.
+//      No atomics decide any order.
+//   2. After the barrier every block reads the histograms it needs -- all of them, S * E values,
+//      ~24 KB for Kimi K2 -- and forms what it needs itself, so nothing is serialised through one
+//      block: c[e][q] (staged in shared memory), its chunk's prefix, n_e, padded sizes and base by
+//      a block scan, the routes kept under capacity.  Then j = prefix + earlier warps + rank in
+//      the warp; roundrobin's position is sum_q min(c[e][q], j) + #{q < p : c[e][q] > j},
+//      peer_major's sum_{q<p} c[e][q] + j; a route whose position is under the kept count goes to
+//      row offset + position (peer_rank, peer_route written there), and route_row is written for
+//      the whole chunk in memory order (coalesced; -1 for routes elsewhere, masked, invalid or
+//      dropped).  Each block writes -1 into the padding rows of the experts it owns (e mod the
+//      grid) and, striding with all blocks, into the unused rows [rows used, C); block 0 writes
+//      counts, tokens_per_expert, expert_offsets and stats.
 //
-// Scratch (ticket, per-block invalid counts, hist, c) is the context's (cuda_scratch_get): kept
-// across calls, so a call allocates nothing; inside a graph capture without a large enough block
-// it is a stream-ordered allocation that becomes the graph's own.
+// So every output element is written exactly once, rows >= C never, nothing is cleared first, the
+// host never waits, and a call is one launch.  Kimi K2 rank of EP8 (W 8, T 7168, K 8, E 384):
+// 128 blocks of 3,584 routes (64 logical threads x 56); ids read once (1.8 MB), route_row written
+// once (1.8 MB), peer_rank and peer_route once each (C rows), scratch ~30 KB.  The time is the
+// launch, the ids' round trip, ranking, the barrier and two round trips for the histograms.
 //
-// Limits, none of them on the values: a chunk larger than the shared-memory tile is placed in
-// pieces (a running count per expert carries over, kept in scratch); more local experts than a
-// window (1,024 for ranking, 12,288 for counting) are handled a window at a time; c[e][q] is read
-// from global memory when a window's worth does not fit in shared memory.  These only cost time.
+// Where a block cannot keep its unit in shared memory across the barrier -- more units than
+// blocks that fit on the GPU at once (W in the hundreds), a chunk larger than the tile (placed in
+// pieces, a running count per expert carried in scratch), more local experts than a ranking
+// window (1,024, fewer when W is large) -- phase 1 only counts (a shared-memory histogram per
+// window of experts) and phase 2 loads and ranks again.  That costs time, never correctness.
+//
+// Scratch (barrier, per-block invalid counts, histograms) is the context's (cuda_scratch_get):
+// kept across calls, so a call allocates nothing; inside a graph capture without a large enough
+// block it is a stream-ordered allocation that becomes the graph's own.  The barrier counters
+// return to zero at the end of every call.
 #include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -59,21 +59,22 @@
 
 namespace {
 
-constexpr int kThreads = 512;             // both kernels
+constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 8;                // loads in flight per thread
 constexpr int kTile = 8192;               // routes of one piece in shared memory (even)
 constexpr int kRankWindow = 1024;         // local experts ranked in one pass
-constexpr int kHistWindow = 12288;        // local experts counted in one pass (48 KB)
-constexpr int kStageC = 4096;             // c[e][q] values staged in shared memory per window
-constexpr int kMaxScratchHist = 1 << 18;  // S * E bound, so that the prefix stays small
-constexpr int kMaxPlaceSmem =
-    (2 * kTile + (kWarps + 5) * kRankWindow + 1 + kStageC) * (int)sizeof(int32_t);
+constexpr int kHistWindow = 12288;        // local experts counted in one pass (non-resident phase 1)
+constexpr int kStageC = 4096;             // c[e][q] values of a window staged in shared memory
+constexpr int kMaxScratchHist = 1 << 18;  // S * E bound: every block reads S * E histogram values
+constexpr int kRed = 96;                  // shared ints for block reductions: 32 long long, 32 int
 
 struct Params {
+  int trace; // record the phases' times (MOE_SCHEDULE_TRACE set): a measuring aid
   const int32_t *ids;
   int32_t *peer_rank, *peer_route, *counts, *tpe, *offsets, *route_row, *stats;
-  int32_t *ticket, *inv, *hist, *ctot; // scratch: [1], [W*S][2], [W*S][EL], [EL][W]
+  unsigned *bar;             // scratch: grid barrier {arrivals, generation}
+  int32_t *inv, *hist, *acc; // scratch: [G][2], [units][EL], [units][EL] (only with pieces)
   int tk, world, experts, el, lo;
   int pad, capacity, expert_capacity;
   int roundrobin;
@@ -81,12 +82,34 @@ struct Params {
   int nc, nr, stride;
   // chunk s covers 2^lgcw columns from s * cstep and rw rows from s * rstep
   int chunks, lgcw, rw, cstep, rstep;
-  // pieces of a chunk: 2^lgpw columns of pr rows, slots (column, row) -> column * prp + row
+  // pieces of a chunk: 2^lgpw columns of pr rows; slot (column, row) -> column * prp + row
   int lgpw, pr, prp, ncp, nrp;
   unsigned long long magic; // ceil(2^32 / prp): slot / prp without a division
-  int hwin, rwin, stage_c;
-  int group; // lanes per expert when summing over source ranks: pow2_ceil(min(W, 32))
+  int units;                // W * S
+  int resident;             // one unit per block, one piece, one window: phase 1 ranks for phase 2
+  int rwin, hwin, stage_c;  // ranking window, counting window, c staged in shared memory
+  int group;                // lanes per expert when summing over source ranks: pow2_ceil(min(W, 32))
 };
+
+// Offsets (in ints) of the shared-memory arrays; the host sizes the launch with the same function.
+struct Smem {
+  int tile, srow, cnt, run, lim, raw, cpre, off, cst, hist, total;
+};
+__host__ __device__ inline Smem smem_layout(int ts, int rwin, int world, int stage_c, int hwin) {
+  Smem L;
+  L.tile = kRed;
+  L.srow = L.tile + ts;
+  L.cnt = L.srow + ts;                 // [kWarps + 1][wsz]: per-warp counts -> offsets; totals
+  L.run = L.cnt + (kWarps + 1) * rwin; // j of the first route of the piece, per expert
+  L.lim = L.run + rwin;                // routes kept
+  L.raw = L.lim + rwin;                // n_e before expert_capacity
+  L.cpre = L.raw + rwin;               // peer_major: sum_{q<p} c[e][q]
+  L.off = L.cpre + rwin;               // min(base, C), one past the window too
+  L.cst = (L.off + rwin + 1 + 3) & ~3; // c[e][q] of the window, 16-byte aligned rows when W % 4 == 0
+  L.hist = L.cst + (stage_c ? rwin * world : 0);
+  L.total = L.hist + hwin + 4; // slack: compute-sanitizer saw the compiler read c[] in 12-byte pieces
+  return L;
+}
 
 __device__ __forceinline__ unsigned lanemask_lt() {
   unsigned m;
@@ -107,305 +130,350 @@ __device__ __forceinline__ unsigned match_peers(unsigned key, unsigned act, int 
 
 __device__ __forceinline__ int window_bits(int wsz) { return wsz > 1 ? 32 - __clz(wsz - 1) : 0; }
 
-// ---- the last block of the count kernel: prefix over chunks, totals, segments, stats ----
-// raw is the block's shared memory (room for hwin experts): n_e before expert_capacity is summed
-// there when EL fits, so that the scan below needs no further round trip to L2.
-__device__ void finish_counts(const Params &P, int32_t *raw) {
-  __shared__ long long shl[32];
-  __shared__ int shi[32];
-  const int tid = threadIdx.x, W = P.world, S = P.chunks, EL = P.el;
-  const bool in_smem = EL <= P.hwin;
-
-  // the invalid ids of every block, loaded now and summed later, to overlap the round trips
-  int ninv = 0, first = INT_MAX;
-  for (int b = tid; b < W * S; b += kThreads) {
-    ninv += __ldcg(P.inv + 2 * (size_t)b);
-    first = min(first, __ldcg(P.inv + 2 * (size_t)b + 1));
-  }
-  if (in_smem) {
-    for (int e = tid; e < EL; e += kThreads) raw[e] = 0;
-    __syncthreads();
-  }
-
-  // hist[q][s][e] -> exclusive prefix over s, in place; c[e][q] = the total.  Loads of 8 chunks
-  // are issued before any store, so this is a round trip per 8 chunks, not per chunk.
-  for (int pe = tid; pe < W * EL; pe += kThreads) {
-    const int q = pe / EL, e = pe - q * EL;
-    int32_t *h = P.hist + (size_t)q * S * EL + e;
-    int acc = 0;
-    for (int s0 = 0; s0 < S; s0 += 8) {
-      int v[8];
-#pragma unroll
-      for (int u = 0; u < 8; u++) v[u] = s0 + u < S ? __ldcg(h + (size_t)(s0 + u) * EL) : 0;
-#pragma unroll
-      for (int u = 0; u < 8; u++)
-        if (s0 + u < S) {
-          __stcg(h + (size_t)(s0 + u) * EL, acc);
-          acc += v[u];
-        }
+// All blocks of the (cooperative, so co-resident) grid.  bar = {arrivals, generation}: the last
+// block to arrive resets the arrivals and moves the generation on, so both are ready for the
+// next call.  g is the generation thread 0 read before arriving (at the start of the kernel, to
+// keep that round trip off the critical path), so no block can miss the move.
+__device__ void grid_barrier(unsigned *bar, unsigned g) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    volatile unsigned *gen = bar + 1;
+    __threadfence(); // this block's writes, and the read of g, before the arrival
+    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+      atomicExch(bar, 0u);
+      __threadfence();
+      atomicAdd(bar + 1, 1u);
+    } else {
+      while (*gen == g) __nanosleep(64);
     }
-    __stcg(P.ctot + (size_t)e * W + q, acc);
-    if (in_smem) atomicAdd(&raw[e], acc);
+    __threadfence(); // the other blocks' writes before this block's reads
   }
-  ninv = block_sum(ninv, shi); // its barriers also publish ctot and raw to the whole block
-  first = block_min(first, shi);
+  __syncthreads();
+}
 
-  int32_t *counts = P.counts;
-  if (!in_smem) { // n_e parked in counts until the scan below replaces it
-    sum_over_ranks(P.ctot, W, W, EL, P.group, [counts](int e, int v) { __stcg(counts + e, v); });
-    __syncthreads();
-  }
+// The last traced call, per block: clock64 at the phase points, then %globaltimer at entry and
+// at the end.  Read by schedule_cuda_trace (the scheduler's GPU test, --trace).
+constexpr int kTraceBlocks = 1024, kTracePoints = 6;
+__device__ long long trace_buf[kTraceBlocks][kTracePoints + 2];
+int trace_grid;
 
-  long long carry = 0;
-  int dropped = 0;
-  for (int e0 = 0; e0 < EL; e0 += kThreads) {
-    const int e = e0 + tid;
-    const int rawe = e >= EL ? 0 : in_smem ? raw[e] : __ldcg(counts + e);
-    const int n = segment_routes(rawe, P.expert_capacity);
-    const long long padded = e < EL ? segment_padded(n, P.pad) : 0;
-    long long total;
-    const long long base = carry + block_exclusive_scan(padded, &total, shl);
-    carry += total;
-    if (e < EL) {
-      const long long cap = P.capacity;
-      const int kept = segment_kept(n, base, P.capacity);
-      const int off = (int)(base < cap ? base : cap);
-      const int end = (int)(base + padded < cap ? base + padded : cap);
-      P.counts[e] = kept;
-      P.offsets[e] = off;
-      P.tpe[e] = end - off;
-      dropped += rawe - kept;
-    }
-  }
-  dropped = block_sum(dropped, shi);
-  if (tid == 0) {
-    const long long cap = P.capacity;
-    P.offsets[EL] = (int)(carry < cap ? carry : cap);
-    P.stats[MOE_STAT_ROWS_NEEDED] = (int)(carry < INT_MAX ? carry : INT_MAX);
-    P.stats[MOE_STAT_ROWS_USED] = (int)(carry < cap ? carry : cap);
-    P.stats[MOE_STAT_DROPPED] = dropped;
-    P.stats[MOE_STAT_INVALID] = ninv;
-    P.stats[MOE_STAT_FIRST_INVALID] = ninv ? first : -1;
-    *P.ticket = 0; // the next call starts from zero again
+__device__ __forceinline__ void trace_point(const Params &P, int i) {
+  if (!P.trace || threadIdx.x || blockIdx.x >= kTraceBlocks) return;
+  trace_buf[blockIdx.x][i] = clock64();
+  long long t;
+  if (i == 0 || i == kTracePoints - 1) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    trace_buf[blockIdx.x][kTracePoints + (i != 0)] = t;
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 2) schedule_count(const Params P) {
-  griddep_launch_dependents(); // let the place kernel's blocks load and rank meanwhile
-  extern __shared__ int32_t hist[];
-  __shared__ int shi[32];
-  __shared__ int last;
-  const int tid = threadIdx.x, lane = tid & 31;
-  const int blk = blockIdx.x, p = blk / P.chunks, s = blk - p * P.chunks;
-  const int cw = 1 << P.lgcw, ca = s * P.cstep, ma = s * P.rstep;
-  const int nel = cw * P.rw;
-  const int32_t *ids = P.ids + (size_t)p * P.tk;
+struct Unit {
+  int p, s, ca, ma;
+};
+__device__ __forceinline__ Unit unit_of(const Params &P, int u) {
+  Unit U;
+  U.p = u / P.chunks;
+  U.s = u - U.p * P.chunks;
+  U.ca = U.s * P.cstep;
+  U.ma = U.s * P.rstep;
+  return U;
+}
 
-  int ninv = 0, first = INT_MAX;
+// The piece's ids into tile (column-major, -1 in the gaps), srow to -1; counts invalid ids when
+// asked.  Lanes run along columns, which is memory order.
+__device__ void load_piece(const Params &P, const Unit &U, int pa, int qa, int32_t *tile, int32_t *srow,
+                           int *ninv, int *first) {
+  const int pw = 1 << P.lgpw, ts = pw * P.prp, row_end = U.ma + P.rw;
+  const int32_t *ids = P.ids + (size_t)U.p * P.tk;
+  for (int x0 = 0; x0 < ts; x0 += kThreads * kUnroll) {
+    int v[kUnroll], slot[kUnroll], at[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++) {
+      const int x = x0 + u * kThreads + threadIdx.x;
+      const int mm = x >> P.lgpw, cc = x & (pw - 1);
+      const int c = pa + cc, m = qa + mm;
+      at[u] = m * P.stride + c;
+      const bool ok = x < ts && mm < P.pr && m < row_end && c < P.nc && m < P.nr && at[u] < P.tk;
+      slot[u] = x < ts ? cc * P.prp + mm : -1;
+      v[u] = ok ? __ldg(ids + at[u]) : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++)
+      if (slot[u] >= 0) {
+        tile[slot[u]] = v[u];
+        srow[slot[u]] = -1;
+        if (ninv && v[u] != -1 && (v[u] < 0 || v[u] >= P.experts)) {
+          ++*ninv;
+          *first = min(*first, U.p * P.tk + at[u]);
+        }
+      }
+  }
+}
+
+// Rank the tile's routes to the experts [w0, w0 + wsz) within each warp's run of the order:
+// srow[slot] = rank in the warp, mine = the warp's counts.  Then (all threads) the exclusive scan
+// over the warps, totals in row kWarps.  Ends with the block synchronised.
+__device__ void rank_window(const Params &P, int ts, int w0, int wsz, const int32_t *tile, int32_t *srow,
+                            int32_t *cnt) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int q = (((ts + kWarps - 1) / kWarps) + 31) & ~31;
+  const int seg0 = min(warp * q, ts), seg1 = min(seg0 + q, ts);
+  const int nbits = window_bits(wsz);
+  const unsigned lo = (unsigned)(P.lo + w0);
+  int32_t *mine = cnt + warp * wsz;
+  for (int e = lane; e < wsz; e += 32) mine[e] = 0;
+  __syncwarp();
+  for (int b = seg0; b < seg1; b += 32) {
+    const int sl = b + lane;
+    const unsigned e = (unsigned)(sl < seg1 ? tile[sl] : -1) - lo;
+    const bool loc = e < (unsigned)wsz;
+    const unsigned act = __ballot_sync(MOE_FULL_MASK, loc);
+    if (!act) continue;
+    const unsigned peers = match_peers(e, act, nbits);
+    int before = 0;
+    if (loc) {
+      before = mine[e];
+      srow[sl] = before + __popc(peers & lanemask_lt());
+    }
+    __syncwarp();
+    if (loc && lane == 31 - __clz(peers)) mine[e] = before + __popc(peers);
+    __syncwarp();
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < wsz; e += kThreads) {
+    int a = 0;
+    for (int w = 0; w < kWarps; w++) {
+      const int t = cnt[w * wsz + e];
+      cnt[w * wsz + e] = a;
+      a += t;
+    }
+    cnt[kWarps * wsz + e] = a;
+  }
+  __syncthreads();
+}
+
+// Phase 1 where the unit cannot stay resident: its histogram, a window of experts at a time,
+// straight from global memory (the order does not matter for a count).
+__device__ void count_unit(const Params &P, int u, int32_t *h, int *ninv, int *first) {
+  const Unit U = unit_of(P, u);
+  const int lane = threadIdx.x & 31, cw = 1 << P.lgcw, nel = cw * P.rw;
+  const int32_t *ids = P.ids + (size_t)U.p * P.tk;
   for (int w0 = 0; w0 < P.el; w0 += P.hwin) {
     const int wsz = min(P.hwin, P.el - w0), nbits = window_bits(wsz);
     const unsigned lo = (unsigned)(P.lo + w0);
-    for (int e = tid; e < wsz; e += kThreads) hist[e] = 0;
+    for (int e = threadIdx.x; e < wsz; e += kThreads) h[e] = 0;
     __syncthreads();
     for (int x0 = 0; x0 < nel; x0 += kThreads * kUnroll) {
       int v[kUnroll], at[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; u++) {
-        const int x = x0 + u * kThreads + tid;
-        const int c = ca + (x & (cw - 1)), m = ma + (x >> P.lgcw);
-        const bool ok = x < nel && c < P.nc && m < P.nr && m * P.stride + c < P.tk;
-        at[u] = m * P.stride + c;
-        v[u] = ok ? __ldg(ids + at[u]) : -1;
+      for (int k = 0; k < kUnroll; k++) {
+        const int x = x0 + k * kThreads + threadIdx.x;
+        const int c = U.ca + (x & (cw - 1)), m = U.ma + (x >> P.lgcw);
+        at[k] = m * P.stride + c;
+        v[k] = x < nel && c < P.nc && m < P.nr && at[k] < P.tk ? __ldg(ids + at[k]) : -1;
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; u++) {
-        if (w0 == 0 && v[u] != -1 && (v[u] < 0 || v[u] >= P.experts)) {
-          ninv++;
-          first = min(first, p * P.tk + at[u]);
+      for (int k = 0; k < kUnroll; k++) {
+        if (w0 == 0 && v[k] != -1 && (v[k] < 0 || v[k] >= P.experts)) {
+          ++*ninv;
+          *first = min(*first, U.p * P.tk + at[k]);
         }
-        const unsigned e = (unsigned)v[u] - lo;
+        const unsigned e = (unsigned)v[k] - lo;
         const bool loc = e < (unsigned)wsz;
         const unsigned act = __ballot_sync(MOE_FULL_MASK, loc);
-        if (act) {
+        if (act) { // warp-aggregated: only the sum matters here
           const unsigned peers = match_peers(e, act, nbits);
-          if (loc && lane == 31 - __clz(peers)) atomicAdd(&hist[e], __popc(peers));
+          if (loc && lane == 31 - __clz(peers)) atomicAdd(&h[e], __popc(peers));
         }
       }
     }
     __syncthreads();
-    int32_t *out = P.hist + (size_t)blk * P.el + w0;
-    for (int e = tid; e < wsz; e += kThreads) out[e] = hist[e];
+    for (int e = threadIdx.x; e < wsz; e += kThreads) P.hist[(size_t)u * P.el + w0 + e] = h[e];
     __syncthreads();
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
+  extern __shared__ __align__(16) int32_t sm[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int W = P.world, EL = P.el, S = P.chunks, blk = blockIdx.x, G = gridDim.x;
+  const int pw = 1 << P.lgpw, ts = pw * P.prp, npieces = P.ncp * P.nrp;
+  const Smem L = smem_layout(ts, P.rwin, W, P.stage_c, P.resident ? 0 : P.hwin);
+  long long *shl = (long long *)sm;
+  int *shi = sm + 64;
+  int32_t *tile = sm + L.tile, *srow = sm + L.srow, *cnt = sm + L.cnt, *run = sm + L.run, *lim = sm + L.lim;
+  int32_t *raw = sm + L.raw, *cpre = sm + L.cpre, *off = sm + L.off, *cst = sm + L.cst;
+  const int q = (((ts + kWarps - 1) / kWarps) + 31) & ~31;
+  const int seg0 = min(warp * q, ts), seg1 = min(seg0 + q, ts);
+
+  trace_point(P, 0);
+  // ---- phase 1: the histogram of every unit ----
+  const unsigned gen = tid == 0 ? *(volatile unsigned *)(P.bar + 1) : 0;
+  int ninv = 0, first = INT_MAX;
+  if (P.resident) {
+    const Unit U = unit_of(P, blk);
+    load_piece(P, U, U.ca, U.ma, tile, srow, &ninv, &first);
+    __syncthreads();
+    rank_window(P, ts, 0, EL, tile, srow, cnt);
+    for (int e = tid; e < EL; e += kThreads) P.hist[(size_t)blk * EL + e] = cnt[kWarps * EL + e];
+  } else {
+    for (int u = blk; u < P.units; u += G) count_unit(P, u, sm + L.hist, &ninv, &first);
   }
   ninv = block_sum(ninv, shi);
   first = block_min(first, shi);
   if (tid == 0) {
     P.inv[2 * (size_t)blk] = ninv;
     P.inv[2 * (size_t)blk + 1] = first;
-    __threadfence(); // this block's hist and inv before its ticket
-    last = atomicAdd(P.ticket, 1) == (int)gridDim.x - 1;
-    if (last) __threadfence();
   }
-  __syncthreads();
-  if (last) finish_counts(P, hist);
-}
+  trace_point(P, 1);
+  grid_barrier(P.bar, gen);
+  trace_point(P, 2);
 
-// ---- place ----
+  // ---- phase 2: place ----
+  long long needed = 0;
+  int dropped = 0;
+  for (int u = blk; u < P.units; u += G) {
+    const Unit U = unit_of(P, u);
+    const bool first_unit = u == blk;
+    for (int k = 0; k < npieces; k++) {
+      const int cp = k / P.nrp, rp = k - cp * P.nrp;
+      const int pa = U.ca + cp * pw, qa = U.ma + rp * P.pr;
+      if (!P.resident) {
+        load_piece(P, U, pa, qa, tile, srow, NULL, NULL);
+        __syncthreads();
+      }
+      long long carry = 0; // padded rows of the experts before the window
+      for (int w0 = 0; w0 < EL; w0 += P.rwin) {
+        const int wsz = min(P.rwin, EL - w0);
+        const unsigned lo = (unsigned)(P.lo + w0);
+        if (!P.resident) rank_window(P, ts, w0, wsz, tile, srow, cnt);
 
-__global__ void __launch_bounds__(kThreads, 2) schedule_place(const Params P) {
-  extern __shared__ int32_t sm[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int W = P.world, EL = P.el, blk = blockIdx.x, nblk = gridDim.x;
-  const int p = blk / P.chunks, s = blk - p * P.chunks;
-  const int ca = s * P.cstep, ma = s * P.rstep;
-  const int pw = 1 << P.lgpw, ts = pw * P.prp;
-  int32_t *tile = sm;                          // ids of the piece, column-major, -1 in the gaps
-  int32_t *srow = tile + ts;                   // rank in the warp, then row (or -1)
-  int32_t *cnt = srow + ts;                    // [kWarps + 1][wsz]: per-warp counts -> offsets; totals
-  int32_t *run = cnt + (kWarps + 1) * P.rwin;  // j of the first route of the piece, per expert
-  int32_t *lim = run + P.rwin;                 // counts: positions kept
-  int32_t *cpre = lim + P.rwin;                // peer_major: sum_{q<p} c[e][q]
-  int32_t *off = cpre + P.rwin;                // expert_offsets, one past the window too
-  int32_t *cst = off + P.rwin + 1;             // roundrobin: c[e][q] of the window, when staged
-  const int q = (((ts + kWarps - 1) / kWarps) + 31) & ~31;
-  const int seg0 = min(warp * q, ts), seg1 = min(seg0 + q, ts);
-  const int32_t *ids = P.ids + (size_t)p * P.tk;
-  int32_t *rrow = P.route_row + (size_t)p * P.tk;
-  const int npieces = P.ncp * P.nrp;
-  const int row_end = ma + P.rw; // rows of this chunk (peer_major chunks are row runs)
-  bool waited = false;
-
-  for (int k = 0; k < npieces; k++) {
-    const int cp = k / P.nrp, rp = k - cp * P.nrp;
-    const int pa = ca + cp * pw, qa = ma + rp * P.pr;
-
-    // load: lanes along columns (memory order), slots column-major with odd row pitch
-    for (int x0 = 0; x0 < ts; x0 += kThreads * kUnroll) {
-      int v[kUnroll], slot[kUnroll];
+        // the window's totals from every unit's histogram: c[e][q] staged, n_e, the prefix of
+        // this chunk (or the running count carried from the previous piece), peer_major's prefix
+        for (int e = tid; e < wsz; e += kThreads) raw[e] = cpre[e] = 0;
+        __syncthreads();
+        for (int pe = tid; pe < wsz * W; pe += kThreads) {
+          const int e = pe / W, qq = pe - e * W;
+          const int32_t *h = P.hist + (size_t)qq * S * EL + w0 + e;
+          int a = 0, before = 0;
+          for (int s0 = 0; s0 < S; s0 += 16) { // 16 loads in flight: one round trip for S <= 16
+            int v[16];
 #pragma unroll
-      for (int u = 0; u < kUnroll; u++) {
-        const int x = x0 + u * kThreads + tid;
-        const int mm = x >> P.lgpw, cc = x & (pw - 1);
-        const int c = pa + cc, m = qa + mm;
-        const bool ok = x < ts && mm < P.pr && m < row_end && c < P.nc && m < P.nr && m * P.stride + c < P.tk;
-        slot[u] = x < ts ? cc * P.prp + mm : -1;
-        v[u] = ok ? __ldg(ids + m * P.stride + c) : -1;
-      }
+            for (int x = 0; x < 16; x++) v[x] = s0 + x < S ? __ldcg(h + (size_t)(s0 + x) * EL) : 0;
 #pragma unroll
-      for (int u = 0; u < kUnroll; u++)
-        if (slot[u] >= 0) {
-          tile[slot[u]] = v[u];
-          srow[slot[u]] = -1;
+            for (int x = 0; x < 16; x++) {
+              if (s0 + x == U.s) before = a;
+              a += v[x];
+            }
+          }
+          if (P.stage_c) cst[pe] = a;
+          atomicAdd(&raw[e], a);
+          if (!P.roundrobin && qq < U.p) atomicAdd(&cpre[e], a);
+          if (qq == U.p) run[e] = k == 0 ? before : __ldcg(P.acc + (size_t)u * EL + w0 + e);
         }
-    }
-    __syncthreads();
-
-    for (int w0 = 0; w0 < EL; w0 += P.rwin) {
-      const int wsz = min(P.rwin, EL - w0), nbits = window_bits(wsz);
-      const unsigned lo = (unsigned)(P.lo + w0);
-      int32_t *mine = cnt + warp * wsz;
-
-      // rank: each warp over its run of the order, 32 routes a step
-      for (int e = lane; e < wsz; e += 32) mine[e] = 0;
-      __syncwarp();
-      for (int b = seg0; b < seg1; b += 32) {
-        const int sl = b + lane;
-        const unsigned e = (unsigned)(sl < seg1 ? tile[sl] : -1) - lo;
-        const bool loc = e < (unsigned)wsz;
-        const unsigned act = __ballot_sync(MOE_FULL_MASK, loc);
-        if (!act) continue;
-        const unsigned peers = match_peers(e, act, nbits);
-        int before = 0;
-        if (loc) {
-          before = mine[e];
-          srow[sl] = before + __popc(peers & lanemask_lt());
+        __syncthreads();
+        // segments: base by a block scan over the window, carried across windows
+        for (int e0 = 0; e0 < wsz; e0 += kThreads) {
+          const int e = e0 + tid;
+          const int rawe = e < wsz ? raw[e] : 0;
+          const int n = segment_routes(rawe, P.expert_capacity);
+          const long long padded = e < wsz ? segment_padded(n, P.pad) : 0;
+          long long total;
+          const long long base = carry + block_exclusive_scan(padded, &total, shl);
+          carry += total;
+          if (e < wsz) {
+            const long long cap = P.capacity;
+            const int kept = segment_kept(n, base, P.capacity);
+            off[e] = (int)(base < cap ? base : cap);
+            lim[e] = kept;
+            if (blk == 0 && first_unit && k == 0) {
+              const int end = (int)(base + padded < cap ? base + padded : cap);
+              P.counts[w0 + e] = kept;
+              P.offsets[w0 + e] = off[e];
+              P.tpe[w0 + e] = end - off[e];
+              dropped += rawe - kept;
+            }
+          }
         }
-        __syncwarp();
-        if (loc && lane == 31 - __clz(peers)) mine[e] = before + __popc(peers);
-        __syncwarp();
-      }
-      __syncthreads();
-      // order the warps: exclusive scan over the warps' counts, totals in row kWarps
-      for (int e = tid; e < wsz; e += kThreads) {
-        int acc = 0;
-        for (int w = 0; w < kWarps; w++) {
-          const int t = cnt[w * wsz + e];
-          cnt[w * wsz + e] = acc;
-          acc += t;
+        if (tid == 0) off[wsz] = (int)(carry < (long long)P.capacity ? carry : (long long)P.capacity);
+        __syncthreads();
+        if (first_unit && k == 0 && w0 == 0) trace_point(P, 3);
+
+        // padding rows of the experts this block owns
+        if (first_unit && k == 0)
+          for (int e = (blk - w0 % G + G) % G; e < wsz; e += G)
+            for (int r = off[e] + lim[e] + tid; r < off[e + 1]; r += kThreads) {
+              P.peer_rank[r] = -1;
+              P.peer_route[r] = -1;
+            }
+
+        // place
+        for (int sl = seg0 + lane; sl < seg1; sl += 32) {
+          const unsigned e = (unsigned)tile[sl] - lo;
+          if (e >= (unsigned)wsz) continue;
+          const int j = run[e] + cnt[warp * wsz + e] + srow[sl];
+          int pos;
+          if (!P.roundrobin) pos = cpre[e] + j;
+          else if (!P.stage_c) pos = roundrobin_position<true>(P.hist + w0 + e, W, U.p, j, (size_t)EL); // S == 1
+          else if (W % 4 == 0) pos = roundrobin_position4((const int4 *)(cst + e * W), W / 4, U.p, j);
+          else pos = roundrobin_position<false>(cst + e * W, W, U.p, j);
+          int row = -1;
+          if (pos < lim[e]) {
+            row = off[e] + pos;
+            const int cc = (int)(((unsigned long long)sl * P.magic) >> 32), mm = sl - cc * P.prp;
+            P.peer_rank[row] = U.p;
+            P.peer_route[row] = (qa + mm) * P.stride + pa + cc;
+          }
+          srow[sl] = row;
         }
-        cnt[kWarps * wsz + e] = acc;
+        __syncthreads();
+        if (npieces > 1) { // the running ordinals, for the next piece
+          for (int e = tid; e < wsz; e += kThreads)
+            __stcg(P.acc + (size_t)u * EL + w0 + e, run[e] + cnt[kWarps * wsz + e]);
+          __syncthreads();
+        }
       }
-
-      int used = 0;
-      if (!waited) { // count has finished: prefixes, totals, offsets, counts are in memory
-        griddep_wait();
-        used = __ldcg(P.offsets + EL);
-      }
-
-      // stage the window
-      for (int e = tid; e <= wsz; e += kThreads) {
-        off[e] = __ldcg(P.offsets + w0 + e);
-        if (e == wsz) break;
-        run[e] = __ldcg(P.hist + (size_t)blk * EL + w0 + e);
-        lim[e] = __ldcg(P.counts + w0 + e);
-      }
-      if (!P.roundrobin)
-        sum_over_ranks(P.ctot + (size_t)w0 * W, W, p, wsz, P.group, [cpre](int e, int v) { cpre[e] = v; });
-      const int32_t *cw = P.ctot + (size_t)w0 * W;
-      if (P.stage_c) {
-        for (int x = tid; x < wsz * W; x += kThreads) cst[x] = __ldcg(cw + x);
-        cw = cst;
-      }
-      __syncthreads();
-
-      if (!waited) { // unused rows [rows used, C): every block, striding
-        waited = true;
-        for (long long r = used + (long long)blk * kThreads + tid; r < P.capacity; r += (long long)nblk * kThreads) {
+      if (first_unit && k == 0) { // unused rows [rows used, C), striding with every block
+        needed = carry;
+        const long long used = carry < (long long)P.capacity ? carry : (long long)P.capacity;
+        for (long long r = used + (long long)blk * kThreads + tid; r < P.capacity; r += (long long)G * kThreads) {
           P.peer_rank[r] = -1;
           P.peer_route[r] = -1;
         }
       }
-      // padding rows of the experts this block owns, on the first piece only
-      if (k == 0)
-        for (int e = (blk - w0 % nblk + nblk) % nblk; e < wsz; e += nblk) {
-          for (int r = off[e] + lim[e] + tid; r < off[e + 1]; r += kThreads) {
-            P.peer_rank[r] = -1;
-            P.peer_route[r] = -1;
-          }
-        }
 
-      // place
-      for (int sl = seg0 + lane; sl < seg1; sl += 32) {
-        const unsigned e = (unsigned)tile[sl] - lo;
-        if (e >= (unsigned)wsz) continue;
-        const int j = run[e] + cnt[warp * wsz + e] + srow[sl];
-        const int pos = !P.roundrobin ? cpre[e] + j
-                        : P.stage_c   ? roundrobin_position<false>(cw + (size_t)e * W, W, p, j)
-                                      : roundrobin_position<true>(cw + (size_t)e * W, W, p, j);
-        int row = -1;
-        if (pos < lim[e]) {
-          row = off[e] + pos;
-          const int cc = (int)(((unsigned long long)sl * P.magic) >> 32), mm = sl - cc * P.prp;
-          P.peer_rank[row] = p;
-          P.peer_route[row] = (qa + mm) * P.stride + pa + cc;
-        }
-        srow[sl] = row;
+      if (first_unit && k == 0) trace_point(P, 4);
+      // route_row of the piece, in memory order
+      int32_t *rrow = P.route_row + (size_t)U.p * P.tk;
+      const int row_end = U.ma + P.rw;
+      for (int x = tid; x < pw * P.pr; x += kThreads) {
+        const int mm = x >> P.lgpw, cc = x & (pw - 1);
+        const int c = pa + cc, m = qa + mm;
+        if (m < row_end && c < P.nc && m < P.nr && m * P.stride + c < P.tk) rrow[m * P.stride + c] = srow[cc * P.prp + mm];
       }
       __syncthreads();
-      if (k + 1 < npieces) { // carry the running ordinals to the next piece
-        for (int e = tid; e < wsz; e += kThreads)
-          __stcg(P.hist + (size_t)blk * EL + w0 + e, run[e] + cnt[kWarps * wsz + e]);
-        __syncthreads();
-      }
     }
+  }
 
-    // route_row of the piece, in memory order
-    for (int x = tid; x < pw * P.pr; x += kThreads) {
-      const int mm = x >> P.lgpw, cc = x & (pw - 1);
-      const int c = pa + cc, m = qa + mm;
-      if (m < row_end && c < P.nc && m < P.nr && m * P.stride + c < P.tk) rrow[m * P.stride + c] = srow[cc * P.prp + mm];
+  trace_point(P, 5);
+  if (blk == 0) { // offsets[EL] and the stats
+    dropped = block_sum(dropped, shi);
+    int n = 0, f = INT_MAX;
+    for (int b = tid; b < G; b += kThreads) {
+      n += __ldcg(P.inv + 2 * (size_t)b);
+      f = min(f, __ldcg(P.inv + 2 * (size_t)b + 1));
     }
-    __syncthreads();
+    n = block_sum(n, shi);
+    f = block_min(f, shi);
+    if (tid == 0) {
+      const long long cap = P.capacity;
+      P.offsets[EL] = (int)(needed < cap ? needed : cap);
+      P.stats[MOE_STAT_ROWS_NEEDED] = (int)(needed < INT_MAX ? needed : INT_MAX);
+      P.stats[MOE_STAT_ROWS_USED] = (int)(needed < cap ? needed : cap);
+      P.stats[MOE_STAT_DROPPED] = dropped;
+      P.stats[MOE_STAT_INVALID] = n;
+      P.stats[MOE_STAT_FIRST_INVALID] = n ? f : -1;
+    }
   }
 }
 
@@ -422,13 +490,39 @@ int log2_exact(int x) {
   return l;
 }
 
-std::atomic<int> sm_count_cache[64];
-std::atomic<bool> place_smem_raised[64];
+// Per device: SM count, and blocks of schedule_kernel per SM for a few shared-memory sizes.
+constexpr int kDevices = 64, kOccSlots = 8;
+std::atomic<int> sm_count_cache[kDevices];
+std::atomic<bool> smem_raised[kDevices];
+std::atomic<long long> occ_cache[kDevices][kOccSlots]; // (smem << 16) | blocks per SM
+std::atomic<int> occ_next[kDevices];
 
-int sm_count(moe_ctx *ctx, int device, int *out) {
-  if (device >= 0 && device < 64 && (*out = sm_count_cache[device].load(std::memory_order_relaxed)) > 0) return MOE_OK;
-  MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(out, cudaDevAttrMultiProcessorCount, device));
-  if (device >= 0 && device < 64) sm_count_cache[device].store(*out, std::memory_order_relaxed);
+int device_limits(moe_ctx *ctx, int device, size_t smem, int *nsm, int *per_sm) {
+  const bool cached = device >= 0 && device < kDevices;
+  if (!cached || (*nsm = sm_count_cache[device].load(std::memory_order_relaxed)) <= 0) {
+    int coop = 0;
+    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+    if (!coop) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": cuda:%d cannot launch cooperative kernels", device);
+    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(nsm, cudaDevAttrMultiProcessorCount, device));
+    if (cached) sm_count_cache[device].store(*nsm, std::memory_order_relaxed);
+  }
+  if (smem > 48 * 1024 && !(cached && smem_raised[device].load())) {
+    int optin = 0;
+    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    MOE_CUDA_TRY(ctx, STAGE, cudaFuncSetAttribute(schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+    if (cached) smem_raised[device].store(true);
+  }
+  if (cached)
+    for (int i = 0; i < kOccSlots; i++) {
+      const long long v = occ_cache[device][i].load(std::memory_order_relaxed);
+      if (v && (size_t)(v >> 16) == smem) {
+        *per_sm = (int)(v & 0xffff);
+        return MOE_OK;
+      }
+    }
+  MOE_CUDA_TRY(ctx, STAGE, cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, schedule_kernel, kThreads, smem));
+  if (cached && *per_sm > 0)
+    occ_cache[device][occ_next[device].fetch_add(1) % kOccSlots].store(((long long)smem << 16) | *per_sm);
   return MOE_OK;
 }
 
@@ -522,10 +616,12 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   cudaStream_t st;
   int rc = cuda_ctx_stream(ctx, device, &st);
   if (rc) return rc;
-  int nsm;
-  if ((rc = sm_count(ctx, device, &nsm))) return rc;
+  int nsm, per_sm;
+  if ((rc = device_limits(ctx, device, 0, &nsm, &per_sm))) return rc;
 
   Params P = {};
+  static const int trace = getenv("MOE_SCHEDULE_TRACE") != NULL;
+  P.trace = trace;
   const int W = (int)a->ids->shape[0];
   const int tk = (int)(a->ids->shape[1] * a->ids->shape[2]);
   P.ids = (const int32_t *)a->ids->data;
@@ -546,11 +642,20 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   P.expert_capacity = a->expert_capacity;
   P.roundrobin = a->layout == MOE_LAYOUT_ROUNDROBIN;
 
-  // chunks: about one block per SM over all source ranks, fewer when E is large (the prefix
-  // over chunks costs S * E)
+  // windows: c[e][q] of a ranking window fits kStageC unless W alone is larger
+  P.rwin = P.el < kRankWindow ? P.el : kRankWindow;
+  if (W <= kStageC && P.rwin > kStageC / W) P.rwin = kStageC / W;
+  if (W > kStageC) P.rwin = 1;
+  P.stage_c = W <= kStageC;
+  P.hwin = P.el < kHistWindow ? P.el : kHistWindow;
+  P.group = pow2_ceil(W < 32 ? W : 32);
+
+  // chunks: about one unit per SM over all source ranks; fewer when E is large (every block reads
+  // S * E histogram values), one when c[e][q] is not staged (it is then read as hist[q][0][e])
   int per_rank = cdiv(nsm, W);
   const int by_experts = kMaxScratchHist / a->experts;
   if (per_rank > by_experts) per_rank = by_experts > 1 ? by_experts : 1;
+  if (!P.stage_c) per_rank = 1;
   int cw, rw;
   if (P.roundrobin) {
     P.nc = tk < MOE_SCHED_THREADS ? tk : MOE_SCHED_THREADS;
@@ -585,8 +690,11 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   }
   P.lgcw = log2_exact(cw);
   P.rw = rw;
+  const long long units = (long long)W * P.chunks;
+  if (units > INT_MAX / kThreads) return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": %lld units of work is too many", units);
+  P.units = (int)units;
 
-  // pieces: whole chunk, groups of whole columns, or runs of rows of one column
+  // pieces: the whole chunk, groups of whole columns, or runs of rows of one column
   int pw, pr;
   const int rwp = rw | 1;
   if ((long long)cw * rwp <= kTile) {
@@ -602,45 +710,57 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   P.pr = pr;
   P.prp = pr | 1;
   P.magic = ((1ull << 32) + (unsigned long long)P.prp - 1) / (unsigned long long)P.prp;
-  P.hwin = P.el < kHistWindow ? P.el : kHistWindow;
-  P.rwin = P.el < kRankWindow ? P.el : kRankWindow;
-  P.stage_c = P.roundrobin && (long long)P.rwin * W <= kStageC;
-  P.group = pow2_ceil(W < 32 ? W : 32);
+  const int npieces = P.ncp * P.nrp, ts = pw * P.prp;
 
-  // scratch: header (ticket), inv [W*S][2], hist [W*S][EL], c [EL][W]
-  const size_t blocks = (size_t)W * P.chunks;
-  const size_t nbytes = MOE_SCRATCH_HEADER + sizeof(int32_t) * (2 * blocks + blocks * P.el + (size_t)a->experts);
-  if (blocks > INT_MAX) return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": %zu blocks is too many", blocks);
+  // resident when every unit has its own block, in one piece and one window; else phase 1 counts
+  // and phase 2 ranks again, over as many blocks as fit at once
+  size_t smem = sizeof(int32_t) * smem_layout(ts, P.rwin, W, P.stage_c, 0).total;
+  if ((rc = device_limits(ctx, device, smem, &nsm, &per_sm))) return rc;
+  P.resident = npieces == 1 && P.el <= P.rwin && units <= (long long)nsm * per_sm;
+  if (!P.resident) {
+    smem = sizeof(int32_t) * smem_layout(ts, P.rwin, W, P.stage_c, P.hwin).total;
+    if ((rc = device_limits(ctx, device, smem, &nsm, &per_sm))) return rc;
+  }
+  if (per_sm < 1)
+    return moe_seterr(ctx, MOE_ERR_INTERNAL, STAGE ": no block of %d threads with %zu bytes of shared memory fits an SM",
+                      kThreads, smem);
+  const int grid = (int)(units < (long long)nsm * per_sm ? units : (long long)nsm * per_sm);
+
+  // scratch: header (barrier), inv [G][2], hist [units][EL], acc [units][EL] with pieces
+  const size_t hist_n = (size_t)units * P.el;
+  const size_t nbytes = MOE_SCRATCH_HEADER + sizeof(int32_t) * (2 * (size_t)grid + hist_n * (npieces > 1 ? 2 : 1));
   void *scratch;
   int owned;
   if ((rc = cuda_scratch_get(ctx, device, st, nbytes, &scratch, &owned))) return rc;
-  P.ticket = (int32_t *)scratch;
+  P.bar = (unsigned *)scratch;
   P.inv = (int32_t *)((char *)scratch + MOE_SCRATCH_HEADER);
-  P.hist = P.inv + 2 * blocks;
-  P.ctot = P.hist + blocks * P.el;
-
-  const size_t place_smem =
-      sizeof(int32_t) * ((size_t)2 * pw * P.prp + (size_t)(kWarps + 5) * P.rwin + 1 + (P.stage_c ? (size_t)P.rwin * W : 0));
-  if (place_smem > 48 * 1024 && !(device >= 0 && device < 64 && place_smem_raised[device].load())) {
-    MOE_CUDA_TRY(ctx, STAGE, cudaFuncSetAttribute(schedule_place, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxPlaceSmem));
-    if (device >= 0 && device < 64) place_smem_raised[device].store(true);
-  }
-
-  schedule_count<<<(unsigned)blocks, kThreads, sizeof(int32_t) * P.hwin, st>>>(P);
-  MOE_CUDA_LAUNCHED(ctx, STAGE);
+  P.hist = P.inv + 2 * (size_t)grid;
+  P.acc = npieces > 1 ? P.hist + hist_n : NULL;
 
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)blocks);
+  cfg.gridDim = dim3((unsigned)grid);
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = place_smem;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = st;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  attr[0].id = cudaLaunchAttributeCooperative; // all blocks resident at once: the grid barrier
+  attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  MOE_CUDA_TRY(ctx, STAGE, cudaLaunchKernelEx(&cfg, schedule_place, P));
+  MOE_CUDA_TRY(ctx, STAGE, cudaLaunchKernelEx(&cfg, schedule_kernel, P));
+  trace_grid = grid;
 
   if ((rc = cuda_scratch_done(ctx, st, scratch, owned))) return rc;
   return moe_ok(ctx);
+}
+
+// The phase times of the last call made with MOE_SCHEDULE_TRACE set (see trace_buf): copies
+// min(grid, max_blocks, 1024) rows of 8 and returns their number, or -1.
+extern "C" int schedule_cuda_trace(long long *out, int max_blocks) {
+  int n = trace_grid < max_blocks ? trace_grid : max_blocks;
+  if (n > kTraceBlocks) n = kTraceBlocks;
+  if (cudaDeviceSynchronize() != cudaSuccess ||
+      cudaMemcpyFromSymbol(out, trace_buf, sizeof(long long) * (kTracePoints + 2) * n) != cudaSuccess)
+    return -1;
+  return n;
 }

@@ -76,13 +76,28 @@ __device__ __forceinline__ int segment_kept(int n, long long base, int capacity)
 }
 
 // Roundrobin position inside expert e's segment of the route with ordinal j from source rank p:
-// sum_q min(c[e][q], j) + #{q < p : c[e][q] > j}, with c = c[e][0..world) in shared memory, or
-// in global memory written by an earlier kernel (read through L2: kGlobal).
-template <bool kGlobal> __device__ __forceinline__ int roundrobin_position(const int32_t *c, int world, int p, int j) {
+// sum_q min(c[e][q], j) + #{q < p : c[e][q] > j}, with c[e][q] = c[q * stride] in shared memory,
+// or in global memory written by an earlier kernel or another block (read through L2: kGlobal).
+template <bool kGlobal>
+__device__ __forceinline__ int roundrobin_position(const int32_t *c, int world, int p, int j, size_t stride = 1) {
   int pos = 0;
   for (int q = 0; q < world; q++) {
-    const int cq = kGlobal ? __ldcg(c + q) : c[q];
+    const int cq = kGlobal ? __ldcg(c + q * stride) : c[q * stride];
     pos += min(cq, j) + (q < p && cq > j);
+  }
+  return pos;
+}
+
+// The same over c[e][0..world) in shared memory as int4 (world a multiple of 4, 16-byte aligned).
+__device__ __forceinline__ int roundrobin_position4(const int4 *c4, int world4, int p, int j) {
+  int pos = 0;
+  for (int q4 = 0; q4 < world4; q4++) {
+    const int4 c = c4[q4];
+    const int q = 4 * q4;
+    pos += min(c.x, j) + (q < p && c.x > j);
+    pos += min(c.y, j) + (q + 1 < p && c.y > j);
+    pos += min(c.z, j) + (q + 2 < p && c.z > j);
+    pos += min(c.w, j) + (q + 3 < p && c.w > j);
   }
   return pos;
 }

@@ -203,7 +203,8 @@ extern "C" int schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   const unsigned blocks = (unsigned)a->experts; // one per (local expert, source rank)
   legacy_count<<<blocks, kThreads, 0, st>>>(P);
   MOE_CUDA_LAUNCHED(ctx, STAGE);
-  legacy_place<<<blocks, kThreads, W <= kStageC ? sizeof(int32_t) * W : 0, st>>>(P);
+  // 4 ints of slack: the compiler reads cs in vector pieces that may run past W (memcheck saw it)
+  legacy_place<<<blocks, kThreads, W <= kStageC ? sizeof(int32_t) * (W + 4) : 0, st>>>(P);
   MOE_CUDA_LAUNCHED(ctx, STAGE);
   if ((rc = cuda_scratch_done(ctx, st, scratch, owned))) return rc;
   return moe_ok(ctx);

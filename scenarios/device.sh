@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for the H200, then run the steps named on the command line
-# (default: all), each with a time limit, logging under $OUT (or /tmp/moelab-out), and print a
+# (default: all), each with a time limit, logging under /tmp/moelab-logs, and print a
 # short table last.  Used as: source .device/env.sh && bash scenarios/device.sh build programs specs
 set -uo pipefail
-out=${OUT:-/tmp/moelab-out}
-mkdir -p "$out"
+# logs go to a folder that is packed into $OUT/logs.tgz at the end ($OUT brings back 8 files)
+out=/tmp/moelab-logs
+rm -rf "$out" && mkdir -p "$out"
 export LUA_CPATH="./build/?.so;${LUA_CPATH:-;}"
 steps=${*:-build programs specs kimi scheduler}
+only=${ONLY:-*} # which GPU test programs the programs, memcheck and racecheck steps run (a glob)
 declare -A result
 run() { # name, limit in seconds, command...
   local name=$1 limit=$2
@@ -20,16 +22,19 @@ run() { # name, limit in seconds, command...
 for s in $steps; do
   case $s in
     build) run build 300 bash -c 'cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a && cmake --build build' ;;
-    programs) for p in build/gpu_tests/*; do run "$(basename "$p")" 240 "$p"; done ;;
+    programs) for p in build/gpu_tests/$only; do run "$(basename "$p")" 240 "$p"; done ;;
     specs) run specs 400 busted ;;
+    trace) run trace 120 build/gpu_tests/test_schedule_gpu --trace ;;
     gpuspecs) run gpuspecs 400 busted --tags=gpu ;;
     kimi) run kimi 400 lua scenarios/kimi.lua --json "$out/kimi.json" ;;
     scheduler) run scheduler 300 lua scenarios/scheduler.lua --json "$out/scheduler.json" ;;
     experts) run experts 400 lua scenarios/experts.lua --json "$out/experts.json" ;;
     memcheck|racecheck)
       # the programs without their timed shapes: experts takes --no-bench, the others --quick
-      for p in build/gpu_tests/*; do
+      for p in build/gpu_tests/$only; do
         flag=--quick; case $p in *experts*) flag=--no-bench ;; esac
+        # racecheck runs the scheduler's cases up to 30,000 routes: the larger ones take minutes
+        case $s$p in racecheck*schedule*) flag="--quick --max-routes 30000" ;; esac
         run "$s-$(basename "$p")" 300 compute-sanitizer --tool "$s" --error-exitcode 1 "$p" $flag
       done ;;
     *) echo "unknown step $s" ;;
@@ -37,3 +42,4 @@ for s in $steps; do
 done
 echo "==== summary"
 for s in "${!result[@]}"; do echo "$s ${result[$s]}"; done | sort
+[ -n "${OUT:-}" ] && tar czf "$OUT/logs.tgz" -C "$out" .

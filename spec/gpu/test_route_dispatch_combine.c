@@ -401,9 +401,10 @@ static void test_dispatch(void) {
 
 /* ---- combine ---- */
 
-static void test_combine(void) {
-  enum { W = 4, T = 45, K = 6, E = 24 };
-  moe_tensor *ids = random_ids(W, T, K, E, 21, 1);
+/* W <= 4; hs: the row widths to try */
+static void test_combine_case(int T, int K, int E, const int *hs, int nh) {
+  enum { W = 4 };
+  moe_tensor *ids = random_ids(W, T, K, E, 21 + T + K, 1);
   const int64_t C = (int64_t)T * K * 2;
   sched_t s[W];
   moe_tensor *rr_c[W], *rr_g[W];
@@ -412,8 +413,7 @@ static void test_combine(void) {
     rr_c[o] = s[o].route_row;
     rr_g[o] = copy_to(s[o].route_row, GPU);
   }
-  const int hs[] = {256, 7168, 44, 9};
-  for (size_t hi = 0; hi < sizeof hs / sizeof hs[0]; hi++) {
+  for (int hi = 0; hi < nh; hi++) {
     const int H = hs[hi];
     moe_tensor *ys_c[W], *ys_g[W];
     for (int o = 0; o < W; o++) {
@@ -442,7 +442,7 @@ static void test_combine(void) {
         a.shared_gate = variant == 0 ? gg : NULL;
         TRY(moe_combine(ctx, &a));
         char name[128];
-        snprintf(name, sizeof name, "combine H=%d rank %d %s out%s", H, p, moe_dtype_name(odt),
+        snprintf(name, sizeof name, "combine T=%d K=%d H=%d rank %d %s out%s", T, K, H, p, moe_dtype_name(odt),
                  variant == 0 ? ", gated shared" : variant == 1 ? ", shared" : "");
         expect(name, og, oc, 1, 0);
         moe_tensor_free(oc), moe_tensor_free(og);
@@ -454,6 +454,17 @@ static void test_combine(void) {
   }
   for (int o = 0; o < W; o++) moe_tensor_free(rr_g[o]), sched_free(&s[o]);
   moe_tensor_free(ids);
+}
+
+static void test_combine(void) {
+  const int hs[] = {256, 7168, 44, 9};
+  test_combine_case(45, 6, 24, hs, 4);
+  /* more tokens than blocks on the GPU (blocks take several), more routes than one look-up
+   * group (64), rows wider than one pass of a block (15,360 elements, or 3,840 unaligned) */
+  const int wide[] = {16, 20000, 4001};
+  test_combine_case(700, 3, 24, wide, 3);
+  const int narrow[] = {64, 7};
+  test_combine_case(600, 70, 140, narrow, 2);
 }
 
 /* ---- graphs and events ---- */

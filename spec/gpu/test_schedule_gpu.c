@@ -5,11 +5,13 @@
  * write past an output's end (past capacity, say) shows as a mismatch.  A few cases run from a
  * captured CUDA graph, replayed on changed routings.  Then the two kernels are timed.
  *
- *   test_schedule_gpu [--quick] [--max-routes N] [--only LABEL]
+ *   test_schedule_gpu [--quick] [--max-routes N] [--only LABEL] [--trace]
  *     --quick: skip the cases over 200,000 routes, and the timing; --max-routes: skip those over N;
  *     --only: run only the cases whose label (kimi-k2, 512-tokens, graph, random, ...) is LABEL
+ *     --trace: no cases; the timings, each with where one call's time goes (the kernel's phases)
  *
  * Exit status: 0 all passed, 1 a failure, 77 no GPU (skipped), 2 a setup error. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -20,7 +22,7 @@
 
 static moe_ctx *ctx;
 static const moe_device CPU = {MOE_CPU, 0}, GPU = {MOE_CUDA, 0};
-static int passed, failed, quick;
+static int passed, failed, quick, trace;
 static long long max_routes = -1;
 static const char *only;
 
@@ -547,8 +549,38 @@ static float time_calls(int (*fn)(moe_ctx *, const moe_schedule_args *), const m
   return us[4];
 }
 
-static void timing(int t, float target_us) {
-  spec s = base(8, t, 8, 384, "kimi-k2");
+int schedule_cuda_trace(long long *out, int max_blocks); /* kernels/schedule.cu */
+
+static int cmp_ll(const void *a, const void *b) {
+  const long long x = *(const long long *)a, y = *(const long long *)b;
+  return (x > y) - (x < y);
+}
+
+/* --trace: where one call's time goes.  Per phase, the median over blocks of its clock64 cycles
+ * (load + rank, barrier, totals + scan, place, route_row + clears); the kernel's span by
+ * %globaltimer (first entry to last end); beside the per-call time of back-to-back calls. */
+static void print_trace(const char *label, float per_call_us) {
+  enum { MAXB = 1024 };
+  static long long buf[MAXB][8], col[MAXB];
+  const int n = schedule_cuda_trace(&buf[0][0], MAXB);
+  if (n <= 0) die("schedule_cuda_trace");
+  long long first = buf[0][6], last = buf[0][7];
+  printf("trace %s: %d blocks, %.2f us per call;", label, n, per_call_us);
+  static const char *names[] = {"load+rank", "barrier", "totals", "place", "rows+clears"};
+  for (int ph = 0; ph < 5; ph++) {
+    for (int b = 0; b < n; b++) col[b] = buf[b][ph + 1] - buf[b][ph];
+    qsort(col, (size_t)n, sizeof *col, cmp_ll);
+    printf(" %s %lld", names[ph], col[n / 2]);
+  }
+  for (int b = 0; b < n; b++) {
+    first = buf[b][6] < first ? buf[b][6] : first;
+    last = buf[b][7] > last ? buf[b][7] : last;
+  }
+  printf(" cycles (medians); span %.2f us\n", (last - first) / 1000.0);
+}
+
+static void timing(int w, int t, float target_us) {
+  spec s = base(w, t, 8, 384, "kimi-k2");
   rng = s.seed;
   int32_t *host_ids = make_ids(&s);
   const int capacity = capacity_for(&s, rows_needed(&s, host_ids));
@@ -561,9 +593,15 @@ static void timing(int t, float target_us) {
   moe_schedule_args a;
   args_for(&a, &gpu, ids, &s, capacity);
   const float ours = time_calls(moe_schedule, &a), legacy = time_calls(moe_schedule_legacy, &a);
-  printf("time: schedule, Kimi K2 rank of EP8 (W 8, T %d, K 8, E 384, %d routes): %.2f us per call "
+  printf("time: schedule, Kimi K2 rank of EP%d (W %d, T %d, K 8, E 384, %d routes): %.2f us per call "
          "(target <= %.0f us), legacy %.2f us, %.1fx\n",
-         t, s.w * s.t * s.k, ours, target_us, legacy, legacy / ours);
+         w, w, t, s.w * s.t * s.k, ours, target_us, legacy, legacy / ours);
+  if (getenv("MOE_SCHEDULE_TRACE")) {
+    if (moe_schedule(ctx, &a)) die("traced call");
+    char label[64];
+    snprintf(label, sizeof label, "EP%d T %d", w, t);
+    print_trace(label, ours);
+  }
   outputs_free(&gpu);
   moe_tensor_free(ids);
   free(host_ids);
@@ -574,8 +612,9 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[i], "--quick")) quick = 1, max_routes = max_routes < 0 ? 200000 : max_routes;
     else if (!strcmp(argv[i], "--max-routes") && i + 1 < argc) max_routes = atoll(argv[++i]);
     else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    else if (!strcmp(argv[i], "--trace")) trace = 1;
     else {
-      fprintf(stderr, "usage: %s [--quick] [--max-routes N] [--only LABEL]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--quick] [--max-routes N] [--only LABEL] [--trace]\n", argv[0]);
       return 2;
     }
   }
@@ -588,6 +627,14 @@ int main(int argc, char **argv) {
     return 77;
   }
 
+  if (trace) { /* timing only, with the phases of one call of each shape */
+    setenv("MOE_SCHEDULE_TRACE", "1", 1);
+    timing(8, 7168, 12);
+    const int ws[] = {4, 8, 16, 32, 64};
+    for (int i = 0; i < 5; i++) timing(ws[i], 512, 6);
+    moe_ctx_close(ctx);
+    return 0;
+  }
   model_cases();      /* 32 */
   decode_cases();     /* 60 */
   token_cases();      /* 48 */
@@ -607,8 +654,8 @@ int main(int argc, char **argv) {
 
   printf("%d passed, %d failed\n", passed, failed);
   if (!quick && !only && !failed) {
-    timing(7168, 12);
-    timing(512, 6);
+    timing(8, 7168, 12);
+    timing(8, 512, 6);
   }
   moe_ctx_close(ctx);
   return failed ? 1 : 0;
