@@ -86,7 +86,6 @@ struct Params {
   int lgpw, pr, prp, ncp, nrp;
   unsigned long long magic; // ceil(2^32 / prp): slot / prp without a division
   int units;                // W * S
-  int resident;             // one unit per block, one piece, one window: phase 1 ranks for phase 2
   int rwin, hwin, stage_c;  // ranking window, counting window, c staged in shared memory
   int group;                // lanes per expert when summing over source ranks: pow2_ceil(min(W, 32))
 };
@@ -153,7 +152,7 @@ __device__ void grid_barrier(unsigned *bar, unsigned g) {
 
 // The last traced call, per block: clock64 at the phase points, then %globaltimer at entry and
 // at the end.  Read by schedule_cuda_trace (the scheduler's GPU test, --trace).
-constexpr int kTraceBlocks = 1024, kTracePoints = 6;
+constexpr int kTraceBlocks = 1024, kTracePoints = 8;
 __device__ long long trace_buf[kTraceBlocks][kTracePoints + 2];
 int trace_grid;
 
@@ -293,12 +292,15 @@ __device__ void count_unit(const Params &P, int u, int32_t *h, int *ninv, int *f
   }
 }
 
+// kResident: one unit per block, in one piece and one ranking window, so that phase 1 ranks for
+// phase 2 (a separate instance, so that the common case runs compact code)
+template <bool kResident>
 __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
   extern __shared__ __align__(16) int32_t sm[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int W = P.world, EL = P.el, S = P.chunks, blk = blockIdx.x, G = gridDim.x;
   const int pw = 1 << P.lgpw, ts = pw * P.prp, npieces = P.ncp * P.nrp;
-  const Smem L = smem_layout(ts, P.rwin, W, P.stage_c, P.resident ? 0 : P.hwin);
+  const Smem L = smem_layout(ts, P.rwin, W, P.stage_c, kResident ? 0 : P.hwin);
   long long *shl = (long long *)sm;
   int *shi = sm + 64;
   int32_t *tile = sm + L.tile, *srow = sm + L.srow, *cnt = sm + L.cnt, *run = sm + L.run, *lim = sm + L.lim;
@@ -310,24 +312,27 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
   // ---- phase 1: the histogram of every unit ----
   const unsigned gen = tid == 0 ? *(volatile unsigned *)(P.bar + 1) : 0;
   int ninv = 0, first = INT_MAX;
-  if (P.resident) {
+  if (kResident) {
     const Unit U = unit_of(P, blk);
     load_piece(P, U, U.ca, U.ma, tile, srow, &ninv, &first);
     __syncthreads();
+    trace_point(P, 1);
     rank_window(P, ts, 0, EL, tile, srow, cnt);
     for (int e = tid; e < EL; e += kThreads) P.hist[(size_t)blk * EL + e] = cnt[kWarps * EL + e];
   } else {
     for (int u = blk; u < P.units; u += G) count_unit(P, u, sm + L.hist, &ninv, &first);
   }
-  ninv = block_sum(ninv, shi);
-  first = block_min(first, shi);
+  if (__syncthreads_or(ninv)) { // invalid ids are rare: one barrier when there are none
+    ninv = block_sum(ninv, shi);
+    first = block_min(first, shi);
+  }
   if (tid == 0) {
     P.inv[2 * (size_t)blk] = ninv;
     P.inv[2 * (size_t)blk + 1] = first;
   }
-  trace_point(P, 1);
-  grid_barrier(P.bar, gen);
   trace_point(P, 2);
+  grid_barrier(P.bar, gen);
+  trace_point(P, 3);
 
   // ---- phase 2: place ----
   long long needed = 0;
@@ -338,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
     for (int k = 0; k < npieces; k++) {
       const int cp = k / P.nrp, rp = k - cp * P.nrp;
       const int pa = U.ca + cp * pw, qa = U.ma + rp * P.pr;
-      if (!P.resident) {
+      if (!kResident) {
         load_piece(P, U, pa, qa, tile, srow, NULL, NULL);
         __syncthreads();
       }
@@ -346,32 +351,68 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
       for (int w0 = 0; w0 < EL; w0 += P.rwin) {
         const int wsz = min(P.rwin, EL - w0);
         const unsigned lo = (unsigned)(P.lo + w0);
-        if (!P.resident) rank_window(P, ts, w0, wsz, tile, srow, cnt);
+        if (!kResident) rank_window(P, ts, w0, wsz, tile, srow, cnt);
 
-        // the window's totals from every unit's histogram: c[e][q] staged, n_e, the prefix of
-        // this chunk (or the running count carried from the previous piece), peer_major's prefix
-        for (int e = tid; e < wsz; e += kThreads) raw[e] = cpre[e] = 0;
-        __syncthreads();
-        for (int pe = tid; pe < wsz * W; pe += kThreads) {
-          const int e = pe / W, qq = pe - e * W;
-          const int32_t *h = P.hist + (size_t)qq * S * EL + w0 + e;
-          int a = 0, before = 0;
-          for (int s0 = 0; s0 < S; s0 += 16) { // 16 loads in flight: one round trip for S <= 16
-            int v[16];
+        // the window's totals from every unit's histogram hist[q * S + s][e]: c[e][q], n_e,
+        // peer_major's prefix sum_{q<p} c[e][q], and the ordinal of this chunk's first route
+        // (or the running count carried from the previous piece)
+        if (P.stage_c) {
+          // a warp reads a unit's histogram row, lanes on consecutive experts (coalesced), kUnroll
+          // rows in flight; the sums go into c[e][q] in shared memory.  Measured (PERF.md): this
+          // phase costs ~2.5 us per round of loads, as did a thread per (e, q) summing over s
+          // and a rotated read order; why a round trip to lines just written takes that long is
+          // not yet understood.
+          for (int x = tid; x < wsz * W; x += kThreads) cst[x] = 0;
+          for (int e = tid; e < wsz; e += kThreads) run[e] = 0;
+          __syncthreads();
+          for (int e = lane; e - lane < wsz; e += 32)
+            for (int u0 = warp; u0 < P.units; u0 += kWarps * kUnroll) {
+              int v[kUnroll];
 #pragma unroll
-            for (int x = 0; x < 16; x++) v[x] = s0 + x < S ? __ldcg(h + (size_t)(s0 + x) * EL) : 0;
+              for (int i = 0; i < kUnroll; i++) {
+                const int uu = u0 + i * kWarps;
+                v[i] = e < wsz && uu < P.units ? __ldcg(P.hist + (size_t)uu * EL + w0 + e) : 0;
+              }
 #pragma unroll
-            for (int x = 0; x < 16; x++) {
-              if (s0 + x == U.s) before = a;
-              a += v[x];
+              for (int i = 0; i < kUnroll; i++) {
+                if (!v[i]) continue;
+                const int uu = u0 + i * kWarps, qq = uu / S, ss = uu - qq * S;
+                atomicAdd(&cst[e * W + qq], v[i]);
+                if (qq == U.p && ss < U.s) atomicAdd(&run[e], v[i]);
+              }
+            }
+          __syncthreads();
+          for (int e = warp; e < wsz; e += kWarps) { // a warp per expert sums over the source ranks
+            int all = 0, before = 0;
+            for (int qq = lane; qq < W; qq += 32) {
+              const int c = cst[e * W + qq];
+              all += c;
+              before += qq < U.p ? c : 0;
+            }
+#pragma unroll
+            for (int o = 16; o; o >>= 1) {
+              all += __shfl_xor_sync(MOE_FULL_MASK, all, o);
+              before += __shfl_xor_sync(MOE_FULL_MASK, before, o);
+            }
+            if (lane == 0) {
+              raw[e] = all;
+              cpre[e] = before;
+              if (k) run[e] = __ldcg(P.acc + (size_t)u * EL + w0 + e);
             }
           }
-          if (P.stage_c) cst[pe] = a;
-          atomicAdd(&raw[e], a);
-          if (!P.roundrobin && qq < U.p) atomicAdd(&cpre[e], a);
-          if (qq == U.p) run[e] = k == 0 ? before : __ldcg(P.acc + (size_t)u * EL + w0 + e);
+        } else { // S == 1: c[e][q] is read where it is needed, hist[q][e]
+          for (int e = tid; e < wsz; e += kThreads) raw[e] = cpre[e] = 0;
+          __syncthreads();
+          for (int pe = tid; pe < wsz * W; pe += kThreads) {
+            const int e = pe / W, qq = pe - e * W;
+            const int a = __ldcg(P.hist + (size_t)qq * EL + w0 + e);
+            atomicAdd(&raw[e], a);
+            if (!P.roundrobin && qq < U.p) atomicAdd(&cpre[e], a);
+            if (qq == U.p) run[e] = k == 0 ? 0 : __ldcg(P.acc + (size_t)u * EL + w0 + e);
+          }
         }
         __syncthreads();
+        if (first_unit && k == 0 && w0 == 0) trace_point(P, 4);
         // segments: base by a block scan over the window, carried across windows
         for (int e0 = 0; e0 < wsz; e0 += kThreads) {
           const int e = e0 + tid;
@@ -397,7 +438,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
         }
         if (tid == 0) off[wsz] = (int)(carry < (long long)P.capacity ? carry : (long long)P.capacity);
         __syncthreads();
-        if (first_unit && k == 0 && w0 == 0) trace_point(P, 3);
+        if (first_unit && k == 0 && w0 == 0) trace_point(P, 5);
 
         // padding rows of the experts this block owns
         if (first_unit && k == 0)
@@ -442,7 +483,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
         }
       }
 
-      if (first_unit && k == 0) trace_point(P, 4);
+      if (first_unit && k == 0) trace_point(P, 6);
       // route_row of the piece, in memory order
       int32_t *rrow = P.route_row + (size_t)U.p * P.tk;
       const int row_end = U.ma + P.rw;
@@ -455,7 +496,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
     }
   }
 
-  trace_point(P, 5);
+  trace_point(P, 7);
   if (blk == 0) { // offsets[EL] and the stats
     dropped = block_sum(dropped, shi);
     int n = 0, f = INT_MAX;
@@ -493,11 +534,13 @@ int log2_exact(int x) {
 // Per device: SM count, and blocks of schedule_kernel per SM for a few shared-memory sizes.
 constexpr int kDevices = 64, kOccSlots = 8;
 std::atomic<int> sm_count_cache[kDevices];
-std::atomic<bool> smem_raised[kDevices];
-std::atomic<long long> occ_cache[kDevices][kOccSlots]; // (smem << 16) | blocks per SM
+std::atomic<bool> smem_raised[kDevices][2];
+std::atomic<long long> occ_cache[kDevices][kOccSlots]; // (smem << 17) | (resident << 16) | blocks per SM
 std::atomic<int> occ_next[kDevices];
 
-int device_limits(moe_ctx *ctx, int device, size_t smem, int *nsm, int *per_sm) {
+int device_limits(moe_ctx *ctx, int device, bool resident, size_t smem, int *nsm, int *per_sm) {
+  void (*kernel)(const Params) = resident ? schedule_kernel<true> : schedule_kernel<false>;
+  const long long key = (long long)smem << 1 | resident;
   const bool cached = device >= 0 && device < kDevices;
   if (!cached || (*nsm = sm_count_cache[device].load(std::memory_order_relaxed)) <= 0) {
     int coop = 0;
@@ -506,23 +549,23 @@ int device_limits(moe_ctx *ctx, int device, size_t smem, int *nsm, int *per_sm) 
     MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(nsm, cudaDevAttrMultiProcessorCount, device));
     if (cached) sm_count_cache[device].store(*nsm, std::memory_order_relaxed);
   }
-  if (smem > 48 * 1024 && !(cached && smem_raised[device].load())) {
+  if (smem > 48 * 1024 && !(cached && smem_raised[device][resident].load())) {
     int optin = 0;
     MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    MOE_CUDA_TRY(ctx, STAGE, cudaFuncSetAttribute(schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
-    if (cached) smem_raised[device].store(true);
+    MOE_CUDA_TRY(ctx, STAGE, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+    if (cached) smem_raised[device][resident].store(true);
   }
   if (cached)
     for (int i = 0; i < kOccSlots; i++) {
       const long long v = occ_cache[device][i].load(std::memory_order_relaxed);
-      if (v && (size_t)(v >> 16) == smem) {
+      if (v && (v >> 16) == key) {
         *per_sm = (int)(v & 0xffff);
         return MOE_OK;
       }
     }
-  MOE_CUDA_TRY(ctx, STAGE, cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, schedule_kernel, kThreads, smem));
+  MOE_CUDA_TRY(ctx, STAGE, cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, kThreads, smem));
   if (cached && *per_sm > 0)
-    occ_cache[device][occ_next[device].fetch_add(1) % kOccSlots].store(((long long)smem << 16) | *per_sm);
+    occ_cache[device][occ_next[device].fetch_add(1) % kOccSlots].store(key << 16 | *per_sm);
   return MOE_OK;
 }
 
@@ -617,7 +660,7 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   int rc = cuda_ctx_stream(ctx, device, &st);
   if (rc) return rc;
   int nsm, per_sm;
-  if ((rc = device_limits(ctx, device, 0, &nsm, &per_sm))) return rc;
+  if ((rc = device_limits(ctx, device, true, 0, &nsm, &per_sm))) return rc;
 
   Params P = {};
   static const int trace = getenv("MOE_SCHEDULE_TRACE") != NULL;
@@ -715,11 +758,11 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   // resident when every unit has its own block, in one piece and one window; else phase 1 counts
   // and phase 2 ranks again, over as many blocks as fit at once
   size_t smem = sizeof(int32_t) * smem_layout(ts, P.rwin, W, P.stage_c, 0).total;
-  if ((rc = device_limits(ctx, device, smem, &nsm, &per_sm))) return rc;
-  P.resident = npieces == 1 && P.el <= P.rwin && units <= (long long)nsm * per_sm;
-  if (!P.resident) {
+  if ((rc = device_limits(ctx, device, true, smem, &nsm, &per_sm))) return rc;
+  const bool resident = npieces == 1 && P.el <= P.rwin && units <= (long long)nsm * per_sm;
+  if (!resident) {
     smem = sizeof(int32_t) * smem_layout(ts, P.rwin, W, P.stage_c, P.hwin).total;
-    if ((rc = device_limits(ctx, device, smem, &nsm, &per_sm))) return rc;
+    if ((rc = device_limits(ctx, device, false, smem, &nsm, &per_sm))) return rc;
   }
   if (per_sm < 1)
     return moe_seterr(ctx, MOE_ERR_INTERNAL, STAGE ": no block of %d threads with %zu bytes of shared memory fits an SM",
@@ -747,7 +790,7 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  MOE_CUDA_TRY(ctx, STAGE, cudaLaunchKernelEx(&cfg, schedule_kernel, P));
+  MOE_CUDA_TRY(ctx, STAGE, cudaLaunchKernelEx(&cfg, resident ? schedule_kernel<true> : schedule_kernel<false>, P));
   trace_grid = grid;
 
   if ((rc = cuda_scratch_done(ctx, st, scratch, owned))) return rc;

@@ -557,24 +557,24 @@ static int cmp_ll(const void *a, const void *b) {
 }
 
 /* --trace: where one call's time goes.  Per phase, the median over blocks of its clock64 cycles
- * (load + rank, barrier, totals + scan, place, route_row + clears); the kernel's span by
+ * (load, rank, barrier, histogram reads, scan, place, route_row + clears); the kernel's span by
  * %globaltimer (first entry to last end); beside the per-call time of back-to-back calls. */
 static void print_trace(const char *label, float per_call_us) {
   enum { MAXB = 1024 };
-  static long long buf[MAXB][8], col[MAXB];
+  static long long buf[MAXB][10], col[MAXB];
   const int n = schedule_cuda_trace(&buf[0][0], MAXB);
   if (n <= 0) die("schedule_cuda_trace");
-  long long first = buf[0][6], last = buf[0][7];
+  long long first = buf[0][8], last = buf[0][9];
   printf("trace %s: %d blocks, %.2f us per call;", label, n, per_call_us);
-  static const char *names[] = {"load+rank", "barrier", "totals", "place", "rows+clears"};
-  for (int ph = 0; ph < 5; ph++) {
+  static const char *names[] = {"load", "rank", "barrier", "hist", "scan", "place", "rows+clears"};
+  for (int ph = 0; ph < 7; ph++) {
     for (int b = 0; b < n; b++) col[b] = buf[b][ph + 1] - buf[b][ph];
     qsort(col, (size_t)n, sizeof *col, cmp_ll);
     printf(" %s %lld", names[ph], col[n / 2]);
   }
   for (int b = 0; b < n; b++) {
-    first = buf[b][6] < first ? buf[b][6] : first;
-    last = buf[b][7] > last ? buf[b][7] : last;
+    first = buf[b][8] < first ? buf[b][8] : first;
+    last = buf[b][9] > last ? buf[b][9] : last;
   }
   printf(" cycles (medians); span %.2f us\n", (last - first) / 1000.0);
 }
@@ -597,10 +597,12 @@ static void timing(int w, int t, float target_us) {
          "(target <= %.0f us), legacy %.2f us, %.1fx\n",
          w, w, t, s.w * s.t * s.k, ours, target_us, legacy, legacy / ours);
   if (getenv("MOE_SCHEDULE_TRACE")) {
-    if (moe_schedule(ctx, &a)) die("traced call");
-    char label[64];
-    snprintf(label, sizeof label, "EP%d T %d", w, t);
-    print_trace(label, ours);
+    for (int again = 0; again < 2; again++) { /* after the legacy kernel's calls, then once more */
+      if (moe_schedule(ctx, &a)) die("traced call");
+      char label[64];
+      snprintf(label, sizeof label, "EP%d T %d%s", w, t, again ? " again" : "");
+      print_trace(label, ours);
+    }
   }
   outputs_free(&gpu);
   moe_tensor_free(ids);
