@@ -33,8 +33,8 @@ for s in $steps; do
       # the programs without their timed shapes: experts takes --no-bench, the others --quick
       for p in build/gpu_tests/$only; do
         flag=--quick; case $p in *experts*) flag=--no-bench ;; esac
-        # racecheck runs the scheduler's cases up to 20,000 routes: the larger ones take minutes
-        case $s$p in racecheck*schedule*) flag="--quick --max-routes 20000" ;; esac
+        # racecheck runs the scheduler's cases up to RACE_MAX_ROUTES routes (20,000: ~210 s)
+        case $s$p in racecheck*schedule*) flag="--quick --max-routes ${RACE_MAX_ROUTES:-20000}" ;; esac
         run "$s-$(basename "$p")" 300 compute-sanitizer --tool "$s" --error-exitcode 1 "$p" $flag
       done ;;
     *) echo "unknown step $s" ;;
