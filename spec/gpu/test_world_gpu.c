@@ -3,8 +3,8 @@
  * On one GPU: a world of one rank (ncclCommInitAll over {0}, and ncclCommInitRank of a world of
  * size 1 with a fresh unique id): all-gather of ids, the configuration check, and the exchange
  * dispatch and combine against the plain stages, bit for bit; then the same captured in a CUDA
- * graph.  With 2+ GPUs: a world of two ranks in this process against the simulated world of two
- * ranks on cuda:0, bit for bit, and a configuration mismatch reported on both ranks.
+ * graph.  With 2, 4, 8 GPUs: a world of that many ranks in this process against the simulated
+ * world of as many ranks on cuda:0, bit for bit, and a configuration mismatch reported.
  * One PASS/FAIL line per check; exits 77 without a GPU or without NCCL, 1 on any failure. */
 #include <stdarg.h>
 #include <stdio.h>
@@ -219,33 +219,36 @@ static void one_rank(moe_world *w, const char *how) {
   TRY(moe_world_unbind(ctx, w));
 }
 
-/* ---- two ranks in this process against the simulated world on cuda:0 ---- */
+/* ---- W ranks in this process (cuda:0 .. W-1) against the simulated world on cuda:0 ---- */
 
-static void two_ranks(void) {
-  enum { W = 2 };
+enum { MAXW = 8 };
+
+static void ranks(int W) {
   const int T = 33, K = 4, E = 8, H = 64, C = 400, pad = 4;
-  const int devs[W] = {0, 1};
+  int devs[MAXW] = {0};
+  for (int r = 0; r < W; r++) devs[r] = r;
   moe_world *w = NULL;
   TRY(moe_world_open_local(ctx, W, devs, &w));
-  moe_ctx *rc_[W];
+  moe_ctx *rc_[MAXW];
   for (int r = 0; r < W; r++) {
     TRY(moe_ctx_open(&rc_[r]));
     TRY_ON(rc_[r], moe_world_bind(rc_[r], w, r));
   }
 
-  moe_world_config cfgs[W] = {{MOE_VERSION_NUMBER, W, T, K, E, H, C, pad, 0, -1},
-                              {MOE_VERSION_NUMBER, W, T, K, E, H, C, pad, 0, -1}};
+  moe_world_config cfgs[MAXW];
+  for (int r = 0; r < W; r++) cfgs[r] = (moe_world_config){MOE_VERSION_NUMBER, W, T, K, E, H, C, pad, 0, -1};
   int rc = moe_world_check_config(ctx, w, cfgs);
-  check(rc == MOE_OK, "W=2: equal configurations pass (%s)", rc ? moe_errmsg(ctx) : "ok");
-  cfgs[1].tokens = T + 1;
+  check(rc == MOE_OK, "W=%d: equal configurations pass (%s)", W, rc ? moe_errmsg(ctx) : "ok");
+  cfgs[W - 1].tokens = T + 1;
   rc = moe_world_check_config(ctx, w, cfgs);
-  check(rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), "tokens is 33 on rank 0 but 34 on rank 1"),
-        "W=2: a mismatch is reported: %s", moe_errmsg(ctx));
+  char want[96];
+  snprintf(want, sizeof want, "tokens is 33 on rank 0 but 34 on rank %d", W - 1);
+  check(rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), want), "W=%d: a mismatch is reported: %s", W, moe_errmsg(ctx));
 
   /* each rank's ids, tokens, expert outputs and weights; the simulated world's copies on cuda:0 */
-  moe_tensor *ids[W], *all[W], *x[W], *x_all[W], *xs[W], *ys[W], *wts[W], *out[W];
-  moe_tensor *sr[W], *rr[W], *si[W], *ri[W];
-  Sched s[W];
+  moe_tensor *ids[MAXW], *all[MAXW], *x[MAXW], *x_all[MAXW], *xs[MAXW], *ys[MAXW], *wts[MAXW], *out[MAXW];
+  moe_tensor *sr[MAXW], *rr[MAXW], *si[MAXW], *ri[MAXW];
+  Sched s[MAXW];
   moe_tensor *sim_ids = T3(ctx, MOE_I32, gpu(0), W, T, K), *sim_x = T3(ctx, MOE_BF16, gpu(0), W, T, H);
   for (int r = 0; r < W; r++) {
     moe_ctx *c = rc_[r];
@@ -272,11 +275,11 @@ static void two_ranks(void) {
     moe_tensor_free(v);
   }
   TRY(moe_world_allgather_ids(ctx, w, all, (const moe_tensor *const *)ids));
-  for (int r = 0; r < W; r++) check(same(ctx, all[r], sim_ids), "W=2: rank %d: allgather_ids gives every rank's ids", r);
+  for (int r = 0; r < W; r++) check(same(ctx, all[r], sim_ids), "W=%d: rank %d: allgather_ids gives every rank's ids", W, r);
   for (int r = 0; r < W; r++) s[r] = schedule(rc_[r], gpu(r), all[r], W, T, K, E, r, pad, C);
   for (int r = 0; r < W; r++) TRY_ON(rc_[r], moe_ctx_synchronize(rc_[r], gpu(r)));
-  moe_world_dispatch_args da[W];
-  moe_world_combine_args ca[W];
+  moe_world_dispatch_args da[MAXW];
+  moe_world_combine_args ca[MAXW];
   for (int r = 0; r < W; r++) {
     moe_world_dispatch_args d = {xs[r], x_all[r], x[r], s[r].peer_rank, s[r].peer_route, K, 1};
     moe_world_combine_args c = {out[r], wts[r], ids[r], ys[r], s[r].route_row, sr[r], rr[r], si[r], ri[r], E, NULL, NULL};
@@ -286,17 +289,17 @@ static void two_ranks(void) {
   TRY(moe_world_combine(ctx, w, ca));
 
   /* the simulated world on cuda:0 */
-  const moe_tensor *sim_ys[W], *sim_rr[W];
-  Sched ss[W];
+  const moe_tensor *sim_ys[MAXW], *sim_rr[MAXW];
+  Sched ss[MAXW];
   for (int r = 0; r < W; r++) {
     ss[r] = schedule(ctx, gpu(0), sim_ids, W, T, K, E, r, pad, C);
     check(same(ctx, ss[r].route_row, s[r].route_row) && same(ctx, ss[r].peer_rank, s[r].peer_rank) &&
               same(ctx, ss[r].peer_route, s[r].peer_route),
-          "W=2: rank %d: schedule equals the simulated world's", r);
+          "W=%d: rank %d: schedule equals the simulated world's", W, r);
     moe_tensor *ref_xs = T2(ctx, MOE_BF16, gpu(0), C, H);
     moe_dispatch_args d = {ref_xs, sim_x, ss[r].peer_rank, ss[r].peer_route, K, 1};
     TRY(moe_dispatch(ctx, &d));
-    check(same(ctx, ref_xs, xs[r]), "W=2: rank %d: dispatch equals the simulated world's bit for bit", r);
+    check(same(ctx, ref_xs, xs[r]), "W=%d: rank %d: dispatch equals the simulated world's bit for bit", W, r);
     moe_tensor_free(ref_xs);
     moe_tensor *y0 = T2(ctx, MOE_BF16, gpu(0), C, H);
     TRY(moe_tensor_copy(ctx, y0, ys[r]));
@@ -309,7 +312,7 @@ static void two_ranks(void) {
     TRY(moe_tensor_view(ctx, sim_ids, (int64_t)p * T * K, 2, (const int64_t[]){T, K}, &i0));
     moe_combine_args c = {ref, w0, i0, sim_ys, sim_rr, W, E, p, NULL, NULL};
     TRY(moe_combine(ctx, &c));
-    check(same(ctx, ref, out[p]), "W=2: rank %d: combine equals the simulated world's bit for bit", p);
+    check(same(ctx, ref, out[p]), "W=%d: rank %d: combine equals the simulated world's bit for bit", W, p);
     moe_tensor_free(ref), moe_tensor_free(w0), moe_tensor_free(i0);
   }
   for (int r = 0; r < W; r++) {
@@ -354,8 +357,9 @@ int main(void) {
   rc = moe_world_open_rank(ctx, 0, 1, 0, "12zz", &w);
   check(rc == MOE_ERR_ARG && w == NULL, "a malformed id is refused: %s", moe_errmsg(ctx));
 
-  if (n >= 2) two_ranks();
-  else printf("SKIP W=2: %d GPU visible\n", n);
+  for (int W = 2; W <= MAXW; W *= 2)
+    if (n >= W) ranks(W);
+    else printf("SKIP W=%d: %d GPU%s visible\n", W, n, n == 1 ? "" : "s");
 
   moe_ctx_close(ctx);
   printf("%s: %d failure%s\n", failures ? "FAIL" : "PASS", failures, failures == 1 ? "" : "s");
