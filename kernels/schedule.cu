@@ -34,8 +34,10 @@
 // So every output element is written exactly once, rows >= C never, nothing is cleared first, the
 // host never waits, and a call is one launch.  Kimi K2 rank of EP8 (W 8, T 7168, K 8, E 384):
 // 128 blocks of 3,584 routes (64 logical threads x 56); ids read once (1.8 MB), route_row written
-// once (1.8 MB), peer_rank and peer_route once each (C rows), scratch ~30 KB.  The time is the
-// launch, the ids' round trip, ranking, the barrier and two round trips for the histograms.
+// once (1.8 MB), peer_rank and peer_route once each (C rows), scratch ~30 KB.  So the time is
+// latency, not bandwidth: PERF.md has it per phase, as measured with --trace of the GPU test
+// (MOE_SCHEDULE_TRACE), and the histogram reads, the scattered peer_rank/peer_route stores and the
+// cooperative launch are where it goes.
 //
 // Where a block cannot keep its unit in shared memory across the barrier -- more units than
 // blocks that fit on the GPU at once (W in the hundreds), a chunk larger than the tile (placed in
@@ -45,8 +47,9 @@
 //
 // Scratch (barrier, per-block invalid counts, histograms) is the context's (cuda_scratch_get):
 // kept across calls, so a call allocates nothing; inside a graph capture without a large enough
-// block it is a stream-ordered allocation that becomes the graph's own.  The barrier counters
-// return to zero at the end of every call.
+// block it is a stream-ordered allocation that becomes the graph's own.  The barrier's arrival
+// count returns to zero in every call and its generation moves on by one, so that the next call
+// (or a replay) finds it ready without a reset.
 #include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -87,7 +90,6 @@ struct Params {
   unsigned long long magic; // ceil(2^32 / prp): slot / prp without a division
   int units;                // W * S
   int rwin, hwin, stage_c;  // ranking window, counting window, c staged in shared memory
-  int group;                // lanes per expert when summing over source ranks: pow2_ceil(min(W, 32))
 };
 
 // Offsets (in ints) of the shared-memory arrays; the host sizes the launch with the same function.
@@ -691,7 +693,6 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   if (W > kStageC) P.rwin = 1;
   P.stage_c = W <= kStageC;
   P.hwin = P.el < kHistWindow ? P.el : kHistWindow;
-  P.group = pow2_ceil(W < 32 ? W : 32);
 
   // chunks: about one unit per SM over all source ranks; fewer when E is large (every block reads
   // S * E histogram values), one when c[e][q] is not staged (it is then read as hist[q][0][e])

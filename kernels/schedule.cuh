@@ -1,6 +1,6 @@
 // schedule.cuh -- device helpers shared by the scheduler (schedule.cu) and its predecessor kept
-// as a baseline (schedule_legacy.cu): block-wide scans and reductions, programmatic dependent
-// launch, and the segment arithmetic of DESIGN.md section 2 that both must compute alike.
+// as a baseline (schedule_legacy.cu): block-wide scans and reductions, and the segment arithmetic
+// of DESIGN.md section 2 that both must compute alike.
 #pragma once
 
 #include <stdint.h>
@@ -8,12 +8,6 @@
 #include "common.cuh"
 
 #define MOE_FULL_MASK 0xffffffffu
-
-// Programmatic dependent launch (sm_90): a kernel launched with programmatic stream
-// serialisation may start while the kernel before it still runs; it must wait before it reads
-// what that kernel writes.  Without the launch attribute the wait returns at once.
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void griddep_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // Block-wide collectives: every thread of the block calls them (blockDim.x a multiple of 32);
 // sh is __shared__ room for 32 values, reusable right after the call returns.
@@ -100,20 +94,4 @@ __device__ __forceinline__ int roundrobin_position4(const int4 *c4, int world4, 
     pos += min(c.w, j) + (q + 3 < p && c.w > j);
   }
   return pos;
-}
-
-// out[e] = sum_{q < qend} c[e * world + q] for e < n, c in global memory written by an earlier
-// kernel or block.  Groups of g lanes (a power of two <= 32) take one expert each, so that the
-// loads of a block are in flight together whether world is 8 or 4,096.  Every thread calls it.
-template <typename Store>
-__device__ void sum_over_ranks(const int32_t *c, int world, int qend, int n, int g, Store store) {
-  const int sub = threadIdx.x & (g - 1), group = threadIdx.x / g, groups = blockDim.x / g;
-  for (int e0 = 0; e0 < n; e0 += groups) {
-    const int e = e0 + group;
-    int a = 0;
-    if (e < n)
-      for (int q = sub; q < qend; q += g) a += __ldcg(c + (size_t)e * world + q);
-    for (int o = g >> 1; o; o >>= 1) a += __shfl_xor_sync(MOE_FULL_MASK, a, o);
-    if (e < n && sub == 0) store(e, a);
-  }
 }
