@@ -265,15 +265,17 @@ int cuda_graph_begin(moe_ctx *ctx, int device) {
 int cuda_graph_end(moe_ctx *ctx, moe_graph **out) {
   *out = NULL;
   cudaStream_t s = (cudaStream_t)ctx->stream;
+  cudaGraph_t g = NULL;
+  cudaError_t err = cudaStreamEndCapture(s, &g);
+  ctx->capturing = 0; // the capture is over whether or not it produced a graph
+  capture_ended();
+  // The device of a stream the context does not own (a world's, bound to it) is asked only after
+  // the capture: asked during it, the capture on a world's stream came out invalidated.
   int device = ctx->stream_device;
   if (!ctx->owns_stream && cudaStreamGetDevice(s, &device) != cudaSuccess) {
     (void)cudaGetLastError();
     if (cudaGetDevice(&device) != cudaSuccess) device = 0;
   }
-  cudaGraph_t g = NULL;
-  cudaError_t err = cudaStreamEndCapture(s, &g);
-  ctx->capturing = 0; // the capture is over whether or not it produced a graph
-  capture_ended();
   cuda_free(0, NULL); // the frees held back during the capture
   if (err != cudaSuccess && g) (void)cudaGraphDestroy(g);
   MOE_CUDA_TRY(ctx, "graph", err);

@@ -216,9 +216,7 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     end)
   end
 
-  -- Known failure, left for the multi-GPU issue: on the H200 the capture of the NCCL exchange is
-  -- invalidated (cudaErrorStreamCaptureInvalidated at graph end), in relaxed mode too.
-  pending("the exchange captures as a CUDA graph and replays on new routing (known failure, open)", function()
+  it("the exchange captures as a CUDA graph and replays on new routing", function()
     local ids = ids_on(dev)
     local all = moe.zeros({ 1, T, K }, { dtype = "i32", device = dev })
     local s = moe.schedule_plan { ids = all, experts = E, rank = 0, pad = 2, capacity = 256 }
