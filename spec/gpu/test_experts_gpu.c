@@ -13,35 +13,9 @@
  * the two timed shapes. */
 #define _POSIX_C_SOURCE 200809L /* setenv, unsetenv */
 #include <math.h>
-#include <stdarg.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
-#include "moelab.h"
-
-static moe_ctx *ctx;
-static int failures;
-static const moe_device CPU = {MOE_CPU, 0}, GPU = {MOE_CUDA, 0};
-
-/* An API call that must succeed; anything else ends the run (the state is unknown after it). */
-#define TRY(call)                                                                                                      \
-  do {                                                                                                                 \
-    if ((call) != MOE_OK) {                                                                                            \
-      printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, moe_errmsg(ctx));                                     \
-      exit(1);                                                                                                         \
-    }                                                                                                                  \
-  } while (0)
-
-#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
-#define NDIM(...) ((int)(sizeof((const int64_t[]){__VA_ARGS__}) / sizeof(int64_t)))
-#define NEW(dt, dev, ...) tnew(dt, dev, NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__))
-
-static moe_tensor *tnew(moe_dtype dt, moe_device dev, int ndim, const int64_t *shape) {
-  moe_tensor *t;
-  TRY(moe_tensor_new(ctx, dt, ndim, shape, dev, &t));
-  return t;
-}
+#include "gpu_test.h"
 
 static moe_tensor *view(moe_tensor *base, int64_t offset, int ndim, const int64_t *shape) {
   moe_tensor *t;
@@ -66,20 +40,6 @@ static uint16_t *read_bf16(const moe_tensor *t) {
   }
   TRY(moe_tensor_read(ctx, t, p, moe_tensor_nbytes(t)));
   return p;
-}
-
-#if defined(__GNUC__)
-static void check(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-#endif
-static void check(int ok, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  printf("%s ", ok ? "PASS" : "FAIL");
-  vprintf(fmt, ap);
-  putchar('\n');
-  va_end(ap);
-  fflush(stdout);
-  failures += !ok;
 }
 
 /* The kernels every check runs through (MOE_EXPERTS_KERNEL; NULL = the automatic choice). */

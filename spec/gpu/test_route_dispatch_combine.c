@@ -9,49 +9,9 @@
  * (median of 21; skipped with --quick).  One PASS/FAIL line per check; exits 77 without a GPU, 1 on any
  * failure. */
 #include <math.h>
-#include <stdarg.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
-#include "moelab.h"
-
-static moe_ctx *ctx;
-static int failures;
-static const moe_device CPU = {MOE_CPU, 0}, GPU = {MOE_CUDA, 0};
-
-/* An API call that must succeed; anything else ends the run (the state is unknown after it). */
-#define TRY(call)                                                                                                      \
-  do {                                                                                                                 \
-    if ((call) != MOE_OK) {                                                                                            \
-      printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, moe_errmsg(ctx));                                     \
-      exit(1);                                                                                                         \
-    }                                                                                                                  \
-  } while (0)
-
-#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
-#define NDIM(...) ((int)(sizeof((const int64_t[]){__VA_ARGS__}) / sizeof(int64_t)))
-#define NEW(dt, dev, ...) tnew(dt, dev, NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__))
-
-#if defined(__GNUC__)
-static void check(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-#endif
-static void check(int ok, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  printf("%s ", ok ? "PASS" : "FAIL");
-  vprintf(fmt, ap);
-  putchar('\n');
-  va_end(ap);
-  fflush(stdout);
-  failures += !ok;
-}
-
-static moe_tensor *tnew(moe_dtype dt, moe_device dev, int ndim, const int64_t *shape) {
-  moe_tensor *t;
-  TRY(moe_tensor_new(ctx, dt, ndim, shape, dev, &t));
-  return t;
-}
+#include "gpu_test.h"
 
 /* A tensor like t (dtype, shape) on dev, holding t's values. */
 static moe_tensor *copy_to(const moe_tensor *t, moe_device dev) {

@@ -6,53 +6,18 @@
  * graph.  With 2, 4, 8 GPUs: a world of that many ranks in this process against the simulated
  * world of as many ranks on cuda:0, bit for bit, and a configuration mismatch reported.
  * One PASS/FAIL line per check; exits 77 without a GPU or without NCCL, 1 on any failure. */
-#include <stdarg.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
-#include "moelab.h"
-
-static moe_ctx *ctx;
-static int failures;
-static const moe_device CPU = {MOE_CPU, 0};
-
-#define TRY_ON(c, call)                                                                                                \
-  do {                                                                                                                 \
-    if ((call) != MOE_OK) {                                                                                            \
-      printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, moe_errmsg(c));                                       \
-      exit(1);                                                                                                         \
-    }                                                                                                                  \
-  } while (0)
-#define TRY(call) TRY_ON(ctx, call)
-
-#if defined(__GNUC__)
-static void check(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-#endif
-static void check(int ok, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  printf("%s ", ok ? "PASS" : "FAIL");
-  vprintf(fmt, ap);
-  putchar('\n');
-  va_end(ap);
-  fflush(stdout);
-  failures += !ok;
-}
+#include "gpu_test.h"
 
 static moe_device gpu(int i) {
   moe_device d = {MOE_CUDA, i};
   return d;
 }
 
-static moe_tensor *tnew(moe_ctx *c, moe_dtype dt, moe_device dev, int ndim, const int64_t *shape) {
-  moe_tensor *t;
-  TRY_ON(c, moe_tensor_new(c, dt, ndim, shape, dev, &t));
-  return t;
-}
-#define T1(c, dt, dev, a) tnew(c, dt, dev, 1, (const int64_t[]){a})
-#define T2(c, dt, dev, a, b) tnew(c, dt, dev, 2, (const int64_t[]){a, b})
-#define T3(c, dt, dev, a, b, d) tnew(c, dt, dev, 3, (const int64_t[]){a, b, d})
+#define T1(c, dt, dev, a) tnew_on(c, dt, dev, 1, (const int64_t[]){a})
+#define T2(c, dt, dev, a, b) tnew_on(c, dt, dev, 2, (const int64_t[]){a, b})
+#define T3(c, dt, dev, a, b, d) tnew_on(c, dt, dev, 3, (const int64_t[]){a, b, d})
 
 /* Byte-equal contents (any devices). */
 static int same(moe_ctx *c, const moe_tensor *a, const moe_tensor *b) {
