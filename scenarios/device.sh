@@ -3,9 +3,10 @@
 # (default: all), each with a time limit, logging under /tmp/moelab-logs, and print a
 # short table last.  Used as: source .device/env.sh && bash scenarios/device.sh build programs specs
 set -uo pipefail
-# logs go to a folder that is packed into $OUT/logs.tgz at the end ($OUT brings back 8 files)
+# logs go to a folder that is packed into $OUT/logs.tgz at the end ($OUT brings back 8 files);
+# it is not emptied, so two invocations in one call both come back (a step run twice keeps its last)
 out=/tmp/moelab-logs
-rm -rf "$out" && mkdir -p "$out"
+mkdir -p "$out"
 export LUA_CPATH="./build/?.so;${LUA_CPATH:-;}"
 steps=${*:-build programs specs kimi scheduler}
 only=${ONLY:-*} # which GPU test programs the programs, memcheck and racecheck steps run (a glob)
