@@ -6,10 +6,11 @@
  * write past an output's end (past capacity, say) shows as a mismatch.  A few cases run from a
  * captured CUDA graph, replayed on changed routings.  Then the two kernels are timed.
  *
- *   test_schedule_gpu [--quick] [--max-routes N] [--only LABEL] [--trace]
+ *   test_schedule_gpu [--quick] [--max-routes N] [--only LABEL] [--trace] [--shape W,T]
  *     --quick: skip the cases over 200,000 routes, and the timing; --max-routes: skip those over N;
  *     --only: run only the cases whose label (kimi-k2, 512-tokens, graph, random, ...) is LABEL
  *     --trace: no cases; the timings, each with where one call's time goes (the kernel's phases)
+ *     --shape W,T: with --trace, only that shape (E 384, K 8): for a profiler (scenarios/device.sh)
  *
  * Exit status: 0 all passed, 1 a failure, 77 no GPU (skipped), 2 a setup error. */
 #define _POSIX_C_SOURCE 200809L /* setenv */
@@ -23,7 +24,7 @@
 
 static moe_ctx *ctx;
 static const moe_device CPU = {MOE_CPU, 0}, GPU = {MOE_CUDA, 0};
-static int passed, failed, quick, trace;
+static int passed, failed, quick, trace, shape_w, shape_t;
 static long long max_routes = -1;
 static const char *only;
 
@@ -651,8 +652,9 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--max-routes") && i + 1 < argc) max_routes = atoll(argv[++i]);
     else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else if (!strcmp(argv[i], "--trace")) trace = 1;
+    else if (!strcmp(argv[i], "--shape") && i + 1 < argc && sscanf(argv[i + 1], "%d,%d", &shape_w, &shape_t) == 2) i++;
     else {
-      fprintf(stderr, "usage: %s [--quick] [--max-routes N] [--only LABEL] [--trace]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--quick] [--max-routes N] [--only LABEL] [--trace] [--shape W,T]\n", argv[0]);
       return 2;
     }
   }
@@ -667,6 +669,11 @@ int main(int argc, char **argv) {
 
   if (trace) { /* timing only, with the phases of one call of each shape */
     setenv("MOE_SCHEDULE_TRACE", "1", 1);
+    if (shape_w > 0 && shape_t > 0) {
+      timing(shape_w, shape_t, shape_t > 512 ? 12 : 6);
+      moe_ctx_close(ctx);
+      return 0;
+    }
     timing(8, 7168, 12);
     const int ws[] = {4, 8, 16, 32, 64};
     for (int i = 0; i < 5; i++) timing(ws[i], 512, 6);
