@@ -56,8 +56,6 @@
 
 #include <atomic>
 
-#include <cooperative_groups.h>
-
 #include "schedule.cuh"
 
 #define STAGE "schedule"
@@ -92,7 +90,6 @@ struct Params {
   unsigned long long magic; // ceil(2^32 / prp): slot / prp without a division
   int units;                // W * S
   int rwin, hwin, stage_c;  // ranking window, counting window, c staged in shared memory
-  int upb;                  // cluster kernel: units per block (unit v in block v % N, slot v / N)
 };
 
 // Offsets (in ints) of the shared-memory arrays; the host sizes the launch with the same function.
@@ -185,16 +182,15 @@ __device__ __forceinline__ Unit unit_of(const Params &P, int u) {
 
 // The piece's ids into tile (column-major, -1 in the gaps), srow to -1; counts invalid ids when
 // asked.  Lanes run along columns, which is memory order.
-template <int NT>
 __device__ void load_piece(const Params &P, const Unit &U, int pa, int qa, int32_t *tile, int32_t *srow,
                            int *ninv, int *first) {
   const int pw = 1 << P.lgpw, ts = pw * P.prp, row_end = U.ma + P.rw;
   const int32_t *ids = P.ids + (size_t)U.p * P.tk;
-  for (int x0 = 0; x0 < ts; x0 += NT * kUnroll) {
+  for (int x0 = 0; x0 < ts; x0 += kThreads * kUnroll) {
     int v[kUnroll], slot[kUnroll], at[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; u++) {
-      const int x = x0 + u * NT + threadIdx.x;
+      const int x = x0 + u * kThreads + threadIdx.x;
       const int mm = x >> P.lgpw, cc = x & (pw - 1);
       const int c = pa + cc, m = qa + mm;
       at[u] = m * P.stride + c;
@@ -218,10 +214,8 @@ __device__ void load_piece(const Params &P, const Unit &U, int pa, int qa, int32
 // Rank the tile's routes to the experts [w0, w0 + wsz) within each warp's run of the order:
 // srow[slot] = rank in the warp, mine = the warp's counts.  Then (all threads) the exclusive scan
 // over the warps, totals in row kWarps.  Ends with the block synchronised.
-template <int NT>
 __device__ void rank_window(const Params &P, int ts, int w0, int wsz, const int32_t *tile, int32_t *srow,
                             int32_t *cnt) {
-  constexpr int kWarps = NT / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int q = (((ts + kWarps - 1) / kWarps) + 31) & ~31;
   const int seg0 = min(warp * q, ts), seg1 = min(seg0 + q, ts);
@@ -247,7 +241,7 @@ __device__ void rank_window(const Params &P, int ts, int w0, int wsz, const int3
     __syncwarp();
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < wsz; e += NT) {
+  for (int e = threadIdx.x; e < wsz; e += kThreads) {
     int a = 0;
     for (int w = 0; w < kWarps; w++) {
       const int t = cnt[w * wsz + e];
@@ -322,10 +316,10 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
   int ninv = 0, first = INT_MAX;
   if (kResident) {
     const Unit U = unit_of(P, blk);
-    load_piece<kThreads>(P, U, U.ca, U.ma, tile, srow, &ninv, &first);
+    load_piece(P, U, U.ca, U.ma, tile, srow, &ninv, &first);
     __syncthreads();
     trace_point(P, 1);
-    rank_window<kThreads>(P, ts, 0, EL, tile, srow, cnt);
+    rank_window(P, ts, 0, EL, tile, srow, cnt);
     for (int e = tid; e < EL; e += kThreads) P.hist[(size_t)blk * EL + e] = cnt[kWarps * EL + e];
   } else {
     for (int u = blk; u < P.units; u += G) count_unit(P, u, sm + L.hist, &ninv, &first);
@@ -352,14 +346,14 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
       const int cp = k / P.nrp, rp = k - cp * P.nrp;
       const int pa = U.ca + cp * pw, qa = U.ma + rp * P.pr;
       if (!kResident) {
-        load_piece<kThreads>(P, U, pa, qa, tile, srow, NULL, NULL);
+        load_piece(P, U, pa, qa, tile, srow, NULL, NULL);
         __syncthreads();
       }
       long long carry = 0; // padded rows of the experts before the window
       for (int w0 = 0; w0 < EL; w0 += P.rwin) {
         const int wsz = min(P.rwin, EL - w0);
         const unsigned lo = (unsigned)(P.lo + w0);
-        if (!kResident) rank_window<kThreads>(P, ts, w0, wsz, tile, srow, cnt);
+        if (!kResident) rank_window(P, ts, w0, wsz, tile, srow, cnt);
 
         // the window's totals from every unit's histogram hist[q * S + s][e]: c[e][q], n_e,
         // peer_major's prefix sum_{q<p} c[e][q], and the ordinal of this chunk's first route
@@ -526,220 +520,6 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
   }
 }
 
-// ---- small problems: one thread-block cluster, no grid barrier ----
-//
-// Where every unit fits in the shared memory of a cluster of N blocks (N = 16, 8 where 16 does
-// not fit a GPC), the same two phases run with the cluster's hardware barrier instead of the
-// grid barrier, and the histograms stay in shared memory: a block reads the others' through
-// distributed shared memory after the barrier.  The launch is an ordinary one (no cooperative
-// attribute), and nothing goes through global scratch.  Measured against the cooperative kernel
-// in PERF.md; schedule_cuda picks by the number of routes.
-constexpr int kCThreads = 1024, kCWarps = kCThreads / 32;
-
-struct CSmem {
-  int tile, srow, cnt, hl, cst, raw, lim, off, run, cpre, inv, total;
-};
-// ts: slots of one unit; upb: units per block
-__host__ __device__ inline CSmem cluster_smem_layout(int ts, int upb, int units, int el, int world) {
-  CSmem L;
-  L.tile = kRed;
-  L.srow = L.tile + upb * ts;
-  L.cnt = L.srow + upb * ts;                 // per unit: [kCWarps + 1][EL], the last row its histogram
-  L.hl = L.cnt + upb * (kCWarps + 1) * el;   // every unit's histogram, gathered: [units][EL]
-  L.cst = (L.hl + units * el + 3) & ~3;      // c[e][q], 16-byte aligned rows when W % 4 == 0
-  L.raw = L.cst + el * world;
-  L.lim = L.raw + el;
-  L.off = L.lim + el;                        // EL + 1
-  L.run = L.off + el + 1;                    // per unit: ordinal of its first route, per expert
-  L.cpre = L.run + upb * el;                 // per unit: sum_{q<p} c[e][q] (peer_major)
-  L.inv = L.cpre + upb * el;                 // this block's invalid count and first invalid route
-  L.total = L.inv + 2 + 4;                   // slack, as in smem_layout
-  return L;
-}
-
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-// The address of the same shared-memory location in block r of the cluster.
-__device__ __forceinline__ const int32_t *cluster_peer(const int32_t *p, int r) {
-  return cooperative_groups::this_cluster().map_shared_rank(p, (unsigned)r);
-}
-
-__global__ void __launch_bounds__(kCThreads, 1) schedule_cluster_kernel(const Params P) {
-  extern __shared__ __align__(16) int32_t sm[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int W = P.world, EL = P.el, S = P.chunks, blk = blockIdx.x, N = gridDim.x, units = P.units;
-  const int ts = (1 << P.lgpw) * P.prp, cw = 1 << P.lgpw;
-  const CSmem L = cluster_smem_layout(ts, P.upb, units, EL, W);
-  long long *shl = (long long *)sm;
-  int *shi = sm + 64;
-  int32_t *cst = sm + L.cst, *raw = sm + L.raw, *lim = sm + L.lim, *off = sm + L.off, *hl = sm + L.hl;
-  const int q = (((ts + kCWarps - 1) / kCWarps) + 31) & ~31;
-  const int seg0 = min(warp * q, ts), seg1 = min(seg0 + q, ts);
-  const int mine = blk < units ? (units - blk + N - 1) / N : 0; // units of this block
-
-  trace_point(P, 0);
-  // ---- phase 1: load and rank this block's units ----
-  int ninv = 0, first = INT_MAX;
-  for (int i = 0; i < mine; i++) {
-    const Unit U = unit_of(P, blk + i * N);
-    load_piece<kCThreads>(P, U, U.ca, U.ma, sm + L.tile + i * ts, sm + L.srow + i * ts, &ninv, &first);
-  }
-  __syncthreads();
-  trace_point(P, 1);
-  for (int i = 0; i < mine; i++)
-    rank_window<kCThreads>(P, ts, 0, EL, sm + L.tile + i * ts, sm + L.srow + i * ts, sm + L.cnt + i * (kCWarps + 1) * EL);
-  if (__syncthreads_or(ninv)) {
-    ninv = block_sum(ninv, shi);
-    first = block_min(first, shi);
-  }
-  if (tid == 0) {
-    sm[L.inv] = ninv;
-    sm[L.inv + 1] = first;
-  }
-  trace_point(P, 2);
-  cluster_arrive(); // every block's histograms are in its shared memory
-  cluster_wait();
-  trace_point(P, 3);
-
-  // ---- phase 2: every histogram into this block, then c[e][q], n_e, base; place ----
-  for (int x = tid; x < units * EL; x += kCThreads) {
-    const int v = x / EL, e = x - v * EL;
-    hl[x] = *cluster_peer(sm + L.cnt + (v / N) * (kCWarps + 1) * EL + kCWarps * EL + e, v % N);
-  }
-  if (blk == 0 && warp == 0) { // the invalid ids of the whole cluster, for the stats
-    int n = 0, f = INT_MAX;
-    for (int b = lane; b < N; b += 32) {
-      n += *cluster_peer(sm + L.inv, b);
-      f = min(f, *cluster_peer(sm + L.inv + 1, b));
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      n += __shfl_xor_sync(MOE_FULL_MASK, n, o);
-      f = min(f, __shfl_xor_sync(MOE_FULL_MASK, f, o));
-    }
-    if (lane == 0) ninv = n, first = f;
-  }
-  __syncthreads();
-  cluster_arrive(); // done reading the other blocks' shared memory: they may exit once all arrive
-  for (int x = tid; x < EL * W; x += kCThreads) { // c[e][q] = sum over q's chunks
-    const int e = x / W, qq = x - e * W;
-    int c = 0;
-    for (int s = 0; s < S; s++) c += hl[(qq * S + s) * EL + e];
-    cst[x] = c;
-  }
-  __syncthreads();
-  for (int e = warp; e < EL; e += kCWarps) { // a warp per expert: n_e, and per unit its prefixes
-    int all = 0;
-    for (int qq = lane; qq < W; qq += 32) all += cst[e * W + qq];
-#pragma unroll
-    for (int o = 16; o; o >>= 1) all += __shfl_xor_sync(MOE_FULL_MASK, all, o);
-    if (lane == 0) raw[e] = all;
-    for (int i = 0; i < mine; i++) {
-      const Unit U = unit_of(P, blk + i * N);
-      int before = 0, run = 0;
-      for (int qq = lane; qq < U.p; qq += 32) before += cst[e * W + qq];
-      for (int s = lane; s < U.s; s += 32) run += hl[(U.p * S + s) * EL + e];
-#pragma unroll
-      for (int o = 16; o; o >>= 1) {
-        before += __shfl_xor_sync(MOE_FULL_MASK, before, o);
-        run += __shfl_xor_sync(MOE_FULL_MASK, run, o);
-      }
-      if (lane == 0) {
-        sm[L.cpre + i * EL + e] = before;
-        sm[L.run + i * EL + e] = run;
-      }
-    }
-  }
-  __syncthreads();
-  trace_point(P, 4);
-  // segments: base by one block scan (EL <= kCThreads)
-  long long needed;
-  int dropped = 0;
-  {
-    const int e = tid;
-    const int rawe = e < EL ? raw[e] : 0;
-    const int n = segment_routes(rawe, P.expert_capacity);
-    const long long padded = e < EL ? segment_padded(n, P.pad) : 0;
-    const long long base = block_exclusive_scan(padded, &needed, shl);
-    if (e < EL) {
-      const long long cap = P.capacity;
-      const int kept = segment_kept(n, base, P.capacity);
-      off[e] = (int)(base < cap ? base : cap);
-      lim[e] = kept;
-      if (blk == 0) {
-        const int end = (int)(base + padded < cap ? base + padded : cap);
-        P.counts[e] = kept;
-        P.offsets[e] = off[e];
-        P.tpe[e] = end - off[e];
-        dropped = rawe - kept;
-      }
-    }
-    if (tid == 0) off[EL] = (int)(needed < (long long)P.capacity ? needed : (long long)P.capacity);
-  }
-  __syncthreads();
-  trace_point(P, 5);
-  // padding rows of the experts this block owns (e mod N), unused rows [rows used, C) by all
-  for (int e = blk; e < EL; e += N)
-    for (int r = off[e] + lim[e] + tid; r < off[e + 1]; r += kCThreads) {
-      P.peer_rank[r] = -1;
-      P.peer_route[r] = -1;
-    }
-  for (long long r = off[EL] + (long long)blk * kCThreads + tid; r < P.capacity; r += (long long)N * kCThreads) {
-    P.peer_rank[r] = -1;
-    P.peer_route[r] = -1;
-  }
-  const unsigned lo = (unsigned)P.lo;
-  for (int i = 0; i < mine; i++) {
-    const Unit U = unit_of(P, blk + i * N);
-    const int32_t *tile = sm + L.tile + i * ts, *cnt = sm + L.cnt + i * (kCWarps + 1) * EL;
-    const int32_t *run = sm + L.run + i * EL, *cpre = sm + L.cpre + i * EL;
-    int32_t *srow = sm + L.srow + i * ts;
-    for (int sl = seg0 + lane; sl < seg1; sl += 32) {
-      const unsigned e = (unsigned)tile[sl] - lo;
-      if (e >= (unsigned)EL) continue;
-      const int j = run[e] + cnt[warp * EL + e] + srow[sl];
-      int pos;
-      if (!P.roundrobin) pos = cpre[e] + j;
-      else if (W % 4 == 0) pos = roundrobin_position4((const int4 *)(cst + e * W), W / 4, U.p, j);
-      else pos = roundrobin_position<false>(cst + e * W, W, U.p, j);
-      int row = -1;
-      if (pos < lim[e]) {
-        row = off[e] + pos;
-        const int cc = (int)(((unsigned long long)sl * P.magic) >> 32), mm = sl - cc * P.prp;
-        P.peer_rank[row] = U.p;
-        P.peer_route[row] = (U.ma + mm) * P.stride + U.ca + cc;
-      }
-      srow[sl] = row;
-    }
-  }
-  __syncthreads();
-  trace_point(P, 6);
-  for (int i = 0; i < mine; i++) { // route_row of each unit, in memory order
-    const Unit U = unit_of(P, blk + i * N);
-    const int32_t *srow = sm + L.srow + i * ts;
-    int32_t *rrow = P.route_row + (size_t)U.p * P.tk;
-    for (int x = tid; x < cw * P.rw; x += kCThreads) {
-      const int mm = x >> P.lgpw, cc = x & (cw - 1);
-      const int c = U.ca + cc, m = U.ma + mm;
-      if (c < P.nc && m < P.nr && m * P.stride + c < P.tk) rrow[m * P.stride + c] = srow[cc * P.prp + mm];
-    }
-  }
-  trace_point(P, 7);
-  if (blk == 0) {
-    dropped = block_sum(dropped, shi);
-    if (tid == 0) {
-      const long long cap = P.capacity;
-      P.offsets[EL] = (int)(needed < cap ? needed : cap);
-      P.stats[MOE_STAT_ROWS_NEEDED] = (int)(needed < INT_MAX ? needed : INT_MAX);
-      P.stats[MOE_STAT_ROWS_USED] = (int)(needed < cap ? needed : cap);
-      P.stats[MOE_STAT_DROPPED] = dropped;
-      P.stats[MOE_STAT_INVALID] = ninv;
-      P.stats[MOE_STAT_FIRST_INVALID] = ninv ? first : -1;
-    }
-  }
-  cluster_wait(); // no block leaves while another may still read its shared memory
-}
-
 // ---- host ----
 
 int pow2_ceil(int x) {
@@ -876,146 +656,6 @@ extern "C" void cuda_scratch_release(moe_ctx *ctx) {
   ctx->scratch_bytes = 0;
 }
 
-namespace {
-
-// Chunks of about per_rank units per source rank (the kernels' header): sets nc, nr, stride,
-// chunks, cstep, rstep, lgcw, rw; *cw and *rw get the chunk's columns and rows.
-void plan_chunks(Params &P, int per_rank, int *cw_out, int *rw_out) {
-  const int tk = P.tk;
-  int cw, rw;
-  if (P.roundrobin) {
-    P.nc = tk < MOE_SCHED_THREADS ? tk : MOE_SCHED_THREADS;
-    P.nr = cdiv(tk, MOE_SCHED_THREADS);
-    P.stride = MOE_SCHED_THREADS;
-    if (P.nc == 0) {
-      cw = 1;
-      P.chunks = 1;
-    } else {
-      cw = pow2_ceil(cdiv(P.nc, per_rank));
-      const int coalesced = pow2_ceil(P.nc) < 32 ? pow2_ceil(P.nc) : 32;
-      if (cw < coalesced) cw = coalesced;
-      P.chunks = cdiv(P.nc, cw);
-    }
-    rw = P.nr;
-    P.cstep = cw;
-    P.rstep = 0;
-  } else {
-    P.nc = 1;
-    P.nr = tk;
-    P.stride = 1;
-    cw = 1;
-    if (tk == 0) {
-      rw = 0;
-      P.chunks = 1;
-    } else {
-      rw = (cdiv(tk, per_rank) + 31) & ~31;
-      P.chunks = cdiv(tk, rw);
-    }
-    P.cstep = 0;
-    P.rstep = rw;
-  }
-  P.lgcw = log2_exact(cw);
-  P.rw = rw;
-  *cw_out = cw;
-  *rw_out = rw;
-}
-
-// Which kernel: 0 as schedule_cuda decides, 1 the cooperative one, 2 the cluster one wherever it
-// fits (the GPU test runs its cases both ways).  Not thread-safe: a testing aid.
-int force_kernel, last_kernel;
-
-// Routes (all ranks) up to which the cluster kernel is chosen; PERF.md has the measurements.
-constexpr long long kClusterMaxRoutes = 1 << 18;
-
-// The cluster size for schedule_cluster_kernel on this device with smem bytes of shared memory
-// per block: 16 (a non-portable size) or 8 where a cluster of that many fits at all, else 0.
-std::atomic<int> cluster_cache[kDevices]; // cluster size + 1 once known (for the device's max smem)
-
-int cluster_size(moe_ctx *ctx, int device, int *out) {
-  *out = 0;
-  const bool cached = device >= 0 && device < kDevices;
-  const int c = cached ? cluster_cache[device].load(std::memory_order_relaxed) : 0;
-  if (c) {
-    *out = c - 1;
-    return MOE_OK;
-  }
-  int optin = 0, major = 0;
-  MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  if (major >= 9) {
-    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    MOE_CUDA_TRY(ctx, STAGE, cudaFuncSetAttribute(schedule_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
-    MOE_CUDA_TRY(ctx, STAGE, cudaFuncSetAttribute(schedule_cluster_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    for (int n = 16; n >= 8 && !*out; n /= 2) {
-      cudaLaunchConfig_t cfg = {};
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = (unsigned)n;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.gridDim = dim3((unsigned)n);
-      cfg.blockDim = dim3(kCThreads);
-      cfg.dynamicSmemBytes = (size_t)optin;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      int clusters = 0;
-      if (cudaOccupancyMaxActiveClusters(&clusters, schedule_cluster_kernel, &cfg) != cudaSuccess) {
-        (void)cudaGetLastError(); // a size this device cannot launch: try the next
-        clusters = 0;
-      }
-      if (clusters > 0) *out = n;
-    }
-  }
-  if (cached) cluster_cache[device].store(*out + 1, std::memory_order_relaxed);
-  return MOE_OK;
-}
-
-// The cluster kernel where it is chosen and fits: launched, *done set.
-int launch_cluster(moe_ctx *ctx, int device, cudaStream_t st, const Params &P0, bool *done) {
-  *done = false;
-  const long long routes = (long long)P0.world * P0.tk;
-  if (force_kernel == 1 || (force_kernel == 0 && routes > kClusterMaxRoutes)) return MOE_OK;
-  if (P0.el > kCThreads || (long long)P0.el * P0.world > kStageC) return MOE_OK;
-  int N, rc;
-  if ((rc = cluster_size(ctx, device, &N)) || !N) return rc;
-  Params P = P0;
-  int cw, rw;
-  plan_chunks(P, cdiv(N, P.world), &cw, &rw);
-  P.units = P.world * P.chunks;
-  P.upb = cdiv(P.units, N);
-  // each unit whole, as one piece
-  P.lgpw = P.lgcw;
-  P.pr = rw;
-  P.prp = rw | 1;
-  P.ncp = P.nrp = 1;
-  P.magic = ((1ull << 32) + (unsigned long long)P.prp - 1) / (unsigned long long)P.prp;
-  const long long ts = (long long)cw * P.prp;
-  if (ts * P.upb > 1 << 16) return MOE_OK; // far more than fits anyway; keeps the layout in int
-  const size_t smem = sizeof(int32_t) * cluster_smem_layout((int)ts, P.upb, P.units, P.el, P.world).total;
-  int optin = 0;
-  MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  if (smem > (size_t)optin) return MOE_OK;
-
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)N);
-  cfg.blockDim = dim3(kCThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension; // the whole grid is one cluster
-  attr[0].val.clusterDim.x = (unsigned)N;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  MOE_CUDA_TRY(ctx, STAGE, cudaLaunchKernelEx(&cfg, schedule_cluster_kernel, P));
-  trace_grid = N;
-  last_kernel = 2;
-  *done = true;
-  return MOE_OK;
-}
-
-} // namespace
-
 extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   const int device = a->ids->device.index;
   cudaStream_t st;
@@ -1054,9 +694,6 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   P.stage_c = W <= kStageC;
   P.hwin = P.el < kHistWindow ? P.el : kHistWindow;
 
-  bool done;
-  if ((rc = launch_cluster(ctx, device, st, P, &done)) || done) return rc;
-
   // chunks: about one unit per SM over all source ranks; fewer when E is large (every block reads
   // S * E histogram values), one when c[e][q] is not staged (it is then read as hist[q][0][e])
   int per_rank = cdiv(nsm, W);
@@ -1064,7 +701,39 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   if (per_rank > by_experts) per_rank = by_experts > 1 ? by_experts : 1;
   if (!P.stage_c) per_rank = 1;
   int cw, rw;
-  plan_chunks(P, per_rank, &cw, &rw);
+  if (P.roundrobin) {
+    P.nc = tk < MOE_SCHED_THREADS ? tk : MOE_SCHED_THREADS;
+    P.nr = cdiv(tk, MOE_SCHED_THREADS);
+    P.stride = MOE_SCHED_THREADS;
+    if (P.nc == 0) {
+      cw = 1;
+      P.chunks = 1;
+    } else {
+      cw = pow2_ceil(cdiv(P.nc, per_rank));
+      const int coalesced = pow2_ceil(P.nc) < 32 ? pow2_ceil(P.nc) : 32;
+      if (cw < coalesced) cw = coalesced;
+      P.chunks = cdiv(P.nc, cw);
+    }
+    rw = P.nr;
+    P.cstep = cw;
+    P.rstep = 0;
+  } else {
+    P.nc = 1;
+    P.nr = tk;
+    P.stride = 1;
+    cw = 1;
+    if (tk == 0) {
+      rw = 0;
+      P.chunks = 1;
+    } else {
+      rw = (cdiv(tk, per_rank) + 31) & ~31;
+      P.chunks = cdiv(tk, rw);
+    }
+    P.cstep = 0;
+    P.rstep = rw;
+  }
+  P.lgcw = log2_exact(cw);
+  P.rw = rw;
   const long long units = (long long)W * P.chunks;
   if (units > INT_MAX / kThreads) return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": %lld units of work is too many", units);
   P.units = (int)units;
@@ -1124,14 +793,10 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   cfg.numAttrs = 1;
   MOE_CUDA_TRY(ctx, STAGE, cudaLaunchKernelEx(&cfg, resident ? schedule_kernel<true> : schedule_kernel<false>, P));
   trace_grid = grid;
-  last_kernel = 1;
 
   if ((rc = cuda_scratch_done(ctx, st, scratch, owned))) return rc;
   return moe_ok(ctx);
 }
-
-extern "C" void schedule_cuda_force(int kernel) { force_kernel = kernel; }
-extern "C" int schedule_cuda_last(void) { return last_kernel; }
 
 // The phase times of the last call made with MOE_SCHEDULE_TRACE set (see trace_buf): copies
 // min(grid, max_blocks, 1024) rows of 8 and returns their number, or -1.

@@ -30,11 +30,12 @@ for s in $steps; do
     profile) # ncu on the scheduler's kernels at PROFILE_SHAPE (W,T; default 8,512): stall reasons per
       # source line (CSV) and the details page, each kernel once, packed with the logs
       shape=${PROFILE_SHAPE:-8,512}
-      for k in ${PROFILE_KERNELS:-schedule_kernel schedule_cluster}; do
+      for k in ${PROFILE_KERNELS:-schedule_kernel}; do
         f="$out/$k-${shape/,/x}"
         run "ncu-$k-${shape/,/x}" 300 ncu -f -o "$f" --import-source yes --set full -k "regex:$k" --launch-skip 50 \
           --launch-count 1 build/gpu_tests/test_schedule_gpu --trace --shape "$shape"
-        ncu -i "$f.ncu-rep" --page source --print-source cuda --csv >"$f-source.csv" 2>&1
+        ncu -i "$f.ncu-rep" --page source --print-source cuda,sass --csv >"$f-source.csv" 2>&1
+        ncu -i "$f.ncu-rep" --page raw --csv >"$f-raw.csv" 2>&1
         ncu -i "$f.ncu-rep" --page details >"$f-details.txt" 2>&1
         rm -f "$f.ncu-rep"
       done ;;

@@ -1,7 +1,6 @@
 /* test_schedule_gpu.c -- the CUDA schedule against the CPU reference, every output bit for bit,
  * on random and adversarial routings of the shapes that matter (DESIGN.md section 2), for both
- * layouts, through both kernels where the small-problem (cluster) one applies; the legacy kernel
- * (moe_schedule_legacy) as well for roundrobin.  Outputs on the GPU
+ * layouts; the legacy kernel (moe_schedule_legacy) as well for roundrobin.  Outputs on the GPU
  * are views into larger buffers prefilled with a sentinel, so an element left unwritten or a
  * write past an output's end (past capacity, say) shows as a mismatch.  A few cases run from a
  * captured CUDA graph, replayed on changed routings.  Then the two kernels are timed.
@@ -27,12 +26,6 @@ static const moe_device CPU = {MOE_CPU, 0}, GPU = {MOE_CUDA, 0};
 static int passed, failed, quick, trace, shape_w, shape_t;
 static long long max_routes = -1;
 static const char *only;
-
-/* kernels/schedule.cu: which kernel the next calls use (0 its choice, 1 cooperative, 2 cluster
- * where it fits), and which the last call used */
-void schedule_cuda_force(int kernel);
-int schedule_cuda_last(void);
-static const char *kernel_names[] = {"", "cooperative", "cluster"};
 
 #define SENTINEL 0x3c3c3c3c /* never a row, route, count or stat of these cases */
 #define GUARD 97            /* elements of sentinel after every GPU output */
@@ -266,18 +259,7 @@ static void run_case(const spec *s) {
     printf("FAIL %s [schedule]: %s\n", name, moe_errmsg(ctx));
     ok = 0;
   } else {
-    const int chosen = schedule_cuda_last();
-    ok &= same(kernel_names[chosen], &gpu, &cpu, name);
-    /* the other kernel too, where the cluster one fits */
-    schedule_cuda_force(chosen == 2 ? 1 : 2);
-    outputs_fill(&gpu);
-    if (moe_schedule(ctx, &a)) {
-      printf("FAIL %s [forced]: %s\n", name, moe_errmsg(ctx));
-      ok = 0;
-    } else if (schedule_cuda_last() != chosen) {
-      ok &= same(kernel_names[schedule_cuda_last()], &gpu, &cpu, name);
-    }
-    schedule_cuda_force(0);
+    ok &= same("schedule", &gpu, &cpu, name);
   }
   if (s->layout == MOE_LAYOUT_ROUNDROBIN) {
     outputs_fill(&gpu);
@@ -611,35 +593,17 @@ static void timing(int w, int t, float target_us) {
   outputs_new(&gpu, &s, capacity, GPU);
   moe_schedule_args a;
   args_for(&a, &gpu, ids, &s, capacity);
-  /* each kernel that applies: the one schedule_cuda picks first */
-  float us[3] = {0};
-  int kernels[2], nk = 0;
-  for (int f = 0; f < 3 && nk < 2; f++) {
-    schedule_cuda_force(f == 0 ? 0 : f == 1 ? 2 : 1);
-    if (moe_schedule(ctx, &a)) die("call");
-    const int k = schedule_cuda_last();
-    if (nk && kernels[0] == k) continue;
-    kernels[nk++] = k;
-    us[k] = time_calls(moe_schedule, &a);
-  }
-  schedule_cuda_force(0);
-  const float ours = us[kernels[0]], legacy = time_calls(moe_schedule_legacy, &a);
+  const float ours = time_calls(moe_schedule, &a), legacy = time_calls(moe_schedule_legacy, &a);
   printf("time: schedule, Kimi K2 rank of EP%d (W %d, T %d, K 8, E 384, %d routes): %.2f us per call "
-         "(target <= %.0f us; %s kernel), legacy %.2f us, %.1fx",
-         w, w, t, s.w * s.t * s.k, ours, target_us, kernel_names[kernels[0]], legacy, legacy / ours);
-  if (nk > 1) printf("; the %s kernel %.2f us", kernel_names[kernels[1]], us[kernels[1]]);
-  printf("\n");
+         "(target <= %.0f us), legacy %.2f us, %.1fx\n",
+         w, w, t, s.w * s.t * s.k, ours, target_us, legacy, legacy / ours);
   if (getenv("MOE_SCHEDULE_TRACE")) {
-    for (int i = 0; i < nk; i++) {
-      schedule_cuda_force(kernels[i]);
-      for (int again = 0; again < 2; again++) { /* after the timed calls, then once more */
-        if (moe_schedule(ctx, &a)) die("traced call");
-        char label[64];
-        snprintf(label, sizeof label, "EP%d T %d %s%s", w, t, kernel_names[kernels[i]], again ? " again" : "");
-        print_trace(label, us[kernels[i]]);
-      }
+    for (int again = 0; again < 2; again++) { /* after the legacy kernel's calls, then once more */
+      if (moe_schedule(ctx, &a)) die("traced call");
+      char label[64];
+      snprintf(label, sizeof label, "EP%d T %d%s", w, t, again ? " again" : "");
+      print_trace(label, ours);
     }
-    schedule_cuda_force(0);
   }
   outputs_free(&gpu);
   moe_tensor_free(ids);
@@ -693,11 +657,7 @@ int main(int argc, char **argv) {
     for (int layout = 0; layout < 2; layout++) {
       spec s = base(8, 1024, 8, 384, "graph");
       s.layout = layout, s.rank = 6, s.pad = 128;
-      for (int k = 0; k < 2; k++) { /* the kernel of schedule_cuda's choice, then the cooperative one */
-        schedule_cuda_force(k);
-        run_graph_case(&s, fresh); /* 8 */
-      }
-      schedule_cuda_force(0);
+      run_graph_case(&s, fresh); /* 4 */
     }
   random_cases(540);
 
