@@ -17,12 +17,13 @@
 //      counting invalid ids on the way, and ranks it: each warp takes a contiguous run of the
 //      order, 32 routes a step, groups equal experts of a step with log2(EL) ballots, and keeps a
 //      running count per expert in its own shared-memory row; an exclusive scan over the warps'
-//      rows orders the warps, and its last row is the chunk's histogram, written to scratch.
-//      No atomics decide any order.
-//   2. After the barrier every block reads the histograms it needs -- all of them, S * E values,
-//      ~24 KB for Kimi K2 -- and forms what it needs itself, so nothing is serialised through one
-//      block: c[e][q] (staged in shared memory), its chunk's prefix, n_e, padded sizes and base by
-//      a block scan, the routes kept under capacity.  Then j = prefix + earlier warps + rank in
+//      rows orders the warps, and its last row is the chunk's histogram, written to scratch and
+//      added (atomically: a sum does not depend on the order) into the totals c[e][p].  No
+//      atomics decide any order.
+//   2. After the barrier every block reads what it needs -- the totals c[e][q] (EL * W values),
+//      the histograms of the chunks before its own -- and forms the rest itself, so nothing is
+//      serialised through one block: n_e, padded sizes and base by a block scan, the routes kept
+//      under capacity.  Then j = prefix + earlier warps + rank in
 //      the warp; roundrobin's position is sum_q min(c[e][q], j) + #{q < p : c[e][q] > j},
 //      peer_major's sum_{q<p} c[e][q] + j; a route whose position is under the kept count goes to
 //      row offset + position (peer_rank, peer_route written there), and route_row is written for
@@ -45,11 +46,17 @@
 // window (1,024, fewer when W is large) -- phase 1 only counts (a shared-memory histogram per
 // window of experts) and phase 2 loads and ranks again.  That costs time, never correctness.
 //
-// Scratch (barrier, per-block invalid counts, histograms) is the context's (cuda_scratch_get):
-// kept across calls, so a call allocates nothing; inside a graph capture without a large enough
-// block it is a stream-ordered allocation that becomes the graph's own.  The barrier's arrival
-// count returns to zero in every call and its generation moves on by one, so that the next call
-// (or a replay) finds it ready without a reset.
+// Scratch (barrier, totals, per-block invalid counts, histograms) is the context's
+// (cuda_scratch_get): kept across calls, so a call allocates nothing; inside a graph capture
+// without a large enough block it is a stream-ordered allocation that becomes the graph's own.
+// The barrier's arrival count returns to zero in every call and its generation moves on by one,
+// so that the next call (or a replay) finds it ready without a reset.  The totals alternate
+// between two buffers by the generation's parity: a call adds into its own (zero when it
+// starts) and zeroes the other, the next call's, after the barrier.
+//
+// The launch is cooperative (the barrier needs every block resident) and a programmatic
+// dependent of the kernel before it (griddepcontrol.wait first of all), so that its launch
+// overlaps the end of that kernel.
 #include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -70,13 +77,17 @@ constexpr int kRankWindow = 1024;         // local experts ranked in one pass
 constexpr int kHistWindow = 12288;        // local experts counted in one pass (non-resident phase 1)
 constexpr int kStageC = 4096;             // c[e][q] values of a window staged in shared memory
 constexpr int kMaxScratchHist = 1 << 18;  // S * E bound: every block reads S * E histogram values
-constexpr int kRed = 96;                  // shared ints for block reductions: 32 long long, 32 int
+constexpr int kRed = 100; // shared ints: block reductions (32 long long, 32 int), the generation
+// c[e][q] totals in the scratch header, two buffers of kStageC (see the kernel's phase 1)
+constexpr int kTotOffset = 64; // ints: after the barrier
+static_assert(MOE_SCRATCH_HEADER >= (int)sizeof(int32_t) * (kTotOffset + 2 * kStageC), "scratch header too small");
 
 struct Params {
   int trace; // record the phases' times (MOE_SCHEDULE_TRACE set): a measuring aid
   const int32_t *ids;
   int32_t *peer_rank, *peer_route, *counts, *tpe, *offsets, *route_row, *stats;
   unsigned *bar;             // scratch: grid barrier {arrivals, generation}
+  int32_t *tot;              // scratch: c[e][q] totals [2][kStageC], by the generation's parity
   int32_t *inv, *hist, *acc; // scratch: [G][2], [units][EL], [units][EL] (only with pieces)
   int tk, world, experts, el, lo;
   int pad, capacity, expert_capacity;
@@ -100,8 +111,8 @@ __host__ __device__ inline Smem smem_layout(int ts, int rwin, int world, int sta
   Smem L;
   L.tile = kRed;
   L.srow = L.tile + ts;
-  L.cnt = L.srow + ts;                 // [kWarps + 1][wsz]: per-warp counts -> offsets; totals
-  L.run = L.cnt + (kWarps + 1) * rwin; // j of the first route of the piece, per expert
+  L.cnt = L.srow + ts;                       // [kWarps + 1][wsz | 1]: per-warp counts -> offsets; totals
+  L.run = L.cnt + (kWarps + 1) * (rwin | 1); // j of the first route of the piece, per expert
   L.lim = L.run + rwin;                // routes kept
   L.raw = L.lim + rwin;                // n_e before expert_capacity
   L.cpre = L.raw + rwin;               // peer_major: sum_{q<p} c[e][q]
@@ -221,7 +232,8 @@ __device__ void rank_window(const Params &P, int ts, int w0, int wsz, const int3
   const int seg0 = min(warp * q, ts), seg1 = min(seg0 + q, ts);
   const int nbits = window_bits(wsz);
   const unsigned lo = (unsigned)(P.lo + w0);
-  int32_t *mine = cnt + warp * wsz;
+  const int cs = wsz | 1; // row stride: odd, so that the scan's column reads are free of bank conflicts
+  int32_t *mine = cnt + warp * cs;
   for (int e = lane; e < wsz; e += 32) mine[e] = 0;
   __syncwarp();
   for (int b = seg0; b < seg1; b += 32) {
@@ -241,14 +253,12 @@ __device__ void rank_window(const Params &P, int ts, int w0, int wsz, const int3
     __syncwarp();
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < wsz; e += kThreads) {
-    int a = 0;
-    for (int w = 0; w < kWarps; w++) {
-      const int t = cnt[w * wsz + e];
-      cnt[w * wsz + e] = a;
-      a += t;
-    }
-    cnt[kWarps * wsz + e] = a;
+  static_assert(kWarps <= 32, "a warp scans the warps' counts");
+  for (int e = warp; e < wsz; e += kWarps) { // a warp per expert, a lane per warp's count
+    const int t = lane < kWarps ? cnt[lane * cs + e] : 0;
+    const int inc = warp_inclusive_scan(t);
+    if (lane < kWarps) cnt[lane * cs + e] = inc - t;
+    if (lane == kWarps - 1) cnt[kWarps * cs + e] = inc;
   }
   __syncthreads();
 }
@@ -310,9 +320,13 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
   const int q = (((ts + kWarps - 1) / kWarps) + 31) & ~31;
   const int seg0 = min(warp * q, ts), seg1 = min(seg0 + q, ts);
 
+  // launched as a programmatic dependent of the previous kernel in the stream: its outputs (our
+  // ids) and this call's scratch are ours only from here
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   trace_point(P, 0);
   // ---- phase 1: the histogram of every unit ----
-  const unsigned gen = tid == 0 ? *(volatile unsigned *)(P.bar + 1) : 0;
+  unsigned &gen_sh = *(unsigned *)(sm + 96); // dynamic, like the rest: the opt-in size is all of it
+  if (tid == 0) gen_sh = *(volatile unsigned *)(P.bar + 1);
   int ninv = 0, first = INT_MAX;
   if (kResident) {
     const Unit U = unit_of(P, blk);
@@ -320,7 +334,15 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
     __syncthreads();
     trace_point(P, 1);
     rank_window(P, ts, 0, EL, tile, srow, cnt);
-    for (int e = tid; e < EL; e += kThreads) P.hist[(size_t)blk * EL + e] = cnt[kWarps * EL + e];
+    // the histogram, for the chunks after this one; and added into the totals c[e][p] of this
+    // call's buffer (the generation's parity; sums, so the order of the additions is immaterial)
+    int32_t *tot = P.tot + (gen_sh & 1) * kStageC;
+    for (int e = tid; e < EL; e += kThreads) {
+      const int h = cnt[kWarps * (EL | 1) + e];
+      P.hist[(size_t)blk * EL + e] = h;
+      if (P.stage_c && h) atomicAdd(tot + e * W + U.p, h);
+      raw[e] = cpre[e] = run[e] = 0; // for phase 2's shared atomics
+    }
   } else {
     for (int u = blk; u < P.units; u += G) count_unit(P, u, sm + L.hist, &ninv, &first);
   }
@@ -333,8 +355,13 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
     P.inv[2 * (size_t)blk + 1] = first;
   }
   trace_point(P, 2);
+  const unsigned gen = gen_sh;
   grid_barrier(P.bar, gen);
   trace_point(P, 3);
+  asm volatile("griddepcontrol.launch_dependents;");
+  // the other buffer of totals is the next call's: zero it (this call's stays as it is until the
+  // call after next zeroes it; the previous call, its last reader, has ended)
+  for (int x = blk * kThreads + tid; x < kStageC; x += G * kThreads) P.tot[((gen + 1) & 1) * kStageC + x] = 0;
 
   // ---- phase 2: place ----
   long long needed = 0;
@@ -358,12 +385,29 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
         // the window's totals from every unit's histogram hist[q * S + s][e]: c[e][q], n_e,
         // peer_major's prefix sum_{q<p} c[e][q], and the ordinal of this chunk's first route
         // (or the running count carried from the previous piece)
-        if (P.stage_c) {
+        if (P.stage_c && kResident) {
+          // one round of loads: c[e][q] from the totals, n_e and peer_major's sum_{q<p} c[e][q]
+          // added up as they arrive; the ordinal of this chunk's first route from the histograms
+          // of the chunks before it, of the same source rank (contiguous rows)
+          const int32_t *tot = P.tot + (gen & 1) * kStageC, *before = P.hist + (size_t)U.p * S * EL;
+          const int nc = EL * W, nr = U.s * EL;
+          for (int x0 = 0; x0 < nc || x0 < nr; x0 += kThreads) {
+            const int x = x0 + tid;
+            const int c = x < nc ? __ldcg(tot + x) : 0;
+            const int r = x < nr ? __ldcg(before + x) : 0;
+            if (x < nc) cst[x] = c;
+            if (c) {
+              const int e = x / W;
+              atomicAdd(&raw[e], c);
+              if (!P.roundrobin && x - e * W < U.p) atomicAdd(&cpre[e], c);
+            }
+            if (r) atomicAdd(&run[x % EL], r);
+          }
+        }
+        if (P.stage_c && !kResident) {
           // a warp reads a unit's histogram row, lanes on consecutive experts (coalesced), kUnroll
-          // rows in flight; the sums go into c[e][q] in shared memory.  Measured (PERF.md): this
-          // phase costs ~2.5 us per round of loads, as did a thread per (e, q) summing over s
-          // and a rotated read order; why a round trip to lines just written takes that long is
-          // not yet understood.
+          // rows in flight; the sums go into c[e][q] in shared memory.  Costly (S * E values and
+          // a division each: PERF.md), but only where units do not all fit at once.
           for (int x = tid; x < wsz * W; x += kThreads) cst[x] = 0;
           for (int e = tid; e < wsz; e += kThreads) run[e] = 0;
           __syncthreads();
@@ -402,7 +446,8 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
               if (k) run[e] = __ldcg(P.acc + (size_t)u * EL + w0 + e);
             }
           }
-        } else { // S == 1: c[e][q] is read where it is needed, hist[q][e]
+        }
+        if (!P.stage_c) { // S == 1: c[e][q] is read where it is needed, hist[q][e]
           for (int e = tid; e < wsz; e += kThreads) raw[e] = cpre[e] = 0;
           __syncthreads();
           for (int pe = tid; pe < wsz * W; pe += kThreads) {
@@ -454,7 +499,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
         for (int sl = seg0 + lane; sl < seg1; sl += 32) {
           const unsigned e = (unsigned)tile[sl] - lo;
           if (e >= (unsigned)wsz) continue;
-          const int j = run[e] + cnt[warp * wsz + e] + srow[sl];
+          const int j = run[e] + cnt[warp * (wsz | 1) + e] + srow[sl];
           int pos;
           if (!P.roundrobin) pos = cpre[e] + j;
           else if (!P.stage_c) pos = roundrobin_position<true>(P.hist + w0 + e, W, U.p, j, (size_t)EL); // S == 1
@@ -472,7 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
         __syncthreads();
         if (npieces > 1) { // the running ordinals, for the next piece
           for (int e = tid; e < wsz; e += kThreads)
-            __stcg(P.acc + (size_t)u * EL + w0 + e, run[e] + cnt[kWarps * wsz + e]);
+            __stcg(P.acc + (size_t)u * EL + w0 + e, run[e] + cnt[kWarps * (wsz | 1) + e]);
           __syncthreads();
         }
       }
@@ -777,6 +822,7 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   int owned;
   if ((rc = cuda_scratch_get(ctx, device, st, nbytes, &scratch, &owned))) return rc;
   P.bar = (unsigned *)scratch;
+  P.tot = (int32_t *)scratch + kTotOffset;
   P.inv = (int32_t *)((char *)scratch + MOE_SCRATCH_HEADER);
   P.hist = P.inv + 2 * (size_t)grid;
   P.acc = npieces > 1 ? P.hist + hist_n : NULL;
@@ -786,11 +832,15 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = st;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeCooperative; // all blocks resident at once: the grid barrier
   attr[0].val.cooperative = 1;
+  // may start while the previous kernel finishes (the kernel waits for it with griddepcontrol):
+  // the launch latency overlaps the previous kernel's tail
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = 2;
   MOE_CUDA_TRY(ctx, STAGE, cudaLaunchKernelEx(&cfg, resident ? schedule_kernel<true> : schedule_kernel<false>, P));
   trace_grid = grid;
 

@@ -60,8 +60,8 @@ __device__ __forceinline__ int block_min(int v, int *sh) {
 __device__ __forceinline__ int segment_routes(int raw, int expert_capacity) {
   return expert_capacity >= 0 && raw > expert_capacity ? expert_capacity : raw;
 }
-__device__ __forceinline__ long long segment_padded(int n, int pad) {
-  return n > 0 ? ((long long)n + pad - 1) / pad * pad : 0;
+__device__ __forceinline__ long long segment_padded(int n, int pad) { // a 32-bit division: (n - 1) / pad + 1 tiles
+  return n > 0 ? ((long long)((unsigned)(n - 1) / (unsigned)pad) + 1) * pad : 0;
 }
 // Routes of a segment starting at base that get a row under capacity C: rows >= C are never used.
 __device__ __forceinline__ int segment_kept(int n, long long base, int capacity) {

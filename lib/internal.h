@@ -140,13 +140,14 @@ int combine_cuda(moe_ctx *ctx, const moe_combine_args *a);
 
 /* Device scratch owned by the context, for stages that need memory beyond their outputs.
  * cuda_scratch_get hands out at least nbytes on device, valid in the order of stream (a
- * cudaStream_t).  Its first MOE_SCRATCH_HEADER bytes are zero when first handed out, and kernels
- * that use them as self-resetting counters leave them zero.  Outside a graph capture it is the
+ * cudaStream_t).  Its first MOE_SCRATCH_HEADER bytes are zero when first handed out and belong
+ * to the scheduler (kernels/schedule.cu: a self-resetting grid barrier, and two buffers of totals
+ * that each call leaves as the next call needs them); other stages use what follows.  Outside a graph capture it is the
  * context's block, reused by later calls on the same stream (*owned = 0); inside a capture, or
  * where that block cannot serve, it is a stream-ordered allocation of this call alone (*owned =
  * 1), given back by cuda_scratch_done after its last use has been issued.  So a captured graph
  * stays valid as long as the context that captured it is open. */
-enum { MOE_SCRATCH_HEADER = 256 };
+enum { MOE_SCRATCH_HEADER = 256 + 2 * 4096 * 4 }; /* barrier, then 2 x kStageC ints of totals */
 int cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t nbytes, void **out, int *owned);
 int cuda_scratch_done(moe_ctx *ctx, void *stream, void *p, int owned);
 void cuda_scratch_release(moe_ctx *ctx); /* at close: frees every block */
