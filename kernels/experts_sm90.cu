@@ -31,7 +31,8 @@
 // A stage is then written by both CTAs' copies, so each CTA's consumers hand it back to both
 // producers (remote mbarrier arrivals), and every CTA of the pair walks the same work list in
 // lock step, a CTA without rows (the odd last tile of an expert) included: it loads and hands
-// back but computes nothing.  CM = 1 (no clusters) is the default: faster as measured.
+// back but computes nothing.  CM = 2 is the default where experts average two row tiles or
+// more, CM = 1 below (decode): faster, each where it is chosen, as measured (PERF.md).
 //
 // Work list: unit v = (expert, group of CM row tiles, column tile), experts in order; inside an
 // expert, row groups are taken GROUP_TILES row tiles at a time and, inside such a band, the row
@@ -216,11 +217,14 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 __device__ __forceinline__ void mbar_arrive_local(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// Arrives on the barrier at the same shared-memory offset in CTA `cta` of the cluster.
+// Arrives on the barrier at the same shared-memory offset in CTA `cta` of the cluster.  The
+// default semantics (release at CTA scope), not .release.cluster: that one compiles to a full
+// fence before every arrival (ncu: most of the cluster kernel's stalls), and nothing here needs
+// it -- the arrival only says the slot's wgmma reads have retired, which wgmma.wait_group saw.
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
   asm volatile("{\n\t.reg .b32 ra;\n\t"
                "mapa.shared::cluster.u32 ra, %0, %1;\n\t"
-               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n\t}\n" ::"r"(bar),
+               "mbarrier.arrive.shared::cluster.b64 _, [ra];\n\t}\n" ::"r"(bar),
                "r"(cta)
                : "memory");
 }
@@ -775,10 +779,14 @@ extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
       !encode_2d(&t_wdn, a->w_down->data, EL * H, F))
     return unsupported(ctx, "cuTensorMapEncodeTiled refused a tensor");
 
-  // One CTA per tile by default: measured faster than the clusters of two on the H200 (591 vs
-  // 427 TFLOP/s at the Kimi K2 shape, 4.1 vs 1.9 TB/s of weights in decode; PERF.md).
-  // MOE_EXPERTS_KERNEL=sm90x2 selects the multicast clusters, kept for the next round of tuning.
+  // Clusters of two when the experts average two row tiles or more (C >= 2 BM EL, from the static
+  // capacity: the offsets stay on the device): the pair halves the B traffic from L2 (647 vs 603
+  // TFLOP/s at the Kimi K2 shape on the H200; PERF.md).  Below that (decode) a pair mostly
+  // carries a partner without rows, and one CTA per tile streams the weights faster (4.09 vs 3.75
+  // TB/s).  MOE_EXPERTS_KERNEL=sm90x1 or sm90x2 forces one of the two.
   const char *sel = getenv("MOE_EXPERTS_KERNEL");
   if (sel && strcmp(sel, "sm90x2") == 0) return run<2>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  if (sel && strcmp(sel, "sm90x1") == 0) return run<1>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  if (C >= 2 * BM * EL) return run<2>(ctx, a, dev, t_xs, t_wgu, t_wdn);
   return run<1>(ctx, a, dev, t_xs, t_wgu, t_wdn);
 }

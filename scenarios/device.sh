@@ -39,6 +39,15 @@ for s in $steps; do
         ncu -i "$f.ncu-rep" --page details >"$f-details.txt" 2>&1
         rm -f "$f.ncu-rep"
       done ;;
+    profile-experts) # ncu on the experts GEMM at the Kimi shape, MOE_EXPERTS_BENCH's kernel (default sm90x2):
+      # its gate_up and down launches of the third timed run
+      k=${MOE_EXPERTS_BENCH:-sm90x2}
+      f="$out/experts-$k"
+      run "ncu-experts-$k" 300 env MOE_EXPERTS_BENCH="$k" ncu -f -o "$f" --import-source yes --set full \
+        -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/gpu_tests/test_experts_gpu --bench-only
+      ncu -i "$f.ncu-rep" --page source --print-source cuda,sass --csv >"$f-source.csv" 2>&1
+      ncu -i "$f.ncu-rep" --page details >"$f-details.txt" 2>&1
+      rm -f "$f.ncu-rep" ;;
     kimi) run kimi 400 lua scenarios/kimi.lua --json "$out/kimi.json" ;;
     scheduler) run scheduler 300 lua scenarios/scheduler.lua --json "$out/scheduler.json" ;;
     experts) run experts 400 lua scenarios/experts.lua --json "$out/experts.json" ;;

@@ -5,12 +5,13 @@
  * on the CPU first).
  *
  * Every check runs once per kernel, chosen through MOE_EXPERTS_KERNEL: "mma" (the mma.sync
- * kernel), "sm90" (TMA + wgmma, one CTA per tile), "sm90x2" (the same in clusters of two with
+ * kernel), "sm90x1" (TMA + wgmma, one CTA per tile), "sm90x2" (the same in clusters of two with
  * multicast) and the automatic choice.  Shapes the Hopper kernel does not take (H or F not a multiple of 64, F = 0,
  * misaligned views) must be refused with MOE_ERR_UNSUPPORTED and leave ys untouched; off a
  * compute capability 9.0 device its runs are reported skipped.
  * Prints one PASS/FAIL line per check; exits 77 without a GPU, 1 on any failure.  --no-bench skips
- * the two timed shapes. */
+ * the two timed shapes; --bench-only runs only them, and MOE_EXPERTS_BENCH=<kernel> times that
+ * kernel alone (for a profiler: scenarios/device.sh's profile step). */
 #define _POSIX_C_SOURCE 200809L /* setenv, unsetenv */
 #include <math.h>
 #include <string.h>
@@ -47,7 +48,7 @@ typedef struct {
   const char *name, *env;
   int hopper; /* takes only the shapes sm90_supported accepts, on compute capability 9.0 */
 } kernel;
-static const kernel KERNELS[] = {{"mma", "mma", 0}, {"sm90", "sm90", 1}, {"sm90x2", "sm90x2", 1}, {"auto", NULL, 0}};
+static const kernel KERNELS[] = {{"mma", "mma", 0}, {"sm90x1", "sm90x1", 1}, {"sm90x2", "sm90x2", 1}, {"auto", NULL, 0}};
 enum { NKERNELS = sizeof KERNELS / sizeof *KERNELS };
 static int no_hopper; /* set once the Hopper kernel said the device is not compute capability 9.0 */
 
@@ -384,6 +385,8 @@ static void bench_shape(const char *label, int EL, const int *sizes, int64_t H, 
   for (int ki = 0; ki < NKERNELS; ki++) {
     const kernel *k = &KERNELS[ki];
     if (!k->env || (k->hopper && no_hopper)) continue; /* "auto" is one of the others */
+    const char *only = getenv("MOE_EXPERTS_BENCH");
+    if (only && strcmp(only, k->env)) continue;
     use_kernel(k);
     char name[256];
     snprintf(name, sizeof name, "%s, %d rows of experts %d, %d, %d vs CPU] [%s", label, NE * NR, ex[0], ex[1], ex[2],
@@ -459,6 +462,7 @@ static void test_decode(void) {
  * would take hours). */
 int main(int argc, char **argv) {
   const int bench = !(argc > 1 && strcmp(argv[1], "--no-bench") == 0);
+  const int checks = !(argc > 1 && strcmp(argv[1], "--bench-only") == 0);
   if (moe_ctx_open(&ctx) != MOE_OK) {
     printf("FAIL cannot open a context\n");
     return 1;
@@ -469,8 +473,10 @@ int main(int argc, char **argv) {
     moe_ctx_close(ctx);
     return 77;
   }
-  test_cases();
-  test_graph();
+  if (checks) {
+    test_cases();
+    test_graph();
+  }
   if (bench) {
     test_kimi();
     test_decode();
