@@ -246,6 +246,8 @@ struct moe_graph {
   cudaGraph_t g;
   cudaGraphExec_t exec;
   int device;
+  moe_world *worlds[MOE_CAPTURE_WORLDS]; // held open while the graph exists (world_graph_ref)
+  int nworlds;
 };
 
 int cuda_graph_begin(moe_ctx *ctx, int device) {
@@ -258,6 +260,7 @@ int cuda_graph_begin(moe_ctx *ctx, int device) {
   // the capture
   MOE_CUDA_TRY(ctx, "graph", cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
   ctx->capturing = 1;
+  ctx->capture_nworlds = 0;
   capture_started();
   return moe_ok(ctx);
 }
@@ -292,6 +295,8 @@ int cuda_graph_end(moe_ctx *ctx, moe_graph **out) {
   graph->g = g;
   graph->exec = exec;
   graph->device = device;
+  graph->nworlds = ctx->capture_nworlds;
+  for (int i = 0; i < graph->nworlds; i++) world_graph_ref(graph->worlds[i] = ctx->capture_worlds[i]);
   *out = graph;
   return moe_ok(ctx);
 }
@@ -314,6 +319,7 @@ void cuda_graph_free(moe_graph *graph) {
   }
   if (cur >= 0 && cur != graph->device) (void)cudaSetDevice(cur);
   (void)cudaGetLastError();
+  for (int i = 0; i < graph->nworlds; i++) world_graph_unref(graph->worlds[i]); // after the graph is gone
   free(graph);
 }
 

@@ -77,7 +77,7 @@ int enter(moe_ctx *ctx, moe_world *w, const char *stage, bool *unbound) {
     return MOE_OK;
   }
   for (int i = 0; i < w->nlocal; i++)
-    if (ctx->stream == w->streams[i]) return MOE_OK;
+    if (ctx->stream == w->streams[i]) return ctx->capturing ? world_capture_note(ctx, w) : MOE_OK;
   if (ctx->capturing)
     return moe_seterr(ctx, MOE_ERR_ARG, "%s: the capturing context is not bound to the world (moe_world_bind first)", stage);
   *unbound = true;

@@ -18,11 +18,17 @@ struct moe_tensor {
   int owns_data; /* 0 for a view */
 };
 
+enum { MOE_CAPTURE_WORLDS = 4 }; /* worlds one capture may use */
+
 struct moe_ctx {
   void *stream;      /* cudaStream_t the stages run on; NULL until set or first needed */
   int owns_stream;   /* created by the library (cuda_ctx_stream), destroyed at close */
   int stream_device; /* the device the owned stream belongs to */
   int capturing;     /* inside moe_graph_begin/end: nothing may synchronise */
+  /* the worlds whose exchange the capture under way recorded (world_capture_note): the graph
+   * keeps them open, as NCCL needs its communicators for as long as the graph exists */
+  moe_world *capture_worlds[MOE_CAPTURE_WORLDS];
+  int capture_nworlds;
   char errmsg[1024];
   /* Device scratch of the CUDA stages (cuda_scratch_get, kernels/schedule.cu): the current block,
    * and the blocks it replaced, kept until close because graphs captured earlier still use them. */
@@ -116,6 +122,13 @@ int cuda_graph_begin(moe_ctx *ctx, int device);
 int cuda_graph_end(moe_ctx *ctx, moe_graph **out);
 int cuda_graph_replay(moe_ctx *ctx, moe_graph *graph);
 void cuda_graph_free(moe_graph *graph);
+/* A world's exchange issued during a capture: recorded in ctx (an error past
+ * MOE_CAPTURE_WORLDS worlds).  A graph made from the capture holds each recorded world
+ * (world_graph_ref) until it is freed (world_graph_unref): closing a world whose communicator
+ * a live graph uses would block in NCCL, so moe_world_close leaves that to the last graph. */
+int world_capture_note(moe_ctx *ctx, moe_world *w);
+void world_graph_ref(moe_world *w);
+void world_graph_unref(moe_world *w);
 int cuda_event_new(moe_ctx *ctx, int device, void **event);
 int cuda_event_record(moe_ctx *ctx, void *event);
 int cuda_event_elapsed(moe_ctx *ctx, void *start, void *stop, float *ms);

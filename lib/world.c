@@ -75,14 +75,40 @@ static moe_world *world_new(int size, int nlocal) {
   return w;
 }
 
-void moe_world_close(moe_world *w) {
-  if (!w) return;
+static void world_destroy(moe_world *w) {
   if (w->comms && w->streams) nccl_world_release(w);
   free(w->ranks);
   free(w->devices);
   free(w->comms);
   free(w->streams);
   free(w);
+}
+
+/* Closed while a graph that captured its exchange is alive, the world stays open for that graph
+ * and is released with the last such graph: destroying a communicator a graph still uses
+ * blocked in NCCL (the Lua world spec hung at its teardown that way). */
+void moe_world_close(moe_world *w) {
+  if (!w) return;
+  if (w->graphs > 0) {
+    w->closed = 1;
+    return;
+  }
+  world_destroy(w);
+}
+
+int world_capture_note(moe_ctx *ctx, moe_world *w) {
+  for (int i = 0; i < ctx->capture_nworlds; i++)
+    if (ctx->capture_worlds[i] == w) return MOE_OK;
+  if (ctx->capture_nworlds == MOE_CAPTURE_WORLDS)
+    return moe_seterr(ctx, MOE_ERR_ARG, "world: one graph capture may use at most %d worlds", MOE_CAPTURE_WORLDS);
+  ctx->capture_worlds[ctx->capture_nworlds++] = w;
+  return MOE_OK;
+}
+
+void world_graph_ref(moe_world *w) { w->graphs++; }
+
+void world_graph_unref(moe_world *w) {
+  if (--w->graphs == 0 && w->closed) world_destroy(w);
 }
 
 /* The GPU exists on this machine (after nccl_available: the build message comes first). */

@@ -21,6 +21,8 @@ struct moe_world {
   void **comms;   /* [nlocal] ncclComm_t; NULL until made */
   void **streams; /* [nlocal] cudaStream_t on devices[i]; NULL until made */
   int failed;     /* an NCCL call failed: close aborts instead of finalising (no waiting on peers) */
+  int graphs;     /* live graphs that captured an exchange of this world (world_graph_ref) */
+  int closed;     /* moe_world_close was called while graphs > 0: released with the last one */
 };
 
 /* MOE_OK when this build can open a world, else MOE_ERR_UNSUPPORTED with the reason. */
