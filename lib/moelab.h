@@ -260,7 +260,9 @@ MOE_API int moe_world_open_local(moe_ctx *ctx, int ndev, const int *devices, moe
  * Blocks until all world_size ranks have joined (NCCL's bootstrap). */
 MOE_API int moe_world_open_rank(moe_ctx *ctx, int rank, int world_size, int device, const char *unique_id_hex,
                                 moe_world **out);
-/* Waits for the world's streams, then frees everything; NULL is a no-op. */
+/* Waits for the world's streams, then frees everything; NULL is a no-op.  w may not be used
+ * after the call; but where a graph that captured its exchange is still alive, the
+ * communicators stay for that graph and are freed with the last such graph (moe_graph_free). */
 MOE_API void moe_world_close(moe_world *w);
 MOE_API int moe_world_size(const moe_world *w);        /* W */
 MOE_API int moe_world_local_count(const moe_world *w); /* ranks held by this process */
