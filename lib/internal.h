@@ -45,6 +45,14 @@ struct moe_event {
   double host_ms;    /* monotonic clock on the CPU */
 };
 
+/* CPU threads (lib/parallel.c).  moe_parallel_for runs fn(arg, begin, end) on contiguous pieces of
+ * [0, n), each at least `grain` long, on up to moe_cpu_threads() threads (the caller's
+ * included), and returns when all are done.  Each index is handled by one call alone, so a
+ * result that depends only on its own index is the same bits whatever the thread count.
+ * moe_cpu_threads: MOE_THREADS when set (1..256), else the online CPUs (at most 64). */
+int moe_cpu_threads(void);
+void moe_parallel_for(int64_t n, int64_t grain, void (*fn)(void *arg, int64_t begin, int64_t end), void *arg);
+
 /* Records a message in ctx (when ctx is not NULL) and returns code. printf-style. */
 int moe_seterr(moe_ctx *ctx, int code, const char *fmt, ...)
 #if defined(__GNUC__)

@@ -1,0 +1,56 @@
+/* parallel.c -- fork-join over index ranges for the CPU backend's heavy loops (the expert MLP of
+ * experts.c and reference.c): threads started for the call and joined before it returns, so
+ * nothing outlives it (no pool to stop when the Lua module is unloaded).  A call of ~1 M
+ * multiply-adds per thread or more pays for the ~50 us a thread costs to start. */
+#define _POSIX_C_SOURCE 200809L /* sysconf */
+#include <pthread.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+enum { MAX_THREADS = 256 };
+
+int moe_cpu_threads(void) {
+  const char *s = getenv("MOE_THREADS");
+  if (s && *s) {
+    char *end;
+    const long v = strtol(s, &end, 10);
+    if (*end == '\0' && v >= 1) return v < MAX_THREADS ? (int)v : MAX_THREADS;
+  }
+  const long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n < 1 ? 1 : n > 64 ? 64 : (int)n;
+}
+
+typedef struct {
+  void (*fn)(void *arg, int64_t begin, int64_t end);
+  void *arg;
+  int64_t begin, end;
+} piece;
+
+static void *run_piece(void *p) {
+  const piece *q = p;
+  q->fn(q->arg, q->begin, q->end);
+  return NULL;
+}
+
+void moe_parallel_for(int64_t n, int64_t grain, void (*fn)(void *arg, int64_t begin, int64_t end), void *arg) {
+  if (n <= 0) return;
+  if (grain < 1) grain = 1;
+  int64_t t = moe_cpu_threads();
+  if (t > n / grain) t = n / grain;
+  if (t <= 1) {
+    fn(arg, 0, n);
+    return;
+  }
+  piece pieces[MAX_THREADS];
+  pthread_t th[MAX_THREADS];
+  int started[MAX_THREADS];
+  for (int64_t i = 0; i < t; i++) pieces[i] = (piece){fn, arg, n * i / t, n * (i + 1) / t};
+  for (int64_t i = 1; i < t; i++) started[i] = pthread_create(&th[i], NULL, run_piece, &pieces[i]) == 0;
+  run_piece(&pieces[0]);
+  for (int64_t i = 1; i < t; i++) {
+    if (started[i]) pthread_join(th[i], NULL);
+    else run_piece(&pieces[i]); /* could not start a thread: the caller does that piece too */
+  }
+}
