@@ -11,7 +11,7 @@
  * compute capability 9.0 device its runs are reported skipped.
  * Prints one PASS/FAIL line per check; exits 77 without a GPU, 1 on any failure.  --no-bench skips
  * the two timed shapes; --bench-only runs only them, and MOE_EXPERTS_BENCH=<kernel> times that
- * kernel alone (for a profiler: scenarios/device.sh's profile step). */
+ * kernel alone (for a profiler: scenarios/device.sh's profile-experts step). */
 #define _POSIX_C_SOURCE 200809L /* setenv, unsetenv */
 #include <math.h>
 #include <string.h>
