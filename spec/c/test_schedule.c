@@ -4,20 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "moelab.h"
-
-static int checks, failures;
-
-#define CHECK(cond, ...)                                                       \
-  do {                                                                         \
-    checks++;                                                                  \
-    if (!(cond)) {                                                             \
-      failures++;                                                              \
-      fprintf(stderr, "%s:%d: ", __FILE__, __LINE__);                          \
-      fprintf(stderr, __VA_ARGS__);                                            \
-      fputc('\n', stderr);                                                     \
-    }                                                                          \
-  } while (0)
 
 static moe_ctx *ctx;
 static const moe_device cpu = {MOE_CPU, 0};

@@ -7,19 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "internal.h"
-
-static int checks, failures;
-#define CHECK(cond, ...)                                                                           \
-  do {                                                                                             \
-    checks++;                                                                                      \
-    if (!(cond)) {                                                                                 \
-      failures++;                                                                                  \
-      fprintf(stderr, "%s:%d: ", __FILE__, __LINE__);                                              \
-      fprintf(stderr, __VA_ARGS__);                                                                \
-      fputc('\n', stderr);                                                                         \
-    }                                                                                              \
-  } while (0)
 
 static moe_ctx *ctx;
 static const moe_device cpu = {MOE_CPU, 0};
@@ -55,8 +44,12 @@ static void test_cover(void) {
       CHECK(ok, "parallel_for n=%lld threads=%s: an index not covered exactly once", (long long)ns[a], ts[b]);
       free(seen);
     }
+  threads("1");
+  CHECK(moe_cpu_threads() == 1, "MOE_THREADS=1 gives %d threads", moe_cpu_threads());
   threads("4");
   CHECK(moe_cpu_threads() == 4, "MOE_THREADS=4 gives %d threads", moe_cpu_threads());
+  threads("1000");
+  CHECK(moe_cpu_threads() == 256, "MOE_THREADS=1000 gives %d threads, expected the cap 256", moe_cpu_threads());
   threads("0");
   CHECK(moe_cpu_threads() >= 1, "MOE_THREADS=0 (invalid) falls back to the CPUs, got %d", moe_cpu_threads());
 }
