@@ -4,6 +4,7 @@
  * multiply-adds per thread or more pays for the ~50 us a thread costs to start. */
 #define _POSIX_C_SOURCE 200809L /* sysconf */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -18,8 +19,15 @@ int moe_cpu_threads(void) {
     const long v = strtol(s, &end, 10);
     if (*end == '\0' && v >= 1) return v < MAX_THREADS ? (int)v : MAX_THREADS;
   }
-  const long n = sysconf(_SC_NPROCESSORS_ONLN);
-  return n < 1 ? 1 : n > 64 ? 64 : (int)n;
+  /* asked once: glibc reads /sys for it, too slow for every call of the small-shape paths */
+  static atomic_int online;
+  int c = atomic_load_explicit(&online, memory_order_relaxed);
+  if (c == 0) {
+    const long n = sysconf(_SC_NPROCESSORS_ONLN);
+    c = n < 1 ? 1 : n > 64 ? 64 : (int)n;
+    atomic_store_explicit(&online, c, memory_order_relaxed);
+  }
+  return c;
 }
 
 typedef struct {
@@ -37,8 +45,8 @@ static void *run_piece(void *p) {
 void moe_parallel_for(int64_t n, int64_t grain, void (*fn)(void *arg, int64_t begin, int64_t end), void *arg) {
   if (n <= 0) return;
   if (grain < 1) grain = 1;
-  int64_t t = moe_cpu_threads();
-  if (t > n / grain) t = n / grain;
+  int64_t t = n / grain; /* work for that many threads at most: too little for two, and no thread is asked for */
+  if (t >= 2 && t > moe_cpu_threads()) t = moe_cpu_threads();
   if (t <= 1) {
     fn(arg, 0, n);
     return;
