@@ -77,7 +77,8 @@ constexpr int kRankWindow = 1024;         // local experts ranked in one pass
 constexpr int kHistWindow = 12288;        // local experts counted in one pass (non-resident phase 1)
 constexpr int kStageC = 4096;             // c[e][q] values of a window staged in shared memory
 constexpr int kMaxScratchHist = 1 << 18;  // S * E bound: every block reads S * E histogram values
-constexpr int kRed = 100; // shared ints: block reductions (32 long long, 32 int), the generation
+constexpr int kGenSlot = 96;          // shared int holding the barrier generation, after the reductions'
+constexpr int kRed = kGenSlot + 4;    // shared ints: block reductions (32 long long, 32 int), the generation
 // c[e][q] totals in the scratch header, two buffers of kStageC (see the kernel's phase 1)
 constexpr int kTotOffset = 64; // ints: after the barrier
 static_assert(MOE_SCRATCH_HEADER >= (int)sizeof(int32_t) * (kTotOffset + 2 * kStageC), "scratch header too small");
@@ -325,7 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   trace_point(P, 0);
   // ---- phase 1: the histogram of every unit ----
-  unsigned &gen_sh = *(unsigned *)(sm + 96); // dynamic, like the rest: the opt-in size is all of it
+  unsigned &gen_sh = *(unsigned *)(sm + kGenSlot); // dynamic, like the rest: the opt-in size is all of it
   if (tid == 0) gen_sh = *(volatile unsigned *)(P.bar + 1);
   int ninv = 0, first = INT_MAX;
   if (kResident) {
