@@ -11,6 +11,11 @@ export LUA_CPATH="./build/?.so;${LUA_CPATH:-;}"
 steps=${*:-build programs specs kimi scheduler}
 only=${ONLY:-*} # which GPU test programs the programs, memcheck and racecheck steps run (a glob)
 declare -A result
+ncu_pages() { # report path without .ncu-rep: its source view (stalls per line) and details as text
+  ncu -i "$1.ncu-rep" --page source --print-source cuda,sass --csv >"$1-source.csv" 2>&1
+  ncu -i "$1.ncu-rep" --page details >"$1-details.txt" 2>&1
+  rm -f "$1.ncu-rep"
+}
 run() { # name, limit in seconds, command...
   local name=$1 limit=$2
   shift 2
@@ -34,10 +39,8 @@ for s in $steps; do
         f="$out/$k-${shape/,/x}"
         run "ncu-$k-${shape/,/x}" 300 ncu -f -o "$f" --import-source yes --set full -k "regex:$k" --launch-skip 50 \
           --launch-count 1 build/gpu_tests/test_schedule_gpu --trace --shape "$shape"
-        ncu -i "$f.ncu-rep" --page source --print-source cuda,sass --csv >"$f-source.csv" 2>&1
         ncu -i "$f.ncu-rep" --page raw --csv >"$f-raw.csv" 2>&1
-        ncu -i "$f.ncu-rep" --page details >"$f-details.txt" 2>&1
-        rm -f "$f.ncu-rep"
+        ncu_pages "$f"
       done ;;
     profile-experts) # ncu on the experts GEMM at the Kimi shape, MOE_EXPERTS_BENCH's kernel (default sm90x2):
       # its gate_up and down launches of the third timed run
@@ -45,9 +48,7 @@ for s in $steps; do
       f="$out/experts-$k"
       run "ncu-experts-$k" 300 env MOE_EXPERTS_BENCH="$k" ncu -f -o "$f" --import-source yes --set full \
         -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/gpu_tests/test_experts_gpu --bench-only
-      ncu -i "$f.ncu-rep" --page source --print-source cuda,sass --csv >"$f-source.csv" 2>&1
-      ncu -i "$f.ncu-rep" --page details >"$f-details.txt" 2>&1
-      rm -f "$f.ncu-rep" ;;
+      ncu_pages "$f" ;;
     kimi) run kimi 400 lua scenarios/kimi.lua --json "$out/kimi.json" ;;
     scheduler) run scheduler 300 lua scenarios/scheduler.lua --json "$out/scheduler.json" ;;
     experts) run experts 400 lua scenarios/experts.lua --json "$out/experts.json" ;;
