@@ -1,5 +1,6 @@
 // world.cu -- moe_world on NCCL: communicators and streams, the all-gathers, and the dispatch
-// and combine exchanges.  Built only when NCCL is found (lib/world.c has the stand-ins
+// and combine exchanges: the all-gather one (NCCL collectives only) and the direct one (peers'
+// symmetric windows read with loads over NVLink).  Built only when NCCL is found (lib/world.c has the stand-ins
 // otherwise).
 //
 // Everything here is enqueued on the world's streams (one per local rank) and nothing waits
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include <nccl.h>
+#include <nccl_device.h> // ncclGetPeerPointer, ncclDevCommCreate: the symmetric windows of the direct exchange
 
 #include "common.cuh"
 #include "world.h"
@@ -76,6 +78,11 @@ int enter(moe_ctx *ctx, moe_world *w, const char *stage, bool *unbound) {
     *unbound = true;
     return MOE_OK;
   }
+  // A capture records one stream: the other local ranks' work would run at once, outside it.
+  if (ctx->capturing && w->nlocal > 1)
+    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+                      "%s: a graph can capture the exchange of a world with one rank in this process, this one has %d",
+                      stage, w->nlocal);
   for (int i = 0; i < w->nlocal; i++)
     if (ctx->stream == w->streams[i]) return ctx->capturing ? world_capture_note(ctx, w) : MOE_OK;
   if (ctx->capturing)
@@ -380,6 +387,309 @@ int nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a) {
     c.shared_gate = a[i].shared_gate;
     StreamCtx sc(w, i);
     if ((rc = sc.pass(ctx, combine_cuda(&sc.c, &c)))) return rc;
+  }
+  return leave(ctx, w, stage, unbound);
+}
+
+// ---- the direct exchange: symmetric windows read by the peers ----
+
+namespace {
+
+constexpr int XTHREADS = 256;
+constexpr int XUNROLL = 4;  // pieces in flight per thread
+constexpr int XMAX_RB = 64; // rows per block at most
+
+inline cudaStream_t xstream(const moe_world_exchange *ex, int i) { return stream_of(ex->w, i); }
+
+// Fills out[p] with rank p's window base as this rank addresses it.
+__global__ void peer_bases_kernel(ncclWindow_t win, int W, void **out) {
+  for (int p = threadIdx.x; p < W; p += blockDim.x) out[p] = ncclGetPeerPointer(win, 0, p);
+}
+
+// Every rank waits for every other.  flags[p] (this rank's window) counts the arrivals of rank
+// p; flags[W] counts this rank's own barriers.  All ranks run the same barriers in the same
+// order, so the n-th one is passed when every flags[p] has reached n.  The fence before the
+// arrival makes this rank's earlier writes (the kernels before this one on its stream) visible
+// to the peers that see the arrival; the acquire makes theirs visible to the kernels after.
+__global__ void barrier_kernel(char *const *peers, size_t flags_off, int me, int W) {
+  uint32_t *mine = (uint32_t *)(peers[me] + flags_off);
+  __shared__ uint32_t want;
+  if (threadIdx.x == 0) want = mine[W] + 1;
+  __syncthreads();
+  const uint32_t n = want;
+  for (int p = threadIdx.x; p < W; p += blockDim.x) {
+    uint32_t *theirs = (uint32_t *)(peers[p] + flags_off) + me;
+    __threadfence_system();
+    asm volatile("red.release.sys.global.add.u32 [%0], 1;" ::"l"(theirs) : "memory");
+  }
+  for (int p = threadIdx.x; p < W; p += blockDim.x) {
+    uint32_t v;
+    do {
+      asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(mine + p) : "memory");
+    } while ((int32_t)(v - n) < 0);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) mine[W] = n;
+}
+
+int barrier(moe_ctx *ctx, moe_world_exchange *ex, int i, const char *stage) {
+  const int W = ex->w->size;
+  barrier_kernel<<<1, W < 32 ? 32 : W > 1024 ? 1024 : W, 0, xstream(ex, i)>>>((char *const *)ex->peers[i],
+                                                                             ex->flags_off, ex->w->ranks[i], W);
+  MOE_CUDA_LAUNCHED(ctx, stage);
+  return MOE_OK;
+}
+
+struct PullArgs {
+  char *const *peers; // [W] window bases
+  size_t x_off;
+  const int32_t *peer_rank, *peer_route, *route_row; // this rank's schedule
+  int64_t C, W, T, K;
+  uint32_t pieces; // H in pieces
+  int rb;
+  int zero_fill;
+};
+
+// Dispatch of the direct exchange, in two passes over xs's rows (row r holds route q = t*K + k
+// of source rank p, by peer_rank and peer_route).  Pass 0 reads token t from rank p's window
+// into the row of the token's first route on this rank (no k' < k with a row in route_row[p]),
+// and zero-fills empty rows when asked; pass 1 copies that row locally to the token's other
+// routes on this rank.  A row whose first route's row does not hold that first route (schedule
+// data that is not a schedule's) reads the token from the peer instead, so any data gives what
+// dispatch_cpu gives.
+template <typename V>
+__global__ void __launch_bounds__(XTHREADS) pull_kernel(V *__restrict__ xs, PullArgs a, int pass) {
+  __shared__ const V *src[XMAX_RB];
+  __shared__ int keep[XMAX_RB];
+  const int64_t r0 = (int64_t)blockIdx.x * a.rb;
+  const int nr = (int)(a.C - r0 < a.rb ? a.C - r0 : a.rb);
+  const int64_t TK = a.T * a.K;
+  for (int j = threadIdx.x; j < nr; j += XTHREADS) {
+    const int64_t p = a.peer_rank[r0 + j], q = a.peer_route[r0 + j];
+    const V *from = nullptr;
+    int put = 0;
+    if (p >= 0 && p < a.W && q >= 0 && q < TK) {
+      const int64_t t = q / a.K, k = q - t * a.K;
+      const int32_t *rr = a.route_row + p * TK + t * a.K;
+      int64_t first = -1, kf = -1;
+      for (int64_t k2 = 0; k2 < k && first < 0; k2++)
+        if (rr[k2] >= 0 && rr[k2] < a.C) first = rr[k2], kf = k2;
+      const bool dup = first >= 0 && a.peer_rank[first] == p && a.peer_route[first] == t * a.K + kf;
+      if (pass == 1 && dup) from = xs + first * a.pieces, put = 1;
+      else if (pass == (first >= 0 ? 1 : 0))
+        from = (const V *)(a.peers[p] + a.x_off) + t * a.pieces, put = 1;
+    } else if (pass == 0) {
+      put = a.zero_fill; // all-zero bits are bf16 +0
+    }
+    src[j] = from;
+    keep[j] = put;
+  }
+  __syncthreads();
+
+  const uint32_t total = (uint32_t)nr * a.pieces;
+  V *__restrict__ out = xs + r0 * a.pieces;
+  for (uint32_t base = threadIdx.x; base < total; base += XTHREADS * XUNROLL) {
+    V v[XUNROLL];
+    uint32_t at[XUNROLL];
+    bool put[XUNROLL];
+#pragma unroll
+    for (int u = 0; u < XUNROLL; u++) {
+      const uint32_t f = base + u * XTHREADS;
+      put[u] = false;
+      at[u] = f;
+      v[u] = V{};
+      if (f < total) {
+        const uint32_t j = f / a.pieces, c = f - j * a.pieces;
+        if (src[j]) v[u] = src[j][c];
+        put[u] = keep[j];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < XUNROLL; u++)
+      if (put[u]) out[at[u]] = v[u];
+  }
+}
+
+template <typename V>
+int launch_pull(moe_ctx *ctx, cudaStream_t s, V *xs, PullArgs a, int64_t H, const char *stage) {
+  a.pieces = (uint32_t)(H * 2 / (int64_t)sizeof(V));
+  int64_t rb = (4 * XTHREADS * XUNROLL + a.pieces - 1) / a.pieces;
+  a.rb = (int)(rb < 1 ? 1 : rb > XMAX_RB ? XMAX_RB : rb);
+  const int64_t blocks = (a.C + a.rb - 1) / a.rb;
+  for (int pass = 0; pass < 2; pass++) {
+    pull_kernel<V><<<(unsigned)blocks, XTHREADS, 0, s>>>(xs, a, pass);
+    MOE_CUDA_LAUNCHED(ctx, stage);
+  }
+  return MOE_OK;
+}
+
+// Copies src into local rank i's window at off unless it is already there.
+int to_window(moe_ctx *ctx, moe_world_exchange *ex, int i, size_t off, const moe_tensor *src, const char *stage) {
+  char *at = (char *)ex->base[i] + off;
+  const size_t n = moe_tensor_nbytes(src);
+  if (src->data == at || !n) return MOE_OK;
+  MOE_CUDA_TRY(ctx, stage, cudaMemcpyAsync(at, src->data, n, cudaMemcpyDeviceToDevice, xstream(ex, i)));
+  return MOE_OK;
+}
+
+} // namespace
+
+int nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex) {
+  static const char *stage = "world: exchange";
+  moe_world *w = ex->w;
+  const int W = w->size, n = w->nlocal;
+  if (W > 1024) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: at most 1024 ranks, got %d", stage, W);
+  // Every rank must be reachable by loads (NCCL's LSA team is the whole world).
+  {
+    std::vector<ncclDevComm> dc((size_t)n);
+    ncclDevCommRequirements req;
+    memset(&req, 0, sizeof req);
+    Group g(ctx, w);
+    for (int i = 0; i < n && g.ok(); i++) g.call(i, "ncclDevCommCreate", ncclDevCommCreate(comm_of(w, i), &req, &dc[i]));
+    int rc = g.end();
+    if (rc) return rc;
+    int lsa = W;
+    for (int i = 0; i < n; i++) lsa = dc[i].lsaSize < lsa ? dc[i].lsaSize : lsa;
+    Group d(ctx, w);
+    for (int i = 0; i < n && d.ok(); i++) d.call(i, "ncclDevCommDestroy", ncclDevCommDestroy(comm_of(w, i), &dc[i]));
+    if ((rc = d.end())) return rc;
+    if (lsa != W)
+      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+                        "%s: only %d of the %d ranks can reach each other's memory (one NVLink domain is needed); "
+                        "use the all-gather exchange (moe_world_dispatch, moe_world_combine)",
+                        stage, lsa, W);
+  }
+  for (int i = 0; i < n; i++) {
+    MOE_CUDA_TRY(ctx, stage, cudaSetDevice(w->devices[i]));
+    NCCL_TRY(ctx, w, i, "ncclMemAlloc", ncclMemAlloc(&ex->base[i], ex->bytes));
+    // zeroed flags before any peer can see the window: registration below is collective
+    MOE_CUDA_TRY(ctx, stage, cudaMemset((char *)ex->base[i] + ex->flags_off, 0, ex->bytes - ex->flags_off));
+    MOE_CUDA_TRY(ctx, stage, cudaDeviceSynchronize());
+  }
+  {
+    Group g(ctx, w);
+    for (int i = 0; i < n && g.ok(); i++) {
+      ncclWindow_t win = nullptr;
+      g.call(i, "ncclCommWindowRegister",
+             ncclCommWindowRegister(comm_of(w, i), ex->base[i], ex->bytes, &win, NCCL_WIN_COLL_SYMMETRIC));
+      ex->win[i] = win;
+    }
+    int rc = g.end();
+    if (rc) return rc;
+  }
+  for (int i = 0; i < n; i++) {
+    MOE_CUDA_TRY(ctx, stage, cudaSetDevice(w->devices[i]));
+    int rc = cuda_alloc(ctx, w->devices[i], (size_t)W * sizeof(void *), &ex->peers[i]);
+    if (rc) return rc;
+    peer_bases_kernel<<<1, 256, 0, xstream(ex, i)>>>((ncclWindow_t)ex->win[i], W, (void **)ex->peers[i]);
+    MOE_CUDA_LAUNCHED(ctx, stage);
+    MOE_CUDA_TRY(ctx, stage, cudaMemcpyAsync(ex->hpeers + (size_t)i * W, ex->peers[i], (size_t)W * sizeof(void *),
+                                             cudaMemcpyDeviceToHost, xstream(ex, i)));
+    MOE_CUDA_TRY(ctx, stage, cudaStreamSynchronize(xstream(ex, i)));
+  }
+  return moe_ok(ctx);
+}
+
+void nccl_exchange_release(moe_world_exchange *ex) {
+  moe_world *w = ex->w;
+  for (int i = 0; i < w->nlocal; i++)
+    if (ex->base[i] && cudaSetDevice(w->devices[i]) == cudaSuccess && !w->failed)
+      (void)cudaStreamSynchronize(stream_of(w, i));
+  if (!w->failed && ncclGroupStart() == ncclSuccess) {
+    for (int i = 0; i < w->nlocal; i++)
+      if (ex->win[i]) (void)ncclCommWindowDeregister(comm_of(w, i), (ncclWindow_t)ex->win[i]);
+    (void)ncclGroupEnd();
+  }
+  for (int i = 0; i < w->nlocal; i++) {
+    if (cudaSetDevice(w->devices[i]) != cudaSuccess) continue;
+    if (ex->base[i]) (void)ncclMemFree(ex->base[i]);
+    if (ex->peers[i]) cuda_free(w->devices[i], ex->peers[i]);
+    ex->win[i] = ex->base[i] = ex->peers[i] = nullptr;
+  }
+  (void)cudaGetLastError();
+}
+
+int nccl_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_dispatch_args *a) {
+  static const char *stage = "world: exchange dispatch";
+  moe_world *w = ex->w;
+  bool unbound;
+  int rc = enter(ctx, w, stage, &unbound);
+  if (rc) return rc;
+  for (int i = 0; i < w->nlocal; i++) {
+    MOE_CUDA_TRY(ctx, stage, cudaSetDevice(w->devices[i]));
+    if ((rc = to_window(ctx, ex, i, ex->x_off, a[i].x, stage))) return rc;
+    if ((rc = barrier(ctx, ex, i, stage))) return rc; // every rank's tokens are in its window
+  }
+  for (int i = 0; i < w->nlocal; i++) {
+    MOE_CUDA_TRY(ctx, stage, cudaSetDevice(w->devices[i]));
+    PullArgs p;
+    memset(&p, 0, sizeof p);
+    p.peers = (char *const *)ex->peers[i];
+    p.x_off = ex->x_off;
+    p.peer_rank = (const int32_t *)a[i].peer_rank->data;
+    p.peer_route = (const int32_t *)a[i].peer_route->data;
+    p.route_row = (const int32_t *)a[i].route_row->data;
+    p.C = a[i].xs->shape[0], p.W = w->size, p.T = ex->tokens, p.K = ex->k;
+    p.zero_fill = a[i].zero_fill != 0;
+    const int64_t H = ex->hidden;
+    if (p.C && H) {
+      // the windows' regions start on 4096-byte boundaries: only xs decides the piece
+      const uintptr_t pxs = (uintptr_t)a[i].xs->data;
+      if (H % 8 == 0 && pxs % 16 == 0) rc = launch_pull<uint4>(ctx, xstream(ex, i), (uint4 *)a[i].xs->data, p, H, stage);
+      else if (H % 2 == 0 && pxs % 4 == 0)
+        rc = launch_pull<uint32_t>(ctx, xstream(ex, i), (uint32_t *)a[i].xs->data, p, H, stage);
+      else rc = launch_pull<uint16_t>(ctx, xstream(ex, i), (uint16_t *)a[i].xs->data, p, H, stage);
+      if (rc) return rc;
+    }
+    if ((rc = barrier(ctx, ex, i, stage))) return rc; // no rank rewrites its window while a peer reads it
+  }
+  return leave(ctx, w, stage, unbound);
+}
+
+int nccl_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_combine_args *a) {
+  static const char *stage = "world: exchange combine";
+  moe_world *w = ex->w;
+  const int W = w->size;
+  bool unbound;
+  int rc = enter(ctx, w, stage, &unbound);
+  if (rc) return rc;
+  for (int i = 0; i < w->nlocal; i++) {
+    MOE_CUDA_TRY(ctx, stage, cudaSetDevice(w->devices[i]));
+    if ((rc = to_window(ctx, ex, i, ex->ys_off, a[i].ys, stage))) return rc;
+    if ((rc = to_window(ctx, ex, i, ex->rr_off, a[i].route_row, stage))) return rc;
+    if ((rc = barrier(ctx, ex, i, stage))) return rc; // every owner's ys and route_row are in its window
+  }
+  // Owner o's ys and route_row, read in place through its window: moe_combine's own arguments
+  // for a world of W ranks, so the same kernel gives the same bits.
+  std::vector<moe_tensor> views((size_t)(2 * W));
+  std::vector<const moe_tensor *> ys((size_t)W), rr((size_t)W);
+  for (int i = 0; i < w->nlocal; i++) {
+    for (int o = 0; o < W; o++) {
+      char *base = (char *)ex->hpeers[(size_t)i * W + o];
+      moe_tensor &y = views[(size_t)(2 * o)], &r = views[(size_t)(2 * o + 1)];
+      y = ex->ys[i];
+      y.data = base + ex->ys_off;
+      r = *a[i].route_row;
+      r.owns_data = 0;
+      r.data = base + ex->rr_off;
+      ys[(size_t)o] = &y;
+      rr[(size_t)o] = &r;
+    }
+    moe_combine_args c;
+    memset(&c, 0, sizeof c);
+    c.out = a[i].out;
+    c.weights = a[i].weights;
+    c.ids = a[i].ids;
+    c.ys = ys.data();
+    c.route_row = rr.data();
+    c.world = W;
+    c.experts = a[i].experts;
+    c.rank = w->ranks[i];
+    c.shared = a[i].shared;
+    c.shared_gate = a[i].shared_gate;
+    StreamCtx sc(w, i);
+    if ((rc = sc.pass(ctx, combine_cuda(&sc.c, &c)))) return rc;
+    if ((rc = barrier(ctx, ex, i, stage))) return rc; // no owner rewrites its window while a peer reads it
   }
   return leave(ctx, w, stage, unbound);
 }

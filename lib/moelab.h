@@ -313,6 +313,8 @@ typedef struct moe_world_dispatch_args {
   const moe_tensor *peer_route; /* i32 [C] */
   int k;
   int zero_fill;
+  const moe_tensor *route_row;  /* i32 [W, T*K], this rank's schedule: the direct exchange's
+                                   (moe_world_exchange_dispatch) only; the all-gather ignores it */
 } moe_world_dispatch_args;
 MOE_API int moe_world_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a);
 
@@ -338,6 +340,34 @@ typedef struct moe_world_combine_args {
   const moe_tensor *shared_gate;  /* f32 [T] or NULL */
 } moe_world_combine_args;
 MOE_API int moe_world_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a);
+
+/* The direct exchange.  Every rank's tokens x [T, H], expert outputs ys [C, H] and route_row
+ * [W, T*K] live in NCCL symmetric memory (a window per rank: ncclMemAlloc +
+ * ncclCommWindowRegister), which the peers read over NVLink with plain loads.  Dispatch on owner
+ * o reads each (source rank, token) that has a route on o once, into the row of its first such
+ * route (lowest k), and copies that row locally to the token's other routes on o; combine on
+ * source p reads its routes' rows straight from the owners' ys and sums them with moe_combine's
+ * kernel.  So only the rows that must move cross NVLink, and the results equal the all-gather
+ * exchange's (and the simulated world's) bit for bit.  Each exchange starts and ends with a
+ * barrier on the device (flags in the windows, system-scope release and acquire), so nothing
+ * waits on the host and a bound context captures it.  It needs every rank reachable by loads
+ * (one NVLink domain, in practice one host); elsewhere open fails with MOE_ERR_UNSUPPORTED and
+ * the all-gather exchange above is the way.
+ * Open and close are collective: every rank calls them, with the same sizes. */
+typedef struct moe_world_exchange moe_world_exchange;
+MOE_API int moe_world_exchange_open(moe_ctx *ctx, moe_world *w, int64_t tokens, int k, int64_t hidden,
+                                    int64_t capacity, moe_world_exchange **out);
+/* NULL is a no-op.  A world closed before its exchanges stays open until the last is closed. */
+MOE_API void moe_world_exchange_close(moe_world_exchange *ex);
+/* Views of local rank i's window: x bf16 [T, H] and ys bf16 [C, H] (either pointer may be
+ * NULL).  A rank that writes its tokens into x and its experts' output into ys saves the
+ * exchange a local copy of each; any other x and ys are copied in first.  The views do not own
+ * the memory (free them with moe_tensor_free) and die with the exchange. */
+MOE_API int moe_world_exchange_views(moe_ctx *ctx, moe_world_exchange *ex, int i, moe_tensor **x, moe_tensor **ys);
+/* moe_world_dispatch's arguments per local rank, x_all unused, route_row required. */
+MOE_API int moe_world_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_dispatch_args *a);
+/* moe_world_combine's arguments per local rank; the send and receive scratch are unused. */
+MOE_API int moe_world_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_combine_args *a);
 
 /* MOE_CDEF_END */
 

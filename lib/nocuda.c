@@ -108,3 +108,16 @@ int nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a) {
   (void)w, (void)a;
   return NO_CUDA("world: combine");
 }
+int nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex) {
+  (void)ex;
+  return NO_CUDA("world: exchange");
+}
+void nccl_exchange_release(moe_world_exchange *ex) { (void)ex; }
+int nccl_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_dispatch_args *a) {
+  (void)ex, (void)a;
+  return NO_CUDA("world: exchange dispatch");
+}
+int nccl_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_combine_args *a) {
+  (void)ex, (void)a;
+  return NO_CUDA("world: exchange combine");
+}

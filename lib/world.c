@@ -361,6 +361,180 @@ int moe_world_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *
   return nccl_combine(ctx, w, args);
 }
 
+/* ---- the direct exchange ---- */
+
+static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+int moe_world_exchange_open(moe_ctx *ctx, moe_world *w, int64_t tokens, int k, int64_t hidden, int64_t capacity,
+                            moe_world_exchange **out) {
+  static const char *stage = "world: exchange";
+  if (!out) return moe_seterr(ctx, MOE_ERR_ARG, "%s: out is NULL", stage);
+  *out = NULL;
+  if (!w) return moe_seterr(ctx, MOE_ERR_ARG, "%s: the world is NULL", stage);
+  if (ctx && ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "%s: open is not allowed during a graph capture", stage);
+  if (tokens < 1 || k < 1 || hidden < 1 || capacity < 0)
+    return moe_seterr(ctx, MOE_ERR_ARG,
+                      "%s: tokens, k and hidden must be >= 1 and capacity >= 0, got tokens %lld, k %d, hidden %lld, "
+                      "capacity %lld",
+                      stage, (long long)tokens, k, (long long)hidden, (long long)capacity);
+  const size_t page = 4096, W = (size_t)w->size;
+  if ((uint64_t)tokens > ((uint64_t)1 << 40) / (uint64_t)hidden || (uint64_t)capacity > ((uint64_t)1 << 40) / (uint64_t)hidden ||
+      (uint64_t)tokens * (uint64_t)k > INT32_MAX)
+    return moe_seterr(ctx, MOE_ERR_ARG, "%s: %lld tokens x %lld hidden (capacity %lld, k %d) is too large", stage,
+                      (long long)tokens, (long long)hidden, (long long)capacity, k);
+  moe_world_exchange *ex = calloc(1, sizeof *ex);
+  if (!ex) return moe_seterr(ctx, MOE_ERR_NOMEM, "%s: out of host memory", stage);
+  ex->w = w;
+  ex->tokens = tokens, ex->k = k, ex->hidden = hidden, ex->capacity = capacity;
+  ex->x_off = 0;
+  ex->ys_off = round_up((size_t)tokens * (size_t)hidden * 2, page);
+  ex->rr_off = ex->ys_off + round_up((size_t)capacity * (size_t)hidden * 2, page);
+  ex->flags_off = ex->rr_off + round_up(W * (size_t)tokens * (size_t)k * 4, page);
+  ex->bytes = ex->flags_off + round_up((W + 1) * 4, page);
+  const size_t n = (size_t)w->nlocal;
+  ex->base = calloc(n, sizeof *ex->base);
+  ex->win = calloc(n, sizeof *ex->win);
+  ex->peers = calloc(n, sizeof *ex->peers);
+  ex->hpeers = calloc(n * W, sizeof *ex->hpeers);
+  ex->x = calloc(n, sizeof *ex->x);
+  ex->ys = calloc(n, sizeof *ex->ys);
+  if (!ex->base || !ex->win || !ex->peers || !ex->hpeers || !ex->x || !ex->ys) {
+    free(ex->base), free(ex->win), free(ex->peers), free(ex->hpeers), free(ex->x), free(ex->ys), free(ex);
+    return moe_seterr(ctx, MOE_ERR_NOMEM, "%s: out of host memory", stage);
+  }
+  world_graph_ref(w); /* the communicators must outlive the windows */
+  int rc = nccl_exchange_open(ctx, ex);
+  if (rc) {
+    moe_world_exchange_close(ex);
+    return rc;
+  }
+  for (size_t i = 0; i < n; i++) {
+    moe_tensor *v[2] = {&ex->x[i], &ex->ys[i]};
+    const int64_t rows[2] = {tokens, capacity};
+    const size_t off[2] = {ex->x_off, ex->ys_off};
+    for (int j = 0; j < 2; j++) {
+      v[j]->dtype = MOE_BF16;
+      v[j]->ndim = 2;
+      v[j]->shape[0] = rows[j], v[j]->shape[1] = hidden;
+      v[j]->numel = rows[j] * hidden;
+      v[j]->device.kind = MOE_CUDA, v[j]->device.index = w->devices[i];
+      v[j]->data = (char *)ex->base[i] + off[j];
+      v[j]->owns_data = 0;
+    }
+  }
+  *out = ex;
+  return moe_ok(ctx);
+}
+
+void moe_world_exchange_close(moe_world_exchange *ex) {
+  if (!ex) return;
+  nccl_exchange_release(ex);
+  free(ex->base), free(ex->win), free(ex->peers), free(ex->hpeers), free(ex->x), free(ex->ys);
+  moe_world *w = ex->w;
+  free(ex);
+  world_graph_unref(w);
+}
+
+int moe_world_exchange_views(moe_ctx *ctx, moe_world_exchange *ex, int i, moe_tensor **x, moe_tensor **ys) {
+  static const char *stage = "world: exchange views";
+  if (!ex) return moe_seterr(ctx, MOE_ERR_ARG, "%s: the exchange is NULL", stage);
+  if (i < 0 || i >= ex->w->nlocal)
+    return moe_seterr(ctx, MOE_ERR_ARG, "%s: local rank %d does not exist (this process holds %d)", stage, i,
+                      ex->w->nlocal);
+  moe_tensor *out[2] = {NULL, NULL};
+  const moe_tensor *from[2] = {&ex->x[i], &ex->ys[i]};
+  moe_tensor **to[2] = {x, ys};
+  for (int j = 0; j < 2; j++) {
+    if (!to[j]) continue;
+    out[j] = malloc(sizeof *out[j]);
+    if (!out[j]) {
+      free(out[0]);
+      return moe_seterr(ctx, MOE_ERR_NOMEM, "%s: out of host memory", stage);
+    }
+    *out[j] = *from[j];
+  }
+  if (x) *x = out[0];
+  if (ys) *ys = out[1];
+  return moe_ok(ctx);
+}
+
+/* The exchange's sizes must be the call's: the windows are laid out for them on every rank. */
+static int check_sizes(moe_ctx *ctx, const char *stage, const moe_world_exchange *ex, int i, int64_t T, int64_t K,
+                       int64_t H, int64_t C) {
+  if (T == ex->tokens && K == ex->k && H == ex->hidden && C == ex->capacity) return MOE_OK;
+  return moe_seterr(ctx, MOE_ERR_ARG,
+                    "%s: local rank %d: tokens %lld, k %lld, hidden %lld, capacity %lld differ from the exchange's "
+                    "(%lld, %lld, %lld, %lld)",
+                    stage, i, (long long)T, (long long)K, (long long)H, (long long)C, (long long)ex->tokens,
+                    (long long)ex->k, (long long)ex->hidden, (long long)ex->capacity);
+}
+
+int moe_world_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_dispatch_args *args) {
+  static const char *stage = "world: exchange dispatch";
+  if (!ex || !args) return moe_seterr(ctx, MOE_ERR_ARG, "%s: NULL argument", stage);
+  const moe_world *w = ex->w;
+  int rc;
+  for (int i = 0; i < w->nlocal; i++) {
+    const moe_world_dispatch_args *a = &args[i];
+    if ((rc = moe_check_tensor(ctx, stage, "x", a->x, MOE_BF16, 2, NULL))) return rc;
+    const int64_t T = a->x->shape[0], H = a->x->shape[1];
+    const int64_t xs_shape[] = {-1, H};
+    if ((rc = moe_check_tensor(ctx, stage, "xs", a->xs, MOE_BF16, 2, xs_shape))) return rc;
+    const int64_t C = a->xs->shape[0], row_shape[] = {C}, rr[] = {w->size, T * a->k};
+    if ((rc = moe_check_tensor(ctx, stage, "peer_rank", a->peer_rank, MOE_I32, 1, row_shape))) return rc;
+    if ((rc = moe_check_tensor(ctx, stage, "peer_route", a->peer_route, MOE_I32, 1, row_shape))) return rc;
+    if (a->k < 1) return moe_seterr(ctx, MOE_ERR_ARG, "%s: k must be >= 1, got %d", stage, a->k);
+    if ((rc = moe_check_tensor(ctx, stage, "route_row", a->route_row, MOE_I32, 2, rr))) return rc;
+    if ((rc = check_sizes(ctx, stage, ex, i, T, a->k, H, C))) return rc;
+    const moe_tensor *ts[] = {a->xs, a->x, a->peer_rank, a->peer_route, a->route_row};
+    static const char *names[] = {"xs", "x", "peer_rank", "peer_route", "route_row"};
+    for (int j = 0; j < 5; j++)
+      if ((rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
+    if (a->xs->data == ex->x[i].data || a->xs->data == ex->ys[i].data)
+      return moe_seterr(ctx, MOE_ERR_ARG, "%s: xs may not be the exchange's own x or ys", stage);
+  }
+  return nccl_exchange_dispatch(ctx, ex, args);
+}
+
+int moe_world_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_combine_args *args) {
+  static const char *stage = "world: exchange combine";
+  if (!ex || !args) return moe_seterr(ctx, MOE_ERR_ARG, "%s: NULL argument", stage);
+  const moe_world *w = ex->w;
+  int rc;
+  char got[160];
+  for (int i = 0; i < w->nlocal; i++) {
+    const moe_world_combine_args *a = &args[i];
+    if ((rc = moe_check_tensor(ctx, stage, "weights", a->weights, MOE_F32, 2, NULL))) return rc;
+    const int64_t T = a->weights->shape[0], K = a->weights->shape[1];
+    const int64_t tk[] = {T, K};
+    if ((rc = moe_check_tensor(ctx, stage, "ids", a->ids, MOE_I32, 2, tk))) return rc;
+    if ((rc = moe_check_tensor(ctx, stage, "ys", a->ys, MOE_BF16, 2, NULL))) return rc;
+    const int64_t H = a->ys->shape[1];
+    const int64_t rr[] = {w->size, T * K}, th[] = {T, H}, t1[] = {T};
+    if ((rc = moe_check_tensor(ctx, stage, "route_row", a->route_row, MOE_I32, 2, rr))) return rc;
+    if ((rc = check_sizes(ctx, stage, ex, i, T, K, H, a->ys->shape[0]))) return rc;
+    if (!a->out || (a->out->dtype != MOE_BF16 && a->out->dtype != MOE_F32) || a->out->ndim != 2 ||
+        a->out->shape[0] != T || a->out->shape[1] != H)
+      return moe_seterr(ctx, MOE_ERR_ARG, "%s: out must be bf16 or f32 [%lld, %lld], got %s", stage, (long long)T,
+                        (long long)H, moe_tensor_describe(a->out, got, sizeof got));
+    if (a->experts < 1 || a->experts % w->size)
+      return moe_seterr(ctx, MOE_ERR_ARG, "%s: experts must be a positive multiple of the world size %d, got %d", stage,
+                        w->size, a->experts);
+    if (a->shared && (rc = moe_check_tensor(ctx, stage, "shared", a->shared, MOE_BF16, 2, th))) return rc;
+    if (a->shared_gate) {
+      if (!a->shared) return moe_seterr(ctx, MOE_ERR_ARG, "%s: shared_gate is given without shared", stage);
+      if ((rc = moe_check_tensor(ctx, stage, "shared_gate", a->shared_gate, MOE_F32, 1, t1))) return rc;
+    }
+    const moe_tensor *ts[] = {a->out, a->weights, a->ids, a->ys, a->route_row, a->shared, a->shared_gate};
+    static const char *names[] = {"out", "weights", "ids", "ys", "route_row", "shared", "shared_gate"};
+    for (int j = 0; j < 7; j++)
+      if (ts[j] && (rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
+    if (a->out->data == ex->x[i].data || a->out->data == ex->ys[i].data)
+      return moe_seterr(ctx, MOE_ERR_ARG, "%s: out may not be the exchange's own x or ys", stage);
+  }
+  return nccl_exchange_combine(ctx, ex, args);
+}
+
 /* ---- a build with CUDA but without NCCL ---- */
 #ifdef MOE_WORLD_STUBS
 #define NO_NCCL(what) moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "world: %s: this moelab was built without NCCL", what)
@@ -397,5 +571,18 @@ int nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a) 
 int nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a) {
   (void)w, (void)a;
   return NO_NCCL("combine");
+}
+int nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex) {
+  (void)ex;
+  return NO_NCCL("exchange");
+}
+void nccl_exchange_release(moe_world_exchange *ex) { (void)ex; }
+int nccl_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_dispatch_args *a) {
+  (void)ex, (void)a;
+  return NO_NCCL("exchange dispatch");
+}
+int nccl_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_combine_args *a) {
+  (void)ex, (void)a;
+  return NO_NCCL("exchange combine");
 }
 #endif

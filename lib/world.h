@@ -21,8 +21,21 @@ struct moe_world {
   void **comms;   /* [nlocal] ncclComm_t; NULL until made */
   void **streams; /* [nlocal] cudaStream_t on devices[i]; NULL until made */
   int failed;     /* an NCCL call failed: close aborts instead of finalising (no waiting on peers) */
-  int graphs;     /* live graphs that captured an exchange of this world (world_graph_ref) */
+  int graphs;     /* live graphs that captured an exchange of this world, and open direct
+                     exchanges (world_graph_ref): each keeps the communicators alive */
   int closed;     /* moe_world_close was called while graphs > 0: released with the last one */
+};
+
+/* The direct exchange's windows, one per local rank, all laid out alike. */
+struct moe_world_exchange {
+  moe_world *w;
+  int64_t tokens, k, hidden, capacity;
+  size_t x_off, ys_off, rr_off, flags_off, bytes; /* x [T, H], ys [C, H], route_row [W, T*K], flags */
+  void **base;   /* [nlocal] the window's memory (ncclMemAlloc) */
+  void **win;    /* [nlocal] ncclWindow_t */
+  void **peers;  /* [nlocal] device array [W] of every rank's window base, as local rank i sees it */
+  void **hpeers; /* [nlocal * W] the same on the host */
+  moe_tensor *x, *ys; /* [nlocal] views of the windows */
 };
 
 /* MOE_OK when this build can open a world, else MOE_ERR_UNSUPPORTED with the reason. */
@@ -43,6 +56,12 @@ int nccl_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe
 int nccl_gather_configs(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs, moe_world_config *all);
 int nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a);
 int nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a);
+/* Allocates and registers ex's windows (layout already set in ex); on failure what was made
+ * is left in ex for nccl_exchange_release. */
+int nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex);
+void nccl_exchange_release(moe_world_exchange *ex);
+int nccl_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_dispatch_args *a);
+int nccl_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_combine_args *a);
 
 #ifdef __cplusplus
 }

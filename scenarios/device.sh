@@ -49,6 +49,7 @@ for s in $steps; do
       run "ncu-experts-$k" 300 env MOE_EXPERTS_BENCH="$k" ncu -f -o "$f" --import-source yes --set full \
         -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/gpu_tests/test_experts_gpu --bench-only
       ncu_pages "$f" ;;
+    exchange) run exchange 400 build/exchange_bench ${EXCHANGE_ARGS:-} ;;
     kimi) run kimi 400 lua scenarios/kimi.lua --json "$out/kimi.json" ;;
     scheduler) run scheduler 300 lua scenarios/scheduler.lua --json "$out/scheduler.json" ;;
     experts) run experts 400 lua scenarios/experts.lua --json "$out/experts.json" ;;

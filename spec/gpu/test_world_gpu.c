@@ -73,6 +73,89 @@ static void sched_free(Sched *s) {
 
 /* ---- one rank ---- */
 
+/* The direct exchange of a world of one rank against the plain stages: x and ys given from
+ * outside the windows and written into them, a graph replayed on new routing, bad sizes. */
+static void direct_one_rank(moe_world *w, const char *how, moe_device d, Sched *s, moe_tensor *all, moe_tensor *ids,
+                            moe_tensor *x, moe_tensor *ys, moe_tensor *wts, moe_schedule_args sa, int64_t T, int64_t K,
+                            int64_t H, int64_t C) {
+  const int E = sa.experts;
+  moe_world_exchange *ex = NULL;
+  int rc = moe_world_exchange_open(ctx, w, T, (int)K, H, C, &ex);
+  check(rc == MOE_OK, "%s: direct exchange opens (%s)", how, rc ? moe_errmsg(ctx) : "ok");
+  if (rc) return;
+  moe_tensor *wx = NULL, *wys = NULL;
+  TRY(moe_world_exchange_views(ctx, ex, 0, &wx, &wys));
+  moe_tensor *x3 = T3(ctx, MOE_BF16, d, 1, T, H), *xs = T2(ctx, MOE_BF16, d, C, H), *xs_ref = T2(ctx, MOE_BF16, d, C, H);
+  moe_tensor *out = T2(ctx, MOE_BF16, d, T, H), *ref = T2(ctx, MOE_BF16, d, T, H);
+  moe_dispatch_args pa = {xs_ref, x3, s->peer_rank, s->peer_route, (int)K, 1};
+  const moe_tensor *yl[] = {ys}, *rl[] = {s->route_row};
+  moe_combine_args pc = {ref, wts, ids, yl, rl, 1, E, 0, NULL, NULL};
+  moe_world_dispatch_args da = {xs, NULL, x, s->peer_rank, s->peer_route, (int)K, 1, s->route_row};
+  moe_world_combine_args ca = {out, wts, ids, ys, s->route_row, NULL, NULL, NULL, NULL, E, NULL, NULL};
+  for (int in_window = 0; in_window < 2; in_window++) {
+    const char *where = in_window ? "x and ys in the windows" : "x and ys copied in";
+    if (in_window) {
+      TRY(moe_tensor_copy(ctx, wx, x));
+      TRY(moe_tensor_copy(ctx, wys, ys));
+      da.x = wx, ca.ys = wys;
+    }
+    TRY(moe_tensor_fill(ctx, xs, 7.0f));
+    TRY(moe_tensor_fill(ctx, out, 7.0f));
+    TRY(moe_tensor_copy(ctx, x3, x));
+    TRY(moe_dispatch(ctx, &pa));
+    TRY(moe_combine(ctx, &pc));
+    TRY(moe_world_exchange_dispatch(ctx, ex, &da));
+    TRY(moe_world_exchange_combine(ctx, ex, &ca));
+    check(same(ctx, xs, xs_ref), "%s: direct dispatch equals dispatch bit for bit (%s)", how, where);
+    check(same(ctx, out, ref), "%s: direct combine equals combine bit for bit (%s)", how, where);
+  }
+  da.x = x, ca.ys = ys;
+
+  /* captured with the schedule, replayed on new routing and tokens */
+  moe_graph *g = NULL;
+  TRY(moe_graph_begin(ctx, d));
+  int r1 = moe_world_allgather_ids(ctx, w, &all, (const moe_tensor *const *)&ids);
+  int r2 = moe_schedule(ctx, &sa);
+  int r3 = moe_world_exchange_dispatch(ctx, ex, &da);
+  int r4 = moe_world_exchange_combine(ctx, ex, &ca);
+  int r5 = moe_graph_end(ctx, &g);
+  check(!(r1 || r2 || r3 || r4 || r5), "%s: the direct exchange captures as a graph (%s)", how,
+        r1 || r2 || r3 || r4 || r5 ? moe_errmsg(ctx) : "ok");
+  for (int round = 0; g && round < 3; round++) {
+    moe_tensor *ids2 = random_ids(ctx, CPU, (int)T, (int)K, E, 40 + round);
+    TRY(moe_tensor_copy(ctx, ids, ids2));
+    TRY(moe_tensor_randn(ctx, x, 50 + round, 1.0f));
+    TRY(moe_tensor_randn(ctx, ys, 60 + round, 1.0f));
+    TRY(moe_tensor_fill(ctx, xs, 7.0f));
+    TRY(moe_tensor_fill(ctx, out, 7.0f));
+    TRY(moe_graph_replay(ctx, g));
+    TRY(moe_ctx_synchronize(ctx, d));
+    TRY(moe_tensor_copy(ctx, x3, x));
+    TRY(moe_dispatch(ctx, &pa));
+    TRY(moe_combine(ctx, &pc));
+    check(same(ctx, xs, xs_ref) && same(ctx, out, ref),
+          "%s: direct replay %d on new routing equals dispatch and combine bit for bit", how, round);
+    moe_tensor_free(ids2);
+  }
+  if (g) moe_graph_free(g);
+
+  /* sizes that are not the exchange's, and its own buffers as outputs */
+  moe_tensor *small = T2(ctx, MOE_BF16, d, C - 1, H);
+  moe_world_combine_args bad = ca;
+  bad.ys = small;
+  rc = moe_world_exchange_combine(ctx, ex, &bad);
+  check(rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), "differ from the exchange's"),
+        "%s: a capacity other than the exchange's is refused: %s", how, moe_errmsg(ctx));
+  moe_world_dispatch_args bd = da;
+  bd.xs = wys;
+  rc = moe_world_exchange_dispatch(ctx, ex, &bd);
+  check(rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), "xs may not be"), "%s: xs in the window is refused: %s", how,
+        moe_errmsg(ctx));
+  moe_tensor *ts[] = {x3, xs, xs_ref, out, ref, small, wx, wys};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_free(ts[i]);
+  moe_world_exchange_close(ex);
+}
+
 static void one_rank(moe_world *w, const char *how) {
   const int T = 45, K = 6, E = 12, H = 136, C = 512, pad = 8;
   const moe_device d = gpu(moe_world_local_device(w, 0));
@@ -92,7 +175,7 @@ static void one_rank(moe_world *w, const char *how) {
   moe_tensor *x = T2(ctx, MOE_BF16, d, T, H), *x_all = T3(ctx, MOE_BF16, d, 1, T, H);
   TRY(moe_tensor_randn(ctx, x, 7, 1.0f));
   moe_tensor *xs = T2(ctx, MOE_BF16, d, C, H), *xs_ref = T2(ctx, MOE_BF16, d, C, H);
-  moe_world_dispatch_args da = {xs, x_all, x, s.peer_rank, s.peer_route, K, 1};
+  moe_world_dispatch_args da = {xs, x_all, x, s.peer_rank, s.peer_route, K, 1, s.route_row};
   TRY(moe_world_dispatch(ctx, w, &da));
   moe_dispatch_args pa = {xs_ref, x_all, s.peer_rank, s.peer_route, K, 1};
   TRY(moe_dispatch(ctx, &pa));
@@ -172,6 +255,7 @@ static void one_rank(moe_world *w, const char *how) {
     moe_tensor_free(ids2);
     moe_graph_free(g);
   }
+  direct_one_rank(w, how, d, &s, all, ids, x, ys, wts, sa, T, K, H, C);
   sched_free(&s);
   moe_tensor *ts[] = {ids, all, x, x_all, xs, xs_ref, ys, wts, sr, rr, si, ri, out, ref};
   for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_free(ts[i]);
@@ -240,12 +324,39 @@ static void ranks(int W) {
   moe_world_dispatch_args da[MAXW];
   moe_world_combine_args ca[MAXW];
   for (int r = 0; r < W; r++) {
-    moe_world_dispatch_args d = {xs[r], x_all[r], x[r], s[r].peer_rank, s[r].peer_route, K, 1};
+    moe_world_dispatch_args d = {xs[r], x_all[r], x[r], s[r].peer_rank, s[r].peer_route, K, 1, s[r].route_row};
     moe_world_combine_args c = {out[r], wts[r], ids[r], ys[r], s[r].route_row, sr[r], rr[r], si[r], ri[r], E, NULL, NULL};
     da[r] = d, ca[r] = c;
   }
   TRY(moe_world_dispatch(ctx, w, da));
   TRY(moe_world_combine(ctx, w, ca));
+
+  /* the direct exchange: the same bits as the all-gather one (checked against the simulated
+   * world below), twice in a row (the barriers' second round) */
+  moe_world_exchange *ex = NULL;
+  rc = moe_world_exchange_open(ctx, w, T, K, H, C, &ex);
+  check(rc == MOE_OK, "W=%d: direct exchange opens (%s)", W, rc ? moe_errmsg(ctx) : "ok");
+  for (int round = 0; ex && round < 2; round++) {
+    moe_world_dispatch_args dd[MAXW];
+    moe_world_combine_args dc[MAXW];
+    moe_tensor *dxs[MAXW], *dout[MAXW];
+    for (int r = 0; r < W; r++) {
+      dxs[r] = T2(rc_[r], MOE_BF16, gpu(r), C, H), dout[r] = T2(rc_[r], MOE_BF16, gpu(r), T, H);
+      TRY_ON(rc_[r], moe_tensor_fill(rc_[r], dxs[r], 7.0f));
+      TRY_ON(rc_[r], moe_tensor_fill(rc_[r], dout[r], 7.0f));
+      dd[r] = da[r], dc[r] = ca[r];
+      dd[r].xs = dxs[r], dd[r].x_all = NULL, dc[r].out = dout[r];
+    }
+    TRY(moe_world_exchange_dispatch(ctx, ex, dd));
+    TRY(moe_world_exchange_combine(ctx, ex, dc));
+    for (int r = 0; r < W; r++) {
+      TRY_ON(rc_[r], moe_ctx_synchronize(rc_[r], gpu(r)));
+      check(same(ctx, dxs[r], xs[r]), "W=%d: round %d: rank %d: direct dispatch equals the all-gather one", W, round, r);
+      check(same(ctx, dout[r], out[r]), "W=%d: round %d: rank %d: direct combine equals the all-gather one", W, round, r);
+      moe_tensor_free(dxs[r]), moe_tensor_free(dout[r]);
+    }
+  }
+  moe_world_exchange_close(ex);
 
   /* the simulated world on cuda:0 */
   const moe_tensor *sim_ys[MAXW], *sim_rr[MAXW];
