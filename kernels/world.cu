@@ -539,6 +539,18 @@ int nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex) {
   moe_world *w = ex->w;
   const int W = w->size, n = w->nlocal;
   if (W > 1024) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: at most 1024 ranks, got %d", stage, W);
+  if (W == 1) {
+    // NCCL has no symmetric memory for a communicator of one rank, nor any need: the one
+    // rank reads its own memory.
+    int rc = cuda_alloc(ctx, w->devices[0], ex->bytes, &ex->base[0]);
+    if (!rc) rc = cuda_alloc(ctx, w->devices[0], sizeof(void *), &ex->peers[0]);
+    if (rc) return rc;
+    ex->hpeers[0] = ex->base[0];
+    MOE_CUDA_TRY(ctx, stage, cudaSetDevice(w->devices[0]));
+    MOE_CUDA_TRY(ctx, stage, cudaMemset((char *)ex->base[0] + ex->flags_off, 0, ex->bytes - ex->flags_off));
+    MOE_CUDA_TRY(ctx, stage, cudaMemcpy(ex->peers[0], &ex->base[0], sizeof(void *), cudaMemcpyHostToDevice));
+    return moe_ok(ctx);
+  }
   // Every rank must be reachable by loads (NCCL's LSA team is the whole world).
   {
     std::vector<ncclDevComm> dc((size_t)n);
@@ -568,12 +580,11 @@ int nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex) {
   }
   {
     Group g(ctx, w);
-    for (int i = 0; i < n && g.ok(); i++) {
-      ncclWindow_t win = nullptr;
+    // the handle is written at ncclGroupEnd: it must point at memory that lives until then
+    for (int i = 0; i < n && g.ok(); i++)
       g.call(i, "ncclCommWindowRegister",
-             ncclCommWindowRegister(comm_of(w, i), ex->base[i], ex->bytes, &win, NCCL_WIN_COLL_SYMMETRIC));
-      ex->win[i] = win;
-    }
+             ncclCommWindowRegister(comm_of(w, i), ex->base[i], ex->bytes, (ncclWindow_t *)&ex->win[i],
+                                    NCCL_WIN_COLL_SYMMETRIC));
     int rc = g.end();
     if (rc) return rc;
   }
@@ -602,7 +613,8 @@ void nccl_exchange_release(moe_world_exchange *ex) {
   }
   for (int i = 0; i < w->nlocal; i++) {
     if (cudaSetDevice(w->devices[i]) != cudaSuccess) continue;
-    if (ex->base[i]) (void)ncclMemFree(ex->base[i]);
+    if (ex->base[i] && w->size == 1) cuda_free(w->devices[i], ex->base[i]);
+    else if (ex->base[i]) (void)ncclMemFree(ex->base[i]);
     if (ex->peers[i]) cuda_free(w->devices[i], ex->peers[i]);
     ex->win[i] = ex->base[i] = ex->peers[i] = nullptr;
   }
