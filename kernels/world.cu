@@ -450,39 +450,54 @@ struct PullArgs {
   int zero_fill;
 };
 
-// Dispatch of the direct exchange, in two passes over xs's rows (row r holds route q = t*K + k
-// of source rank p, by peer_rank and peer_route).  Pass 0 reads token t from rank p's window
-// into the row of the token's first route on this rank (no k' < k with a row in route_row[p]),
-// and zero-fills empty rows when asked; pass 1 copies that row locally to the token's other
-// routes on this rank.  A row whose first route's row does not hold that first route (schedule
-// data that is not a schedule's) reads the token from the peer instead, so any data gives what
-// dispatch_cpu gives.
-template <typename V>
-__global__ void __launch_bounds__(XTHREADS) pull_kernel(V *__restrict__ xs, PullArgs a, int pass) {
+// Dispatch of the direct exchange: row r of xs holds route q = t*K + k of source rank p (by
+// peer_rank and peer_route).  Each (p, t) crosses NVLink once: the row of the token's first route
+// on this rank (no k' < k with a row in route_row[p]) reads token t from rank p's window and
+// writes it to its own row and to the rows of the token's later routes on this rank; those rows
+// skip themselves.  Every check is on the rows' own peer data, so schedule data that is not a
+// schedule's still gives what dispatch_cpu gives (a row is written by itself or by a first that
+// reads the same token).  With more than kExtra + 1 routes per token (K > 16) every row reads its
+// own token.
+constexpr int kExtra = 15;
+
+template <typename V, bool kDedup>
+__global__ void __launch_bounds__(XTHREADS) pull_kernel(V *__restrict__ xs, PullArgs a) {
   __shared__ const V *src[XMAX_RB];
-  __shared__ int keep[XMAX_RB];
+  __shared__ int keep[XMAX_RB], nextra[XMAX_RB];
+  __shared__ int32_t extra[XMAX_RB][kDedup ? kExtra : 1];
   const int64_t r0 = (int64_t)blockIdx.x * a.rb;
   const int nr = (int)(a.C - r0 < a.rb ? a.C - r0 : a.rb);
   const int64_t TK = a.T * a.K;
   for (int j = threadIdx.x; j < nr; j += XTHREADS) {
-    const int64_t p = a.peer_rank[r0 + j], q = a.peer_route[r0 + j];
+    const int64_t r = r0 + j, p = a.peer_rank[r], q = a.peer_route[r];
     const V *from = nullptr;
-    int put = 0;
+    int put = 0, ne = 0;
     if (p >= 0 && p < a.W && q >= 0 && q < TK) {
       const int64_t t = q / a.K, k = q - t * a.K;
-      const int32_t *rr = a.route_row + p * TK + t * a.K;
-      int64_t first = -1, kf = -1;
-      for (int64_t k2 = 0; k2 < k && first < 0; k2++)
-        if (rr[k2] >= 0 && rr[k2] < a.C) first = rr[k2], kf = k2;
-      const bool dup = first >= 0 && a.peer_rank[first] == p && a.peer_route[first] == t * a.K + kf;
-      if (pass == 1 && dup) from = xs + first * a.pieces, put = 1;
-      else if (pass == (first >= 0 ? 1 : 0))
-        from = (const V *)(a.peers[p] + a.x_off) + t * a.pieces, put = 1;
-    } else if (pass == 0) {
+      bool first = true;
+      if (kDedup) {
+        const int32_t *rr = a.route_row + p * TK + t * a.K;
+        int64_t kf = -1;
+        for (int64_t k2 = 0; k2 < k && kf < 0; k2++)
+          if (rr[k2] >= 0 && rr[k2] < a.C) kf = k2;
+        if (kf >= 0) {
+          const int64_t f = rr[kf];
+          first = !(rr[k] == r && a.peer_rank[f] == p && a.peer_route[f] == t * a.K + kf);
+        } else {
+          for (int64_t k2 = k + 1; k2 < a.K; k2++) {
+            const int64_t d = rr[k2];
+            if (d >= 0 && d < a.C && d != r && a.peer_rank[d] == p && a.peer_route[d] == t * a.K + k2)
+              extra[j][ne++] = (int32_t)d;
+          }
+        }
+      }
+      if (first) from = (const V *)(a.peers[p] + a.x_off) + t * a.pieces, put = 1;
+    } else {
       put = a.zero_fill; // all-zero bits are bf16 +0
     }
     src[j] = from;
     keep[j] = put;
+    nextra[j] = ne;
   }
   __syncthreads();
 
@@ -505,8 +520,14 @@ __global__ void __launch_bounds__(XTHREADS) pull_kernel(V *__restrict__ xs, Pull
       }
     }
 #pragma unroll
-    for (int u = 0; u < XUNROLL; u++)
-      if (put[u]) out[at[u]] = v[u];
+    for (int u = 0; u < XUNROLL; u++) {
+      if (!put[u]) continue;
+      out[at[u]] = v[u];
+      if (kDedup) {
+        const uint32_t j = at[u] / a.pieces, c = at[u] - j * a.pieces;
+        for (int e = 0; e < nextra[j]; e++) xs[(int64_t)extra[j][e] * a.pieces + c] = v[u];
+      }
+    }
   }
 }
 
@@ -516,10 +537,9 @@ int launch_pull(moe_ctx *ctx, cudaStream_t s, V *xs, PullArgs a, int64_t H, cons
   int64_t rb = (4 * XTHREADS * XUNROLL + a.pieces - 1) / a.pieces;
   a.rb = (int)(rb < 1 ? 1 : rb > XMAX_RB ? XMAX_RB : rb);
   const int64_t blocks = (a.C + a.rb - 1) / a.rb;
-  for (int pass = 0; pass < 2; pass++) {
-    pull_kernel<V><<<(unsigned)blocks, XTHREADS, 0, s>>>(xs, a, pass);
-    MOE_CUDA_LAUNCHED(ctx, stage);
-  }
+  if (a.K <= kExtra + 1) pull_kernel<V, true><<<(unsigned)blocks, XTHREADS, 0, s>>>(xs, a);
+  else pull_kernel<V, false><<<(unsigned)blocks, XTHREADS, 0, s>>>(xs, a);
+  MOE_CUDA_LAUNCHED(ctx, stage);
   return MOE_OK;
 }
 

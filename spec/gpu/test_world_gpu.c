@@ -111,6 +111,31 @@ static void direct_one_rank(moe_world *w, const char *how, moe_device d, Sched *
   }
   da.x = x, ca.ys = ys;
 
+  /* peer data that is no schedule's (rows pointing anywhere, repeats, out of range) with the
+   * real route_row: the direct dispatch still gives what dispatch gives */
+  {
+    int32_t *pr = malloc(sizeof(int32_t) * (size_t)C), *pq = malloc(sizeof(int32_t) * (size_t)C);
+    if (!pr || !pq) exit(1);
+    srand(77);
+    for (int64_t r = 0; r < C; r++) {
+      pr[r] = rand() % 8 == 0 ? -1 + rand() % 3 * 2 /* -1 or 1: out of range */ : 0;
+      pq[r] = rand() % 2 ? (int32_t)(r % (T * K)) : (int32_t)(rand() % (T * K + 6)) - 3;
+    }
+    moe_tensor *sp = T1(ctx, MOE_I32, d, C), *sq = T1(ctx, MOE_I32, d, C);
+    TRY(moe_tensor_write(ctx, sp, pr, sizeof(int32_t) * (size_t)C));
+    TRY(moe_tensor_write(ctx, sq, pq, sizeof(int32_t) * (size_t)C));
+    moe_dispatch_args pb = pa;
+    moe_world_dispatch_args db = da;
+    pb.peer_rank = db.peer_rank = sp, pb.peer_route = db.peer_route = sq;
+    TRY(moe_tensor_copy(ctx, x3, x));
+    TRY(moe_tensor_fill(ctx, xs, 7.0f));
+    TRY(moe_dispatch(ctx, &pb));
+    TRY(moe_world_exchange_dispatch(ctx, ex, &db));
+    check(same(ctx, xs, xs_ref), "%s: direct dispatch of peer data that is no schedule's equals dispatch", how);
+    moe_tensor_free(sp), moe_tensor_free(sq);
+    free(pr), free(pq);
+  }
+
   /* captured with the schedule, replayed on new routing and tokens */
   moe_graph *g = NULL;
   TRY(moe_graph_begin(ctx, d));
