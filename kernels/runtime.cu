@@ -30,6 +30,13 @@ int cuda_device_count(int *count) {
 int cuda_ctx_stream(moe_ctx *ctx, int device, cudaStream_t *out) {
   if (!ctx) return MOE_ERR_ARG; // the stream lives in the context: there must be one
   MOE_CUDA_TRY(ctx, "stream", cudaSetDevice(device));
+  // A stream bound to one GPU's rank cannot run another GPU's work: say so rather than launch
+  // on the wrong device's stream.
+  if (ctx->stream && !ctx->owns_stream && ctx->stream_device >= 0 && ctx->stream_device != device)
+    return moe_seterr(ctx, MOE_ERR_ARG,
+                      "stream: the context is bound to a stream of cuda:%d (a world rank's), the tensors are on "
+                      "cuda:%d: bind the rank of that GPU first",
+                      ctx->stream_device, device);
   if (ctx->stream && ctx->owns_stream && ctx->stream_device != device) {
     // A stream belongs to one device.  Outside a capture the context moves to the device now
     // in use; its old stream is drained first so that nothing issued on it is outrun.

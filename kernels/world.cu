@@ -216,8 +216,15 @@ int nccl_bind(moe_ctx *ctx, moe_world *w, int i) {
   if (ctx->stream == w->streams[i]) return moe_ok(ctx);
   if (ctx->capturing)
     return moe_seterr(ctx, MOE_ERR_ARG, "world: bind: not during a graph capture (bind before capturing)");
-  if (ctx->stream) MOE_CUDA_TRY(ctx, "world: bind", cudaStreamSynchronize((cudaStream_t)ctx->stream));
-  return moe_ctx_set_stream(ctx, w->streams[i]);
+  // From another of this world's ranks: no wait.  The ranks' stages are independent (each on
+  // its own GPU and stream) and the exchanges order them, so a process that holds several
+  // ranks can issue each one's stages in turn without stalling the host.
+  bool sibling = false;
+  for (int j = 0; j < w->nlocal; j++) sibling = sibling || ctx->stream == w->streams[j];
+  if (ctx->stream && !sibling) MOE_CUDA_TRY(ctx, "world: bind", cudaStreamSynchronize((cudaStream_t)ctx->stream));
+  int rc = moe_ctx_set_stream(ctx, w->streams[i]);
+  if (!rc) ctx->stream_device = w->devices[i];
+  return rc;
 }
 
 int nccl_unbind(moe_ctx *ctx, moe_world *w) {

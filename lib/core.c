@@ -62,6 +62,7 @@ int moe_ctx_set_stream(moe_ctx *ctx, void *stream) {
   if (ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "set_stream: not during a graph capture");
   if (ctx->owns_stream) cuda_ctx_release(ctx);
   ctx->stream = stream;
+  ctx->stream_device = -1; /* not known for a caller's stream; a world's bind sets it */
   return moe_ok(ctx);
 }
 

@@ -23,7 +23,7 @@ enum { MOE_CAPTURE_WORLDS = 4 }; /* worlds one capture may use */
 struct moe_ctx {
   void *stream;      /* cudaStream_t the stages run on; NULL until set or first needed */
   int owns_stream;   /* created by the library (cuda_ctx_stream), destroyed at close */
-  int stream_device; /* the device the owned stream belongs to */
+  int stream_device; /* the device of the stream: owned, or bound to a world's rank; -1 unknown */
   int capturing;     /* inside moe_graph_begin/end: nothing may synchronise */
   /* the worlds whose exchange the capture under way recorded (world_capture_note): the graph
    * keeps them open, as NCCL needs its communicators for as long as the graph exists */

@@ -1271,28 +1271,35 @@ static int l_world_compare_configs(lua_State *L) {
   return 0;
 }
 
-/* dispatch({{xs=, x_all=, x=, peer_rank=, peer_route=, k=, zero_fill=}, ...}) */
-static int w_dispatch(lua_State *L) {
-  moe_ctx *ctx = getctx(L);
-  moe_world *w = check_world(L, 1);
-  int n = moe_world_local_count(w);
-  lua_settop(L, 2);
+/* The dispatch arguments of n local ranks from the table at index 2 (left on the stack); the
+ * all-gather exchange needs x_all, the direct one route_row. */
+static moe_world_dispatch_args *dispatch_args(lua_State *L, int n, int direct) {
   w_entries(L, "dispatch", 2, n, "argument tables");
-  luaL_checkstack(L, 8 * n + 8, "too many ranks");
+  luaL_checkstack(L, 9 * n + 8, "too many ranks");
   moe_world_dispatch_args *a = (moe_world_dispatch_args *)scratch(L, (size_t)n * sizeof *a);
   for (int i = 0; i < n; i++) {
     lua_rawgeti(L, 2, i + 1);
     int t = lua_gettop(L);
     memset(&a[i], 0, sizeof a[i]);
     a[i].xs = w_tensor(L, "dispatch", t, i + 1, "xs", REQUIRED);
-    a[i].x_all = w_tensor(L, "dispatch", t, i + 1, "x_all", REQUIRED);
+    if (!direct) a[i].x_all = w_tensor(L, "dispatch", t, i + 1, "x_all", REQUIRED);
     a[i].x = w_tensor(L, "dispatch", t, i + 1, "x", REQUIRED);
     a[i].peer_rank = w_tensor(L, "dispatch", t, i + 1, "peer_rank", REQUIRED);
     a[i].peer_route = w_tensor(L, "dispatch", t, i + 1, "peer_route", REQUIRED);
+    if (direct) a[i].route_row = w_tensor(L, "dispatch", t, i + 1, "route_row", REQUIRED);
     a[i].k = w_int(L, "dispatch", t, i + 1, "k", 0, 0);
     lua_getfield(L, t, "zero_fill");
     a[i].zero_fill = lua_toboolean(L, -1);
   }
+  return a;
+}
+
+/* dispatch({{xs=, x_all=, x=, peer_rank=, peer_route=, k=, zero_fill=}, ...}) */
+static int w_dispatch(lua_State *L) {
+  moe_ctx *ctx = getctx(L);
+  moe_world *w = check_world(L, 1);
+  lua_settop(L, 2);
+  moe_world_dispatch_args *a = dispatch_args(L, moe_world_local_count(w), 0);
   int rc = moe_world_dispatch(ctx, w, a);
   if (rc) return fail(L, ctx, rc);
   return 0;
@@ -1300,11 +1307,9 @@ static int w_dispatch(lua_State *L) {
 
 /* combine({{out=, weights=, ids=, ys=, route_row=, send_rows=, recv_rows=, send_index=,
  * recv_index=, experts=, shared=, shared_gate=}, ...}) */
-static int w_combine(lua_State *L) {
-  moe_ctx *ctx = getctx(L);
-  moe_world *w = check_world(L, 1);
-  int n = moe_world_local_count(w);
-  lua_settop(L, 2);
+/* The combine arguments of n local ranks from the table at index 2 (left on the stack); the
+ * direct exchange needs no send and receive scratch. */
+static moe_world_combine_args *combine_args(lua_State *L, int n, int direct) {
   w_entries(L, "combine", 2, n, "argument tables");
   luaL_checkstack(L, 14 * n + 8, "too many ranks");
   moe_world_combine_args *a = (moe_world_combine_args *)scratch(L, (size_t)n * sizeof *a);
@@ -1317,18 +1322,130 @@ static int w_combine(lua_State *L) {
     a[i].ids = w_tensor(L, "combine", t, i + 1, "ids", REQUIRED);
     a[i].ys = w_tensor(L, "combine", t, i + 1, "ys", REQUIRED);
     a[i].route_row = w_tensor(L, "combine", t, i + 1, "route_row", REQUIRED);
-    a[i].send_rows = w_tensor(L, "combine", t, i + 1, "send_rows", REQUIRED);
-    a[i].recv_rows = w_tensor(L, "combine", t, i + 1, "recv_rows", REQUIRED);
-    a[i].send_index = w_tensor(L, "combine", t, i + 1, "send_index", REQUIRED);
-    a[i].recv_index = w_tensor(L, "combine", t, i + 1, "recv_index", REQUIRED);
+    if (!direct) {
+      a[i].send_rows = w_tensor(L, "combine", t, i + 1, "send_rows", REQUIRED);
+      a[i].recv_rows = w_tensor(L, "combine", t, i + 1, "recv_rows", REQUIRED);
+      a[i].send_index = w_tensor(L, "combine", t, i + 1, "send_index", REQUIRED);
+      a[i].recv_index = w_tensor(L, "combine", t, i + 1, "recv_index", REQUIRED);
+    }
     a[i].shared = w_tensor(L, "combine", t, i + 1, "shared", OPTIONAL);
     a[i].shared_gate = w_tensor(L, "combine", t, i + 1, "shared_gate", OPTIONAL);
     a[i].experts = w_int(L, "combine", t, i + 1, "experts", 0, 0);
   }
+  return a;
+}
+
+static int w_combine(lua_State *L) {
+  moe_ctx *ctx = getctx(L);
+  moe_world *w = check_world(L, 1);
+  lua_settop(L, 2);
+  moe_world_combine_args *a = combine_args(L, moe_world_local_count(w), 0);
   int rc = moe_world_combine(ctx, w, a);
   if (rc) return fail(L, ctx, rc);
   return 0;
 }
+
+/* ---- the direct exchange: moelab.Exchange ----
+ * Its user value is the World (kept alive, and checked open before each call).  Its windows'
+ * x and ys are plain tensor handles whose memory is the exchange's: a weak-keyed table in the
+ * registry maps each of them to the exchange, so the exchange outlives every handle of its
+ * memory (and every view of those, which keep their owner).  The windows go with the exchange
+ * at collection; the world's own close waits for them (moe_world_close). */
+
+#define EXCHANGE "moelab.Exchange"
+
+typedef struct Exchange {
+  moe_world_exchange *ex;
+} Exchange;
+
+static const char *const window_owner_key = "moelab.window_owner";
+
+static moe_world_exchange *check_exchange(lua_State *L, int idx) {
+  Exchange *u = (Exchange *)luaL_checkudata(L, idx, EXCHANGE);
+  lua_getiuservalue(L, idx, 1);
+  World *wu = (World *)luaL_testudata(L, -1, WORLD);
+  if (!wu || !wu->w) luaL_error(L, "moelab.Exchange: its world is closed");
+  lua_pop(L, 1);
+  return u->ex;
+}
+
+static int x_release(lua_State *L) {
+  Exchange *u = (Exchange *)luaL_testudata(L, 1, EXCHANGE);
+  if (!u || !u->ex) return 0;
+  moe_world_exchange_close(u->ex);
+  u->ex = NULL;
+  return 0;
+}
+
+/* world:exchange(tokens, k, hidden, capacity) -> Exchange, {x per local rank}, {ys per local rank} */
+static int w_exchange(lua_State *L) {
+  moe_ctx *ctx = getctx(L);
+  moe_world *w = check_world(L, 1);
+  lua_Integer T = luaL_checkinteger(L, 2), K = luaL_checkinteger(L, 3), H = luaL_checkinteger(L, 4),
+              C = luaL_checkinteger(L, 5);
+  if (K < 1 || K > INT32_MAX) return arg_error(L, "exchange", 2, "k must be in [1, %d], got %I", INT32_MAX, (LUAI_UACINT)K);
+  Exchange *u = (Exchange *)lua_newuserdatauv(L, sizeof *u, 1);
+  u->ex = NULL;
+  luaL_setmetatable(L, EXCHANGE);
+  lua_pushvalue(L, 1);
+  lua_setiuservalue(L, -2, 1);
+  int xi = lua_gettop(L);
+  int rc = moe_world_exchange_open(ctx, w, (int64_t)T, (int)K, (int64_t)H, (int64_t)C, &u->ex);
+  if (rc) return fail(L, ctx, rc);
+  int n = moe_world_local_count(w);
+  lua_getfield(L, LUA_REGISTRYINDEX, window_owner_key);
+  int owners = lua_gettop(L);
+  lua_createtable(L, n, 0);
+  lua_createtable(L, n, 0);
+  for (int i = 0; i < n; i++) {
+    moe_tensor *views[2] = {NULL, NULL};
+    rc = moe_world_exchange_views(ctx, u->ex, i, &views[0], &views[1]);
+    if (rc) return fail(L, ctx, rc);
+    for (int j = 0; j < 2; j++) {
+      Tensor *t = new_handle(L);
+      t->t = views[j];
+      lua_pushvalue(L, -1);
+      lua_pushvalue(L, xi);
+      lua_rawset(L, owners); /* owners[handle] = exchange */
+      lua_rawseti(L, owners + 1 + j, i + 1);
+    }
+  }
+  lua_remove(L, owners);
+  return 3;
+}
+
+static int x_dispatch(lua_State *L) {
+  moe_ctx *ctx = getctx(L);
+  moe_world_exchange *ex = check_exchange(L, 1);
+  lua_settop(L, 2);
+  lua_getiuservalue(L, 1, 1);
+  moe_world_dispatch_args *a = dispatch_args(L, moe_world_local_count(((World *)lua_touserdata(L, 3))->w), 1);
+  int rc = moe_world_exchange_dispatch(ctx, ex, a);
+  if (rc) return fail(L, ctx, rc);
+  return 0;
+}
+
+static int x_combine(lua_State *L) {
+  moe_ctx *ctx = getctx(L);
+  moe_world_exchange *ex = check_exchange(L, 1);
+  lua_settop(L, 2);
+  lua_getiuservalue(L, 1, 1);
+  moe_world_combine_args *a = combine_args(L, moe_world_local_count(((World *)lua_touserdata(L, 3))->w), 1);
+  int rc = moe_world_exchange_combine(ctx, ex, a);
+  if (rc) return fail(L, ctx, rc);
+  return 0;
+}
+
+static const luaL_Reg exchange_meta[] = {
+  {"__gc", x_release},
+  {NULL, NULL}
+};
+
+static const luaL_Reg exchange_methods[] = {
+  {"dispatch", x_dispatch},
+  {"combine", x_combine},
+  {NULL, NULL}
+};
 
 static const luaL_Reg world_meta[] = {
   {"__gc", w_release},
@@ -1349,6 +1466,7 @@ static const luaL_Reg world_methods[] = {
   {"check_config", w_check_config},
   {"dispatch", w_dispatch},
   {"combine", w_combine},
+  {"exchange", w_exchange},
   {NULL, NULL}
 };
 
@@ -1371,6 +1489,20 @@ static void open_world(lua_State *L, int ctxi, int mod) {
   luaL_setfuncs(L, world_methods, 1);
   lua_setfield(L, -2, "__index");
   lua_pop(L, 1);
+  luaL_newmetatable(L, EXCHANGE);
+  lua_pushvalue(L, ctxi);
+  luaL_setfuncs(L, exchange_meta, 1);
+  lua_newtable(L);
+  lua_pushvalue(L, ctxi);
+  luaL_setfuncs(L, exchange_methods, 1);
+  lua_setfield(L, -2, "__index");
+  lua_pop(L, 1);
+  lua_newtable(L); /* window tensor handle -> its exchange, weak keys (an ephemeron table) */
+  lua_newtable(L);
+  lua_pushliteral(L, "k");
+  lua_setfield(L, -2, "__mode");
+  lua_setmetatable(L, -2);
+  lua_setfield(L, LUA_REGISTRYINDEX, window_owner_key);
   lua_pushvalue(L, mod);
   lua_pushvalue(L, ctxi);
   luaL_setfuncs(L, world_funcs, 1);

@@ -247,6 +247,76 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     end
   end)
 
+  for _, in_window in ipairs { false, true } do
+    it("the direct exchange equals the plain stages bit for bit" .. (in_window and " (x and ys in its windows)" or ""),
+      function()
+        local C = 256
+        local ex = world:exchange { tokens = T, k = K, hidden = H, capacity = C }
+        assert.are.equal(1, #ex.x)
+        assert.are.same({ T, H }, ex.x[1].shape)
+        assert.are.same({ C, H }, ex.ys[1].shape)
+        local ids = ids_on(dev)
+        local s = moe.schedule { ids = world:allgather_ids(ids), experts = E, rank = 0, pad = 4, capacity = C }
+        local x = moe.randn({ T, H }, { dtype = "bf16", seed = 13, device = dev })
+        local ys = moe.randn({ C, H }, { dtype = "bf16", seed = 14, device = dev })
+        if in_window then
+          ex.x[1]:copy(x)
+          ex.ys[1]:copy(ys)
+          x, ys = ex.x[1], ex.ys[1]
+        end
+        local w = moe.randn({ T, K }, { seed = 15, device = dev })
+        local xs = ex:dispatch { x = x, schedule = s, zero_fill = true }
+        assert.tensor_equal(xs, moe.dispatch { x = x:view(0, { 1, T, H }), schedule = s, zero_fill = true })
+        local got = ex:combine { schedule = s, y = ys, weights = w }
+        assert.tensor_equal(got, moe.combine { schedule = s, y = ys, weights = w })
+      end)
+  end
+
+  it("the direct exchange refuses sizes other than its own, naming both", function()
+    local ex = world:exchange { tokens = T, k = K, hidden = H, capacity = 128 }
+    local s = moe.schedule { ids = world:allgather_ids(ids_on(dev)), experts = E, rank = 0, capacity = 256 }
+    local x = moe.randn({ T, H }, { dtype = "bf16", seed = 16, device = dev })
+    local ok, err = pcall(ex.dispatch, ex, { x = x, schedule = s })
+    assert.is_false(ok)
+    assert.matches("capacity 256 differ from the exchange's %(37, 4, 72, 128%)", err)
+    ok, err = pcall(world.exchange, world, { tokens = T, k = K, hidden = H })
+    assert.is_false(ok)
+    assert.matches("option 'capacity' is required", err)
+  end)
+
+  it("the direct exchange captures as a CUDA graph and replays on new routing", function()
+    local C = 256
+    local ex = world:exchange { tokens = T, k = K, hidden = H, capacity = C }
+    local ids = ids_on(dev)
+    local all = moe.zeros({ 1, T, K }, { dtype = "i32", device = dev })
+    local s = moe.schedule_plan { ids = all, experts = E, rank = 0, pad = 2, capacity = C }
+    local x = ex.x[1]
+    x:copy(moe.randn({ T, H }, { dtype = "bf16", seed = 17, device = dev }))
+    local xs = moe.zeros({ C, H }, { dtype = "bf16", device = dev })
+    local w = moe.randn({ T, K }, { seed = 18, device = dev })
+    local out = moe.zeros({ T, H }, { dtype = "bf16", device = dev })
+    local function step()
+      world:allgather_ids(ids, all)
+      s:run()
+      ex:dispatch { x = x, schedule = s, out = xs, zero_fill = true }
+      ex.ys[1]:copy(xs)
+      ex:combine { schedule = s, y = ex.ys[1], weights = w, out = out }
+    end
+    step()
+    local graph = moe.graph(step, { device = dev })
+    for seed = 30, 32 do
+      math.randomseed(seed)
+      local flat = {}
+      for i = 1, T * K do flat[i] = S.int(-1, E - 1) end
+      ids:copy(S.tensor(flat, "i32", { T, K }))
+      graph:replay()
+      local ref_s = moe.schedule { ids = ids:view(0, { 1, T, K }), experts = E, rank = 0, pad = 2, capacity = C }
+      local ref_xs = moe.dispatch { x = x:view(0, { 1, T, H }), schedule = ref_s, zero_fill = true }
+      assert.tensor_equal(xs, ref_xs)
+      assert.tensor_equal(out, moe.combine { schedule = ref_s, y = ref_xs, weights = w })
+    end
+  end)
+
   it("one rank of a multi-process launch (ncclCommInitRank, size 1)", function()
     local id = moe.world_unique_id()
     assert.are.equal(256, #id)
@@ -260,5 +330,55 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     local ids = ids_on(dev)
     assert.tensor_equal(w1:allgather_ids(ids):view(0, { T, K }), ids)
     w1:close()
+  end)
+end)
+
+-- Several GPUs in this process: the direct exchange against the simulated world on cuda:0.
+describe("moe.world of every visible GPU, the direct exchange [#gpu]", function()
+  if skip_without("cuda:0") then return end
+  local n = moe.device_count("cuda")
+  if n < 2 then
+    pending(string.format("%d GPU visible: the exchange between GPUs needs two or more", n))
+    return
+  end
+  it(string.format("equals the simulated world bit for bit, W = %d", n), function()
+    local W, T, K, E, H, C = n, 29, 4, 4 * n, 40, 300
+    local devices = {}
+    for r = 1, W do devices[r] = r - 1 end
+    local world = moe.world { devices = devices }
+    local ex = world:exchange { tokens = T, k = K, hidden = H, capacity = C }
+    math.randomseed(41)
+    local flat = {}
+    for i = 1, W * T * K do flat[i] = S.chance(0.1) and -1 or S.int(0, E - 1) end
+    local all_cpu = S.tensor(flat, "i32", { W, T, K })
+    local x_all = moe.randn({ W, T, H }, { dtype = "bf16", seed = 42, device = "cuda:0" })
+    local ids, xs_in, ws, ys_sim, scheds = {}, {}, {}, {}, {}
+    for r = 1, W do
+      local d = devices[r] and ("cuda:" .. devices[r])
+      ids[r] = all_cpu:select(r):to(d)
+      ex.x[r]:copy(x_all:select(r))
+      ws[r] = moe.randn({ T, K }, { seed = 50 + r, device = d })
+    end
+    local alls = world:allgather_ids(ids)
+    for r = 1, W do
+      scheds[r] = moe.schedule { ids = alls[r], experts = E, rank = r - 1, capacity = C }
+      ys_sim[r] = moe.randn({ C, H }, { dtype = "bf16", seed = 60 + r, device = "cuda:0" })
+      ex.ys[r]:copy(ys_sim[r])
+      xs_in[r] = { x = ex.x[r], schedule = scheds[r], zero_fill = true }
+    end
+    local xs = ex:dispatch(xs_in)
+    local cargs = {}
+    for r = 1, W do cargs[r] = { schedule = scheds[r], y = ex.ys[r], weights = ws[r] } end
+    local outs = ex:combine(cargs)
+    local sim_all = all_cpu:to("cuda:0")
+    local sim = {}
+    for r = 1, W do sim[r] = moe.schedule { ids = sim_all, experts = E, rank = r - 1, capacity = C } end
+    for r = 1, W do
+      assert.tensor_equal(scheds[r].route_row, sim[r].route_row)
+      assert.tensor_equal(xs[r], moe.dispatch { x = x_all, schedule = sim[r], zero_fill = true })
+      local ref = moe.combine { schedules = sim, ys = ys_sim, weights = ws[r]:to("cuda:0"), rank = r - 1 }
+      assert.tensor_equal(outs[r], ref)
+    end
+    world:close()
   end)
 end)

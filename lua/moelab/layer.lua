@@ -10,7 +10,7 @@ return function(moe)
   Layer.__index = Layer
 
   local SPEC = {
-    model = "any", world = "integer", tokens = "integer", hidden = "integer", ffn = "integer",
+    model = "any", world = "any", tokens = "integer", hidden = "integer", ffn = "integer",
     experts = "integer", k = "integer", shared_ffn = "integer", shared_gate = "boolean", shared = "boolean",
     scoring = { "softmax", "sigmoid", "sqrtsoftplus" }, groups = "integer", topk_groups = "integer",
     scale = "number", pad = "integer", layout = { "roundrobin", "peer_major" }, capacity = "integer",
@@ -27,16 +27,23 @@ return function(moe)
     return table.concat(names, ", ")
   end
 
-  local function new_layer(o)
-    args.options("layer", o, SPEC, { "model", "tokens" })
+  -- The options of moe.layer checked and resolved against the model: what both kinds of layer
+  -- (a simulated world on one device, a real one) are made of.
+  local function resolve(o)
+    args.options("layer", o, SPEC, { "model", "tokens" }, 3)
+    local real = moe.World and getmetatable(o.world) == moe.World and o.world or nil
+    if o.world ~= nil and not real and math.type(o.world) ~= "integer" then
+      args.fail("layer", "option 'world' must be an integer (a simulated world of that many ranks) or a moe.world, got "
+        .. args.describe(o.world), 3)
+    end
     local m = o.model
     if type(m) == "string" then
       if not moe.models[m] then
-        args.fail("layer", string.format("unknown model '%s'; expected one of: %s", m, model_names()))
+        args.fail("layer", string.format("unknown model '%s'; expected one of: %s", m, model_names()), 3)
       end
       m = moe.models[m]
     elseif type(m) ~= "table" then
-      args.fail("layer", "option 'model' must be a preset from moe.models or its name, got " .. args.describe(m))
+      args.fail("layer", "option 'model' must be a preset from moe.models or its name, got " .. args.describe(m), 3)
     end
     local cfg = {}
     for _, f in ipairs(MODEL_FIELDS) do cfg[f] = m[f] end
@@ -49,21 +56,21 @@ return function(moe)
     if cfg.shared_ffn == 0 then cfg.shared_gate = false end
     for _, f in ipairs { "experts", "k", "hidden", "ffn" } do
       if math.type(cfg[f]) ~= "integer" then
-        args.fail("layer", string.format("the model has no integer '%s' (got %s)", f, args.describe(cfg[f])))
+        args.fail("layer", string.format("the model has no integer '%s' (got %s)", f, args.describe(cfg[f])), 3)
       end
     end
-    local W, T = o.world or 1, o.tokens
-    args.range("layer", "world", W, 1)
-    args.range("layer", "tokens", T, 1)
-    args.range("layer", "hidden", cfg.hidden, 1)
-    args.range("layer", "ffn", cfg.ffn, 1)
-    args.range("layer", "shared_ffn", cfg.shared_ffn, 0)
-    args.range("layer", "experts", cfg.experts, 1)
-    args.range("layer", "k", cfg.k, 1, cfg.experts)
-    args.range("layer", "pad", o.pad, 1)
+    local W, T = real and real.size or o.world or 1, o.tokens
+    args.range("layer", "world", W, 1, nil, 3)
+    args.range("layer", "tokens", T, 1, nil, 3)
+    args.range("layer", "hidden", cfg.hidden, 1, nil, 3)
+    args.range("layer", "ffn", cfg.ffn, 1, nil, 3)
+    args.range("layer", "shared_ffn", cfg.shared_ffn, 0, nil, 3)
+    args.range("layer", "experts", cfg.experts, 1, nil, 3)
+    args.range("layer", "k", cfg.k, 1, cfg.experts, 3)
+    args.range("layer", "pad", o.pad, 1, nil, 3)
     if cfg.experts % W ~= 0 then
       args.fail("layer", string.format("the %d experts cannot be split over a world of %d ranks (%d %% %d ~= 0)",
-        cfg.experts, W, cfg.experts, W))
+        cfg.experts, W, cfg.experts, W), 3)
     end
     local E, K, H, F, Fs = cfg.experts, cfg.k, cfg.hidden, cfg.ffn, cfg.shared_ffn
     local EL, pad = E // W, o.pad or 1
@@ -72,7 +79,21 @@ return function(moe)
     -- Default capacity: twice the mean rows of a rank plus one pad per expert; skewed routing
     -- needs more (the layer raises on overflow unless overflow = "drop").
     local capacity = o.capacity or (2 * T * K + EL * pad)
-    args.range("layer", "capacity", capacity, 0, 0x7fffffff)
+    args.range("layer", "capacity", capacity, 0, 0x7fffffff, 3)
+    return {
+      cfg = cfg, world = W, tokens = T, experts = E, local_experts = EL, k = K, hidden = H, ffn = F,
+      shared_ffn = Fs, pad = pad, layout = o.layout or "roundrobin", capacity = capacity,
+      expert_capacity = o.expert_capacity, overflow = o.overflow or "error", invalid = o.invalid or "error",
+      nan = o.nan or "error", device = device, seed = seed, real = real, device_given = o.device ~= nil,
+    }
+  end
+  Layer.resolve = resolve
+
+  local function new_layer(o)
+    local r = resolve(o)
+    if r.real then return moe.world_layer(r) end
+    local cfg, W, T, E, EL, K, H, F, Fs, pad, device, seed, capacity = r.cfg, r.world, r.tokens, r.experts,
+      r.local_experts, r.k, r.hidden, r.ffn, r.shared_ffn, r.pad, r.device, r.seed, r.capacity
 
     local self = setmetatable({
       cfg = cfg, world = W, tokens = T, experts = E, local_experts = EL, k = K, hidden = H, ffn = F,

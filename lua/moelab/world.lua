@@ -146,17 +146,18 @@ return function(moe)
   end
 
   -- One value per local rank: v itself when this process holds one rank and v is not a list.
-  local function per_rank(self, fname, name, v, is_one)
+  local function per_rank(self, fname, name, v, is_one, level)
+    level = level or 3
     if is_one(v) then
       if self.local_count ~= 1 then
         args.fail(fname, string.format("option '%s' needs one value per local rank (%d), got one", name,
-          self.local_count), 3)
+          self.local_count), level)
       end
       return { v }, true
     end
     if type(v) ~= "table" or #v ~= self.local_count then
       args.fail(fname, string.format("option '%s' must be a list of %d (one per local rank), got %s", name,
-        self.local_count, args.describe(v)), 3)
+        self.local_count, args.describe(v)), level)
     end
     return v, false
   end
@@ -199,22 +200,29 @@ return function(moe)
 
   local function is_args(v) return type(v) == "table" and (v.x ~= nil or v.schedule ~= nil) end
 
+  -- The calls of dispatch per local rank; the all-gather exchange (direct = false) also takes
+  -- x_all, every rank's tokens.
+  local function dispatch_calls(self, o, direct)
+    local list, one = per_rank(self, "dispatch", "arguments", o, is_args, 4)
+    local calls, outs, alls = {}, {}, {}
+    for i, a in ipairs(list) do
+      args.options("dispatch", a, { x = "tensor", schedule = "table", out = "tensor", x_all = not direct and "tensor" or nil,
+        zero_fill = "boolean" }, { "x", "schedule" }, 3)
+      local s = a.schedule
+      local x = args.tensor("dispatch", "x", a.x, "bf16", { s.tokens, false }, 3)
+      local H = x.shape[2]
+      outs[i] = a.out or core.new("bf16", { s.capacity, H }, x.device)
+      if not direct then alls[i] = a.x_all or core.new("bf16", { self.size, s.tokens, H }, x.device) end
+      calls[i] = { xs = outs[i], x_all = alls[i], x = x, peer_rank = s.peer_rank, peer_route = s.peer_route,
+        route_row = s.route_row, k = s.k, zero_fill = a.zero_fill or false }
+    end
+    return calls, outs, alls, one
+  end
+
   -- {x = bf16 [T, H], schedule = this rank's moe.Schedule (of the all-gathered ids), out=, x_all=,
   -- zero_fill=} per local rank -> xs bf16 [C, H] (and x_all, every rank's tokens).
   function World:dispatch(o)
-    local list, one = per_rank(self, "dispatch", "arguments", o, is_args)
-    local calls, outs, alls = {}, {}, {}
-    for i, a in ipairs(list) do
-      args.options("dispatch", a, { x = "tensor", schedule = "table", out = "tensor", x_all = "tensor",
-        zero_fill = "boolean" }, { "x", "schedule" }, 2)
-      local s = a.schedule
-      local x = args.tensor("dispatch", "x", a.x, "bf16", { s.tokens, false }, 2)
-      local H = x.shape[2]
-      outs[i] = a.out or core.new("bf16", { s.capacity, H }, x.device)
-      alls[i] = a.x_all or core.new("bf16", { self.size, s.tokens, H }, x.device)
-      calls[i] = { xs = outs[i], x_all = alls[i], x = x, peer_rank = s.peer_rank, peer_route = s.peer_route, k = s.k,
-        zero_fill = a.zero_fill or false }
-    end
+    local calls, outs, alls, one = dispatch_calls(self, o, false)
     self.handle:dispatch(calls)
     if one then return outs[1], alls[1] end
     return outs, alls
@@ -233,31 +241,74 @@ return function(moe)
     return b
   end
 
+  local function combine_calls(self, o, direct)
+    local list, one = per_rank(self, "combine", "arguments", o, is_args, 4)
+    local calls, outs = {}, {}
+    for i, a in ipairs(list) do
+      args.options("combine", a, { schedule = "table", y = "tensor", weights = "tensor", ids = "tensor", out = "tensor",
+        dtype = { "bf16", "f32" }, shared = "tensor", shared_gate = "tensor" }, { "schedule", "y", "weights" }, 3)
+      local s = a.schedule
+      local y = args.tensor("combine", "y", a.y, "bf16", { s.capacity, false }, 3)
+      local T, K, H = s.tokens, s.k, y.shape[2]
+      args.tensor("combine", "weights", a.weights, "f32", { T, K }, 3)
+      local ids = a.ids or s.ids:select(s.rank + 1)
+      outs[i] = a.out or core.new(a.dtype or "bf16", { T, H }, y.device)
+      calls[i] = { out = outs[i], weights = a.weights, ids = ids, ys = y, route_row = s.route_row,
+        experts = s.experts, shared = a.shared, shared_gate = a.shared_gate }
+      if not direct then
+        local b = combine_scratch(self, T * K, H, y.device)
+        calls[i].send_rows, calls[i].recv_rows = b.send_rows, b.recv_rows
+        calls[i].send_index, calls[i].recv_index = b.send_index, b.recv_index
+      end
+    end
+    return calls, outs, one
+  end
+
   -- {schedule = this rank's schedule, y = its experts' output bf16 [C, H], weights = f32 [T, K],
   -- ids = i32 [T, K] (default: the schedule's, this rank's), out=, dtype=, shared=, shared_gate=}
   -- per local rank -> out [T, H]: the same bits as moe.combine over a simulated world.
   function World:combine(o)
-    local list, one = per_rank(self, "combine", "arguments", o, is_args)
-    local calls, outs = {}, {}
-    for i, a in ipairs(list) do
-      args.options("combine", a, { schedule = "table", y = "tensor", weights = "tensor", ids = "tensor", out = "tensor",
-        dtype = { "bf16", "f32" }, shared = "tensor", shared_gate = "tensor" }, { "schedule", "y", "weights" }, 2)
-      local s = a.schedule
-      local y = args.tensor("combine", "y", a.y, "bf16", { s.capacity, false }, 2)
-      local T, K, H = s.tokens, s.k, y.shape[2]
-      args.tensor("combine", "weights", a.weights, "f32", { T, K }, 2)
-      local ids = a.ids or s.ids:select(s.rank + 1)
-      outs[i] = a.out or core.new(a.dtype or "bf16", { T, H }, y.device)
-      local b = combine_scratch(self, T * K, H, y.device)
-      calls[i] = { out = outs[i], weights = a.weights, ids = ids, ys = y, route_row = s.route_row,
-        send_rows = b.send_rows, recv_rows = b.recv_rows, send_index = b.send_index, recv_index = b.recv_index,
-        experts = s.experts, shared = a.shared, shared_gate = a.shared_gate }
-    end
+    local calls, outs, one = combine_calls(self, o, false)
     self.handle:combine(calls)
     return one and outs[1] or outs
   end
 
+  -- world:exchange{tokens=, k=, hidden=, capacity=} -> the direct exchange (README): every rank's
+  -- tokens and expert outputs in windows the peers read over NVLink.  Collective: every rank
+  -- makes it with the same sizes.  ex.x[i] and ex.ys[i] are local rank i's windows (bf16 [T, H],
+  -- [C, H]): tokens written into ex.x and expert outputs into ex.ys are not copied again.
+  -- ex:dispatch and ex:combine take World:dispatch's and World:combine's arguments (no x_all).
+  -- The windows are freed with the exchange, once nothing refers to it or to them.
+  local Exchange = { __name = "moelab.Exchange" }
+  Exchange.__index = Exchange
+
+  function World:exchange(o)
+    args.options("exchange", o, { tokens = "integer", k = "integer", hidden = "integer", capacity = "integer" },
+      { "tokens", "k", "hidden", "capacity" })
+    local h, x, ys = self.handle:exchange(o.tokens, o.k, o.hidden, o.capacity)
+    return setmetatable({ handle = h, world = self, x = x, ys = ys, tokens = o.tokens, k = o.k, hidden = o.hidden,
+      capacity = o.capacity }, Exchange)
+  end
+
+  function Exchange:dispatch(o)
+    local calls, outs, _, one = dispatch_calls(self.world, o, true)
+    self.handle:dispatch(calls)
+    return one and outs[1] or outs
+  end
+
+  function Exchange:combine(o)
+    local calls, outs, one = combine_calls(self.world, o, true)
+    self.handle:combine(calls)
+    return one and outs[1] or outs
+  end
+
+  function Exchange:__tostring()
+    return string.format("moelab.Exchange(%d tokens, top-%d, hidden %d, capacity %d; %s)", self.tokens, self.k,
+      self.hidden, self.capacity, tostring(self.world))
+  end
+
   moe.world_unique_id = core.world_unique_id
   moe.World = World
+  moe.Exchange = Exchange
   return new_world
 end

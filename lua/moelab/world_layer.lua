@@ -1,0 +1,372 @@
+-- moe.layer{..., world = moe.world{...}}: one MoE layer over a real world of W GPUs.  Each rank
+-- this process holds has its router, experts and buffers on its own GPU, made from the same
+-- seeds as the simulated layer's rank (so the two compute the same bits); tokens cross GPUs in
+-- the direct exchange (world:exchange: windows read over NVLink).  forward takes one x [T, H]
+-- per local rank and returns one out [T, H] per local rank (a list, or the tensor itself when
+-- this process holds one rank).  Every buffer is allocated when the layer is made.
+local args = require "moelab.args"
+
+return function(moe)
+  local core = moe.core
+  local WorldLayer = { __name = "moelab.WorldLayer" }
+  WorldLayer.__index = WorldLayer
+
+  -- r: moe.layer's resolved options (lua/moelab/layer.lua), with r.real the moe.World.
+  local function new(r)
+    local group = r.real
+    if r.device_given then
+      args.fail("layer", "a layer over a moe.world puts each rank on its own GPU: drop option 'device'", 3)
+    end
+    local self = setmetatable(r, WorldLayer)
+    self.group, self.real, self.device_given = group, nil, nil
+    self.times = {}
+    local W, T, E, EL, K, H, F, Fs = self.world, self.tokens, self.experts, self.local_experts, self.k, self.hidden,
+      self.ffn, self.shared_ffn
+    local C, cfg = self.capacity, self.cfg
+    self.ranks, self.devices, self.nlocal = group.ranks, group.devices, group.local_count
+    self.device = self.devices[1]
+
+    -- Every rank must build the same layer: a mismatch fails on every rank, naming the field.
+    local cfgs = {}
+    for i = 1, self.nlocal do
+      cfgs[i] = { tokens = T, k = K, experts = E, hidden = H, capacity = C, pad = self.pad, layout = self.layout,
+        expert_capacity = self.expert_capacity }
+    end
+    group:check_config(self.nlocal == 1 and cfgs[1] or cfgs)
+
+    local sd = self.seed * 1000
+    local function randn(shape, s, std, dev) return core.new("bf16", shape, dev):randn(sd + s, std) end
+    local L = { w_router = {}, bias = {}, w_gate_up = {}, w_down = {}, shared_gate_up = {}, shared_down = {},
+      shared_gate_w = {}, logits = {}, ids = {}, weights = {}, route_stats = {}, all_ids = {}, schedules = {}, xs = {},
+      out = {}, shared_y = {}, shared_offsets = {}, gate = {} }
+    for k, v in pairs(L) do self[k] = v end
+    for i = 1, self.nlocal do
+      local dev, rank = self.devices[i], self.ranks[i]
+      -- the simulated layer's seeds: rank r's experts are its (r+1)-th
+      self.w_router[i] = randn({ E, H }, 1, 1 / math.sqrt(H), dev)
+      if cfg.scoring ~= "softmax" then self.bias[i] = core.new("f32", { E }, dev):randn(sd + 2, 0.005) end
+      self.w_gate_up[i] = randn({ EL, 2 * F, H }, 10 + 2 * (rank + 1), 1 / math.sqrt(H), dev)
+      self.w_down[i] = randn({ EL, H, F }, 11 + 2 * (rank + 1), 1 / math.sqrt(F), dev)
+      if Fs > 0 then
+        self.shared_gate_up[i] = randn({ 1, 2 * Fs, H }, 3, 1 / math.sqrt(H), dev)
+        self.shared_down[i] = randn({ 1, H, Fs }, 4, 1 / math.sqrt(Fs), dev)
+        if cfg.shared_gate then self.shared_gate_w[i] = randn({ H }, 5, 1 / math.sqrt(H), dev) end
+        self.shared_y[i] = core.new("bf16", { T, H }, dev)
+        self.shared_offsets[i] = core.from_table({ 0, T }, "i32", dev)
+        if cfg.shared_gate then self.gate[i] = core.new("f32", { T }, dev) end
+      end
+      self.logits[i] = core.new("f32", { T, E }, dev)
+      self.ids[i] = core.new("i32", { T, K }, dev)
+      self.weights[i] = core.new("f32", { T, K }, dev)
+      self.route_stats[i] = core.new("i32", { 2 }, dev)
+      self.all_ids[i] = core.new("i32", { W, T, K }, dev)
+      self.schedules[i] = moe.schedule_plan({ ids = self.all_ids[i], experts = E, rank = rank, pad = self.pad,
+        capacity = C, expert_capacity = self.expert_capacity, layout = self.layout, overflow = self.overflow,
+        invalid = self.invalid }, "layer", 3)
+      self.xs[i] = core.new("bf16", { C, H }, dev)
+      self.out[i] = core.new("bf16", { T, H }, dev)
+    end
+    -- The exchange's windows: experts write their output straight into ys; tokens written into
+    -- layer.inputs (its x windows) are not copied again by dispatch.
+    self.exchange = group:exchange { tokens = T, k = K, hidden = H, capacity = C }
+    self.inputs = self.exchange.x
+    return self
+  end
+
+  local function each(self, fn)
+    for i = 1, self.nlocal do
+      self.group:bind(i)
+      fn(i)
+    end
+  end
+
+  -- Device events around a stage on every local rank; the stage lasts until its slowest rank.
+  local function timed(self, name, fn)
+    if not self.timing then return fn() end
+    self.events = self.events or {}
+    local ev = self.events[name]
+    if not ev then
+      ev = {}
+      for i = 1, self.nlocal do ev[i] = { core.event_new(self.devices[i]), core.event_new(self.devices[i]) } end
+      self.events[name] = ev
+    end
+    each(self, function(i) ev[i][1]:record() end)
+    fn()
+    each(self, function(i) ev[i][2]:record() end)
+    self.times[name] = ev
+  end
+
+  function WorldLayer:stage_times()
+    local t = {}
+    for name, ev in pairs(self.times) do
+      local worst = 0
+      for i = 1, #ev do worst = math.max(worst, ev[i][2]:elapsed_since(ev[i][1])) end
+      t[name] = worst
+    end
+    return t
+  end
+
+  local function per_rank(self, fname, name, v, dtype, shape)
+    local list = v
+    if args.is_tensor(v) then
+      if self.nlocal ~= 1 then
+        args.fail(fname, string.format("'%s' needs one tensor per local rank (%d), got one", name, self.nlocal), 4)
+      end
+      list = { v }
+    end
+    if type(list) ~= "table" or #list ~= self.nlocal then
+      args.fail(fname, string.format("'%s' must be a list of %d tensors (one per local rank), got %s", name,
+        self.nlocal, args.describe(v)), 4)
+    end
+    for i, t in ipairs(list) do
+      args.tensor(fname, string.format("%s[%d]", name, i), t, dtype, shape, 4)
+      if t.device ~= self.devices[i] then
+        args.fail(fname, string.format("%s[%d] is on %s but local rank %d (rank %d) is on %s", name, i, t.device, i,
+          self.ranks[i], self.devices[i]), 4)
+      end
+    end
+    return list
+  end
+
+  local function run(self, x, o)
+    local T, H, K = self.tokens, self.hidden, self.k
+    local eager = o.check ~= false
+    self.times, self.timing = {}, eager
+    timed(self, "route", function()
+      each(self, function(i)
+        if o.ids then
+          self.ids[i]:copy(o.ids[i])
+          self.weights[i]:copy(o.weights[i])
+          return
+        end
+        local logits = o.logits and o.logits[i] or self.logits[i]
+        if not o.logits then core.logits(logits, x[i], self.w_router[i]) end
+        core.route { ids = self.ids[i], weights = self.weights[i], stats = self.route_stats[i], logits = logits,
+          bias = self.bias[i], k = K, scoring = self.cfg.scoring, groups = self.cfg.groups,
+          topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
+      end)
+    end)
+    if eager and not o.ids and self.nan == "error" then
+      for i = 1, self.nlocal do
+        self.group:bind(i)
+        local st = self.route_stats[i]:flat()
+        if st[1] > 0 then
+          error(string.format("layer: route: router logits contain NaN in %d rows of rank %d, the first is token %d",
+            st[1], self.ranks[i], st[2]), 3)
+        end
+      end
+    end
+    timed(self, "schedule", function()
+      self.group:allgather_ids(self.ids, self.all_ids)
+      each(self, function(i) self.schedules[i]:run() end)
+    end)
+    if eager then
+      each(self, function(i)
+        local ok, err = pcall(self.schedules[i].check, self.schedules[i])
+        if not ok then error("layer: " .. tostring(err), 4) end
+      end)
+    end
+    local ex = self.exchange
+    timed(self, "dispatch", function()
+      local calls = {}
+      for i = 1, self.nlocal do calls[i] = { x = x[i], schedule = self.schedules[i], out = self.xs[i] } end
+      ex:dispatch(calls)
+    end)
+    timed(self, "experts", function()
+      each(self, function(i)
+        core.experts { ys = ex.ys[i], xs = self.xs[i], expert_offsets = self.schedules[i].expert_offsets,
+          w_gate_up = self.w_gate_up[i], w_down = self.w_down[i] }
+      end)
+    end)
+    if self.shared_ffn > 0 then
+      timed(self, "shared", function()
+        each(self, function(i)
+          core.experts { ys = self.shared_y[i], xs = x[i], expert_offsets = self.shared_offsets[i],
+            w_gate_up = self.shared_gate_up[i], w_down = self.shared_down[i] }
+          if self.gate[i] then core.sigmoid_gate(self.gate[i], x[i], self.shared_gate_w[i]) end
+        end)
+      end)
+    end
+    timed(self, "combine", function()
+      local calls = {}
+      for i = 1, self.nlocal do
+        calls[i] = { schedule = self.schedules[i], y = ex.ys[i], weights = self.weights[i], ids = self.ids[i],
+          out = self.out[i], shared = self.shared_y[i], shared_gate = self.gate[i] }
+      end
+      ex:combine(calls)
+    end)
+    return self.nlocal == 1 and self.out[1] or self.out
+  end
+
+  -- forward(x [, {logits=, ids=, weights=, check=}]): x, logits, ids and weights one per local
+  -- rank (lists, or the tensors themselves with one local rank).  Leaves the module's context
+  -- unbound, as it found it.
+  function WorldLayer:forward(x, o)
+    o = args.options("forward", o or {}, { logits = "any", ids = "any", weights = "any", check = "boolean" })
+    if (o.ids == nil) ~= (o.weights == nil) then args.fail("forward", "give 'ids' and 'weights' together") end
+    if o.ids and o.logits then args.fail("forward", "give either 'logits' or 'ids' and 'weights', not both") end
+    local T, H, K, E = self.tokens, self.hidden, self.k, self.experts
+    x = per_rank(self, "forward", "x", x, "bf16", { T, H })
+    local oo = { check = o.check }
+    if o.ids then
+      oo.ids = per_rank(self, "forward", "ids", o.ids, "i32", { T, K })
+      oo.weights = per_rank(self, "forward", "weights", o.weights, "f32", { T, K })
+    end
+    if o.logits then oo.logits = per_rank(self, "forward", "logits", o.logits, "f32", { T, E }) end
+    local ok, res = pcall(run, self, x, oo)
+    self.group:unbind()
+    if not ok then error(res, 0) end
+    return res
+  end
+
+  -- What the last forward did on the local ranks: rows, padding, loads, drops (DESIGN.md).
+  function WorldLayer:stats()
+    local EL = self.local_experts
+    local st = { ranks = {}, loads = {}, rows_used = 0, rows_needed = 0, dropped = 0, invalid = 0, routes = 0 }
+    for i = 1, self.nlocal do
+      local s = self.schedules[i]
+      local ss = s:read_stats()
+      local counts = s.counts:flat()
+      local routes = 0
+      for e = 1, EL do
+        st.loads[#st.loads + 1] = counts[e]
+        routes = routes + counts[e]
+      end
+      st.ranks[i] = { rank = self.ranks[i], rows_used = ss.rows_used, rows_needed = ss.rows_needed,
+        dropped = ss.dropped, routes = routes }
+      st.rows_used = st.rows_used + ss.rows_used
+      st.rows_needed = st.rows_needed + ss.rows_needed
+      st.dropped = st.dropped + ss.dropped
+      st.routes = st.routes + routes
+      st.invalid = ss.invalid
+    end
+    local max_load, sum = 0, 0
+    for _, n in ipairs(st.loads) do
+      max_load = math.max(max_load, n)
+      sum = sum + n
+    end
+    st.max_load, st.mean_load = max_load, #st.loads > 0 and sum / #st.loads or 0
+    st.padding = st.rows_used - st.routes
+    st.padding_waste = st.rows_used > 0 and st.padding / st.rows_used or 0
+    return st
+  end
+
+  -- Every rank's expert weights on the CPU, for the reference: the local ranks' copied from
+  -- their GPUs, the others' drawn on the CPU from the same seeds (moe.randn gives the same values
+  -- on every device).
+  local function cpu_weights(self)
+    if self.cpu then return self.cpu end
+    local F, H, EL, Fs = self.ffn, self.hidden, self.local_experts, self.shared_ffn
+    local sd = self.seed * 1000
+    local c = { w_gate_up = {}, w_down = {} }
+    local here = {}
+    for i, r in ipairs(self.ranks) do here[r] = i end
+    for r = 0, self.world - 1 do
+      local i = here[r]
+      if i then
+        c.w_gate_up[r + 1], c.w_down[r + 1] = self.w_gate_up[i]:to("cpu"), self.w_down[i]:to("cpu")
+      else
+        c.w_gate_up[r + 1] = core.new("bf16", { EL, 2 * F, H }, "cpu"):randn(sd + 10 + 2 * (r + 1), 1 / math.sqrt(H))
+        c.w_down[r + 1] = core.new("bf16", { EL, H, F }, "cpu"):randn(sd + 11 + 2 * (r + 1), 1 / math.sqrt(F))
+      end
+    end
+    if Fs > 0 then
+      c.shared_gate_up, c.shared_down = self.shared_gate_up[1]:to("cpu"), self.shared_down[1]:to("cpu")
+      c.shared_gate_w = self.shared_gate_w[1] and self.shared_gate_w[1]:to("cpu")
+    end
+    self.cpu = c
+    return c
+  end
+
+  -- check(x [, {sample = n, rtol =, l2 =, raise =}]): the last forward's output of every local
+  -- rank against the dense f32 reference on the CPU, with the routing the forward chose; with
+  -- sample, n evenly spaced tokens of each local rank.  Raises when out of tolerance unless
+  -- raise = false, which returns the metrics and .pass.
+  function WorldLayer:check(x, o)
+    o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
+    local T, H, K = self.tokens, self.hidden, self.k
+    x = per_rank(self, "check", "x", x, "bf16", { T, H })
+    local n = o.sample and math.min(o.sample, T) or T
+    args.range("check", "sample", n, 1)
+    local N = n * self.nlocal
+    local xc, ids, w, got = core.new("bf16", { N, H }, "cpu"), core.new("i32", { N, K }, "cpu"),
+      core.new("f32", { N, K }, "cpu"), core.new("bf16", { N, H }, "cpu")
+    for i = 1, self.nlocal do
+      local xi, ii, wi, oi = x[i]:to("cpu"), self.ids[i]:to("cpu"), self.weights[i]:to("cpu"), self.out[i]:to("cpu")
+      for j = 0, n - 1 do
+        local t, row = (j * T) // n, (i - 1) * n + j
+        xc:select(row + 1):copy(xi:select(t + 1))
+        ids:select(row + 1):copy(ii:select(t + 1))
+        w:select(row + 1):copy(wi:select(t + 1))
+        got:select(row + 1):copy(oi:select(t + 1))
+      end
+    end
+    local c = cpu_weights(self)
+    local ref = core.new("f32", { N, H }, "cpu")
+    core.reference { out = ref, x = xc, ids = ids, weights = w, w_gate_up = c.w_gate_up, w_down = c.w_down,
+      world = self.world, experts = self.experts, shared_gate_up = c.shared_gate_up, shared_down = c.shared_down,
+      shared_gate_w = c.shared_gate_w }
+    if o.raise == false then
+      local m = moe.check.metrics(got, ref)
+      local rtol, l2 = o.rtol or 2e-2, o.l2 or 1e-2
+      m.rtol, m.l2, m.pass = rtol, l2, m.nans == 0 and m.rel_max <= rtol and m.rel_l2 <= l2
+      return m
+    end
+    return moe.check.close(got, ref, { rtol = o.rtol, l2 = o.l2, what = "layer" })
+  end
+
+  -- capture([x]) -> a graph of the forward pass of this process's one rank over x (default:
+  -- layer.inputs, its exchange window).  A process that holds several ranks cannot capture
+  -- them as one graph (each rank's work is on its own GPU's stream).
+  local Graph = { __name = "moelab.WorldLayerGraph" }
+  Graph.__index = Graph
+
+  function WorldLayer:capture(x)
+    if self.nlocal ~= 1 then
+      error(string.format("layer:capture: this process holds %d ranks; a graph captures one GPU's stream, so "
+        .. "capture with one rank per process (moe.world{rank=, size=, ...})", self.nlocal), 2)
+    end
+    x = per_rank(self, "capture", "x", x or self.inputs, "bf16", { self.tokens, self.hidden })
+    self.group:bind(1)
+    local ok, graph = pcall(moe.graph, function() run(self, x, { check = false }) end, { device = self.device })
+    self.group:unbind()
+    if not ok then error(graph, 0) end
+    return setmetatable({ graph = graph, layer = self }, Graph)
+  end
+
+  function Graph:replay()
+    self.graph:replay()
+    return self.layer.out[1]
+  end
+
+  function Graph:check()
+    local layer = self.layer
+    local st = layer.route_stats[1]:flat()
+    if st[1] > 0 and layer.nan == "error" then
+      error(string.format("layer: route: router logits contained NaN in %d rows (those tokens were routed nowhere)",
+        st[1]), 2)
+    end
+    local s = layer.schedules[1]
+    s.stats = nil
+    local ok, err = pcall(s.check, s)
+    if not ok then error("layer: " .. tostring(err), 2) end
+    return self
+  end
+
+  function WorldLayer:__tostring()
+    local c = self.cfg
+    local here = {}
+    for i = 1, self.nlocal do here[i] = string.format("rank %d on %s", self.ranks[i], self.devices[i]) end
+    return table.concat({
+      string.format("moelab.Layer(%s over a world of %d GPUs; here: %s; %d tokens per rank)", c.name, self.world,
+        table.concat(here, ", "), self.tokens),
+      string.format("  route     %s, E = %d, top-%d, scale %g", c.scoring, self.experts, self.k, c.scale),
+      string.format("  schedule  %s, pad %d, capacity %d rows per rank, overflow %s", self.layout, self.pad,
+        self.capacity, self.overflow),
+      string.format("  experts   %d per rank, SwiGLU H = %d, F = %d", self.local_experts, self.hidden, self.ffn),
+      "  exchange  direct: windows read over NVLink, top-k combined in order",
+    }, "\n")
+  end
+
+  return new
+end
