@@ -50,6 +50,9 @@ for s in $steps; do
         -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/gpu_tests/test_experts_gpu --bench-only
       ncu_pages "$f" ;;
     exchange) run exchange 400 build/exchange_bench ${EXCHANGE_ARGS:-} ;;
+    kimi-world) # the layer over a real world: one rank per visible GPU (KIMI_DEVICES, default all)
+      devs=${KIMI_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}
+      run kimi-world 500 lua scenarios/kimi.lua --devices "$devs" --json "$out/kimi-world.json" ;;
     kimi) run kimi 400 lua scenarios/kimi.lua --json "$out/kimi.json" ;;
     scheduler) run scheduler 300 lua scenarios/scheduler.lua --json "$out/scheduler.json" ;;
     experts) run experts 400 lua scenarios/experts.lua --json "$out/experts.json" ;;

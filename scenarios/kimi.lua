@@ -1,7 +1,10 @@
 -- One Kimi K2 MoE layer over 8 expert-parallel ranks, checked against the dense reference and timed.
 --
 --   lua scenarios/kimi.lua [--tokens N] [--hidden H] [--ffn F] [--world W] [--layout L] [--pad B]
---                          [--device D] [--capacity C] [--seed S] [--json FILE]
+--                          [--device D] [--devices 0,1,...] [--capacity C] [--seed S] [--json FILE]
+--
+-- By default the W ranks are simulated side by side on one device.  With --devices they are real:
+-- one rank per listed GPU, in this process (moe.world), tokens exchanged over NVLink.
 --
 -- On the CPU the run keeps Kimi K2's real E = 384, K = 8 and W = 8 but shrinks H, F and the
 -- token count so that it takes seconds; it then schedules the real shape (7,168 tokens on each
@@ -18,22 +21,50 @@ local opts = cli.parse(arg, {
   { "tokens", "integer", small and 32 or 7168, "tokens per rank" },
   { "hidden", "integer", small and 256 or model.hidden, "hidden size H" },
   { "ffn", "integer", small and 128 or model.ffn, "expert FFN width F (and the shared expert's)" },
-  { "world", "integer", 8, "expert-parallel ranks W" },
+  { "world", "integer", nil, "expert-parallel ranks W (default 8, or one per --devices)" },
   { "layout", "string", "roundrobin", "row layout: roundrobin or peer_major" },
   { "pad", "integer", 1, "pad each expert's rows to a multiple of this" },
   { "device", "string", device, "cpu or cuda:N" },
+  { "devices", "string", nil, "a real world: one rank per GPU listed, e.g. 0,1,2,3" },
   { "capacity", "integer", nil, "rows per rank (default: twice the mean plus one pad per expert)" },
   { "seed", "integer", 1, "seed of the weights and inputs" },
   { "sample", "integer", 4, "on a GPU: tokens of each rank checked against the CPU reference" },
   { "json", "string", nil, "also write the report as JSON to this file" },
 }, "lua scenarios/kimi.lua: one Kimi K2 MoE layer, expert parallel, checked and timed")
 
-local W, T, H, F = opts.world, opts.tokens, opts.hidden, opts.ffn
+-- A real world when --devices lists GPUs: one rank on each, all in this process.
+local group
+if opts.devices then
+  local list = {}
+  for d in opts.devices:gmatch("[^,]+") do
+    local v = math.tointeger(tonumber(d))
+    if not v or v < 0 then cli.fail(string.format("--devices: '%s' is not a GPU index", d)) end
+    list[#list + 1] = v
+  end
+  if #list == 0 then cli.fail("--devices: list at least one GPU, e.g. 0,1,2,3") end
+  if opts.world and opts.world ~= #list then
+    cli.fail(string.format("--world %d but --devices lists %d GPUs: one rank per GPU", opts.world, #list))
+  end
+  if opts.device ~= device and opts.device ~= "cuda:" .. list[1] then
+    cli.fail("--device and --devices: give one (a real world puts each rank on its own GPU)")
+  end
+  group = moe.world { devices = list }
+  opts.device = group.devices[1]
+  small = false
+end
+local W, T, H, F = opts.world or (group and group.size) or 8, opts.tokens, opts.hidden, opts.ffn
 local reduced = H ~= model.hidden or F ~= model.ffn or T ~= 7168
 
-local layer = moe.layer { model = model, world = W, tokens = T, hidden = H, ffn = F, shared_ffn = F,
-  pad = opts.pad, layout = opts.layout, capacity = opts.capacity, device = opts.device, seed = opts.seed }
+local layer = moe.layer { model = model, world = group or W, tokens = T, hidden = H, ffn = F, shared_ffn = F,
+  pad = opts.pad, layout = opts.layout, capacity = opts.capacity, device = not group and opts.device or nil,
+  seed = opts.seed }
 local x = moe.randn({ W, T, H }, { dtype = "bf16", device = opts.device, seed = opts.seed * 7919 + 1 })
+-- In a real world each rank's tokens go into its exchange window (layer.inputs): the same values
+-- as the simulated world's x[r].
+if group then
+  for i, r in ipairs(group.ranks) do layer.inputs[i]:copy(x:select(r + 1)) end
+  x = layer.inputs
+end
 
 -- One forward to warm up and to check; then timed forwards.
 local out = layer:forward(x)
@@ -49,10 +80,20 @@ local rtol, l2tol = metrics.rtol, metrics.l2
 local pass = metrics.pass
 local route_exact
 if not small then
-  local logits = layer.logits:to("cpu")
-  local ids = moe.route { logits = logits, k = model.k, scoring = model.scoring, bias = layer.bias:to("cpu"),
-    scale = model.scale, groups = model.groups, topk_groups = model.topk_groups }
-  route_exact = pcall(moe.check.equal, layer.ids:to("cpu"):view(0, { W * T, model.k }), ids)
+  local function cpu_route(logits, bias)
+    return moe.route { logits = logits:to("cpu"), k = model.k, scoring = model.scoring, bias = bias:to("cpu"),
+      scale = model.scale, groups = model.groups, topk_groups = model.topk_groups }
+  end
+  if group then
+    route_exact = true
+    for i = 1, group.local_count do
+      route_exact = route_exact and pcall(moe.check.equal, layer.ids[i]:to("cpu"), cpu_route(layer.logits[i],
+        layer.bias[i]))
+    end
+  else
+    route_exact = pcall(moe.check.equal, layer.ids:to("cpu"):view(0, { W * T, model.k }),
+      cpu_route(layer.logits, layer.bias))
+  end
   pass = pass and route_exact
 end
 
@@ -78,7 +119,7 @@ end
 
 -- The whole pass as one CUDA graph, replayed on the same input (routing recomputed each time).
 local graph_ms
-if not small then
+if not small and not (group and group.local_count > 1) then
   local g = layer:capture(x)
   g:replay()
   g:check()
@@ -87,12 +128,14 @@ end
 
 -- Work per stage, for rates beside the ceilings measured on an H200 (METHOD.md): copy
 -- ~4.3 TB/s (bytes read + written), dense bf16 ~790 TFLOP/s.
-local rows = stats.rows_used
+-- In a real world a stage's time is its slowest GPU's and the rates are per GPU.
+local rows, nr = stats.rows_used, group and group.local_count or W
+local per = group and nr or 1
 local work = {
-  experts = { flop = rows * 6.0 * H * F },
-  shared = { flop = W * T * 6.0 * H * F },
-  dispatch = { bytes = rows * H * 2.0 * 2 },
-  combine = { bytes = (stats.routes + W * T * 2) * H * 2.0 },
+  experts = { flop = rows * 6.0 * H * F / per },
+  shared = { flop = nr * T * 6.0 * H * F / per },
+  dispatch = { bytes = rows * H * 2.0 * 2 / per },
+  combine = { bytes = (stats.routes + nr * T * 2) * H * 2.0 / per },
 }
 
 -- The real shape, scheduled: 7,168 tokens on each of 8 ranks, router-like logits.
@@ -138,7 +181,12 @@ end
 
 -- The report.
 local function p(...) io.write(string.format(...), "\n") end
-p("moelab %s: %s MoE layer, %d expert-parallel ranks, simulated on %s", moe.version, model.name, W, opts.device)
+if group then
+  p("moelab %s: %s MoE layer, %d expert-parallel ranks on %d GPUs (%s), direct exchange over NVLink", moe.version,
+    model.name, W, group.size, table.concat(group.devices, ", "))
+else
+  p("moelab %s: %s MoE layer, %d expert-parallel ranks, simulated on %s", moe.version, model.name, W, opts.device)
+end
 p("  model     E = %d experts (%d per rank), top-%d, %s + bias, scale %g, 1 shared expert", model.experts,
   model.experts // W, model.k, model.scoring, model.scale)
 p("  shape     H = %d, F = %d, %d tokens per rank%s", H, F, T,
@@ -146,7 +194,8 @@ p("  shape     H = %d, F = %d, %d tokens per rank%s", H, F, T,
     model.ffn, opts.device) or "")
 p("  schedule  %s, pad %d, capacity %d rows per rank", layer.layout, layer.pad, layer.capacity)
 p("")
-p("  stage       median ms of %d%s", iters, small and " (wall clock)" or " (device events)")
+p("  stage       median ms of %d%s%s", iters, small and " (wall clock)" or " (device events)",
+  group and ", the slowest GPU's; rates per GPU" or "")
 local total = 0
 for _, s in ipairs(stages) do
   if times[s] then
@@ -160,6 +209,10 @@ for _, s in ipairs(stages) do
 end
 p("  %-10s %10.3f", "total", total)
 if graph_ms then p("  %-10s %10.3f   (the whole pass as one CUDA graph, replayed)", "graph", graph_ms) end
+if group and not graph_ms then
+  p("  %-10s %10s   (not captured: %d ranks in one process; a graph captures one rank per process)", "graph", "-",
+    group.local_count)
+end
 p("  %-10s %10.3f   (dense f32 reference on the CPU, once, %s)", "reference", ref_ms,
   sample and string.format("%d tokens per rank", sample) or "every token")
 p("")
@@ -193,7 +246,7 @@ p("  expert load over the world: max %d, mean %.1f (max/mean %.2f)", real.max_lo
 if opts.json then
   local f = assert(io.open(opts.json, "w"))
   f:write(json.encode {
-    model = model.name, device = opts.device, world = W, tokens = T, hidden = H, ffn = F, pad = layer.pad,
+    model = model.name, device = opts.device, devices = group and group.devices or nil, world = W, tokens = T, hidden = H, ffn = F, pad = layer.pad,
     layout = layer.layout, capacity = layer.capacity,
     stage_ms = (function()
       local m = {}

@@ -57,4 +57,10 @@ function cli.parse(argv, spec, title)
   return opts
 end
 
+-- A combination of flags that parse cannot judge on its own: the message, status 2.
+function cli.fail(msg)
+  io.stderr:write(msg, "\n")
+  os.exit(2)
+end
+
 return cli
