@@ -631,8 +631,11 @@ extern "C" int cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t n
   *owned = 0;
   if (nbytes < MOE_SCRATCH_HEADER) nbytes = MOE_SCRATCH_HEADER;
   const cudaStream_t st = (cudaStream_t)stream;
-  if (ctx->scratch && ctx->scratch_device == device && ctx->scratch_stream == stream && ctx->scratch_bytes >= nbytes) {
-    *out = ctx->scratch;
+  moe_ctx::moe_scratch *slot = nullptr;
+  for (int i = 0; i < MOE_SCRATCH_SLOTS && !slot; i++)
+    if (ctx->scratch[i].p && ctx->scratch[i].device == device && ctx->scratch[i].stream == stream) slot = &ctx->scratch[i];
+  if (slot && slot->bytes >= nbytes) {
+    *out = slot->p;
     return MOE_OK;
   }
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
@@ -650,13 +653,19 @@ extern "C" int cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t n
     *owned = 1;
     return MOE_OK;
   }
-  // Replace the block without freeing it: work queued on it (on another stream, or in graphs
+  // A (device, stream) seen for the first time takes a free slot, or the next one in turn.
+  // A block is replaced, never freed: work queued on it (on another stream, or in graphs
   // captured earlier) may still run.  Sizes grow geometrically so that replacements stay few.
-  size_t size = ctx->scratch_bytes * 2;
+  size_t size = slot ? slot->bytes * 2 : 0;
+  if (!slot) {
+    for (int i = 0; i < MOE_SCRATCH_SLOTS && !slot; i++)
+      if (!ctx->scratch[i].p) slot = &ctx->scratch[i];
+    if (!slot) slot = &ctx->scratch[ctx->scratch_next++ % MOE_SCRATCH_SLOTS];
+  }
   if (size < nbytes) size = nbytes;
   if (size < ((size_t)1 << 20)) size = (size_t)1 << 20;
   old_block *ob = NULL;
-  if (ctx->scratch) {
+  if (slot->p) {
     ob = (old_block *)malloc(sizeof *ob);
     if (!ob) return moe_seterr(ctx, MOE_ERR_NOMEM, "scratch: out of host memory");
   }
@@ -670,15 +679,15 @@ extern "C" int cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t n
                       cudaGetErrorString(err));
   }
   if (ob) {
-    ob->p = ctx->scratch;
-    ob->device = ctx->scratch_device;
+    ob->p = slot->p;
+    ob->device = slot->device;
     ob->next = (old_block *)ctx->scratch_old;
     ctx->scratch_old = ob;
   }
-  ctx->scratch = p;
-  ctx->scratch_bytes = size;
-  ctx->scratch_device = device;
-  ctx->scratch_stream = stream;
+  slot->p = p;
+  slot->bytes = size;
+  slot->device = device;
+  slot->stream = stream;
   MOE_CUDA_TRY(ctx, "scratch", cudaMemsetAsync(p, 0, MOE_SCRATCH_HEADER, st));
   *out = p;
   return MOE_OK;
@@ -690,16 +699,16 @@ extern "C" int cuda_scratch_done(moe_ctx *ctx, void *stream, void *p, int owned)
 }
 
 extern "C" void cuda_scratch_release(moe_ctx *ctx) {
-  if (ctx->scratch) cuda_free(ctx->scratch_device, ctx->scratch);
+  for (int i = 0; i < MOE_SCRATCH_SLOTS; i++)
+    if (ctx->scratch[i].p) cuda_free(ctx->scratch[i].device, ctx->scratch[i].p);
+  memset(ctx->scratch, 0, sizeof ctx->scratch);
   for (old_block *ob = (old_block *)ctx->scratch_old; ob;) {
     old_block *next = ob->next;
     cuda_free(ob->device, ob->p);
     free(ob);
     ob = next;
   }
-  ctx->scratch = NULL;
   ctx->scratch_old = NULL;
-  ctx->scratch_bytes = 0;
 }
 
 extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {

@@ -47,7 +47,7 @@ int moe_ctx_open(moe_ctx **out) {
 
 void moe_ctx_close(moe_ctx *ctx) {
   if (!ctx) return;
-  if (ctx->scratch || ctx->scratch_old) cuda_scratch_release(ctx);
+  cuda_scratch_release(ctx);
   if (ctx->owns_stream) cuda_ctx_release(ctx);
   free(ctx);
 }

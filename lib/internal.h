@@ -19,6 +19,7 @@ struct moe_tensor {
 };
 
 enum { MOE_CAPTURE_WORLDS = 4 }; /* worlds one capture may use */
+enum { MOE_SCRATCH_SLOTS = 8 };  /* (device, stream) pairs whose scratch a context keeps at once */
 
 struct moe_ctx {
   void *stream;      /* cudaStream_t the stages run on; NULL until set or first needed */
@@ -30,13 +31,18 @@ struct moe_ctx {
   moe_world *capture_worlds[MOE_CAPTURE_WORLDS];
   int capture_nworlds;
   char errmsg[1024];
-  /* Device scratch of the CUDA stages (cuda_scratch_get, kernels/schedule.cu): the current block,
-   * and the blocks it replaced, kept until close because graphs captured earlier still use them. */
-  void *scratch;
-  size_t scratch_bytes;
-  int scratch_device;
-  void *scratch_stream; /* the stream it was last handed out for */
-  void *scratch_old;    /* retired blocks, a list private to kernels/schedule.cu */
+  /* Device scratch of the CUDA stages (cuda_scratch_get, kernels/schedule.cu): one block per
+   * (device, stream) in use -- a context that serves several ranks' streams in turn keeps one
+   * for each -- and the blocks they replaced, kept until close because graphs captured earlier
+   * still use them. */
+  struct moe_scratch {
+    void *p;
+    size_t bytes;
+    int device;
+    void *stream;
+  } scratch[MOE_SCRATCH_SLOTS];
+  int scratch_next;  /* the slot a new (device, stream) takes when every slot is in use */
+  void *scratch_old; /* retired blocks, a list private to kernels/schedule.cu */
 };
 
 struct moe_event {

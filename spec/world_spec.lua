@@ -336,7 +336,7 @@ end)
 -- Several GPUs in this process: the direct exchange against the simulated world on cuda:0.
 describe("moe.world of every visible GPU, the direct exchange [#gpu]", function()
   if skip_without("cuda:0") then return end
-  local n = moe.device_count("cuda")
+  local n = moe.core.device_count("cuda")
   if n < 2 then
     pending(string.format("%d GPU visible: the exchange between GPUs needs two or more", n))
     return
@@ -388,7 +388,7 @@ end)
 -- (the expert GEMMs see different row counts per launch), both against the dense reference.
 describe("moe.layer over a real world [#gpu]", function()
   if skip_without("cuda:0") then return end
-  local n = moe.device_count("cuda")
+  local n = moe.core.device_count("cuda")
   it(string.format("equals the simulated layer, W = %d%s", n, n == 1 and " (one GPU: a world of one rank)" or ""),
     function()
       local devices = {}

@@ -8,6 +8,8 @@
  * One PASS/FAIL line per check; exits 77 without a GPU or without NCCL, 1 on any failure. */
 #include <string.h>
 
+#include <cuda_runtime.h>
+
 #include "gpu_test.h"
 
 static moe_device gpu(int i) {
@@ -423,6 +425,38 @@ static void ranks(int W) {
   moe_world_close(w);
 }
 
+/* A context that serves two streams in turn (as one serving several ranks does) keeps one
+ * scratch block for each: the device memory it holds stays flat over many alternations (the
+ * single block it used to keep was replaced, and doubled, at every switch). */
+static void alternating_streams(void) {
+  const int W = 2, T = 700, K = 8, E = 64, C = W * T * K;
+  moe_ctx *c = NULL;
+  TRY(moe_ctx_open(&c));
+  cudaStream_t s[2];
+  for (int i = 0; i < 2; i++)
+    if (cudaStreamCreateWithFlags(&s[i], cudaStreamNonBlocking) != cudaSuccess) exit(1);
+  moe_tensor *all = random_ids(c, gpu(0), W * T, K, E, 5), *all3;
+  TRY_ON(c, moe_tensor_view(c, all, 0, 3, (const int64_t[]){W, T, K}, &all3));
+  Sched sc = schedule(c, gpu(0), all3, W, T, K, E, 0, 1, C);
+  size_t free0 = 0, free1 = 0, total = 0;
+  moe_schedule_args sa = {sc.peer_rank, sc.peer_route, sc.counts, sc.tpe, sc.offsets, sc.route_row, sc.stats,
+                          all3, E, 0, 1, C, -1, MOE_LAYOUT_ROUNDROBIN};
+  for (int round = 0; round < 64; round++) {
+    TRY_ON(c, moe_ctx_set_stream(c, s[round % 2]));
+    TRY_ON(c, moe_schedule(c, &sa));
+    TRY_ON(c, moe_ctx_synchronize(c, gpu(0)));
+    if (round == 1 && cudaMemGetInfo(&free0, &total) != cudaSuccess) exit(1);
+  }
+  if (cudaMemGetInfo(&free1, &total) != cudaSuccess) exit(1);
+  const double grew = ((double)free0 - (double)free1) / (1 << 20);
+  check(grew < 16, "a context alternating two streams 64 times holds %.1f MiB more than after the first two", grew);
+  sched_free(&sc);
+  moe_tensor_free(all3), moe_tensor_free(all);
+  TRY_ON(c, moe_ctx_set_stream(c, NULL));
+  moe_ctx_close(c);
+  for (int i = 0; i < 2; i++) cudaStreamDestroy(s[i]);
+}
+
 int main(void) {
   TRY(moe_ctx_open(&ctx));
   int n = 0;
@@ -431,6 +465,7 @@ int main(void) {
     printf("SKIP no GPU\n");
     return 77;
   }
+  alternating_streams();
   moe_world *w = NULL;
   int rc = moe_world_open_local(ctx, 1, (const int[]){0}, &w);
   if (rc == MOE_ERR_UNSUPPORTED) {
