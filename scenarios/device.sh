@@ -53,6 +53,9 @@ for s in $steps; do
     kimi-world) # the layer over a real world: one rank per visible GPU (KIMI_DEVICES, default all)
       devs=${KIMI_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}
       run kimi-world 500 lua scenarios/kimi.lua --devices "$devs" --json "$out/kimi-world.json" ;;
+    ranks) # a multi-process world: one process per visible GPU (RANKS, default all), each checked
+      n=${RANKS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)}
+      run ranks 300 scenarios/launch.sh "$n" lua scenarios/world_ranks.lua ;;
     kimi) run kimi 400 lua scenarios/kimi.lua --json "$out/kimi.json" ;;
     scheduler) run scheduler 300 lua scenarios/scheduler.lua --json "$out/scheduler.json" ;;
     experts) run experts 400 lua scenarios/experts.lua --json "$out/experts.json" ;;

@@ -111,6 +111,23 @@ describe("moe.world from the environment [#cpu]", function()
   end)
 end)
 
+describe("scenarios/launch.sh, the one-host launcher [#cpu]", function()
+  local function run(args)
+    local f = assert(io.popen("scenarios/launch.sh " .. args .. " 2>&1; echo \"status=$?\""))
+    local out = f:read("a")
+    f:close()
+    return out
+  end
+  for _, row in ipairs { { "no arguments", "" }, { "no command", "2" }, { "a world size that is no number", "x lua" },
+    { "a world size of 0", "0 lua" } } do
+    it("refuses " .. row[1] .. " with its usage and status 2", function()
+      local out = run(row[2])
+      assert.matches("usage: scenarios/launch.sh W command", out, 1, true)
+      assert.matches("status=2", out, 1, true)
+    end)
+  end
+end)
+
 describe("world configurations [#cpu]", function()
   local base = { world = 2, tokens = 32, k = 8, experts = 16, hidden = 64, capacity = 512, pad = 1, layout = "roundrobin" }
   local function with(t)
