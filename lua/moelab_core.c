@@ -17,6 +17,7 @@
 #define _POSIX_C_SOURCE 200809L /* clock_gettime for core.now */
 #include <stdarg.h>
 #include <stdint.h>
+#include <errno.h>
 #include <string.h>
 #include <time.h>
 
@@ -878,6 +879,19 @@ static int l_now(lua_State *L) {
   return 1;
 }
 
+/* core.sleep(seconds): the thread sleeps (a rank waiting for the id file rank 0 writes) */
+static int l_sleep(lua_State *L) {
+  lua_Number sec = luaL_checknumber(L, 1);
+  if (sec > 0) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)sec;
+    ts.tv_nsec = (long)((sec - (lua_Number)ts.tv_sec) * 1e9);
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+  }
+  return 0;
+}
+
 static Handle *new_object(lua_State *L, const char *tname) {
   Handle *h = (Handle *)lua_newuserdatauv(L, sizeof *h, 1);
   h->p = NULL;
@@ -1584,6 +1598,7 @@ static const luaL_Reg module_funcs[] = {
   {"combine", l_combine},
   {"reference", l_reference},
   {"now", l_now},
+  {"sleep", l_sleep},
   {"event_new", l_event_new},
   {"graph_begin", l_graph_begin},
   {"graph_end", l_graph_end},

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Starts a world of W ranks on this host, one process per GPU (rank r on GPU r), all running the
 # same command: scenarios/launch.sh W command args...  Each process gets MOE_RANK, MOE_WORLD_SIZE,
-# MOE_DEVICE and MOE_NCCL_ID_FILE (one NCCL unique id made here), which moe.world{from_env = true}
-# reads; its output is prefixed with its rank.  Exits with the first failing rank's status, 0
+# MOE_DEVICE and MOE_NCCL_ID_FILE (a fresh path: rank 0 writes the NCCL id there, the others wait
+# for it), which moe.world{from_env = true} reads; its output is prefixed with its rank.  Exits with the first failing rank's status, 0
 # when every rank succeeds.  For several hosts, do the same on each host with the global ranks
 # and a shared id file (README).
 set -uo pipefail
@@ -12,9 +12,11 @@ if [ $# -lt 2 ] || ! [[ $1 =~ ^[1-9][0-9]*$ ]]; then
 fi
 W=$1
 shift
-id_file=$(mktemp)
-trap 'rm -f "$id_file"' EXIT
-lua -e 'io.write(require("moelab").world_unique_id())' >"$id_file" || exit 1
+# a path where no file is yet: rank 0 makes the NCCL id there (it must: NCCL's bootstrap listens
+# in the process that made the id), the others wait for it
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+id_file=$dir/nccl.id
 pids=()
 for ((r = 0; r < W; r++)); do
   # the subshell's status is the command's (pipefail), not sed's

@@ -56,8 +56,12 @@ local ROWS = {
     "option 'id' has \"g\" at position 1, expected a hex digit" },
   { "id a number", function() moe.world { rank = 0, size = 2, device = 0, id = 12 } end,
     "option 'id' must be a string, got 12" },
-  { "id file missing", function() moe.world { rank = 0, size = 2, device = 0, id_file = "/nonexistent/nccl.id" } end,
-    { "option 'id_file': cannot read \"/nonexistent/nccl.id\"", "No such file" } },
+  { "id file rank 0 cannot write", function() moe.world { rank = 0, size = 2, device = 0, id_file = "/nonexistent/nccl.id" } end,
+    { "option 'id_file': rank 0 makes the id but cannot write \"/nonexistent/nccl.id\"", "No such file" } },
+  -- a rank other than 0 waits for rank 0's file; here none comes
+  { "id file that never appears", function()
+      moe.world { rank = 1, size = 2, device = 0, id_file = "/nonexistent/nccl.id", id_wait = 0.2 }
+    end, { "option 'id_file': no id appeared at \"/nonexistent/nccl.id\" within 0.2 s" } },
   { "id file without an id", function() moe.world { rank = 0, size = 2, device = 0, id_file = NOT_AN_ID } end,
     "does not hold an id: its text must be 256 hex digits" },
 }
@@ -93,8 +97,8 @@ describe("moe.world from the environment [#cpu]", function()
       "MOE_NCCL_ID must be 256 hex digits" },
     { "rank out of range", { MOE_RANK = "2", MOE_WORLD_SIZE = "2", MOE_DEVICE = "0", MOE_NCCL_ID = HEX },
       "option 'rank' must be between 0 and 1 (size 2), got 2" },
-    { "missing id file", { MOE_RANK = "0", MOE_WORLD_SIZE = "2", MOE_DEVICE = "0", MOE_NCCL_ID_FILE = "/nonexistent/id" },
-      "option 'id_file': cannot read \"/nonexistent/id\"" },
+    { "id file rank 0 cannot write", { MOE_RANK = "0", MOE_WORLD_SIZE = "2", MOE_DEVICE = "0",
+      MOE_NCCL_ID_FILE = "/nonexistent/id" }, "option 'id_file': rank 0 makes the id but cannot write \"/nonexistent/id\"" },
   }
   for _, row in ipairs(ENV_ROWS) do
     it(row[1], function()

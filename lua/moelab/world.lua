@@ -6,8 +6,10 @@
 --   moe.world { rank = r, size = W, device = d, id_file = path }
 --   moe.world { from_env = true }  -- MOE_RANK, MOE_WORLD_SIZE, MOE_DEVICE, MOE_NCCL_ID or MOE_NCCL_ID_FILE
 --
--- The id is an NCCL unique id as 256 hex digits, made once (moe.world_unique_id()) and given
--- to every process.  The exchange methods (allgather_ids, dispatch, combine) take one value per
+-- The id is an NCCL unique id as 256 hex digits, given to every process.  The process that
+-- makes it must stay up until every rank has joined (NCCL's bootstrap listens in it): with
+-- id_file, rank 0 makes the id and writes the file when there is none, and the other ranks wait
+-- for it (option id_wait or MOE_NCCL_ID_WAIT seconds, default 120).  The exchange methods (allgather_ids, dispatch, combine) take one value per
 -- local rank: a list, or the value itself when the process holds one rank.
 local args = require "moelab.args"
 
@@ -45,6 +47,47 @@ return function(moe)
     return id
   end
 
+  -- The id of an id file: rank 0 makes it and writes the file (by a rename, so that no rank reads
+  -- half of it) when there is none; any other rank waits for the file.
+  local function id_from_file(path, rank, wait)
+    local f = io.open(path, "r")
+    if f then
+      f:close()
+      return read_id_file(path)
+    end
+    if rank == 0 then
+      local tmp = string.format("%s.tmp%d", path, math.random(1 << 30))
+      local out, err = io.open(tmp, "w")
+      if not out then bad("option 'id_file': rank 0 makes the id but cannot write %q: %s", path, err) end
+      local ok, id = pcall(core.world_unique_id)
+      if not ok then
+        out:close()
+        os.remove(tmp)
+        error(id, 0)
+      end
+      out:write(id, "\n")
+      out:close()
+      local renamed, rerr = os.rename(tmp, path)
+      if not renamed then
+        os.remove(tmp)
+        bad("option 'id_file': rank 0 cannot put the id at %q: %s", path, rerr)
+      end
+      return id
+    end
+    wait = wait or tonumber(os.getenv("MOE_NCCL_ID_WAIT") or "") or 120
+    local t0 = core.now()
+    repeat
+      core.sleep(0.05)
+      f = io.open(path, "r")
+    until f or core.now() - t0 > wait
+    if not f then
+      bad("option 'id_file': no id appeared at %q within %g s (rank 0 writes it; MOE_NCCL_ID_WAIT sets the wait)",
+        path, wait)
+    end
+    f:close()
+    return read_id_file(path)
+  end
+
   -- Fills the rank options missing from o from the environment.
   local function from_env(o)
     for _, key in ipairs { "rank", "size", "device" } do
@@ -76,12 +119,12 @@ return function(moe)
 
   local function open(o)
     args.options("world", o, { devices = "table", rank = "integer", size = "integer", device = "integer",
-      id = "string", id_file = "string", from_env = "boolean" }, nil, 3)
+      id = "string", id_file = "string", id_wait = "number", from_env = "boolean" }, nil, 3)
     local copy = {}
     for k, v in pairs(o) do copy[k] = v end
     o = copy
     if o.devices ~= nil then
-      for _, k in ipairs { "rank", "size", "device", "id", "id_file", "from_env" } do
+      for _, k in ipairs { "rank", "size", "device", "id", "id_file", "id_wait", "from_env" } do
         if o[k] ~= nil then
           bad("option 'devices' (every rank in this process) cannot be combined with option '%s' (one rank of a "
             .. "multi-process launch)", k)
@@ -125,7 +168,7 @@ return function(moe)
       local problem = hex_problem(id)
       if problem then bad("option 'id' %s", problem) end
     else
-      id = read_id_file(o.id_file)
+      id = id_from_file(o.id_file, o.rank, o.id_wait)
     end
     return core.world_open_rank(o.rank, o.size, o.device, id)
   end
