@@ -11,7 +11,8 @@
  *   - direct dispatch and combine (moe_world_exchange_*: peers' windows read over NVLink);
  *   - the all-gather exchange (moe_world_dispatch / moe_world_combine), for reference;
  *   - NCCL send/recv between every pair of ranks, each rank sending (and receiving) the mean
- *     of the direct exchange's bytes per rank, split evenly over its peers.
+ *     of the direct dispatch's bytes per rank, split evenly over its peers; then the same with
+ *     the direct combine's bytes.
  * The bytes of an exchange are the rows that must cross between GPUs: for dispatch, each
  * (source rank, token) with a route on another rank, once per owner rank (DeepEP's count); for
  * combine, each route to another rank.  GB/s per GPU = mean bytes per rank / time.  Before
@@ -259,10 +260,25 @@ static void bench(int W, int T, int H, int K, int E, int iters) {
   const float t_gc = time_calls(w, W, gather_combine, &run, iters);
   const float t_nc = time_calls(w, W, nccl_a2a, &run, iters);
   const double a2a_bytes = (double)run.peer_bytes * (W - 1);
-  const double g_dd = disp_bytes / t_dd / 1e6, g_dc = comb_bytes / t_dc / 1e6, g_nc = a2a_bytes / t_nc / 1e6;
-  printf("| %d | %s | %.0f | %.3f | %.0f | %.0f%% | %.3f | %.0f | %.3f | %.0f | %.0f%% | %.3f | %.3f | %.0f |\n", W,
-         ok ? "yes" : "NO", disp_bytes / 1e6, t_dd, g_dd, 100 * g_dd / g_nc, t_gd, comb_bytes / 1e6, t_dc, g_dc,
-         100 * g_dc / g_nc, t_gc, t_nc, g_nc);
+  /* and of the combine's bytes (the buffers hold them: comb_bytes >= disp_bytes) */
+  const size_t disp_peer = run.peer_bytes;
+  run.peer_bytes = ((size_t)(comb_bytes / (W - 1)) + 15) / 16 * 16;
+  for (int r = 0; r < W; r++) {
+    CU(cudaSetDevice(r));
+    CU(cudaFree(run.sbuf[r]));
+    CU(cudaFree(run.rbuf[r]));
+    CU(cudaMalloc(&run.sbuf[r], run.peer_bytes * (size_t)W));
+    CU(cudaMalloc(&run.rbuf[r], run.peer_bytes * (size_t)W));
+    CU(cudaMemset(run.sbuf[r], 0, run.peer_bytes * (size_t)W));
+  }
+  const float t_nc2 = time_calls(w, W, nccl_a2a, &run, iters);
+  const double a2a_bytes2 = (double)run.peer_bytes * (W - 1);
+  run.peer_bytes = disp_peer;
+  const double g_dd = disp_bytes / t_dd / 1e6, g_dc = comb_bytes / t_dc / 1e6, g_nc = a2a_bytes / t_nc / 1e6,
+               g_nc2 = a2a_bytes2 / t_nc2 / 1e6;
+  printf("| %d | %s | %.0f | %.3f | %.0f | %.3f / %.0f | %.0f%% | %.3f | %.0f | %.3f | %.0f | %.3f / %.0f | %.0f%% | %.3f |\n",
+         W, ok ? "yes" : "NO", disp_bytes / 1e6, t_dd, g_dd, t_nc, g_nc, 100 * g_dd / g_nc, t_gd, comb_bytes / 1e6,
+         t_dc, g_dc, t_nc2, g_nc2, 100 * g_dc / g_nc2, t_gc);
   fflush(stdout);
 
   for (int r = 0; r < W; r++) {
@@ -325,8 +341,8 @@ int main(int argc, char **argv) {
   if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
   printf("exchange_bench: %d GPU%s; T = %d tokens per rank, H = %d, top-%d of E = %d uniform; median of %d calls\n\n", n,
          n == 1 ? "" : "s", T, H, K, E, iters);
-  printf("| W | direct == all-gather | dispatch MB per rank | direct ms | GB/s per GPU | of NCCL | all-gather ms "
-         "| combine MB per rank | direct ms | GB/s per GPU | of NCCL | all-gather ms | NCCL send/recv ms | NCCL GB/s |\n");
+  printf("| W | direct == all-gather | dispatch MB per rank | direct ms | GB/s per GPU | NCCL ms / GB/s | of NCCL "
+         "| all-gather ms | combine MB per rank | direct ms | GB/s per GPU | NCCL ms / GB/s | of NCCL | all-gather ms |\n");
   printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   int ran = 0;
   for (int i = 0; i < nsizes; i++) {
