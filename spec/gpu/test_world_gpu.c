@@ -293,8 +293,34 @@ static void one_rank(moe_world *w, const char *how) {
 
 enum { MAXW = 8 };
 
-static void ranks(int W) {
-  const int T = 33, K = 4, E = 8, H = 64, C = 400, pad = 4;
+/* The hard case's routing of rank r: the last rank has no tokens (all ids -1); the others send
+ * nothing to rank 0's experts and 90% of their routes to rank 1's, whose rows overflow a small
+ * capacity while the other ranks' do not. */
+static moe_tensor *hard_ids(moe_ctx *c, moe_device dev, int r, int W, int T, int K, int E, unsigned seed) {
+  const int EL = E / W;
+  int32_t *v = malloc((size_t)T * K * sizeof *v);
+  if (!v) exit(1);
+  srand(seed);
+  for (int i = 0; i < T * K; i++) {
+    if (r == W - 1) v[i] = -1;
+    else if (W == 2 || rand() % 10 != 0) v[i] = EL + rand() % EL;
+    else v[i] = 2 * EL + rand() % (E - 2 * EL);
+  }
+  moe_tensor *t = T2(c, MOE_I32, dev, T, K);
+  TRY_ON(c, moe_tensor_write(c, t, v, (size_t)T * K * sizeof *v));
+  free(v);
+  return t;
+}
+
+static int32_t dropped(moe_ctx *c, const moe_tensor *stats) {
+  int32_t st[MOE_SCHED_STATS];
+  TRY_ON(c, moe_tensor_read(c, stats, st, sizeof st));
+  return st[2];
+}
+
+static void ranks(int W, int hard) {
+  const int T = 33, K = 4, E = 8, H = 64, C = hard ? 40 : 400, pad = hard ? 1 : 4;
+  const char *tag = hard ? " hard" : "";
   int devs[MAXW] = {0};
   for (int r = 0; r < W; r++) devs[r] = r;
   moe_world *w = NULL;
@@ -308,12 +334,12 @@ static void ranks(int W) {
   moe_world_config cfgs[MAXW];
   for (int r = 0; r < W; r++) cfgs[r] = (moe_world_config){MOE_VERSION_NUMBER, W, T, K, E, H, C, pad, 0, -1};
   int rc = moe_world_check_config(ctx, w, cfgs);
-  check(rc == MOE_OK, "W=%d: equal configurations pass (%s)", W, rc ? moe_errmsg(ctx) : "ok");
+  check(rc == MOE_OK, "W=%d%s: equal configurations pass (%s)", W, tag, rc ? moe_errmsg(ctx) : "ok");
   cfgs[W - 1].tokens = T + 1;
   rc = moe_world_check_config(ctx, w, cfgs);
   char want[96];
   snprintf(want, sizeof want, "tokens is 33 on rank 0 but 34 on rank %d", W - 1);
-  check(rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), want), "W=%d: a mismatch is reported: %s", W, moe_errmsg(ctx));
+  check(rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), want), "W=%d%s: a mismatch is reported: %s", W, tag, moe_errmsg(ctx));
 
   /* each rank's ids, tokens, expert outputs and weights; the simulated world's copies on cuda:0 */
   moe_tensor *ids[MAXW], *all[MAXW], *x[MAXW], *x_all[MAXW], *xs[MAXW], *ys[MAXW], *wts[MAXW], *out[MAXW];
@@ -322,7 +348,7 @@ static void ranks(int W) {
   moe_tensor *sim_ids = T3(ctx, MOE_I32, gpu(0), W, T, K), *sim_x = T3(ctx, MOE_BF16, gpu(0), W, T, H);
   for (int r = 0; r < W; r++) {
     moe_ctx *c = rc_[r];
-    ids[r] = random_ids(c, gpu(r), T, K, E, 10 + r);
+    ids[r] = hard ? hard_ids(c, gpu(r), r, W, T, K, E, 10 + r) : random_ids(c, gpu(r), T, K, E, 10 + r);
     all[r] = T3(c, MOE_I32, gpu(r), W, T, K);
     x[r] = T2(c, MOE_BF16, gpu(r), T, H);
     TRY_ON(c, moe_tensor_randn(c, x[r], 100 + r, 1.0f));
@@ -345,9 +371,17 @@ static void ranks(int W) {
     moe_tensor_free(v);
   }
   TRY(moe_world_allgather_ids(ctx, w, all, (const moe_tensor *const *)ids));
-  for (int r = 0; r < W; r++) check(same(ctx, all[r], sim_ids), "W=%d: rank %d: allgather_ids gives every rank's ids", W, r);
+  for (int r = 0; r < W; r++) check(same(ctx, all[r], sim_ids), "W=%d%s: rank %d: allgather_ids gives every rank's ids", W, tag, r);
   for (int r = 0; r < W; r++) s[r] = schedule(rc_[r], gpu(r), all[r], W, T, K, E, r, pad, C);
   for (int r = 0; r < W; r++) TRY_ON(rc_[r], moe_ctx_synchronize(rc_[r], gpu(r)));
+  if (hard) {
+    const int32_t d0 = dropped(ctx, s[0].stats), d1 = dropped(ctx, s[1].stats);
+    int32_t dl = 0;
+    for (int r = 2; r < W; r++) dl += dropped(ctx, s[r].stats);
+    check(d0 == 0 && d1 > 0 && dl == 0,
+          "W=%d hard: rank 0's experts get nothing, rank 1 overflows (%d routes dropped), the others do not (%d, %d)", W,
+          d1, d0, dl);
+  }
   moe_world_dispatch_args da[MAXW];
   moe_world_combine_args ca[MAXW];
   for (int r = 0; r < W; r++) {
@@ -362,7 +396,7 @@ static void ranks(int W) {
    * world below), twice in a row (the barriers' second round) */
   moe_world_exchange *ex = NULL;
   rc = moe_world_exchange_open(ctx, w, T, K, H, C, &ex);
-  check(rc == MOE_OK, "W=%d: direct exchange opens (%s)", W, rc ? moe_errmsg(ctx) : "ok");
+  check(rc == MOE_OK, "W=%d%s: direct exchange opens (%s)", W, tag, rc ? moe_errmsg(ctx) : "ok");
   for (int round = 0; ex && round < 2; round++) {
     moe_world_dispatch_args dd[MAXW];
     moe_world_combine_args dc[MAXW];
@@ -378,8 +412,8 @@ static void ranks(int W) {
     TRY(moe_world_exchange_combine(ctx, ex, dc));
     for (int r = 0; r < W; r++) {
       TRY_ON(rc_[r], moe_ctx_synchronize(rc_[r], gpu(r)));
-      check(same(ctx, dxs[r], xs[r]), "W=%d: round %d: rank %d: direct dispatch equals the all-gather one", W, round, r);
-      check(same(ctx, dout[r], out[r]), "W=%d: round %d: rank %d: direct combine equals the all-gather one", W, round, r);
+      check(same(ctx, dxs[r], xs[r]), "W=%d%s: round %d: rank %d: direct dispatch equals the all-gather one", W, tag, round, r);
+      check(same(ctx, dout[r], out[r]), "W=%d%s: round %d: rank %d: direct combine equals the all-gather one", W, tag, round, r);
       moe_tensor_free(dxs[r]), moe_tensor_free(dout[r]);
     }
   }
@@ -392,11 +426,11 @@ static void ranks(int W) {
     ss[r] = schedule(ctx, gpu(0), sim_ids, W, T, K, E, r, pad, C);
     check(same(ctx, ss[r].route_row, s[r].route_row) && same(ctx, ss[r].peer_rank, s[r].peer_rank) &&
               same(ctx, ss[r].peer_route, s[r].peer_route),
-          "W=%d: rank %d: schedule equals the simulated world's", W, r);
+          "W=%d%s: rank %d: schedule equals the simulated world's", W, tag, r);
     moe_tensor *ref_xs = T2(ctx, MOE_BF16, gpu(0), C, H);
     moe_dispatch_args d = {ref_xs, sim_x, ss[r].peer_rank, ss[r].peer_route, K, 1};
     TRY(moe_dispatch(ctx, &d));
-    check(same(ctx, ref_xs, xs[r]), "W=%d: rank %d: dispatch equals the simulated world's bit for bit", W, r);
+    check(same(ctx, ref_xs, xs[r]), "W=%d%s: rank %d: dispatch equals the simulated world's bit for bit", W, tag, r);
     moe_tensor_free(ref_xs);
     moe_tensor *y0 = T2(ctx, MOE_BF16, gpu(0), C, H);
     TRY(moe_tensor_copy(ctx, y0, ys[r]));
@@ -409,7 +443,7 @@ static void ranks(int W) {
     TRY(moe_tensor_view(ctx, sim_ids, (int64_t)p * T * K, 2, (const int64_t[]){T, K}, &i0));
     moe_combine_args c = {ref, w0, i0, sim_ys, sim_rr, W, E, p, NULL, NULL};
     TRY(moe_combine(ctx, &c));
-    check(same(ctx, ref, out[p]), "W=%d: rank %d: combine equals the simulated world's bit for bit", W, p);
+    check(same(ctx, ref, out[p]), "W=%d%s: rank %d: combine equals the simulated world's bit for bit", W, tag, p);
     moe_tensor_free(ref), moe_tensor_free(w0), moe_tensor_free(i0);
   }
   for (int r = 0; r < W; r++) {
@@ -488,7 +522,7 @@ int main(void) {
   check(rc == MOE_ERR_ARG && w == NULL, "a malformed id is refused: %s", moe_errmsg(ctx));
 
   for (int W = 2; W <= MAXW; W *= 2)
-    if (n >= W) ranks(W);
+    if (n >= W) ranks(W, 0), ranks(W, 1);
     else printf("SKIP W=%d: %d GPU%s visible\n", W, n, n == 1 ? "" : "s");
 
   moe_ctx_close(ctx);
