@@ -432,6 +432,12 @@ describe("moe.layer over a real world [#gpu]", function()
         assert.close(outs[r]:to("cpu"), ref:select(r):to("cpu"))
       end
       assert.is_true(real:check(real.inputs, { raise = false }).pass)
+      -- the dense reference with the CPU's own routing of each rank's tokens
+      local refs = real:reference(n == 1 and real.inputs[1] or real.inputs)
+      if n == 1 then refs = { refs } end
+      for r = 1, W do assert.close(outs[r]:to("cpu"), refs[r]) end
+      local part = real:reference(real.inputs, { sample = 5, routing = "forward" })
+      assert.are.same({ 5, 128 }, (n == 1 and part or part[1]).shape)
       local st = real:stats()
       assert.are.equal(W * T * 4, st.routes + st.dropped)
       local ok, err = pcall(real.forward, real, x)

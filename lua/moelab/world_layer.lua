@@ -278,34 +278,71 @@ return function(moe)
     return c
   end
 
+  -- The sampled rows of every local rank, on the CPU: n evenly spaced tokens of each (all T
+  -- when n is T), stacked rank after rank.
+  local function sample_rows(self, list, n, width, dtype)
+    local T = self.tokens
+    local g = core.new(dtype, { n * self.nlocal, width }, "cpu")
+    for i = 1, self.nlocal do
+      local c = list[i]:to("cpu")
+      for j = 0, n - 1 do g:select((i - 1) * n + j + 1):copy(c:select((j * T) // n + 1)) end
+    end
+    return g
+  end
+
+  -- reference(x [, {routing = "own"|"forward", sample = n}]) -> f32 on the CPU: the dense
+  -- reference of DESIGN.md for the local ranks' tokens, one [n, H] per local rank (a list, or
+  -- the tensor itself with one local rank; n = T unless sample is given: n evenly spaced tokens).
+  -- routing "own" (the default) routes x on the CPU with the layer's router; "forward" takes
+  -- the routing the last forward chose.
+  function WorldLayer:reference(x, o)
+    o = args.options("reference", o or {}, { routing = { "own", "forward" }, sample = "integer" })
+    local T, H, K, E = self.tokens, self.hidden, self.k, self.experts
+    x = per_rank(self, "reference", "x", x, "bf16", { T, H })
+    local n = o.sample and math.min(o.sample, T) or T
+    args.range("reference", "sample", n, 1)
+    local N = n * self.nlocal
+    local c = cpu_weights(self)
+    local xc = sample_rows(self, x, n, H, "bf16")
+    local ids, w
+    if o.routing == "forward" then
+      ids, w = sample_rows(self, self.ids, n, K, "i32"), sample_rows(self, self.weights, n, K, "f32")
+    else
+      c.w_router = c.w_router or self.w_router[1]:to("cpu")
+      c.bias = c.bias or (self.bias[1] and self.bias[1]:to("cpu"))
+      local logits = core.new("f32", { N, E }, "cpu")
+      core.logits(logits, xc, c.w_router)
+      ids, w = core.new("i32", { N, K }, "cpu"), core.new("f32", { N, K }, "cpu")
+      core.route { ids = ids, weights = w, logits = logits, bias = c.bias, k = K, scoring = self.cfg.scoring,
+        groups = self.cfg.groups, topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
+    end
+    local ref = core.new("f32", { N, H }, "cpu")
+    core.reference { out = ref, x = xc, ids = ids, weights = w, w_gate_up = c.w_gate_up, w_down = c.w_down,
+      world = self.world, experts = E, shared_gate_up = c.shared_gate_up, shared_down = c.shared_down,
+      shared_gate_w = c.shared_gate_w }
+    if self.nlocal == 1 then return ref end
+    local out = {}
+    for i = 1, self.nlocal do out[i] = ref:view((i - 1) * n * H, { n, H }) end
+    return out
+  end
+
   -- check(x [, {sample = n, rtol =, l2 =, raise =}]): the last forward's output of every local
   -- rank against the dense f32 reference on the CPU, with the routing the forward chose; with
   -- sample, n evenly spaced tokens of each local rank.  Raises when out of tolerance unless
   -- raise = false, which returns the metrics and .pass.
   function WorldLayer:check(x, o)
     o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
-    local T, H, K = self.tokens, self.hidden, self.k
+    local T, H = self.tokens, self.hidden
     x = per_rank(self, "check", "x", x, "bf16", { T, H })
     local n = o.sample and math.min(o.sample, T) or T
     args.range("check", "sample", n, 1)
-    local N = n * self.nlocal
-    local xc, ids, w, got = core.new("bf16", { N, H }, "cpu"), core.new("i32", { N, K }, "cpu"),
-      core.new("f32", { N, K }, "cpu"), core.new("bf16", { N, H }, "cpu")
-    for i = 1, self.nlocal do
-      local xi, ii, wi, oi = x[i]:to("cpu"), self.ids[i]:to("cpu"), self.weights[i]:to("cpu"), self.out[i]:to("cpu")
-      for j = 0, n - 1 do
-        local t, row = (j * T) // n, (i - 1) * n + j
-        xc:select(row + 1):copy(xi:select(t + 1))
-        ids:select(row + 1):copy(ii:select(t + 1))
-        w:select(row + 1):copy(wi:select(t + 1))
-        got:select(row + 1):copy(oi:select(t + 1))
-      end
+    local ref = self:reference(x, { routing = "forward", sample = n })
+    if self.nlocal > 1 then
+      local all = core.new("f32", { n * self.nlocal, H }, "cpu")
+      for i = 1, self.nlocal do all:view((i - 1) * n * H, { n, H }):copy(ref[i]) end
+      ref = all
     end
-    local c = cpu_weights(self)
-    local ref = core.new("f32", { N, H }, "cpu")
-    core.reference { out = ref, x = xc, ids = ids, weights = w, w_gate_up = c.w_gate_up, w_down = c.w_down,
-      world = self.world, experts = self.experts, shared_gate_up = c.shared_gate_up, shared_down = c.shared_down,
-      shared_gate_w = c.shared_gate_w }
+    local got = sample_rows(self, self.out, n, H, "bf16")
     if o.raise == false then
       local m = moe.check.metrics(got, ref)
       local rtol, l2 = o.rtol or 2e-2, o.l2 or 1e-2
