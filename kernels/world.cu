@@ -116,6 +116,26 @@ struct StreamCtx {
   }
 };
 
+// moe_combine's kernel on local rank i's stream, over the owners' ys and route_row as given
+// (W of each), for source rank `rank` of them.
+int combine_on(moe_ctx *ctx, const moe_world *w, int i, const moe_world_combine_args &a, const moe_tensor *const *ys,
+               const moe_tensor *const *route_row, int rank) {
+  moe_combine_args c;
+  memset(&c, 0, sizeof c);
+  c.out = a.out;
+  c.weights = a.weights;
+  c.ids = a.ids;
+  c.ys = ys;
+  c.route_row = route_row;
+  c.world = w->size;
+  c.experts = a.experts;
+  c.rank = rank;
+  c.shared = a.shared;
+  c.shared_gate = a.shared_gate;
+  StreamCtx sc(w, i);
+  return sc.pass(ctx, combine_cuda(&sc.c, &c));
+}
+
 // ---- combine: the owner's pack ----
 
 // Row f = p * TK + q of the send buffer: ys[route_row[p, q]] when that is a row of ys, zeros
@@ -380,20 +400,8 @@ int nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a) {
       ys[(size_t)o] = &y;
       rr[(size_t)o] = &r;
     }
-    moe_combine_args c;
-    memset(&c, 0, sizeof c);
-    c.out = a[i].out;
-    c.weights = a[i].weights;
-    c.ids = a[i].ids;
-    c.ys = ys.data();
-    c.route_row = rr.data();
-    c.world = (int)W;
-    c.experts = a[i].experts;
-    c.rank = 0; // the received index is one row per owner: this rank's
-    c.shared = a[i].shared;
-    c.shared_gate = a[i].shared_gate;
-    StreamCtx sc(w, i);
-    if ((rc = sc.pass(ctx, combine_cuda(&sc.c, &c)))) return rc;
+    // the received index is one row per owner: this rank's, at "rank 0"
+    if ((rc = combine_on(ctx, w, i, a[i], ys.data(), rr.data(), 0))) return rc;
   }
   return leave(ctx, w, stage, unbound);
 }
@@ -714,20 +722,7 @@ int nccl_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_
       ys[(size_t)o] = &y;
       rr[(size_t)o] = &r;
     }
-    moe_combine_args c;
-    memset(&c, 0, sizeof c);
-    c.out = a[i].out;
-    c.weights = a[i].weights;
-    c.ids = a[i].ids;
-    c.ys = ys.data();
-    c.route_row = rr.data();
-    c.world = W;
-    c.experts = a[i].experts;
-    c.rank = w->ranks[i];
-    c.shared = a[i].shared;
-    c.shared_gate = a[i].shared_gate;
-    StreamCtx sc(w, i);
-    if ((rc = sc.pass(ctx, combine_cuda(&sc.c, &c)))) return rc;
+    if ((rc = combine_on(ctx, w, i, a[i], ys.data(), rr.data(), w->ranks[i]))) return rc;
     if ((rc = barrier(ctx, ex, i, stage))) return rc; // no owner rewrites its window while a peer reads it
   }
   return leave(ctx, w, stage, unbound);

@@ -294,69 +294,92 @@ int moe_world_allgather_ids(moe_ctx *ctx, moe_world *w, moe_tensor *const *all_i
   return nccl_allgather(ctx, w, all_ids, ids);
 }
 
+/* The dispatch arguments of local rank i that both exchanges take: x, xs, peer_rank, peer_route,
+ * k, on the rank's GPU; the direct exchange also route_row. */
+static int check_dispatch(moe_ctx *ctx, const char *stage, const moe_world *w, int i, const moe_world_dispatch_args *a,
+                          int direct) {
+  int rc;
+  if ((rc = moe_check_tensor(ctx, stage, "x", a->x, MOE_BF16, 2, NULL))) return rc;
+  const int64_t T = a->x->shape[0], H = a->x->shape[1];
+  const int64_t xs_shape[] = {-1, H};
+  if ((rc = moe_check_tensor(ctx, stage, "xs", a->xs, MOE_BF16, 2, xs_shape))) return rc;
+  const int64_t row_shape[] = {a->xs->shape[0]}, rr[] = {w->size, T * a->k};
+  if ((rc = moe_check_tensor(ctx, stage, "peer_rank", a->peer_rank, MOE_I32, 1, row_shape))) return rc;
+  if ((rc = moe_check_tensor(ctx, stage, "peer_route", a->peer_route, MOE_I32, 1, row_shape))) return rc;
+  if (a->k < 1) return moe_seterr(ctx, MOE_ERR_ARG, "%s: k must be >= 1, got %d", stage, a->k);
+  if (direct && (rc = moe_check_tensor(ctx, stage, "route_row", a->route_row, MOE_I32, 2, rr))) return rc;
+  const moe_tensor *ts[] = {a->xs, a->x, a->peer_rank, a->peer_route, direct ? a->route_row : NULL};
+  static const char *names[] = {"xs", "x", "peer_rank", "peer_route", "route_row"};
+  for (int j = 0; j < 5; j++)
+    if (ts[j] && (rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
+  return MOE_OK;
+}
+
 int moe_world_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *args) {
   static const char *stage = "world: dispatch";
   if (!w || !args) return moe_seterr(ctx, MOE_ERR_ARG, "%s: NULL argument", stage);
   int rc;
   for (int i = 0; i < w->nlocal; i++) {
     const moe_world_dispatch_args *a = &args[i];
-    if ((rc = moe_check_tensor(ctx, stage, "x", a->x, MOE_BF16, 2, NULL))) return rc;
-    const int64_t T = a->x->shape[0], H = a->x->shape[1];
-    const int64_t all_shape[] = {w->size, T, H}, xs_shape[] = {-1, H};
+    if ((rc = check_dispatch(ctx, stage, w, i, a, 0))) return rc;
+    const int64_t all_shape[] = {w->size, a->x->shape[0], a->x->shape[1]};
     if ((rc = moe_check_tensor(ctx, stage, "x_all", a->x_all, MOE_BF16, 3, all_shape))) return rc;
-    if ((rc = moe_check_tensor(ctx, stage, "xs", a->xs, MOE_BF16, 2, xs_shape))) return rc;
-    const int64_t row_shape[] = {a->xs->shape[0]};
-    if ((rc = moe_check_tensor(ctx, stage, "peer_rank", a->peer_rank, MOE_I32, 1, row_shape))) return rc;
-    if ((rc = moe_check_tensor(ctx, stage, "peer_route", a->peer_route, MOE_I32, 1, row_shape))) return rc;
-    if (a->k < 1) return moe_seterr(ctx, MOE_ERR_ARG, "%s: k must be >= 1, got %d", stage, a->k);
-    const moe_tensor *ts[] = {a->xs, a->x_all, a->x, a->peer_rank, a->peer_route};
-    static const char *names[] = {"xs", "x_all", "x", "peer_rank", "peer_route"};
-    for (int j = 0; j < 5; j++)
-      if ((rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
+    if ((rc = check_on(ctx, stage, "x_all", a->x_all, w->devices[i]))) return rc;
   }
   return nccl_dispatch(ctx, w, args);
+}
+
+/* The combine arguments of local rank i that both exchanges take, on the rank's GPU. */
+static int check_combine(moe_ctx *ctx, const char *stage, const moe_world *w, int i, const moe_world_combine_args *a) {
+  int rc;
+  char got[160];
+  if ((rc = moe_check_tensor(ctx, stage, "weights", a->weights, MOE_F32, 2, NULL))) return rc;
+  const int64_t T = a->weights->shape[0], K = a->weights->shape[1];
+  const int64_t tk[] = {T, K};
+  if ((rc = moe_check_tensor(ctx, stage, "ids", a->ids, MOE_I32, 2, tk))) return rc;
+  if ((rc = moe_check_tensor(ctx, stage, "ys", a->ys, MOE_BF16, 2, NULL))) return rc;
+  const int64_t H = a->ys->shape[1];
+  const int64_t rr[] = {w->size, T * K}, th[] = {T, H}, t1[] = {T};
+  if ((rc = moe_check_tensor(ctx, stage, "route_row", a->route_row, MOE_I32, 2, rr))) return rc;
+  if (!a->out || (a->out->dtype != MOE_BF16 && a->out->dtype != MOE_F32) || a->out->ndim != 2 ||
+      a->out->shape[0] != T || a->out->shape[1] != H)
+    return moe_seterr(ctx, MOE_ERR_ARG, "%s: out must be bf16 or f32 [%lld, %lld], got %s", stage, (long long)T,
+                      (long long)H, moe_tensor_describe(a->out, got, sizeof got));
+  if (a->experts < 1 || a->experts % w->size)
+    return moe_seterr(ctx, MOE_ERR_ARG, "%s: experts must be a positive multiple of the world size %d, got %d", stage,
+                      w->size, a->experts);
+  if (a->shared && (rc = moe_check_tensor(ctx, stage, "shared", a->shared, MOE_BF16, 2, th))) return rc;
+  if (a->shared_gate) {
+    if (!a->shared) return moe_seterr(ctx, MOE_ERR_ARG, "%s: shared_gate is given without shared", stage);
+    if ((rc = moe_check_tensor(ctx, stage, "shared_gate", a->shared_gate, MOE_F32, 1, t1))) return rc;
+  }
+  const moe_tensor *ts[] = {a->out, a->weights, a->ids, a->ys, a->route_row, a->shared, a->shared_gate};
+  static const char *names[] = {"out", "weights", "ids", "ys", "route_row", "shared", "shared_gate"};
+  for (int j = 0; j < 7; j++)
+    if (ts[j] && (rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
+  return MOE_OK;
 }
 
 int moe_world_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *args) {
   static const char *stage = "world: combine";
   if (!w || !args) return moe_seterr(ctx, MOE_ERR_ARG, "%s: NULL argument", stage);
   int rc;
-  char got[160];
   for (int i = 0; i < w->nlocal; i++) {
     const moe_world_combine_args *a = &args[i];
-    if ((rc = moe_check_tensor(ctx, stage, "weights", a->weights, MOE_F32, 2, NULL))) return rc;
-    const int64_t T = a->weights->shape[0], K = a->weights->shape[1];
-    const int64_t tk[] = {T, K};
-    if ((rc = moe_check_tensor(ctx, stage, "ids", a->ids, MOE_I32, 2, tk))) return rc;
-    if ((rc = moe_check_tensor(ctx, stage, "ys", a->ys, MOE_BF16, 2, NULL))) return rc;
-    const int64_t H = a->ys->shape[1];
-    const int64_t rr[] = {w->size, T * K}, rows[] = {w->size, T * K, H}, th[] = {T, H}, t1[] = {T};
-    if ((rc = moe_check_tensor(ctx, stage, "route_row", a->route_row, MOE_I32, 2, rr))) return rc;
+    if ((rc = check_combine(ctx, stage, w, i, a))) return rc;
+    const int64_t TK = a->route_row->shape[1], H = a->ys->shape[1];
+    const int64_t rr[] = {w->size, TK}, rows[] = {w->size, TK, H};
     if ((rc = moe_check_tensor(ctx, stage, "send_rows", a->send_rows, MOE_BF16, 3, rows))) return rc;
     if ((rc = moe_check_tensor(ctx, stage, "recv_rows", a->recv_rows, MOE_BF16, 3, rows))) return rc;
     if ((rc = moe_check_tensor(ctx, stage, "send_index", a->send_index, MOE_I32, 2, rr))) return rc;
     if ((rc = moe_check_tensor(ctx, stage, "recv_index", a->recv_index, MOE_I32, 2, rr))) return rc;
-    if (!a->out || (a->out->dtype != MOE_BF16 && a->out->dtype != MOE_F32) || a->out->ndim != 2 ||
-        a->out->shape[0] != T || a->out->shape[1] != H)
-      return moe_seterr(ctx, MOE_ERR_ARG, "%s: out must be bf16 or f32 [%lld, %lld], got %s", stage, (long long)T,
-                        (long long)H, moe_tensor_describe(a->out, got, sizeof got));
-    if (a->experts < 1 || a->experts % w->size)
-      return moe_seterr(ctx, MOE_ERR_ARG, "%s: experts must be a positive multiple of the world size %d, got %d", stage,
-                        w->size, a->experts);
-    if (a->shared && (rc = moe_check_tensor(ctx, stage, "shared", a->shared, MOE_BF16, 2, th))) return rc;
-    if (a->shared_gate) {
-      if (!a->shared) return moe_seterr(ctx, MOE_ERR_ARG, "%s: shared_gate is given without shared", stage);
-      if ((rc = moe_check_tensor(ctx, stage, "shared_gate", a->shared_gate, MOE_F32, 1, t1))) return rc;
-    }
     if (a->send_rows == a->recv_rows || a->send_index == a->recv_index ||
         (a->send_rows->data == a->recv_rows->data) || (a->send_index->data == a->recv_index->data))
       return moe_seterr(ctx, MOE_ERR_ARG, "%s: the send and receive buffers must be distinct", stage);
-    const moe_tensor *ts[] = {a->out, a->weights, a->ids, a->ys, a->route_row, a->send_rows, a->recv_rows,
-                              a->send_index, a->recv_index, a->shared, a->shared_gate};
-    static const char *names[] = {"out", "weights", "ids", "ys", "route_row", "send_rows", "recv_rows",
-                                  "send_index", "recv_index", "shared", "shared_gate"};
-    for (int j = 0; j < 11; j++)
-      if (ts[j] && (rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
+    const moe_tensor *ts[] = {a->send_rows, a->recv_rows, a->send_index, a->recv_index};
+    static const char *names[] = {"send_rows", "recv_rows", "send_index", "recv_index"};
+    for (int j = 0; j < 4; j++)
+      if ((rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
   }
   return nccl_combine(ctx, w, args);
 }
@@ -476,20 +499,8 @@ int moe_world_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_
   int rc;
   for (int i = 0; i < w->nlocal; i++) {
     const moe_world_dispatch_args *a = &args[i];
-    if ((rc = moe_check_tensor(ctx, stage, "x", a->x, MOE_BF16, 2, NULL))) return rc;
-    const int64_t T = a->x->shape[0], H = a->x->shape[1];
-    const int64_t xs_shape[] = {-1, H};
-    if ((rc = moe_check_tensor(ctx, stage, "xs", a->xs, MOE_BF16, 2, xs_shape))) return rc;
-    const int64_t C = a->xs->shape[0], row_shape[] = {C}, rr[] = {w->size, T * a->k};
-    if ((rc = moe_check_tensor(ctx, stage, "peer_rank", a->peer_rank, MOE_I32, 1, row_shape))) return rc;
-    if ((rc = moe_check_tensor(ctx, stage, "peer_route", a->peer_route, MOE_I32, 1, row_shape))) return rc;
-    if (a->k < 1) return moe_seterr(ctx, MOE_ERR_ARG, "%s: k must be >= 1, got %d", stage, a->k);
-    if ((rc = moe_check_tensor(ctx, stage, "route_row", a->route_row, MOE_I32, 2, rr))) return rc;
-    if ((rc = check_sizes(ctx, stage, ex, i, T, a->k, H, C))) return rc;
-    const moe_tensor *ts[] = {a->xs, a->x, a->peer_rank, a->peer_route, a->route_row};
-    static const char *names[] = {"xs", "x", "peer_rank", "peer_route", "route_row"};
-    for (int j = 0; j < 5; j++)
-      if ((rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
+    if ((rc = check_dispatch(ctx, stage, w, i, a, 1))) return rc;
+    if ((rc = check_sizes(ctx, stage, ex, i, a->x->shape[0], a->k, a->x->shape[1], a->xs->shape[0]))) return rc;
     if (a->xs->data == ex->x[i].data || a->xs->data == ex->ys[i].data)
       return moe_seterr(ctx, MOE_ERR_ARG, "%s: xs may not be the exchange's own x or ys", stage);
   }
@@ -501,34 +512,12 @@ int moe_world_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_w
   if (!ex || !args) return moe_seterr(ctx, MOE_ERR_ARG, "%s: NULL argument", stage);
   const moe_world *w = ex->w;
   int rc;
-  char got[160];
   for (int i = 0; i < w->nlocal; i++) {
     const moe_world_combine_args *a = &args[i];
-    if ((rc = moe_check_tensor(ctx, stage, "weights", a->weights, MOE_F32, 2, NULL))) return rc;
-    const int64_t T = a->weights->shape[0], K = a->weights->shape[1];
-    const int64_t tk[] = {T, K};
-    if ((rc = moe_check_tensor(ctx, stage, "ids", a->ids, MOE_I32, 2, tk))) return rc;
-    if ((rc = moe_check_tensor(ctx, stage, "ys", a->ys, MOE_BF16, 2, NULL))) return rc;
-    const int64_t H = a->ys->shape[1];
-    const int64_t rr[] = {w->size, T * K}, th[] = {T, H}, t1[] = {T};
-    if ((rc = moe_check_tensor(ctx, stage, "route_row", a->route_row, MOE_I32, 2, rr))) return rc;
-    if ((rc = check_sizes(ctx, stage, ex, i, T, K, H, a->ys->shape[0]))) return rc;
-    if (!a->out || (a->out->dtype != MOE_BF16 && a->out->dtype != MOE_F32) || a->out->ndim != 2 ||
-        a->out->shape[0] != T || a->out->shape[1] != H)
-      return moe_seterr(ctx, MOE_ERR_ARG, "%s: out must be bf16 or f32 [%lld, %lld], got %s", stage, (long long)T,
-                        (long long)H, moe_tensor_describe(a->out, got, sizeof got));
-    if (a->experts < 1 || a->experts % w->size)
-      return moe_seterr(ctx, MOE_ERR_ARG, "%s: experts must be a positive multiple of the world size %d, got %d", stage,
-                        w->size, a->experts);
-    if (a->shared && (rc = moe_check_tensor(ctx, stage, "shared", a->shared, MOE_BF16, 2, th))) return rc;
-    if (a->shared_gate) {
-      if (!a->shared) return moe_seterr(ctx, MOE_ERR_ARG, "%s: shared_gate is given without shared", stage);
-      if ((rc = moe_check_tensor(ctx, stage, "shared_gate", a->shared_gate, MOE_F32, 1, t1))) return rc;
-    }
-    const moe_tensor *ts[] = {a->out, a->weights, a->ids, a->ys, a->route_row, a->shared, a->shared_gate};
-    static const char *names[] = {"out", "weights", "ids", "ys", "route_row", "shared", "shared_gate"};
-    for (int j = 0; j < 7; j++)
-      if (ts[j] && (rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
+    if ((rc = check_combine(ctx, stage, w, i, a))) return rc;
+    if ((rc = check_sizes(ctx, stage, ex, i, a->weights->shape[0], a->weights->shape[1], a->ys->shape[1],
+                          a->ys->shape[0])))
+      return rc;
     if (a->out->data == ex->x[i].data || a->out->data == ex->ys[i].data)
       return moe_seterr(ctx, MOE_ERR_ARG, "%s: out may not be the exchange's own x or ys", stage);
   }

@@ -84,6 +84,18 @@ function check.close(got, ref, opts)
   return m
 end
 
+-- A layer's check: with raise = false the metrics with the tolerances and .pass, else
+-- check.close (which raises with a diff).
+function check.verdict(got, ref, o, what)
+  if o.raise == false then
+    local m = check.metrics(got, ref)
+    local rtol, l2 = o.rtol or 2e-2, o.l2 or 1e-2
+    m.rtol, m.l2, m.pass = rtol, l2, m.nans == 0 and m.rel_max <= rtol and m.rel_l2 <= l2
+    return m
+  end
+  return check.close(got, ref, { rtol = o.rtol, l2 = o.l2, what = what })
+end
+
 -- Raises unless a and b hold exactly the same values (and shapes, for tensors).
 function check.equal(a, b, what)
   local x, xs = flat(a, "a")

@@ -343,13 +343,7 @@ return function(moe)
       ref = all
     end
     local got = sample_rows(self, self.out, n, H, "bf16")
-    if o.raise == false then
-      local m = moe.check.metrics(got, ref)
-      local rtol, l2 = o.rtol or 2e-2, o.l2 or 1e-2
-      m.rtol, m.l2, m.pass = rtol, l2, m.nans == 0 and m.rel_max <= rtol and m.rel_l2 <= l2
-      return m
-    end
-    return moe.check.close(got, ref, { rtol = o.rtol, l2 = o.l2, what = "layer" })
+    return moe.check.verdict(got, ref, o, "layer")
   end
 
   -- capture([x]) -> a graph of the forward pass of this process's one rank over x (default:
