@@ -309,6 +309,10 @@ int cuda_graph_end(moe_ctx *ctx, moe_graph **out) {
 }
 
 int cuda_graph_replay(moe_ctx *ctx, moe_graph *graph) {
+  for (int i = 0; i < graph->nworlds; i++)
+    if (!world_usable(graph->worlds[i]))
+      return moe_seterr(ctx, MOE_ERR_ARG, "graph: it captured an exchange of a world that was aborted (a timeout "
+                                          "or a failed rank); capture again in a new world");
   cudaStream_t s;
   int rc = cuda_ctx_stream(ctx, graph->device, &s);
   if (rc) return rc;

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <vector>
 
@@ -69,11 +70,63 @@ struct Group {
   }
 };
 
+double now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+// Ends the world's communication for good: the exchange's barriers see the flag and return, and
+// NCCL's kernels end with their communicators' abort.  Every later call says so.
+void abort_world(moe_world *w) {
+  if (w->abort_flag) *w->abort_flag = 1;
+  w->aborted = w->failed = 1;
+  for (int i = 0; i < w->nlocal; i++) {
+    if (!w->comms[i]) continue;
+    (void)ncclCommAbort(comm_of(w, i));
+    w->comms[i] = nullptr;
+  }
+}
+
+// Waits for local rank i's stream, for MOE_WORLD_TIMEOUT seconds at most, watching NCCL's
+// asynchronous errors (a peer that died) meanwhile.  Either ends the world (abort_world) and
+// raises with the rank and the step, instead of waiting forever.
+int wait_rank(moe_ctx *ctx, moe_world *w, int i, const char *stage) {
+  const char *step = strncmp(stage, "world: ", 7) ? stage : stage + 7;
+  MOE_CUDA_TRY(ctx, stage, cudaSetDevice(w->devices[i]));
+  const double t0 = now_s();
+  for (unsigned turn = 0;; turn++) {
+    const cudaError_t e = cudaStreamQuery(stream_of(w, i));
+    if (e == cudaSuccess) return MOE_OK;
+    if (e != cudaErrorNotReady) MOE_CUDA_TRY(ctx, stage, e);
+    ncclResult_t async = ncclSuccess;
+    if (w->comms[i] && ncclCommGetAsyncError(comm_of(w, i), &async) == ncclSuccess && async != ncclSuccess &&
+        async != ncclInProgress) {
+      const int rc = nccl_fail(ctx, w, i, step, async);
+      abort_world(w);
+      return rc;
+    }
+    if (now_s() - t0 > w->timeout_s) {
+      abort_world(w);
+      return moe_seterr(ctx, MOE_ERR_CUDA,
+                        "world: rank %d: %s did not finish within %g s (MOE_WORLD_TIMEOUT): a rank is gone or "
+                        "stuck; the world is aborted",
+                        w->ranks[i], step, w->timeout_s);
+    }
+    if (turn > 2000) { // the first ~2 ms poll without a pause: most waits end there
+      timespec nap = {0, 50 * 1000};
+      nanosleep(&nap, nullptr);
+    }
+  }
+}
+
 // Work of a context that is not bound to the world (its stream is none of the world's) is
 // kept in order with the exchange by waiting on the host: before, for what the context issued;
 // after, for the exchange.  A capture cannot wait, so it must be bound.
 int enter(moe_ctx *ctx, moe_world *w, const char *stage, bool *unbound) {
   *unbound = false;
+  if (w->aborted)
+    return moe_seterr(ctx, MOE_ERR_ARG, "%s: the world was aborted after a timeout or a failed rank; close it", stage);
   if (!ctx || !ctx->stream) {
     *unbound = true;
     return MOE_OK;
@@ -95,8 +148,8 @@ int enter(moe_ctx *ctx, moe_world *w, const char *stage, bool *unbound) {
 int leave(moe_ctx *ctx, moe_world *w, const char *stage, bool unbound) {
   if (!unbound) return moe_ok(ctx);
   for (int i = 0; i < w->nlocal; i++) {
-    MOE_CUDA_TRY(ctx, stage, cudaSetDevice(w->devices[i]));
-    MOE_CUDA_TRY(ctx, stage, cudaStreamSynchronize(stream_of(w, i)));
+    int rc = wait_rank(ctx, w, i, stage);
+    if (rc) return rc;
   }
   return moe_ok(ctx);
 }
@@ -184,6 +237,15 @@ int nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id) {
   // NVLink SHARP (multicast) stays off: it reserves memory and changes algorithms under us, and
   // the machines this was written for lend GPUs without it.  Set before the first init reads it.
   setenv("NCCL_NVLS_ENABLE", "0", 1);
+  const char *t = getenv("MOE_WORLD_TIMEOUT");
+  char *end = nullptr;
+  const double timeout = t && *t ? strtod(t, &end) : 0;
+  w->timeout_s = t && *t && end && !*end && timeout > 0 ? timeout : 600;
+  void *flag = nullptr;
+  MOE_CUDA_TRY(ctx, "world", cudaSetDevice(w->devices[0]));
+  MOE_CUDA_TRY(ctx, "world", cudaHostAlloc(&flag, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
+  w->abort_flag = (volatile int *)flag;
+  *w->abort_flag = 0;
   for (int i = 0; i < w->nlocal; i++) {
     MOE_CUDA_TRY(ctx, "world", cudaSetDevice(w->devices[i]));
     cudaStream_t s;
@@ -209,7 +271,8 @@ void nccl_world_release(moe_world *w) {
   for (int i = 0; i < w->nlocal; i++) {
     if (!w->streams[i]) continue;
     if (cudaSetDevice(w->devices[i]) == cudaSuccess) {
-      if (!w->failed) (void)cudaStreamSynchronize(stream_of(w, i));
+      // bounded: a stream stuck on a gone peer aborts the world rather than hang the close
+      if (!w->failed) (void)wait_rank(nullptr, w, i, "world: close");
       (void)cudaStreamDestroy(stream_of(w, i));
     }
     w->streams[i] = nullptr;
@@ -229,6 +292,8 @@ void nccl_world_release(moe_world *w) {
     else (void)ncclCommDestroy(comm_of(w, i));
     w->comms[i] = nullptr;
   }
+  if (w->abort_flag) (void)cudaFreeHost((void *)w->abort_flag);
+  w->abort_flag = nullptr;
   (void)cudaGetLastError();
 }
 
@@ -251,8 +316,9 @@ int nccl_unbind(moe_ctx *ctx, moe_world *w) {
   for (int i = 0; i < w->nlocal; i++) {
     if (!ctx->stream || ctx->stream != w->streams[i]) continue;
     if (ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "world: unbind: not during a graph capture");
-    MOE_CUDA_TRY(ctx, "world: unbind", cudaStreamSynchronize((cudaStream_t)ctx->stream));
-    return moe_ctx_set_stream(ctx, nullptr);
+    const int rc = w->aborted ? MOE_OK : wait_rank(ctx, w, i, "world: unbind");
+    const int rs = moe_ctx_set_stream(ctx, nullptr); // unbound even after a failed wait
+    return rc ? rc : rs;
   }
   return moe_ok(ctx);
 }
@@ -278,6 +344,8 @@ int nccl_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe
 
 int nccl_gather_configs(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs, moe_world_config *all) {
   static const char *stage = "world: check_config";
+  if (w->aborted)
+    return moe_seterr(ctx, MOE_ERR_ARG, "%s: the world was aborted after a timeout or a failed rank; close it", stage);
   const size_t one = sizeof(moe_world_config), W = (size_t)w->size;
   std::vector<void *> dev((size_t)w->nlocal, nullptr);
   int rc = MOE_OK;
@@ -301,7 +369,7 @@ int nccl_gather_configs(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs
     cudaError_t e = cudaSetDevice(w->devices[i]);
     if (e == cudaSuccess) e = cudaMemcpyAsync(all + (size_t)i * W, (char *)dev[i] + one, one * W, cudaMemcpyDeviceToHost,
                                               stream_of(w, i));
-    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_of(w, i));
+    if (e == cudaSuccess && (rc = wait_rank(ctx, w, i, stage))) break;
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
       rc = moe_seterr(ctx, MOE_ERR_CUDA, "%s: rank %d: reading the gathered configurations failed: %s: %s", stage,
@@ -426,7 +494,7 @@ __global__ void peer_bases_kernel(ncclWindow_t win, int W, void **out) {
 // order, so the n-th one is passed when every flags[p] has reached n.  The fence before the
 // arrival makes this rank's earlier writes (the kernels before this one on its stream) visible
 // to the peers that see the arrival; the acquire makes theirs visible to the kernels after.
-__global__ void barrier_kernel(char *const *peers, size_t flags_off, int me, int W) {
+__global__ void barrier_kernel(char *const *peers, size_t flags_off, int me, int W, const volatile int *abort) {
   uint32_t *mine = (uint32_t *)(peers[me] + flags_off);
   __shared__ uint32_t want;
   if (threadIdx.x == 0) want = mine[W] + 1;
@@ -439,9 +507,12 @@ __global__ void barrier_kernel(char *const *peers, size_t flags_off, int me, int
   }
   for (int p = threadIdx.x; p < W; p += blockDim.x) {
     uint32_t v;
-    do {
+    // a world aborted on the host (a peer gone) releases the wait; its flag lives in host
+    // memory, so it is read once in a while, not on every turn
+    for (unsigned spin = 1;; spin++) {
       asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(mine + p) : "memory");
-    } while ((int32_t)(v - n) < 0);
+      if ((int32_t)(v - n) >= 0 || (spin % 4096 == 0 && *abort)) break;
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) mine[W] = n;
@@ -449,8 +520,8 @@ __global__ void barrier_kernel(char *const *peers, size_t flags_off, int me, int
 
 int barrier(moe_ctx *ctx, moe_world_exchange *ex, int i, const char *stage) {
   const int W = ex->w->size;
-  barrier_kernel<<<1, W < 32 ? 32 : W > 1024 ? 1024 : W, 0, xstream(ex, i)>>>((char *const *)ex->peers[i],
-                                                                             ex->flags_off, ex->w->ranks[i], W);
+  barrier_kernel<<<1, W < 32 ? 32 : W > 1024 ? 1024 : W, 0, xstream(ex, i)>>>(
+      (char *const *)ex->peers[i], ex->flags_off, ex->w->ranks[i], W, ex->w->abort_flag);
   MOE_CUDA_LAUNCHED(ctx, stage);
   return MOE_OK;
 }
@@ -573,6 +644,8 @@ int nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex) {
   static const char *stage = "world: exchange";
   moe_world *w = ex->w;
   const int W = w->size, n = w->nlocal;
+  if (w->aborted)
+    return moe_seterr(ctx, MOE_ERR_ARG, "%s: the world was aborted after a timeout or a failed rank; close it", stage);
   if (W > 1024) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: at most 1024 ranks, got %d", stage, W);
   if (W == 1) {
     // NCCL has no symmetric memory for a communicator of one rank, nor any need: the one
@@ -639,8 +712,7 @@ int nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex) {
 void nccl_exchange_release(moe_world_exchange *ex) {
   moe_world *w = ex->w;
   for (int i = 0; i < w->nlocal; i++)
-    if (ex->base[i] && cudaSetDevice(w->devices[i]) == cudaSuccess && !w->failed)
-      (void)cudaStreamSynchronize(stream_of(w, i));
+    if (ex->base[i] && !w->failed) (void)wait_rank(nullptr, w, i, "world: exchange close");
   if (!w->failed && ncclGroupStart() == ncclSuccess) {
     for (int i = 0; i < w->nlocal; i++)
       if (ex->win[i]) (void)ncclCommWindowDeregister(comm_of(w, i), (ncclWindow_t)ex->win[i]);

@@ -143,6 +143,8 @@ void cuda_graph_free(moe_graph *graph);
 int world_capture_note(moe_ctx *ctx, moe_world *w);
 void world_graph_ref(moe_world *w);
 void world_graph_unref(moe_world *w);
+/* 0 once the world was aborted (a timeout or a peer's failure): its graphs must not replay. */
+int world_usable(const moe_world *w);
 int cuda_event_new(moe_ctx *ctx, int device, void **event);
 int cuda_event_record(moe_ctx *ctx, void *event);
 int cuda_event_elapsed(moe_ctx *ctx, void *start, void *stop, float *ms);

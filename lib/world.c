@@ -107,6 +107,8 @@ int world_capture_note(moe_ctx *ctx, moe_world *w) {
 
 void world_graph_ref(moe_world *w) { w->graphs++; }
 
+int world_usable(const moe_world *w) { return !w->aborted; }
+
 void world_graph_unref(moe_world *w) {
   if (--w->graphs == 0 && w->closed) world_destroy(w);
 }

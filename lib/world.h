@@ -24,6 +24,9 @@ struct moe_world {
   int graphs;     /* live graphs that captured an exchange of this world, and open direct
                      exchanges (world_graph_ref): each keeps the communicators alive */
   int closed;     /* moe_world_close was called while graphs > 0: released with the last one */
+  int aborted;    /* a wait timed out or NCCL reported a peer's failure: communicators aborted */
+  double timeout_s;         /* bound on every wait for the world's streams (MOE_WORLD_TIMEOUT) */
+  volatile int *abort_flag; /* mapped host memory: set on abort, read by the exchange's barriers */
 };
 
 /* The direct exchange's windows, one per local rank, all laid out alike. */

@@ -56,6 +56,8 @@ for s in $steps; do
     ranks) # a multi-process world: one process per visible GPU (RANKS, default all), each checked
       n=${RANKS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)}
       run ranks 300 scenarios/launch.sh "$n" lua scenarios/world_ranks.lua ;;
+    fault) # a rank that leaves mid-run: the others fail within MOE_WORLD_TIMEOUT (5 s here)
+      run fault 120 env MOE_WORLD_TIMEOUT=5 scenarios/launch.sh 2 lua scenarios/world_fault.lua ;;
     kimi) run kimi 400 lua scenarios/kimi.lua --json "$out/kimi.json" ;;
     scheduler) run scheduler 300 lua scenarios/scheduler.lua --json "$out/scheduler.json" ;;
     experts) run experts 400 lua scenarios/experts.lua --json "$out/experts.json" ;;

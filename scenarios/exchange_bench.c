@@ -239,10 +239,16 @@ static void bench(int W, int T, int H, int K, int E, int iters) {
     run.dd[r].xs = dxs[r], run.dd[r].x_all = NULL, run.dc[r].out = dout[r];
   }
 
+  /* The context bound to rank 0's stream: the exchanges then never wait on the host (an unbound
+   * one would wait for every call to finish), so the events time the device alone. */
+  TRY(moe_world_bind(ctx, w, 0));
+
   /* the two exchanges agree, bit for bit */
   gather_dispatch(&run), gather_combine(&run), direct_dispatch(&run), direct_combine(&run);
   int ok = 1;
+  TRY(moe_world_unbind(ctx, w)); /* waits; the reads below are on every rank's GPU */
   for (int r = 0; r < W; r++) ok &= same(xs[r], dxs[r]) && same(out[r], dout[r]);
+  TRY(moe_world_bind(ctx, w, 0));
 
   /* NCCL's own all-to-all of the direct dispatch's bytes per rank */
   NC(ncclCommInitAll(run.comms, W, devs));
@@ -281,6 +287,7 @@ static void bench(int W, int T, int H, int K, int E, int iters) {
          t_dc, g_dc, t_nc2, g_nc2, 100 * g_dc / g_nc2, t_gc);
   fflush(stdout);
 
+  TRY(moe_world_unbind(ctx, w));
   for (int r = 0; r < W; r++) {
     CU(cudaSetDevice(r));
     CU(cudaFree(run.sbuf[r]));
