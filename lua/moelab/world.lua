@@ -206,13 +206,26 @@ return function(moe)
   end
   local function is_tensor(v) return args.is_tensor(v) end
 
+  -- h:method(...) with its error raised at the caller's caller (the user's line), not here.
+  local function call(h, method, ...)
+    local res = table.pack(pcall(h[method], h, ...))
+    if not res[1] then error((tostring(res[2]):gsub("^[^\n]-world%.lua:%d+: ", "")), 3) end
+    return table.unpack(res, 2, res.n)
+  end
+
   function World:__tostring() return tostring(self.handle) end
   function World:close() self.handle:close() end
   World.__close = World.close
   -- Points the module's context at local rank i's stream (1-based, default 1): the stages
   -- then run in order with the exchanges, and a capture takes both.
-  function World:bind(i) self.handle:bind(i or 1); return self end
-  function World:unbind() self.handle:unbind(); return self end
+  function World:bind(i)
+    call(self.handle, "bind", i or 1)
+    return self
+  end
+  function World:unbind()
+    call(self.handle, "unbind")
+    return self
+  end
 
   -- ids i32 [T, K] per local rank -> all ids i32 [W, T, K] per local rank.
   function World:allgather_ids(ids, out)
@@ -222,7 +235,7 @@ return function(moe)
       args.tensor("allgather_ids", "ids", t, "i32", { false, false }, 2)
       outs[i] = out and (one and out or out[i]) or core.new("i32", { self.size, t.shape[1], t.shape[2] }, t.device)
     end
-    self.handle:allgather_ids(outs, list)
+    call(self.handle, "allgather_ids", outs, list)
     return one and outs[1] or outs
   end
 
@@ -237,7 +250,7 @@ return function(moe)
       full[i].world = full[i].world or self.size
       full[i].version = full[i].version or core.version_number
     end
-    self.handle:check_config(full)
+    call(self.handle, "check_config", full)
     return self
   end
 
@@ -266,7 +279,7 @@ return function(moe)
   -- zero_fill=} per local rank -> xs bf16 [C, H] (and x_all, every rank's tokens).
   function World:dispatch(o)
     local calls, outs, alls, one = dispatch_calls(self, o, false)
-    self.handle:dispatch(calls)
+    call(self.handle, "dispatch", calls)
     if one then return outs[1], alls[1] end
     return outs, alls
   end
@@ -312,7 +325,7 @@ return function(moe)
   -- per local rank -> out [T, H]: the same bits as moe.combine over a simulated world.
   function World:combine(o)
     local calls, outs, one = combine_calls(self, o, false)
-    self.handle:combine(calls)
+    call(self.handle, "combine", calls)
     return one and outs[1] or outs
   end
 
@@ -328,20 +341,20 @@ return function(moe)
   function World:exchange(o)
     args.options("exchange", o, { tokens = "integer", k = "integer", hidden = "integer", capacity = "integer" },
       { "tokens", "k", "hidden", "capacity" })
-    local h, x, ys = self.handle:exchange(o.tokens, o.k, o.hidden, o.capacity)
+    local h, x, ys = call(self.handle, "exchange", o.tokens, o.k, o.hidden, o.capacity)
     return setmetatable({ handle = h, world = self, x = x, ys = ys, tokens = o.tokens, k = o.k, hidden = o.hidden,
       capacity = o.capacity }, Exchange)
   end
 
   function Exchange:dispatch(o)
     local calls, outs, _, one = dispatch_calls(self.world, o, true)
-    self.handle:dispatch(calls)
+    call(self.handle, "dispatch", calls)
     return one and outs[1] or outs
   end
 
   function Exchange:combine(o)
     local calls, outs, one = combine_calls(self.world, o, true)
-    self.handle:combine(calls)
+    call(self.handle, "combine", calls)
     return one and outs[1] or outs
   end
 
