@@ -444,6 +444,24 @@ describe("moe.layer over a real world [#gpu]", function()
       local ok, err = pcall(real.forward, real, x)
       assert.is_false(ok)
       assert.matches("x", err)
+
+      -- given routing: the simulated layer's ids and weights of each rank give its outputs again
+      -- (the first outputs copied out: a forward reuses the layer's own buffers)
+      local first = {}
+      for r = 1, W do first[r] = outs[r]:to("cpu") end
+      for r = 1, W do -- so that the forward below must write them again
+        real.out[r]:copy(moe.zeros({ T, 128 }, { dtype = "bf16", device = real.out[r].device }))
+      end
+      local ids, ws = {}, {}
+      for r = 1, W do
+        ids[r] = sim.ids:select(r):to("cuda:" .. (r - 1))
+        ws[r] = sim.weights:select(r):to("cuda:" .. (r - 1))
+      end
+      local again = real:forward(n == 1 and real.inputs[1] or real.inputs,
+        { ids = n == 1 and ids[1] or ids, weights = n == 1 and ws[1] or ws })
+      if n == 1 then again = { again } end
+      for r = 1, W do assert.tensor_equal(again[r]:to("cpu"), first[r]) end
+      assert.matches("over a world of " .. W .. " GPUs", tostring(real))
       world:close()
     end)
 end)
