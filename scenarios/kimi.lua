@@ -247,7 +247,8 @@ p("  expert load over the world: max %d, mean %.1f (max/mean %.2f)", real.max_lo
 if opts.json then
   local f = assert(io.open(opts.json, "w"))
   f:write(json.encode {
-    model = model.name, device = opts.device, devices = group and group.devices or nil, world = W, tokens = T, hidden = H, ffn = F, pad = layer.pad,
+    model = model.name, device = opts.device, devices = group and group.devices or nil, world = W, tokens = T,
+    hidden = H, ffn = F, pad = layer.pad,
     layout = layer.layout, capacity = layer.capacity,
     stage_ms = (function()
       local m = {}

@@ -2,9 +2,9 @@
 # Starts a world of W ranks on this host, one process per GPU (rank r on GPU r), all running the
 # same command: scenarios/launch.sh W command args...  Each process gets MOE_RANK, MOE_WORLD_SIZE,
 # MOE_DEVICE and MOE_NCCL_ID_FILE (a fresh path: rank 0 writes the NCCL id there, the others wait
-# for it), which moe.world{from_env = true} reads; its output is prefixed with its rank.  Exits with the first failing rank's status, 0
-# when every rank succeeds.  For several hosts, do the same on each host with the global ranks
-# and a shared id file (README).
+# for it), which moe.world{from_env = true} reads; its output is prefixed with its rank.  Exits
+# with the first failing rank's status, 0 when every rank succeeds.  For several hosts, do the
+# same on each host with the global ranks and a shared id file (README).
 set -uo pipefail
 if [ $# -lt 2 ] || ! [[ $1 =~ ^[1-9][0-9]*$ ]]; then
   echo "usage: scenarios/launch.sh W command [args...]  (W processes, rank r on GPU r)" >&2

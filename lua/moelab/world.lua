@@ -9,8 +9,9 @@
 -- The id is an NCCL unique id as 256 hex digits, given to every process.  The process that
 -- makes it must stay up until every rank has joined (NCCL's bootstrap listens in it): with
 -- id_file, rank 0 makes the id and writes the file when there is none, and the other ranks wait
--- for it (option id_wait or MOE_NCCL_ID_WAIT seconds, default 120).  The exchange methods (allgather_ids, dispatch, combine) take one value per
--- local rank: a list, or the value itself when the process holds one rank.
+-- for it (option id_wait or MOE_NCCL_ID_WAIT seconds, default 120).  The exchange methods
+-- (allgather_ids, dispatch, combine, exchange) take one value per local rank: a list, or the
+-- value itself when the process holds one rank.
 local args = require "moelab.args"
 
 local ENV = { rank = "MOE_RANK", size = "MOE_WORLD_SIZE", device = "MOE_DEVICE", id = "MOE_NCCL_ID",
