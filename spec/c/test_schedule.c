@@ -8,17 +8,8 @@
 #include "moelab.h"
 
 static moe_ctx *ctx;
-static const moe_device cpu = {MOE_CPU, 0};
 
-static moe_tensor *i32(int ndim, int64_t d0, int64_t d1, int64_t d2) {
-  const int64_t shape[3] = {d0, d1, d2};
-  moe_tensor *t = NULL;
-  if (moe_tensor_new(ctx, MOE_I32, ndim, shape, cpu, &t)) {
-    fprintf(stderr, "tensor_new: %s\n", moe_errmsg(ctx));
-    exit(2);
-  }
-  return t;
-}
+static moe_tensor *i32(int ndim, int64_t d0, int64_t d1, int64_t d2) { return cpu_tensor(ctx, MOE_I32, ndim, d0, d1, d2); }
 
 static void expect(const char *what, const moe_tensor *t, const int32_t *want, int64_t n) {
   const int32_t *got = moe_tensor_data((moe_tensor *)t);

@@ -11,16 +11,9 @@
 #include "internal.h"
 
 static moe_ctx *ctx;
-static const moe_device cpu = {MOE_CPU, 0};
 
 static moe_tensor *tensor(moe_dtype dt, int ndim, int64_t d0, int64_t d1, int64_t d2) {
-  const int64_t shape[3] = {d0, d1, d2};
-  moe_tensor *t = NULL;
-  if (moe_tensor_new(ctx, dt, ndim, shape, cpu, &t)) {
-    fprintf(stderr, "tensor_new: %s\n", moe_errmsg(ctx));
-    exit(2);
-  }
-  return t;
+  return cpu_tensor(ctx, dt, ndim, d0, d1, d2);
 }
 
 static void threads(const char *n) { setenv("MOE_THREADS", n, 1); }
