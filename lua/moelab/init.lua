@@ -368,7 +368,6 @@ moe.check = require "moelab.check"
 moe.bench = require "moelab.bench"
 moe.models = require "moelab.models"
 moe.layer = require("moelab.layer")(moe)
-moe.world_layer = require("moelab.world_layer")(moe)
 moe.world = require("moelab.world")(moe)
 
 return moe

@@ -87,11 +87,11 @@ return function(moe)
       nan = o.nan or "error", device = device, seed = seed, real = real, device_given = o.device ~= nil,
     }
   end
-  Layer.resolve = resolve
+  local world_layer -- set below, once the helpers it shares are defined
 
   local function new_layer(o)
     local r = resolve(o)
-    if r.real then return moe.world_layer(r) end
+    if r.real then return world_layer(r) end
     local cfg, W, T, E, EL, K, H, F, Fs, pad, device, seed, capacity = r.cfg, r.world, r.tokens, r.experts,
       r.local_experts, r.k, r.hidden, r.ffn, r.shared_ffn, r.pad, r.device, r.seed, r.capacity
 
@@ -363,20 +363,20 @@ return function(moe)
     return moe.check.verdict(got, ref, o, "layer")
   end
 
-  -- What the last forward did: rows, padding, loads, drops, per rank and over the world.
-  function Layer:stats()
-    local W, EL = self.world, self.local_experts
+  -- What the last forward did: rows, padding, loads, drops, per rank and over the ranks, from
+  -- the schedules given (ranks[i]: schedules[i]'s global rank, recorded when given).
+  local function schedule_stats(schedules, EL, ranks)
     local st = { ranks = {}, loads = {}, rows_used = 0, rows_needed = 0, dropped = 0, invalid = 0, routes = 0 }
-    for r = 1, W do
-      local s = self.schedules[r]
+    for i, s in ipairs(schedules) do
       local ss = s:read_stats()
       local counts = s.counts:flat()
       local routes = 0
       for e = 1, EL do
-        st.loads[(r - 1) * EL + e] = counts[e]
+        st.loads[#st.loads + 1] = counts[e]
         routes = routes + counts[e]
       end
-      st.ranks[r] = { rows_used = ss.rows_used, rows_needed = ss.rows_needed, dropped = ss.dropped, routes = routes }
+      st.ranks[i] = { rank = ranks and ranks[i], rows_used = ss.rows_used, rows_needed = ss.rows_needed,
+        dropped = ss.dropped, routes = routes }
       st.rows_used = st.rows_used + ss.rows_used
       st.rows_needed = st.rows_needed + ss.rows_needed
       st.dropped = st.dropped + ss.dropped
@@ -388,11 +388,13 @@ return function(moe)
       max_load = math.max(max_load, n)
       sum = sum + n
     end
-    st.max_load, st.mean_load = max_load, sum / #st.loads
+    st.max_load, st.mean_load = max_load, #st.loads > 0 and sum / #st.loads or 0
     st.padding = st.rows_used - st.routes
     st.padding_waste = st.rows_used > 0 and st.padding / st.rows_used or 0
     return st
   end
+
+  function Layer:stats() return schedule_stats(self.schedules, self.local_experts) end
 
   -- capture([x]) -> a graph of the whole forward pass over the input buffer x (default: the
   -- layer's own buffer layer.input, which the caller fills).  graph:replay() reruns it on the
@@ -454,5 +456,7 @@ return function(moe)
     return table.concat(lines, "\n")
   end
 
+  -- The layer over a real world (lua/moelab/world_layer.lua), with what the two share.
+  world_layer = require("moelab.world_layer")(moe, { schedule_stats = schedule_stats })
   return new_layer
 end

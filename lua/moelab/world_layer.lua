@@ -6,7 +6,8 @@
 -- this process holds one rank).  Every buffer is allocated when the layer is made.
 local args = require "moelab.args"
 
-return function(moe)
+-- shared: helpers of lua/moelab/layer.lua (schedule_stats).
+return function(moe, shared)
   local core = moe.core
   local WorldLayer = { __name = "moelab.WorldLayer" }
   WorldLayer.__index = WorldLayer
@@ -220,36 +221,7 @@ return function(moe)
   end
 
   -- What the last forward did on the local ranks: rows, padding, loads, drops (DESIGN.md).
-  function WorldLayer:stats()
-    local EL = self.local_experts
-    local st = { ranks = {}, loads = {}, rows_used = 0, rows_needed = 0, dropped = 0, invalid = 0, routes = 0 }
-    for i = 1, self.nlocal do
-      local s = self.schedules[i]
-      local ss = s:read_stats()
-      local counts = s.counts:flat()
-      local routes = 0
-      for e = 1, EL do
-        st.loads[#st.loads + 1] = counts[e]
-        routes = routes + counts[e]
-      end
-      st.ranks[i] = { rank = self.ranks[i], rows_used = ss.rows_used, rows_needed = ss.rows_needed,
-        dropped = ss.dropped, routes = routes }
-      st.rows_used = st.rows_used + ss.rows_used
-      st.rows_needed = st.rows_needed + ss.rows_needed
-      st.dropped = st.dropped + ss.dropped
-      st.routes = st.routes + routes
-      st.invalid = ss.invalid
-    end
-    local max_load, sum = 0, 0
-    for _, n in ipairs(st.loads) do
-      max_load = math.max(max_load, n)
-      sum = sum + n
-    end
-    st.max_load, st.mean_load = max_load, #st.loads > 0 and sum / #st.loads or 0
-    st.padding = st.rows_used - st.routes
-    st.padding_waste = st.rows_used > 0 and st.padding / st.rows_used or 0
-    return st
-  end
+  function WorldLayer:stats() return shared.schedule_stats(self.schedules, self.local_experts, self.ranks) end
 
   -- Every rank's expert weights on the CPU, for the reference: the local ranks' copied from
   -- their GPUs, the others' drawn on the CPU from the same seeds (moe.randn gives the same values
