@@ -68,6 +68,24 @@ local ROWS = {
 
 describe("moe.world argument errors [#cpu]", function()
   teardown(function() os.remove(NOT_AN_ID) end)
+
+  -- rank 1 waits for the file rank 0 writes: here one appears after 0.3 s (written by a shell in
+  -- the background, holding no id, so that nothing connects anywhere) and is read then
+  it("a rank other than 0 waits for the id file and reads it when it appears", function()
+    local path = os.tmpname()
+    os.remove(path) -- a path where no file is yet
+    -- without LD_PRELOAD: under the sanitizer run the shell's own leaks would be reported
+    assert(os.execute(string.format(
+      "env -u LD_PRELOAD sh -c '(sleep 0.3; echo not-an-id > %s.tmp && mv %s.tmp %s) &'", path, path, path)))
+    local t0 = moe.core.now()
+    local ok, err = pcall(moe.world, { rank = 1, size = 2, device = 0, id_file = path, id_wait = 10 })
+    local waited = moe.core.now() - t0
+    os.remove(path)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("does not hold an id", 1, true), tostring(err))
+    assert.is_true(waited >= 0.25 and waited < 5, string.format("waited %.2f s", waited))
+  end)
+
   for _, row in ipairs(ROWS) do
     it(row[1], function()
       local ok, err = pcall(row[2])
@@ -129,6 +147,31 @@ describe("scenarios/launch.sh, the one-host launcher [#cpu]", function()
       local out = run(row[2])
       assert.matches("usage: scenarios/launch.sh W command", out, 1, true)
       assert.matches("status=2", out, 1, true)
+    end)
+  end
+end)
+
+describe("scenarios/kimi.lua --devices, its flag errors [#cpu]", function()
+  -- the scenario as a user runs it, against this checkout's front-end and module
+  local build = os.getenv("MOE_BUILD_DIR") or "build"
+  local function run(flags)
+    local cmd = string.format("env -u LD_PRELOAD LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;' "
+      .. "lua scenarios/kimi.lua %s 2>&1; echo \"status=$?\"", build, flags)
+    local f = assert(io.popen(cmd))
+    local out = f:read("a")
+    f:close()
+    return out
+  end
+  for _, row in ipairs {
+    { "--devices 0,x", "--devices: 'x' is not a GPU index" },
+    { "--devices ,", "--devices: list at least one GPU" },
+    { "--devices 0,1 --world 4", "--world 4 but --devices lists 2 GPUs" },
+    { "--devices 0 --device cuda:3", "--device and --devices: give one" },
+  } do
+    it(row[1] .. " exits 2 saying so", function()
+      local out = run(row[1])
+      assert.truthy(out:find(row[2], 1, true), out)
+      assert.truthy(out:find("status=2", 1, true), out)
     end)
   end
 end)
