@@ -49,9 +49,9 @@
 // Scratch (barrier, totals, per-block invalid counts, histograms) is the context's
 // (cuda_scratch_get): kept across calls, so a call allocates nothing; inside a graph capture
 // without a large enough block it is a stream-ordered allocation that becomes the graph's own.
-// The barrier's arrival count returns to zero in every call and its generation moves on by one,
-// so that the next call (or a replay) finds it ready without a reset.  The totals alternate
-// between two buffers by the generation's parity: a call adds into its own (zero when it
+// The barrier's arrival count flips its bit 31 in every call and keeps its low bits at zero, so
+// that the next call (or a replay) finds it ready without a reset.  The totals alternate
+// between two buffers by that bit, the call's parity: a call adds into its own (zero when it
 // starts) and zeroes the other, the next call's, after the barrier.
 //
 // The launch is cooperative (the barrier needs every block resident) and a programmatic
@@ -77,8 +77,8 @@ constexpr int kRankWindow = 1024;         // local experts ranked in one pass
 constexpr int kHistWindow = 12288;        // local experts counted in one pass (non-resident phase 1)
 constexpr int kStageC = 4096;             // c[e][q] values of a window staged in shared memory
 constexpr int kMaxScratchHist = 1 << 18;  // S * E bound: every block reads S * E histogram values
-constexpr int kGenSlot = 96;          // shared int holding the barrier generation, after the reductions'
-constexpr int kRed = kGenSlot + 4;    // shared ints: block reductions (32 long long, 32 int), the generation
+constexpr int kGenSlot = 96;          // shared int holding the call's parity, after the reductions'
+constexpr int kRed = kGenSlot + 4;    // shared ints: block reductions (32 long long, 32 int), the parity
 // c[e][q] totals in the scratch header, two buffers of kStageC (see the kernel's phase 1)
 constexpr int kTotOffset = 64; // ints: after the barrier
 static_assert(MOE_SCRATCH_HEADER >= (int)sizeof(int32_t) * (kTotOffset + 2 * kStageC), "scratch header too small");
@@ -87,8 +87,8 @@ struct Params {
   int trace; // record the phases' times (MOE_SCHEDULE_TRACE set): a measuring aid
   const int32_t *ids;
   int32_t *peer_rank, *peer_route, *counts, *tpe, *offsets, *route_row, *stats;
-  unsigned *bar;             // scratch: grid barrier {arrivals, generation}
-  int32_t *tot;              // scratch: c[e][q] totals [2][kStageC], by the generation's parity
+  unsigned *bar;             // scratch: the grid barrier's arrival count (bit 31: the call's parity)
+  int32_t *tot;              // scratch: c[e][q] totals [2][kStageC], by the call's parity
   int32_t *inv, *hist, *acc; // scratch: [G][2], [units][EL], [units][EL] (only with pieces)
   int tk, world, experts, el, lo;
   int pad, capacity, expert_capacity;
@@ -143,23 +143,20 @@ __device__ __forceinline__ unsigned match_peers(unsigned key, unsigned act, int 
 
 __device__ __forceinline__ int window_bits(int wsz) { return wsz > 1 ? 32 - __clz(wsz - 1) : 0; }
 
-// All blocks of the (cooperative, so co-resident) grid.  bar = {arrivals, generation}: the last
-// block to arrive resets the arrivals and moves the generation on, so both are ready for the
-// next call.  g is the generation thread 0 read before arriving (at the start of the kernel, to
-// keep that round trip off the critical path), so no block can miss the move.
-__device__ void grid_barrier(unsigned *bar, unsigned g) {
+// All blocks of the (cooperative, so co-resident) grid.  bar counts arrivals: block 0 adds
+// 2^31 - (G - 1), every other block 1, so that the last arrival, whichever it is, flips bit 31 and
+// leaves the low bits as they were (zero).  Nothing is reset, any G works, and bit 31 before the
+// barrier is the call's parity (read at the start by thread 0: it cannot flip before this block
+// arrives).  One atomic per block, released after the block's writes (bar.sync orders the other
+// threads' writes before it), and thread 0 polls with acquiring loads.
+__device__ __forceinline__ void grid_barrier(unsigned *bar) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    volatile unsigned *gen = bar + 1;
-    __threadfence(); // this block's writes, and the read of g, before the arrival
-    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-      atomicExch(bar, 0u);
-      __threadfence();
-      atomicAdd(bar + 1, 1u);
-    } else {
-      while (*gen == g) __nanosleep(64);
-    }
-    __threadfence(); // the other blocks' writes before this block's reads
+    const unsigned inc = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+    unsigned old, now;
+    asm volatile("atom.add.release.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(bar), "r"(inc) : "memory");
+    do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
+    while (((now ^ old) & 0x80000000u) == 0);
   }
   __syncthreads();
 }
@@ -327,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
   trace_point(P, 0);
   // ---- phase 1: the histogram of every unit ----
   unsigned &gen_sh = *(unsigned *)(sm + kGenSlot); // dynamic, like the rest: the opt-in size is all of it
-  if (tid == 0) gen_sh = *(volatile unsigned *)(P.bar + 1);
+  if (tid == 0) gen_sh = *(volatile unsigned *)P.bar >> 31; // the call's parity (grid_barrier)
   int ninv = 0, first = INT_MAX;
   if (kResident) {
     const Unit U = unit_of(P, blk);
@@ -336,7 +333,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
     trace_point(P, 1);
     rank_window(P, ts, 0, EL, tile, srow, cnt);
     // the histogram, for the chunks after this one; and added into the totals c[e][p] of this
-    // call's buffer (the generation's parity; sums, so the order of the additions is immaterial)
+    // call's buffer (by the call's parity; sums, so the order of the additions is immaterial)
     int32_t *tot = P.tot + (gen_sh & 1) * kStageC;
     for (int e = tid; e < EL; e += kThreads) {
       const int h = cnt[kWarps * (EL | 1) + e];
@@ -357,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
   }
   trace_point(P, 2);
   const unsigned gen = gen_sh;
-  grid_barrier(P.bar, gen);
+  grid_barrier(P.bar);
   trace_point(P, 3);
   asm volatile("griddepcontrol.launch_dependents;");
   // the other buffer of totals is the next call's: zero it (this call's stays as it is until the

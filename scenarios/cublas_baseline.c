@@ -15,7 +15,7 @@
  * Inputs are random bf16 (uniform in [-1, 1)); the results are not checked.
  *
  * Output, one line per case and kind, key=value separated by blanks (a leading '#' marks a note):
- *   case=1 kind=dense experts=48 rows=57344 gemms=2 ms=8.123 tflops=621.6
+ *   case=1 kind=dense experts=48 rows=57344 gemms=2 ms=8.123 tflops=621.6 min_ms=8.001 max_ms=8.250
  * TFLOP/s counts rows x 6 x H x F.  Errors go to stderr with exit status 1. */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -270,9 +270,9 @@ int main(int argc, char **argv) {
       qsort(ms, (size_t)iters, sizeof *ms, cmp_float);
       double med = iters % 2 ? ms[iters / 2] : 0.5 * (ms[iters / 2 - 1] + ms[iters / 2]);
       double flop = (double)c->total * 6.0 * (double)H * (double)F;
-      printf("case=%d kind=%s experts=%d rows=%lld gemms=%d ms=%.4f tflops=%.2f\n", ci + 1,
+      printf("case=%d kind=%s experts=%d rows=%lld gemms=%d ms=%.4f tflops=%.2f min_ms=%.4f max_ms=%.4f\n", ci + 1,
              dense ? "dense" : "per_expert", c->n, (long long)c->total, dense ? (c->total ? 2 : 0) : 2 * nonempty,
-             med, med > 0 ? flop / (med * 1e9) : 0.0);
+             med, med > 0 ? flop / (med * 1e9) : 0.0, ms[0], ms[iters - 1]);
       fflush(stdout);
     }
   }

@@ -49,6 +49,29 @@ for s in $steps; do
       run "ncu-experts-$k" 300 env MOE_EXPERTS_BENCH="$k" ncu -f -o "$f" --import-source yes --set full \
         -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/gpu_tests/test_experts_gpu --bench-only
       ncu_pages "$f" ;;
+    spread) # run-to-run spread of the experts GEMM: SPREAD_RUNS processes of MOE_EXPERTS_PASSES passes
+      # each, SM clock, power and clock-event reasons sampled every 20 ms beside them (smi.csv)
+      q=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active
+      nvidia-smi --query-gpu=$q --format=csv,noheader -lms 20 >"$out/smi.csv" 2>&1 &
+      smi=$!
+      for i in $(seq "${SPREAD_RUNS:-4}"); do
+        echo "run $i $(date +%H:%M:%S.%N)" >>"$out/smi.csv"
+        run "spread-$i" 120 env MOE_EXPERTS_BENCH="${MOE_EXPERTS_BENCH:-sm90x2}" \
+          MOE_EXPERTS_PASSES="${MOE_EXPERTS_PASSES:-30}" build/gpu_tests/test_experts_gpu --bench-only
+      done
+      # cuBLAS beside it, the same rows (Kimi K2, 48 experts of 1,194-1,195) and the same pass count
+      sizes=$(for e in $(seq 0 47); do echo $((e < 32 ? 1195 : 1194)); done | paste -sd' ')
+      for i in $(seq "${SPREAD_RUNS:-4}"); do
+        echo "cublas $i $(date +%H:%M:%S.%N)" >>"$out/smi.csv"
+        run "spread-cublas-$i" 120 build/cublas_baseline 7168 2048 --warmup 2 --iters "${MOE_EXPERTS_PASSES:-30}" $sizes
+      done
+      nvidia-smi -q -d POWER,CLOCK,PERFORMANCE >"$out/smi-q.txt" 2>&1
+      kill "$smi" ;;
+    dram-experts) # DRAM and L2 bytes of the experts GEMM's launches (gate_up, down) at the Kimi shape
+      k=${MOE_EXPERTS_BENCH:-sm90x2}
+      m=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct
+      run "dram-experts-$k" 200 env MOE_EXPERTS_BENCH="$k" ncu --clock-control none --metrics "$m" \
+        -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/gpu_tests/test_experts_gpu --bench-only ;;
     exchange) run exchange 400 build/exchange_bench ${EXCHANGE_ARGS:-} ;;
     kimi-world) # the layer over a real world: one rank per visible GPU (KIMI_DEVICES, default all)
       devs=${KIMI_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}

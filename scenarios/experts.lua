@@ -334,7 +334,7 @@ local function run_baseline(shape, rows, cases)
   for line in pipe:lines() do
     if line:match("^case=") then
       local kv = {}
-      for k, v in line:gmatch("(%w+)=(%S+)") do kv[k] = v end
+      for k, v in line:gmatch("([%w_]+)=(%S+)") do kv[k] = v end
       local i = math.tointeger(tonumber(kv.case))
       if i and rows[i] then
         rows[i][kv.kind .. "_ms"] = tonumber(kv.ms)

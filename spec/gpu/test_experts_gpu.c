@@ -11,7 +11,9 @@
  * compute capability 9.0 device its runs are reported skipped.
  * Prints one PASS/FAIL line per check; exits 77 without a GPU, 1 on any failure.  --no-bench skips
  * the two timed shapes; --bench-only runs only them, and MOE_EXPERTS_BENCH=<kernel> times that
- * kernel alone (for a profiler: scenarios/device.sh's profile-experts step). */
+ * kernel alone (for a profiler: scenarios/device.sh's profile-experts step).  MOE_EXPERTS_PASSES=N
+ * times N passes instead of the default and prints each in time order (the H200 here lowers its
+ * clocks under its power cap after a few tens of ms of this load: PERF.md). */
 #define _POSIX_C_SOURCE 200809L /* setenv, unsetenv */
 #include <math.h>
 #include <string.h>
@@ -326,6 +328,8 @@ static int cmp_float(const void *a, const void *b) {
  * warm-up, then iters runs back to back with an event between each, median.  decode: report the
  * weight bytes read per second (every expert's weights are read once per run); else TFLOP/s. */
 static void bench_shape(const char *label, int EL, const int *sizes, int64_t H, int64_t F, int iters, int decode) {
+  const char *passes = getenv("MOE_EXPERTS_PASSES"); /* more timed passes than the default */
+  if (passes && atoi(passes) > 0) iters = atoi(passes);
   int32_t *o = malloc((size_t)(EL + 1) * sizeof *o);
   if (!o) {
     printf("FAIL out of host memory\n");
@@ -415,6 +419,11 @@ static void bench_shape(const char *label, int EL, const int *sizes, int64_t H, 
       TRY(moe_event_record(ctx, ev[i + 1]));
     }
     for (int i = 0; i < iters; i++) TRY(moe_event_elapsed(ctx, ev[i], ev[i + 1], &ms[i]));
+    if (getenv("MOE_EXPERTS_PASSES")) { /* every pass in time order: a measuring aid for run-to-run spread */
+      printf("passes [%s] ms:", k->name);
+      for (int i = 0; i < iters; i++) printf(" %.3f", ms[i]);
+      printf("\n");
+    }
     qsort(ms, (size_t)iters, sizeof *ms, cmp_float);
     const double med = iters % 2 ? ms[iters / 2] : 0.5 * (ms[iters / 2 - 1] + ms[iters / 2]);
     if (decode) {
