@@ -74,7 +74,8 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 8;                // loads in flight per thread
 constexpr int kTile = 8192;               // routes of one piece in shared memory (even)
 constexpr int kRankWindow = 1024;         // local experts ranked in one pass
-constexpr int kHistWindow = 12288;        // local experts counted in one pass (non-resident phase 1)
+constexpr int kHistWindow = 6144;         // local experts counted in one pass (non-resident phase 1); with
+                                          // kTile and kRankWindow the largest layout is 57,469 ints (of 58,112)
 constexpr int kStageC = 4096;             // c[e][q] values of a window staged in shared memory
 constexpr int kMaxScratchHist = 1 << 18;  // S * E bound: every block reads S * E histogram values
 constexpr int kGenSlot = 96;          // shared int holding the call's parity, after the reductions'
@@ -106,13 +107,14 @@ struct Params {
 
 // Offsets (in ints) of the shared-memory arrays; the host sizes the launch with the same function.
 struct Smem {
-  int tile, srow, cnt, run, lim, raw, cpre, off, cst, hist, total;
+  int tile, srow, cl, cnt, run, lim, raw, cpre, off, cst, hist, total;
 };
 __host__ __device__ inline Smem smem_layout(int ts, int rwin, int world, int stage_c, int hwin) {
   Smem L;
   L.tile = kRed;
   L.srow = L.tile + ts;
-  L.cnt = L.srow + ts;                       // [kWarps + 1][wsz | 1]: per-warp counts -> offsets; totals
+  L.cl = L.srow + ts;                        // per warp's run: the slots of its window's routes, in order
+  L.cnt = L.cl + ts;                         // [kWarps + 1][wsz | 1]: per-warp counts -> offsets; totals
   L.run = L.cnt + (kWarps + 1) * (rwin | 1); // j of the first route of the piece, per expert
   L.lim = L.run + rwin;                // routes kept
   L.raw = L.lim + rwin;                // n_e before expert_capacity
@@ -221,10 +223,13 @@ __device__ void load_piece(const Params &P, const Unit &U, int pa, int qa, int32
 }
 
 // Rank the tile's routes to the experts [w0, w0 + wsz) within each warp's run of the order:
-// srow[slot] = rank in the warp, mine = the warp's counts.  Then (all threads) the exclusive scan
-// over the warps, totals in row kWarps.  Ends with the block synchronised.
-__device__ void rank_window(const Params &P, int ts, int w0, int wsz, const int32_t *tile, int32_t *srow,
-                            int32_t *cnt) {
+// first the run's slots of such routes are listed, in order, at the start of the warp's part of cl
+// (most routes belong to other ranks: ranking and placing then take a step per 32 routes of the
+// window, not per 32 slots); then srow[slot] = rank in the warp, mine = the warp's counts.  Then
+// (all threads) the exclusive scan over the warps, totals in row kWarps.  Returns the length of
+// the warp's list; ends with the block synchronised.
+__device__ int rank_window(const Params &P, int ts, int w0, int wsz, const int32_t *tile, int32_t *srow,
+                           int32_t *cl, int32_t *cnt) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int q = (((ts + kWarps - 1) / kWarps) + 31) & ~31;
   const int seg0 = min(warp * q, ts), seg1 = min(seg0 + q, ts);
@@ -233,13 +238,20 @@ __device__ void rank_window(const Params &P, int ts, int w0, int wsz, const int3
   const int cs = wsz | 1; // row stride: odd, so that the scan's column reads are free of bank conflicts
   int32_t *mine = cnt + warp * cs;
   for (int e = lane; e < wsz; e += 32) mine[e] = 0;
-  __syncwarp();
+  int n = 0;
   for (int b = seg0; b < seg1; b += 32) {
     const int sl = b + lane;
-    const unsigned e = (unsigned)(sl < seg1 ? tile[sl] : -1) - lo;
-    const bool loc = e < (unsigned)wsz;
+    const bool loc = sl < seg1 && (unsigned)tile[sl] - lo < (unsigned)wsz;
     const unsigned act = __ballot_sync(MOE_FULL_MASK, loc);
-    if (!act) continue;
+    if (loc) cl[seg0 + n + __popc(act & lanemask_lt())] = sl;
+    n += __popc(act);
+  }
+  __syncwarp();
+  for (int i = 0; i < n; i += 32) {
+    const bool loc = i + lane < n;
+    const int sl = loc ? cl[seg0 + i + lane] : 0;
+    const unsigned e = loc ? (unsigned)tile[sl] - lo : 0u;
+    const unsigned act = __ballot_sync(MOE_FULL_MASK, loc);
     const unsigned peers = match_peers(e, act, nbits);
     int before = 0;
     if (loc) {
@@ -259,6 +271,7 @@ __device__ void rank_window(const Params &P, int ts, int w0, int wsz, const int3
     if (lane == kWarps - 1) cnt[kWarps * cs + e] = inc;
   }
   __syncthreads();
+  return n;
 }
 
 // Phase 1 where the unit cannot stay resident: its histogram, a window of experts at a time,
@@ -313,7 +326,8 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
   const Smem L = smem_layout(ts, P.rwin, W, P.stage_c, kResident ? 0 : P.hwin);
   long long *shl = (long long *)sm;
   int *shi = sm + 64;
-  int32_t *tile = sm + L.tile, *srow = sm + L.srow, *cnt = sm + L.cnt, *run = sm + L.run, *lim = sm + L.lim;
+  int32_t *tile = sm + L.tile, *srow = sm + L.srow, *cl = sm + L.cl, *cnt = sm + L.cnt, *run = sm + L.run;
+  int32_t *lim = sm + L.lim;
   int32_t *raw = sm + L.raw, *cpre = sm + L.cpre, *off = sm + L.off, *cst = sm + L.cst;
   const int q = (((ts + kWarps - 1) / kWarps) + 31) & ~31;
   const int seg0 = min(warp * q, ts), seg1 = min(seg0 + q, ts);
@@ -326,12 +340,13 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
   unsigned &gen_sh = *(unsigned *)(sm + kGenSlot); // dynamic, like the rest: the opt-in size is all of it
   if (tid == 0) gen_sh = *(volatile unsigned *)P.bar >> 31; // the call's parity (grid_barrier)
   int ninv = 0, first = INT_MAX;
+  int nloc = 0; // length of this warp's list of the window's routes (rank_window)
   if (kResident) {
     const Unit U = unit_of(P, blk);
     load_piece(P, U, U.ca, U.ma, tile, srow, &ninv, &first);
     __syncthreads();
     trace_point(P, 1);
-    rank_window(P, ts, 0, EL, tile, srow, cnt);
+    nloc = rank_window(P, ts, 0, EL, tile, srow, cl, cnt);
     // the histogram, for the chunks after this one; and added into the totals c[e][p] of this
     // call's buffer (by the call's parity; sums, so the order of the additions is immaterial)
     int32_t *tot = P.tot + (gen_sh & 1) * kStageC;
@@ -378,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
       for (int w0 = 0; w0 < EL; w0 += P.rwin) {
         const int wsz = min(P.rwin, EL - w0);
         const unsigned lo = (unsigned)(P.lo + w0);
-        if (!kResident) rank_window(P, ts, w0, wsz, tile, srow, cnt);
+        if (!kResident) nloc = rank_window(P, ts, w0, wsz, tile, srow, cl, cnt);
 
         // the window's totals from every unit's histogram hist[q * S + s][e]: c[e][q], n_e,
         // peer_major's prefix sum_{q<p} c[e][q], and the ordinal of this chunk's first route
@@ -494,9 +509,9 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
             }
 
         // place
-        for (int sl = seg0 + lane; sl < seg1; sl += 32) {
+        for (int i = lane; i < nloc; i += 32) {
+          const int sl = cl[seg0 + i];
           const unsigned e = (unsigned)tile[sl] - lo;
-          if (e >= (unsigned)wsz) continue;
           const int j = run[e] + cnt[warp * (wsz | 1) + e] + srow[sl];
           int pos;
           if (!P.roundrobin) pos = cpre[e] + j;

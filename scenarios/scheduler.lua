@@ -1,7 +1,8 @@
 -- The routed-token scheduler, side by side with the legacy algorithm (one block per (local
 -- expert, source rank) pair scanning that rank's routes twice), on the shapes of the MoK table.
 --
---   lua scenarios/scheduler.lua [--device D] [--pad B] [--layout L] [--calls N] [--reps R] [--json FILE]
+--   lua scenarios/scheduler.lua [--device D] [--pad B] [--layout L] [--capacity C] [--calls N] [--reps R]
+--                               [--json FILE]
 --
 -- Each row: the ids of W ranks x T tokens routed by the model's router on router-like logits
 -- (std 1.5); rank 0's schedule.  On a GPU each timing is N schedule calls captured in one CUDA
@@ -15,12 +16,21 @@ local opts = cli.parse(arg, {
   { "device", "string", moe.default_device(), "cpu or cuda:N" },
   { "pad", "integer", 1, "pad each expert's rows to a multiple of this" },
   { "layout", "string", "roundrobin", "roundrobin or peer_major (the legacy baseline is roundrobin only)" },
+  { "capacity", "string", "worst", "rows: 'worst' (every route on this rank, schedule's default), 'layer' "
+    .. "(moe.layer's default, 2 T K + EL pad) or a number" },
   { "calls", "integer", 200, "schedule calls per timed graph" },
   { "reps", "integer", 9, "timed replays; the median is reported" },
   { "json", "string", nil, "also write the table as JSON to this file" },
 }, "lua scenarios/scheduler.lua: the routed-token scheduler against the legacy baseline")
 
 local dev = opts.device
+local function capacity_of(c)
+  if opts.capacity == "worst" then return nil end
+  if opts.capacity == "layer" then return 2 * c.T * c.model.k + c.model.experts // c.W * opts.pad end
+  local n = math.tointeger(tonumber(opts.capacity))
+  if not n or n < 0 then cli.fail("--capacity must be worst, layer or a number of rows >= 0, got " .. opts.capacity) end
+  return n
+end
 local gpu = dev ~= "cpu"
 local M = moe.models
 local cases = {
@@ -73,12 +83,13 @@ local ok = true
 for i, c in ipairs(cases) do
   local m = c.model
   local ids = route_ids(c, 1000 + i)
-  local plan = { ids = ids, experts = m.experts, rank = 0, pad = opts.pad, layout = opts.layout }
+  local plan = { ids = ids, experts = m.experts, rank = 0, pad = opts.pad, layout = opts.layout, capacity = capacity_of(c) }
   local s = moe.schedule(plan)
   local row = { label = c.label, W = c.W, T = c.T, E = m.experts, K = m.k, routes = c.W * c.T * m.k }
   -- bit-for-bit checks: the CPU is the oracle
   if gpu then
-    local ref = moe.schedule { ids = ids:to("cpu"), experts = m.experts, rank = 0, pad = opts.pad, layout = opts.layout }
+    local ref = moe.schedule { ids = ids:to("cpu"), experts = m.experts, rank = 0, pad = opts.pad, layout = opts.layout,
+      capacity = plan.capacity }
     for _, f in ipairs { "peer_rank", "peer_route", "counts", "tokens_per_expert", "expert_offsets", "route_row" } do
       local same = pcall(moe.check.equal, s[f], ref[f], f)
       if not same then ok, row.mismatch = false, f end
@@ -96,23 +107,27 @@ for i, c in ipairs(cases) do
   row.ours_us = time_calls(function() s:run() end)
   row.legacy_us = legacy and time_calls(function() legacy:run() end) or nil
   row.rows_used = s:read_stats().rows_used
+  row.capacity = s.capacity
   rows[#rows + 1] = row
 end
 
 local function p(...) io.write(string.format(...), "\n") end
-p("moelab %s: routed-token scheduler on %s, rank 0's schedule, pad %d, %s", moe.version, dev, opts.pad, opts.layout)
+p("moelab %s: routed-token scheduler on %s, rank 0's schedule, pad %d, %s, capacity %s", moe.version, dev, opts.pad,
+  opts.layout, opts.capacity == "worst" and "worst case (every route on this rank)" or opts.capacity == "layer"
+  and "the layer's default (2 T K + EL pad)" or opts.capacity)
 p("%s", gpu and string.format("µs per call: median of %d replays of a graph of %d calls", opts.reps, opts.calls)
   or "µs per call: median wall clock on the CPU (the legacy baseline is a GPU kernel: n/a)")
 p("")
-p("%-20s %4s %6s %5s %3s %9s %10s %10s %8s", "model", "EP", "T", "E", "K", "rows", "legacy µs", "ours µs", "speedup")
+p("%-20s %4s %6s %5s %3s %9s %9s %10s %10s %8s", "model", "EP", "T", "E", "K", "rows", "capacity", "legacy µs", "ours µs",
+  "speedup")
 for _, r in ipairs(rows) do
-  p("%-20s %4d %6d %5d %3d %9d %10s %10.2f %8s%s", r.label, r.W, r.T, r.E, r.K, r.rows_used,
+  p("%-20s %4d %6d %5d %3d %9d %9d %10s %10.2f %8s%s", r.label, r.W, r.T, r.E, r.K, r.rows_used, r.capacity,
     r.legacy_us and string.format("%.2f", r.legacy_us) or "n/a", r.ours_us,
     r.legacy_us and string.format("%.1fx", r.legacy_us / r.ours_us) or "", r.mismatch and ("  MISMATCH " .. r.mismatch) or "")
 end
 if opts.json then
   local f = assert(io.open(opts.json, "w"))
-  f:write(json.encode { device = dev, pad = opts.pad, layout = opts.layout, rows = rows }, "\n")
+  f:write(json.encode { device = dev, pad = opts.pad, layout = opts.layout, capacity = opts.capacity, rows = rows }, "\n")
   f:close()
 end
 os.exit(ok and 0 or 1)
