@@ -15,7 +15,8 @@
 //   1. The block loads its chunk into shared memory in column-major order (rows padded to an odd
 //      length, so the transposing store and the ordered reads are free of bank conflicts),
 //      counting invalid ids on the way, and ranks it: each warp takes a contiguous run of the
-//      order, 32 routes a step, groups equal experts of a step with log2(EL) ballots, and keeps a
+//      order, lists the slots of its routes to this rank's experts (in order; the others need no
+//      rank), then 32 of those a step groups equal experts with log2(EL) ballots and keeps a
 //      running count per expert in its own shared-memory row; an exclusive scan over the warps'
 //      rows orders the warps, and its last row is the chunk's histogram, written to scratch and
 //      added (atomically: a sum does not depend on the order) into the totals c[e][p].  No
@@ -75,7 +76,7 @@ constexpr int kUnroll = 8;                // loads in flight per thread
 constexpr int kTile = 8192;               // routes of one piece in shared memory (even)
 constexpr int kRankWindow = 1024;         // local experts ranked in one pass
 constexpr int kHistWindow = 6144;         // local experts counted in one pass (non-resident phase 1); with
-                                          // kTile and kRankWindow the largest layout is 57,469 ints (of 58,112)
+                                          // kTile and kRankWindow the largest layout is 57,468 ints (of 58,112)
 constexpr int kStageC = 4096;             // c[e][q] values of a window staged in shared memory
 constexpr int kMaxScratchHist = 1 << 18;  // S * E bound: every block reads S * E histogram values
 constexpr int kGenSlot = 96;          // shared int holding the call's parity, after the reductions'
