@@ -37,7 +37,7 @@ for s in $steps; do
       shape=${PROFILE_SHAPE:-8,512}
       for k in ${PROFILE_KERNELS:-schedule_kernel}; do
         f="$out/$k-${shape/,/x}"
-        run "ncu-$k-${shape/,/x}" 300 ncu -f -o "$f" --import-source yes --set full -k "regex:$k" --launch-skip 50 \
+        run "ncu-$k-${shape/,/x}" 300 ncu -f -o "$f" --clock-control none --import-source yes --set full -k "regex:$k" --launch-skip 50 \
           --launch-count 1 build/gpu_tests/test_schedule_gpu --trace --shape "$shape"
         ncu -i "$f.ncu-rep" --page raw --csv >"$f-raw.csv" 2>&1
         ncu_pages "$f"
@@ -46,7 +46,7 @@ for s in $steps; do
       # its gate_up and down launches of the third timed run
       k=${MOE_EXPERTS_BENCH:-sm90x2}
       f="$out/experts-$k"
-      run "ncu-experts-$k" 300 env MOE_EXPERTS_BENCH="$k" ncu -f -o "$f" --import-source yes --set full \
+      run "ncu-experts-$k" 300 env MOE_EXPERTS_BENCH="$k" ncu -f -o "$f" --clock-control none --import-source yes --set full \
         -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/gpu_tests/test_experts_gpu --bench-only
       ncu_pages "$f" ;;
     spread) # run-to-run spread of the experts GEMM: SPREAD_RUNS processes of MOE_EXPERTS_PASSES passes
