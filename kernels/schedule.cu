@@ -264,12 +264,34 @@ __device__ int rank_window(const Params &P, int ts, int w0, int wsz, const int32
     __syncwarp();
   }
   __syncthreads();
-  static_assert(kWarps <= 32, "a warp scans the warps' counts");
-  for (int e = warp; e < wsz; e += kWarps) { // a warp per expert, a lane per warp's count
-    const int t = lane < kWarps ? cnt[lane * cs + e] : 0;
-    const int inc = warp_inclusive_scan(t);
-    if (lane < kWarps) cnt[lane * cs + e] = inc - t;
-    if (lane == kWarps - 1) cnt[kWarps * cs + e] = inc;
+  // The exclusive scan of each expert's count over the warps: a warp takes four experts at a
+  // time, a half-warp per expert and a lane per warp's count, two 16-wide scans interleaved.
+  // Rows are an odd stride apart, so neither half conflicts on a bank, nor the halves with each
+  // other.
+  static_assert(kWarps == 16, "a half-warp scans the warps' counts of one expert");
+  const int w = lane & 15;
+  for (int e0 = warp; e0 < wsz; e0 += 4 * kWarps) {
+    int t[2], v[2];
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+      const int e = e0 + (2 * u + (lane >> 4)) * kWarps;
+      t[u] = v[u] = e < wsz ? cnt[w * cs + e] : 0;
+    }
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1)
+#pragma unroll
+      for (int u = 0; u < 2; u++) {
+        const int x = __shfl_up_sync(MOE_FULL_MASK, v[u], o, 16);
+        if (w >= o) v[u] += x;
+      }
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+      const int e = e0 + (2 * u + (lane >> 4)) * kWarps;
+      if (e < wsz) {
+        cnt[w * cs + e] = v[u] - t[u];
+        if (w == kWarps - 1) cnt[kWarps * cs + e] = v[u];
+      }
+    }
   }
   __syncthreads();
   return n;
@@ -545,13 +567,24 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
       }
 
       if (first_unit && k == 0) trace_point(P, 6);
-      // route_row of the piece, in memory order
+      // route_row of the piece, in memory order: where a column group fits the block, a thread
+      // keeps its column and steps down the rows (no division, one bound per row)
       int32_t *rrow = P.route_row + (size_t)U.p * P.tk;
       const int row_end = U.ma + P.rw;
-      for (int x = tid; x < pw * P.pr; x += kThreads) {
-        const int mm = x >> P.lgpw, cc = x & (pw - 1);
-        const int c = pa + cc, m = qa + mm;
-        if (m < row_end && c < P.nc && m < P.nr && m * P.stride + c < P.tk) rrow[m * P.stride + c] = srow[cc * P.prp + mm];
+      if (pw <= kThreads) {
+        const int cc = tid & (pw - 1), c = pa + cc, dm = kThreads >> P.lgpw;
+        const int mlim = min(min(row_end, P.nr) - qa, P.pr); // rows of the piece inside the grid
+        if (c < P.nc)
+          for (int mm = tid >> P.lgpw; mm < mlim; mm += dm) {
+            const int at = (qa + mm) * P.stride + c;
+            if (at < P.tk) rrow[at] = srow[cc * P.prp + mm];
+          }
+      } else {
+        for (int x = tid; x < pw * P.pr; x += kThreads) {
+          const int mm = x >> P.lgpw, cc = x & (pw - 1);
+          const int c = pa + cc, m = qa + mm;
+          if (m < row_end && c < P.nc && m < P.nr && m * P.stride + c < P.tk) rrow[m * P.stride + c] = srow[cc * P.prp + mm];
+        }
       }
       __syncthreads();
     }
