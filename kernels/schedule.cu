@@ -568,7 +568,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
 
       if (first_unit && k == 0) trace_point(P, 6);
       // route_row of the piece, in memory order: where a column group fits the block, a thread
-      // keeps its column and steps down the rows (no division, one bound per row)
+      // keeps its column and steps down the rows (no index arithmetic per element but one product)
       int32_t *rrow = P.route_row + (size_t)U.p * P.tk;
       const int row_end = U.ma + P.rw;
       if (pw <= kThreads) {
