@@ -286,6 +286,27 @@ return function(moe)
     return g
   end
 
+  -- The dense reference of DESIGN.md for the rows x (bf16 or f32 [N, H] on the CPU) with the
+  -- weights c on the CPU: routed by ids and weights when given, else by the router on logits
+  -- (computed from x when nil).  Shared with the layer over a real world.  -> f32 [N, H].
+  local function dense_reference(self, c, x, ids, weights, logits)
+    local N, K, E = x.shape[1], self.k, self.experts
+    if not ids then
+      if not logits then
+        logits = core.new("f32", { N, E }, "cpu")
+        core.logits(logits, x, c.w_router)
+      end
+      ids, weights = core.new("i32", { N, K }, "cpu"), core.new("f32", { N, K }, "cpu")
+      core.route { ids = ids, weights = weights, logits = logits, bias = c.bias, k = K, scoring = self.cfg.scoring,
+        groups = self.cfg.groups, topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
+    end
+    local out = core.new("f32", { N, self.hidden }, "cpu")
+    core.reference { out = out, x = x, ids = ids, weights = weights, w_gate_up = c.w_gate_up, w_down = c.w_down,
+      world = self.world, experts = E, shared_gate_up = c.shared_gate_up, shared_down = c.shared_down,
+      shared_gate_w = c.shared_gate_w }
+    return out
+  end
+
   -- reference(x [, opts]) -> f32 on the CPU: the dense reference of DESIGN.md, independent of any
   -- schedule.  opts: logits= (route these), or ids= and weights= (this routing), or
   -- routing = "forward" (the routing the last forward chose, read back from the layer); by
@@ -312,7 +333,7 @@ return function(moe)
     local N = #tokens
     local whole = o.tokens == nil
     local xf = whole and (x.device == "cpu" and x or x:to("cpu")):view(0, { W * T, H }) or gather_rows(x, tokens, H)
-    local ids, weights
+    local ids, weights, logits
     if o.ids or o.routing == "forward" then
       local src_ids, src_w = o.ids or self.ids, o.weights or self.weights
       if whole then
@@ -320,22 +341,10 @@ return function(moe)
       else
         ids, weights = gather_rows(src_ids, tokens, K), gather_rows(src_w, tokens, K)
       end
-    else
-      local logits
-      if o.logits then
-        logits = whole and o.logits:to("cpu") or gather_rows(o.logits, tokens, E)
-      else
-        logits = core.new("f32", { N, E }, "cpu")
-        core.logits(logits, xf, c.w_router)
-      end
-      ids, weights = core.new("i32", { N, K }, "cpu"), core.new("f32", { N, K }, "cpu")
-      core.route { ids = ids, weights = weights, logits = logits, bias = c.bias, k = K, scoring = self.cfg.scoring,
-        groups = self.cfg.groups, topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
+    elseif o.logits then
+      logits = whole and o.logits:to("cpu") or gather_rows(o.logits, tokens, E)
     end
-    local out = core.new("f32", { N, H }, "cpu")
-    core.reference { out = out, x = xf, ids = ids, weights = weights, w_gate_up = c.w_gate_up, w_down = c.w_down,
-      world = W, experts = E, shared_gate_up = c.shared_gate_up, shared_down = c.shared_down,
-      shared_gate_w = c.shared_gate_w }
+    local out = dense_reference(self, c, xf, ids, weights, logits)
     return whole and out:view(0, { W, T, H }) or out
   end
 
@@ -457,6 +466,6 @@ return function(moe)
   end
 
   -- The layer over a real world (lua/moelab/world_layer.lua), with what the two share.
-  world_layer = require("moelab.world_layer")(moe, { schedule_stats = schedule_stats })
+  world_layer = require("moelab.world_layer")(moe, { schedule_stats = schedule_stats, dense_reference = dense_reference })
   return new_layer
 end

@@ -6,7 +6,7 @@
 -- this process holds one rank).  Every buffer is allocated when the layer is made.
 local args = require "moelab.args"
 
--- shared: helpers of lua/moelab/layer.lua (schedule_stats).
+-- shared: helpers of lua/moelab/layer.lua (schedule_stats, dense_reference).
 return function(moe, shared)
   local core = moe.core
   local WorldLayer = { __name = "moelab.WorldLayer" }
@@ -269,11 +269,10 @@ return function(moe, shared)
   -- the routing the last forward chose.
   function WorldLayer:reference(x, o)
     o = args.options("reference", o or {}, { routing = { "own", "forward" }, sample = "integer" })
-    local T, H, K, E = self.tokens, self.hidden, self.k, self.experts
+    local T, H, K = self.tokens, self.hidden, self.k
     x = per_rank(self, "reference", "x", x, "bf16", { T, H })
     local n = o.sample and math.min(o.sample, T) or T
     args.range("reference", "sample", n, 1)
-    local N = n * self.nlocal
     local c = cpu_weights(self)
     local xc = sample_rows(self, x, n, H, "bf16")
     local ids, w
@@ -282,16 +281,8 @@ return function(moe, shared)
     else
       c.w_router = c.w_router or self.w_router[1]:to("cpu")
       c.bias = c.bias or (self.bias[1] and self.bias[1]:to("cpu"))
-      local logits = core.new("f32", { N, E }, "cpu")
-      core.logits(logits, xc, c.w_router)
-      ids, w = core.new("i32", { N, K }, "cpu"), core.new("f32", { N, K }, "cpu")
-      core.route { ids = ids, weights = w, logits = logits, bias = c.bias, k = K, scoring = self.cfg.scoring,
-        groups = self.cfg.groups, topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
     end
-    local ref = core.new("f32", { N, H }, "cpu")
-    core.reference { out = ref, x = xc, ids = ids, weights = w, w_gate_up = c.w_gate_up, w_down = c.w_down,
-      world = self.world, experts = E, shared_gate_up = c.shared_gate_up, shared_down = c.shared_down,
-      shared_gate_w = c.shared_gate_w }
+    local ref = shared.dense_reference(self, c, xc, ids, w)
     if self.nlocal == 1 then return ref end
     local out = {}
     for i = 1, self.nlocal do out[i] = ref:view((i - 1) * n * H, { n, H }) end
