@@ -79,8 +79,8 @@ constexpr int kHistWindow = 6144;         // local experts counted in one pass (
                                           // kTile and kRankWindow the largest layout is 57,468 ints (of 58,112)
 constexpr int kStageC = 4096;             // c[e][q] values of a window staged in shared memory
 constexpr int kMaxScratchHist = 1 << 18;  // S * E bound: every block reads S * E histogram values
-constexpr int kGenSlot = 96;          // shared int holding the call's parity, after the reductions'
-constexpr int kRed = kGenSlot + 4;    // shared ints: block reductions (32 long long, 32 int), the parity
+constexpr int kParitySlot = 96;       // shared int holding the call's parity, after the reductions'
+constexpr int kRed = kParitySlot + 4; // shared ints: block reductions (32 long long, 32 int), the parity
 // c[e][q] totals in the scratch header, two buffers of kStageC (see the kernel's phase 1)
 constexpr int kTotOffset = 64; // ints: after the barrier
 static_assert(MOE_SCRATCH_HEADER >= (int)sizeof(int32_t) * (kTotOffset + 2 * kStageC), "scratch header too small");
@@ -360,8 +360,8 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   trace_point(P, 0);
   // ---- phase 1: the histogram of every unit ----
-  unsigned &gen_sh = *(unsigned *)(sm + kGenSlot); // dynamic, like the rest: the opt-in size is all of it
-  if (tid == 0) gen_sh = *(volatile unsigned *)P.bar >> 31; // the call's parity (grid_barrier)
+  unsigned &parity_sh = *(unsigned *)(sm + kParitySlot); // dynamic, like the rest: the opt-in size is all of it
+  if (tid == 0) parity_sh = *(volatile unsigned *)P.bar >> 31; // the call's parity (grid_barrier)
   int ninv = 0, first = INT_MAX;
   int nloc = 0; // length of this warp's list of the window's routes (rank_window)
   if (kResident) {
@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
     nloc = rank_window(P, ts, 0, EL, tile, srow, cl, cnt);
     // the histogram, for the chunks after this one; and added into the totals c[e][p] of this
     // call's buffer (by the call's parity; sums, so the order of the additions is immaterial)
-    int32_t *tot = P.tot + (gen_sh & 1) * kStageC;
+    int32_t *tot = P.tot + parity_sh * kStageC;
     for (int e = tid; e < EL; e += kThreads) {
       const int h = cnt[kWarps * (EL | 1) + e];
       P.hist[(size_t)blk * EL + e] = h;
@@ -391,13 +391,13 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
     P.inv[2 * (size_t)blk + 1] = first;
   }
   trace_point(P, 2);
-  const unsigned gen = gen_sh;
+  const unsigned parity = parity_sh;
   grid_barrier(P.bar);
   trace_point(P, 3);
   asm volatile("griddepcontrol.launch_dependents;");
   // the other buffer of totals is the next call's: zero it (this call's stays as it is until the
   // call after next zeroes it; the previous call, its last reader, has ended)
-  for (int x = blk * kThreads + tid; x < kStageC; x += G * kThreads) P.tot[((gen + 1) & 1) * kStageC + x] = 0;
+  for (int x = blk * kThreads + tid; x < kStageC; x += G * kThreads) P.tot[(parity ^ 1) * kStageC + x] = 0;
 
   // ---- phase 2: place ----
   long long needed = 0;
@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
           // one round of loads: c[e][q] from the totals, n_e and peer_major's sum_{q<p} c[e][q]
           // added up as they arrive; the ordinal of this chunk's first route from the histograms
           // of the chunks before it, of the same source rank (contiguous rows)
-          const int32_t *tot = P.tot + (gen & 1) * kStageC, *before = P.hist + (size_t)U.p * S * EL;
+          const int32_t *tot = P.tot + parity * kStageC, *before = P.hist + (size_t)U.p * S * EL;
           const int nc = EL * W, nr = U.s * EL;
           for (int x0 = 0; x0 < nc || x0 < nr; x0 += kThreads) {
             const int x = x0 + tid;

@@ -419,7 +419,7 @@ static void bench_shape(const char *label, int EL, const int *sizes, int64_t H, 
       TRY(moe_event_record(ctx, ev[i + 1]));
     }
     for (int i = 0; i < iters; i++) TRY(moe_event_elapsed(ctx, ev[i], ev[i + 1], &ms[i]));
-    if (getenv("MOE_EXPERTS_PASSES")) { /* every pass in time order: a measuring aid for run-to-run spread */
+    if (passes) { /* every pass in time order: a measuring aid for run-to-run spread */
       printf("passes [%s] ms:", k->name);
       for (int i = 0; i < iters; i++) printf(" %.3f", ms[i]);
       printf("\n");
