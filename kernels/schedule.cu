@@ -531,6 +531,17 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
               P.peer_route[r] = -1;
             }
 
+        // unused rows [rows used, C), striding with every block, as soon as the last window's scan
+        // has the total: these stores then drain while the place loop runs (after it, they added
+        // ~0.35 us at Kimi's worst-case capacity; 16-byte stores were slower at T 512: PERF.md)
+        if (first_unit && k == 0 && w0 + wsz == EL) {
+          const long long used = carry < (long long)P.capacity ? carry : (long long)P.capacity;
+          for (long long r = used + (long long)blk * kThreads + tid; r < P.capacity; r += (long long)G * kThreads) {
+            P.peer_rank[r] = -1;
+            P.peer_route[r] = -1;
+          }
+        }
+
         // place
         for (int i = lane; i < nloc; i += 32) {
           const int sl = cl[seg0 + i];
@@ -557,14 +568,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
           __syncthreads();
         }
       }
-      if (first_unit && k == 0) { // unused rows [rows used, C), striding with every block
-        needed = carry;
-        const long long used = carry < (long long)P.capacity ? carry : (long long)P.capacity;
-        for (long long r = used + (long long)blk * kThreads + tid; r < P.capacity; r += (long long)G * kThreads) {
-          P.peer_rank[r] = -1;
-          P.peer_route[r] = -1;
-        }
-      }
+      if (first_unit && k == 0) needed = carry;
 
       if (first_unit && k == 0) trace_point(P, 6);
       // route_row of the piece, in memory order: where a column group fits the block, a thread
