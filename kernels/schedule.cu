@@ -533,7 +533,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
 
         // unused rows [rows used, C), striding with every block, as soon as the last window's scan
         // has the total: these stores then drain while the place loop runs (after it, they added
-        // ~0.35 us at Kimi's worst-case capacity; 16-byte stores were slower at T 512: PERF.md)
+        // ~0.25 us at Kimi's worst-case capacity; 16-byte stores were slower at T 512: PERF.md)
         if (first_unit && k == 0 && w0 + wsz == EL) {
           const long long used = carry < (long long)P.capacity ? carry : (long long)P.capacity;
           for (long long r = used + (long long)blk * kThreads + tid; r < P.capacity; r += (long long)G * kThreads) {
