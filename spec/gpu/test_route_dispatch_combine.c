@@ -233,7 +233,7 @@ static void test_route(void) {
 /* ---- logits and the gate ---- */
 
 static void test_logits(void) {
-  const struct { int n, e, h; } cases[] = {{77, 100, 520}, {33, 64, 203}, {300, 384, 1024}, {5, 3, 8}};
+  const struct { int n, e, h; } cases[] = {{77, 100, 520}, {33, 64, 203}, {300, 384, 1024}, {5, 3, 8}, {100, 384, 7168}};
   for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
     const int n = cases[c].n, e = cases[c].e, h = cases[c].h;
     moe_tensor *xc = cpu_randn(MOE_BF16, 2, SHAPE(n, h), 300 + c, 1.0f);
