@@ -131,7 +131,7 @@ end
 -- ~4.3 TB/s (bytes read + written), dense bf16 ~790 TFLOP/s.  The route stage is mostly the
 -- router's logits GEMM, in f32 fused multiply-adds without tensor cores (its sums must equal the
 -- CPU's bit for bit, or a near tie could route differently): beside it the H200's f32 peak,
--- 132 SMs x 128 lanes x 2 x 1.98 GHz ~67 TFLOP/s (the data sheet's, not measured).
+-- 132 SMs x 128 lanes x 2 x 1.98 GHz ~67 TFLOP/s (from the chip's figures, not measured).
 -- In a real world a stage's time is its slowest GPU's and the rates are per GPU.
 local rows, nr = stats.rows_used, group and group.local_count or W
 local per = group and nr or 1
