@@ -526,9 +526,10 @@ int moe_world_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_w
   return nccl_exchange_combine(ctx, ex, args);
 }
 
-/* ---- a build with CUDA but without NCCL ---- */
+/* ---- a build without NCCL, or without CUDA at all: MOE_WORLD_STUBS names what is missing ---- */
 #ifdef MOE_WORLD_STUBS
-#define NO_NCCL(what) moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "world: %s: this moelab was built without NCCL", what)
+#define NO_NCCL(what) \
+  moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "world: %s: this moelab was built without %s", what, MOE_WORLD_STUBS)
 int nccl_available(moe_ctx *ctx) { return NO_NCCL("expert parallelism across GPUs"); }
 int nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]) {
   (void)id;
