@@ -1319,8 +1319,6 @@ static int w_dispatch(lua_State *L) {
   return 0;
 }
 
-/* combine({{out=, weights=, ids=, ys=, route_row=, send_rows=, recv_rows=, send_index=,
- * recv_index=, experts=, shared=, shared_gate=}, ...}) */
 /* The combine arguments of n local ranks from the table at index 2 (left on the stack); the
  * direct exchange needs no send and receive scratch. */
 static moe_world_combine_args *combine_args(lua_State *L, int n, int direct) {
@@ -1349,6 +1347,8 @@ static moe_world_combine_args *combine_args(lua_State *L, int n, int direct) {
   return a;
 }
 
+/* combine({{out=, weights=, ids=, ys=, route_row=, send_rows=, recv_rows=, send_index=,
+ * recv_index=, experts=, shared=, shared_gate=}, ...}) */
 static int w_combine(lua_State *L) {
   moe_ctx *ctx = getctx(L);
   moe_world *w = check_world(L, 1);
@@ -1374,11 +1374,13 @@ typedef struct Exchange {
 
 static const char *const window_owner_key = "moelab.window_owner";
 
-static moe_world_exchange *check_exchange(lua_State *L, int idx) {
+/* The exchange at idx, its world open; *local gets the world's local rank count. */
+static moe_world_exchange *check_exchange(lua_State *L, int idx, int *local) {
   Exchange *u = (Exchange *)luaL_checkudata(L, idx, EXCHANGE);
   lua_getiuservalue(L, idx, 1);
   World *wu = (World *)luaL_testudata(L, -1, WORLD);
   if (!wu || !wu->w) luaL_error(L, "moelab.Exchange: its world is closed");
+  *local = moe_world_local_count(wu->w);
   lua_pop(L, 1);
   return u->ex;
 }
@@ -1430,22 +1432,20 @@ static int w_exchange(lua_State *L) {
 
 static int x_dispatch(lua_State *L) {
   moe_ctx *ctx = getctx(L);
-  moe_world_exchange *ex = check_exchange(L, 1);
+  int n;
+  moe_world_exchange *ex = check_exchange(L, 1, &n);
   lua_settop(L, 2);
-  lua_getiuservalue(L, 1, 1);
-  moe_world_dispatch_args *a = dispatch_args(L, moe_world_local_count(((World *)lua_touserdata(L, 3))->w), 1);
-  int rc = moe_world_exchange_dispatch(ctx, ex, a);
+  int rc = moe_world_exchange_dispatch(ctx, ex, dispatch_args(L, n, 1));
   if (rc) return fail(L, ctx, rc);
   return 0;
 }
 
 static int x_combine(lua_State *L) {
   moe_ctx *ctx = getctx(L);
-  moe_world_exchange *ex = check_exchange(L, 1);
+  int n;
+  moe_world_exchange *ex = check_exchange(L, 1, &n);
   lua_settop(L, 2);
-  lua_getiuservalue(L, 1, 1);
-  moe_world_combine_args *a = combine_args(L, moe_world_local_count(((World *)lua_touserdata(L, 3))->w), 1);
-  int rc = moe_world_exchange_combine(ctx, ex, a);
+  int rc = moe_world_exchange_combine(ctx, ex, combine_args(L, n, 1));
   if (rc) return fail(L, ctx, rc);
   return 0;
 }
