@@ -197,6 +197,15 @@ describe("world configurations [#cpu]", function()
       assert.truthy(err:find("(1 of 3 ranks differ from rank 0)", 1, true), err)
     end
   end)
+  it("every field counts, each named when it alone differs", function()
+    local changed = { version = 1, world = 4, tokens = 16, k = 4, experts = 32, hidden = 128, capacity = 1024, pad = 128,
+      layout = "peer_major", expert_capacity = 64 }
+    for field, v in pairs(changed) do
+      local ok, err = pcall(moe.core.world_compare_configs, 1, { base, with { [field] = v } })
+      assert.is_false(ok, field)
+      assert.truthy(err:find("configurations differ: " .. field .. " is ", 1, true), err)
+    end
+  end)
   it("layout, capacity and the library version count", function()
     local ok, err = pcall(moe.core.world_compare_configs, 0, { base, with { layout = "peer_major" } })
     assert.is_false(ok)
