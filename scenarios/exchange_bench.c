@@ -31,28 +31,24 @@ enum { MAXW = 8 };
 
 static moe_ctx *ctx;
 
+// A failed call ends the run, naming the call, where it is and why.
+static void die(const char *file, int line, const char *call, const char *why) {
+  fprintf(stderr, "exchange_bench: %s:%d: %s: %s\n", file, line, call, why);
+  exit(1);
+}
 #define TRY(call)                                                                                                     \
   do {                                                                                                                \
-    if ((call) != MOE_OK) {                                                                                           \
-      fprintf(stderr, "exchange_bench: %s:%d: %s: %s\n", __FILE__, __LINE__, #call, moe_errmsg(ctx));                \
-      exit(1);                                                                                                        \
-    }                                                                                                                 \
+    if ((call) != MOE_OK) die(__FILE__, __LINE__, #call, moe_errmsg(ctx));                                          \
   } while (0)
 #define CU(call)                                                                                                      \
   do {                                                                                                                \
     cudaError_t e_ = (call);                                                                                          \
-    if (e_ != cudaSuccess) {                                                                                          \
-      fprintf(stderr, "exchange_bench: %s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));         \
-      exit(1);                                                                                                        \
-    }                                                                                                                 \
+    if (e_ != cudaSuccess) die(__FILE__, __LINE__, #call, cudaGetErrorString(e_));                                   \
   } while (0)
 #define NC(call)                                                                                                      \
   do {                                                                                                                \
     ncclResult_t r_ = (call);                                                                                         \
-    if (r_ != ncclSuccess) {                                                                                          \
-      fprintf(stderr, "exchange_bench: %s:%d: %s: %s\n", __FILE__, __LINE__, #call, ncclGetErrorString(r_));         \
-      exit(1);                                                                                                        \
-    }                                                                                                                 \
+    if (r_ != ncclSuccess) die(__FILE__, __LINE__, #call, ncclGetErrorString(r_));                                    \
   } while (0)
 
 static moe_tensor *tnew(moe_dtype dt, int dev, int ndim, const int64_t *shape) {
