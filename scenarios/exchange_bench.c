@@ -31,7 +31,7 @@ enum { MAXW = 8 };
 
 static moe_ctx *ctx;
 
-// A failed call ends the run, naming the call, where it is and why.
+/* A failed call ends the run, naming the call, where it is and why. */
 static void die(const char *file, int line, const char *call, const char *why) {
   fprintf(stderr, "exchange_bench: %s:%d: %s: %s\n", file, line, call, why);
   exit(1);
