@@ -5,8 +5,8 @@
 // cross-check (MOE_EXPERTS_KERNEL=mma):
 //
 //   map      one block turns expert_offsets (read on the device) into, per expert, its rows
-//            [lo, hi) -- the clamped running maximum experts_cpu reads -- and the prefix of its
-//            tile groups: ceil(ceil((hi - lo) / 128) / CM) groups of CM row tiles each.
+//            [lo, hi) -- the clamped running maximum experts_cpu reads -- and the prefixes of its
+//            pairs of row tiles and of its row tiles left over (the work list, below).
 //   gate_up  h [C, F] = bf16(silu(xs . W_gate^T) * (xs . W_up^T)).  A tile's B operand is 128
 //            gate rows f0.. and the 128 up rows F + f0.., so the gate and the up accumulator of
 //            an output element sit in the same thread and SwiGLU is applied in the epilogue.
@@ -25,24 +25,29 @@
 //                   shared-memory tile to 16-byte stores predicated on the expert's rows.
 // Tile 128 x 256 x 64 (M x N x K), 48 KiB a stage: 4 stages + 32 KiB of staging = 225 KiB.
 //
-// CM = 2 (MOE_EXPERTS_KERNEL=sm90x2) launches clusters of two CTAs that work on row tiles 2p and 2p+1 of the
-// same expert and the same column tile: each CTA loads one half of the shared B tile and
+// CM = 2 (MOE_EXPERTS_KERNEL=sm90x2) launches clusters of two CTAs.  On a pair of row tiles
+// 2p and 2p+1 of an expert (same column tile) each CTA loads one half of the shared B tile and
 // multicasts it to both, so the L2 -> SM traffic per tile falls from 48 to 32 KiB a stage.
 // A stage is then written by both CTAs' copies, so each CTA's consumers hand it back to both
-// producers (remote mbarrier arrivals), and every CTA of the pair walks the same work list in
-// lock step, a CTA without rows (the odd last tile of an expert) included: it loads and hands
-// back but computes nothing.  CM = 2 is the default where experts average two row tiles or
-// more, CM = 1 below (decode): faster, each where it is chosen, as measured (PERF.md).
+// producers (remote mbarrier arrivals), and the CTAs of the pair walk the same work list in
+// lock step.  When an expert's row tiles are odd in number, the last one runs "solo": the two
+// CTAs on that row tile and two column tiles, each loading its own A and B, still in lock step
+// but sharing nothing, so that neither idles through a tile its partner has and it has not (as
+// a pair, such a tile cost a whole pair's time).  CM = 2 is the default where experts average
+// two row tiles or more, CM = 1 below (decode): faster, each where it is chosen, as measured
+// (PERF.md).
 //
-// Work list: unit v = (expert, group of CM row tiles, column tile), experts in order; inside an
-// expert, row groups are taken GROUP_TILES row tiles at a time and, inside such a band, the row
-// tile varies fastest, so the CTAs in flight together share the band's A rows and a few B
-// column tiles in L2.  The grid is static (sized from C alone, persistent, one CTA per SM), so
-// a captured CUDA graph stays right for any offsets written later; units past the real count
-// are never visited.  Rows: a tile never mixes experts; A rows past the expert's end (the
-// next expert's rows, rows past C: TMA fills those with zeros) are loaded but never stored,
-// and a row of the output depends on its own A row alone.  A consumer warpgroup whose 64 rows
-// hold none of the expert's skips its tensor-core work (an expert's last, short tile).
+// Work list (decode): per expert, in order, its pairs x column tiles, then its row tile left
+// over (CM = 1: all of them) x groups of CM column tiles.  Inside each, GROUP_TILES row tiles
+// are a band and inside a band the row tile varies fastest, so the CTAs in flight together
+// share the band's A rows and a few B column tiles in L2.  The grid is static (sized from C
+// alone, persistent, one CTA per SM), so a captured CUDA graph stays right for any offsets
+// written later; units past the real count are never visited.  Rows: a tile never mixes
+// experts; A rows past the expert's end (the next expert's rows, rows past C: TMA fills those
+// with zeros) are loaded but never stored, and a row of the output depends on its own A row
+// alone.  A consumer warpgroup whose 64 rows hold none of the expert's skips its tensor-core
+// work (an expert's last, short tile), and so do both where a solo unit has one column tile
+// fewer than CM (NT odd).
 //
 // Requirements (else MOE_ERR_UNSUPPORTED, before any side effect, and experts.cu falls back):
 // compute capability 9.0, H and F multiples of 64 (whole K blocks; F > 0), every tensor
@@ -118,11 +123,12 @@ template <bool MAX> __device__ int block_scan(int v, int *ws, int *total) {
   return v;
 }
 
-// meta = start [EL + 1] (exclusive prefix of row-tile groups), lo [EL], hi [EL].
+// meta = pairs [EL + 1], solos [EL + 1] (exclusive prefixes of each expert's pairs of full row
+// tiles and of its row tiles left over, see decode), lo [EL], hi [EL].
 __global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const int *offsets, int EL, int C, int cm) {
   __shared__ int ws[32];
-  int *start = meta, *lo = meta + EL + 1, *hi = lo + EL;
-  int carry_m = 0, carry_g = 0;
+  int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL;
+  int carry_m = 0, carry_p = 0, carry_s = 0;
   for (int base = 0; base < EL; base += MAP_THREADS) {
     const int e = base + (int)threadIdx.x;
     const int own = e < EL ? clamp_row(offsets[e], C) : 0;
@@ -132,44 +138,64 @@ __global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const 
     carry_m = max(carry_m, tot);
     const int end = max(m, next);                                // m_{e+1}
     const int tiles = (end - m + BM - 1) / BM;
-    const int groups = e < EL ? (tiles + cm - 1) / cm : 0;
-    const int first = carry_g + block_scan<false>(groups, ws, &tot) - groups;
-    carry_g += tot;
-    if (e < EL) start[e] = first, lo[e] = m, hi[e] = end;
+    const int np = e < EL && cm == 2 ? tiles / 2 : 0, ns = e < EL ? tiles - 2 * np : 0;
+    const int first_p = carry_p + block_scan<false>(np, ws, &tot) - np;
+    carry_p += tot;
+    const int first_s = carry_s + block_scan<false>(ns, ws, &tot) - ns;
+    carry_s += tot;
+    if (e < EL) pairs[e] = first_p, solos[e] = first_s, lo[e] = m, hi[e] = end;
   }
-  if (threadIdx.x == 0) start[EL] = carry_g;
+  if (threadIdx.x == 0) pairs[EL] = carry_p, solos[EL] = carry_s;
 }
 
 struct Work {
   int e;    // expert
-  int row0; // this CTA's first row (may lie past the expert's rows: then rows = 0)
-  int rows; // rows of the expert in [row0, row0 + BM), 0..BM
-  int n;    // column tile
+  int row0; // this CTA's first row
+  int rows; // rows of the expert in [row0, row0 + BM), 1..BM
+  int n;    // column tile (NT when a solo unit's second CTA has none: it computes nothing)
+  int solo; // the CTAs of the cluster share no operand (see decode)
 };
 
-// Unit v of a pass with NT column tiles -> this CTA's tile.  Every role of every CTA of a
-// cluster decodes the same v the same way, so they agree without talking.
+// Inside a band of at most GB items (row tiles or pairs) x nc column tiles, the item varies
+// fastest, so that the CTAs in flight together share the band's A rows and a few B column tiles.
+__device__ __forceinline__ void raster(int local, int items, int nc, int GB, int *item, int *col) {
+  const int band = local / (GB * nc), first = band * GB, nb = min(GB, items - first);
+  const int l = local - band * GB * nc;
+  *item = first + l % nb, *col = l / nb;
+}
+
+// Unit v of a pass with NT column tiles -> this CTA's tile.  An expert's units are first its
+// pairs of row tiles (CM = 2: one unit per pair and column tile; the CTAs take one row tile each
+// and share B), then the row tiles left over -- the last one when they are odd in number, all of
+// them when CM = 1 -- as "solo" units of CM column tiles of one row tile, each CTA on its own
+// column tile, sharing nothing.  So no CTA of a pair waits out its partner's tile without rows
+// of its own.  Every role of every CTA of a cluster decodes the same v the same way, so they
+// agree without talking.
 template <int CM>
 __device__ __forceinline__ Work decode(int v, const int *__restrict__ meta, int EL, int NT, int rank) {
-  const int *start = meta, *lo = meta + EL + 1, *hi = lo + EL;
-  const int q = v / NT; // the group index: v lies in the expert whose groups hold q
+  const int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL;
+  const int NS = (NT + CM - 1) / CM; // solo units per row tile
   int a = 0, b = EL - 1;
-  while (a < b) { // the last expert whose first group is <= q; it is not empty as start[a + 1] > q
+  while (a < b) { // the last expert whose first unit is <= v; it is not empty as v < units
     const int mid = (a + b + 1) >> 1;
-    if (__ldg(start + mid) <= q) a = mid;
+    if (__ldg(pairs + mid) * NT + __ldg(solos + mid) * NS <= v) a = mid;
     else b = mid - 1;
   }
-  const int g0 = __ldg(start + a), groups = __ldg(start + a + 1) - g0;
-  const int local = v - g0 * NT;
-  constexpr int GB = GROUP_TILES / CM; // groups per raster band
-  const int band = local / (GB * NT), first = band * GB, nb = min(GB, groups - first);
-  const int l = local - band * GB * NT;
-  const int g = first + l % nb, n = l / nb;
+  const int p0 = __ldg(pairs + a), np = __ldg(pairs + a + 1) - p0, s0 = __ldg(solos + a);
+  int local = v - p0 * NT - s0 * NS, item, col;
   Work w;
   w.e = a;
-  w.row0 = __ldg(lo + a) + (g * CM + rank) * BM;
-  w.rows = min(max(__ldg(hi + a) - w.row0, 0), BM);
-  w.n = n;
+  w.solo = local >= np * NT;
+  if (!w.solo) {
+    raster(local, np, NT, GROUP_TILES / 2, &item, &col);
+    w.row0 = __ldg(lo + a) + (2 * item + rank) * BM;
+    w.n = col;
+  } else {
+    raster(local - np * NT, __ldg(solos + a + 1) - s0, NS, GROUP_TILES, &item, &col);
+    w.row0 = __ldg(lo + a) + (CM * np + item) * BM;
+    w.n = min(col * CM + rank, NT);
+  }
+  w.rows = min(__ldg(hi + a) - w.row0, BM);
   return w;
 }
 
@@ -441,7 +467,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     __syncthreads();
   }
 
-  const int units = __ldg(meta + EL) * NT;
+  const int units = __ldg(meta + EL) * NT + __ldg(meta + 2 * EL + 1) * ((NT + CM - 1) / CM); // pairs, solos
 
   if (wg == 0) {
     setmaxnreg_dec<PRODUCER_REGS>();
@@ -452,7 +478,6 @@ __global__ void __launch_bounds__(THREADS, 1)
       uint32_t ph = 0;
       for (int v = cid; v < units; v += ncl) {
         const Work w = decode<CM>(v, meta, EL, NT, rank);
-        const int arow = w.rows > 0 ? w.row0 : 0; // a CTA without rows loads some in-range box
         int b0, b1;
         if (MODE == GATE_UP) b0 = w.e * 2 * F + w.n * (BN / 2), b1 = b0 + F; // gate rows, up rows
         else b0 = w.e * N + w.n * BN, b1 = b0 + BN / 2;
@@ -462,8 +487,8 @@ __global__ void __launch_bounds__(THREADS, 1)
           mbar_wait(empty_bar(s), ph ^ 1u); // every consumer warp of the cluster is done with slot s
           const uint32_t sa = ring + (uint32_t)(s * STAGE_BYTES), sb = sa + A_BYTES;
           mbar_expect_tx(full_bar(s), STAGE_BYTES);
-          tma_load(sa, &tma_a, kb * BK, arow, full_bar(s));
-          if (CM == 1) {
+          tma_load(sa, &tma_a, kb * BK, w.row0, full_bar(s));
+          if (CM == 1 || w.solo) {
             tma_load(sb, &tma_b, kb * BK, b0, full_bar(s));
             tma_load(sb + B_HALF, &tma_b, kb * BK, b1, full_bar(s));
           } else {
@@ -497,7 +522,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int v = cid; v < units; v += ncl) {
       const Work w = decode<CM>(v, meta, EL, NT, rank);
       const int my_rows = w.rows - cw * 64; // rows of the expert among this warpgroup's 64
-      const bool active = __shfl_sync(0xffffffffu, my_rows, 0) > 0; // uniform over the warpgroup, as wgmma requires
+      // uniform over the warpgroup, as wgmma requires
+      const bool active = __shfl_sync(0xffffffffu, my_rows, 0) > 0 && w.n < NT;
       if (active) {
         int prev = 0;
         for (int kb = 0; kb < KT; kb++) {
@@ -672,8 +698,8 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   int rc = cuda_ctx_stream(ctx, dev, &stream);
   if (rc) return rc;
 
-  // scratch: meta = start [EL + 1], lo [EL], hi [EL] ints, then h [C, F] bf16
-  const size_t meta_bytes = ((size_t)(3 * EL + 1) * sizeof(int) + 255) & ~(size_t)255;
+  // scratch: meta = pairs [EL + 1], solos [EL + 1], lo [EL], hi [EL] ints, then h [C, F] bf16
+  const size_t meta_bytes = ((size_t)(4 * EL + 2) * sizeof(int) + 255) & ~(size_t)255;
   const size_t h_bytes = (size_t)C * (size_t)F * 2;
   void *scratch = NULL;
   cudaError_t err = cudaMallocAsync(&scratch, meta_bytes + h_bytes, stream);
@@ -781,9 +807,9 @@ extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
 
   // Clusters of two when the experts average two row tiles or more (C >= 2 BM EL, from the static
   // capacity: the offsets stay on the device): the pair halves the B traffic from L2 (647 vs 603
-  // TFLOP/s at the Kimi K2 shape on the H200; PERF.md).  Below that (decode) a pair mostly
-  // carries a partner without rows, and one CTA per tile streams the weights faster (4.09 vs 3.75
-  // TB/s).  MOE_EXPERTS_KERNEL=sm90x1 or sm90x2 forces one of the two.
+  // TFLOP/s at the Kimi K2 shape on the H200; PERF.md).  Below that (decode) most tiles run solo
+  // and the two are within 1.5% of each other (48 experts of 8-256 rows), one CTA per tile a little
+  // ahead at 64-128 rows.  MOE_EXPERTS_KERNEL=sm90x1 or sm90x2 forces one of the two.
   const char *sel = getenv("MOE_EXPERTS_KERNEL");
   if (sel && strcmp(sel, "sm90x2") == 0) return run<2>(ctx, a, dev, t_xs, t_wgu, t_wdn);
   if (sel && strcmp(sel, "sm90x1") == 0) return run<1>(ctx, a, dev, t_xs, t_wgu, t_wdn);

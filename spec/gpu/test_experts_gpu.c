@@ -13,7 +13,8 @@
  * the two timed shapes; --bench-only runs only them, and MOE_EXPERTS_BENCH=<kernel> times that
  * kernel alone (for a profiler: scenarios/device.sh's profile-experts step).  MOE_EXPERTS_PASSES=N
  * times N passes instead of the default and prints each in time order (the H200 here lowers its
- * clocks under its power cap after a few tens of ms of this load: PERF.md). */
+ * clocks under its power cap after a few tens of ms of this load: PERF.md); MOE_EXPERTS_ROWS=N gives
+ * the Kimi K2 shape's 48 experts N rows each instead of 57,344 rows in all. */
 #define _POSIX_C_SOURCE 200809L /* setenv, unsetenv */
 #include <math.h>
 #include <string.h>
@@ -260,7 +261,8 @@ static void test_cases(void) {
       {"F 0: rows are zeros", 16, 64, 0, 2, o_zero, 0, 0},
       {"H 7168, F 2048, 512 rows", 520, 7168, 2048, 2, o_big, 0, 0},
       /* column tiles past F (gate_up: F % 128 = 64) and past H (down: H % 256 = 64), experts of
-       * one row tile (a cluster partner without rows), tiles starting mid-way */
+       * one row tile (solo units of the cluster pair; at H 256, F 128 above, with one column tile
+       * per pass, the second CTA of each has none), tiles starting mid-way */
       {"tails: H 320, F 192, sizes [129, 1, 127, 255]", 600, 320, 192, EL4, o4, 0, 0},
       {"one expert of 2100 rows, H 256, F 128", 2200, 256, 128, EL4, o_huge, 0, 0},
       {"1500 experts, H 64, F 64", many[ELM] + 17, 64, 64, ELM, many, 0, 0},
@@ -453,8 +455,9 @@ static void bench_shape(const char *label, int EL, const int *sizes, int64_t H, 
  * evenly, H = 7168, F = 2048. */
 static void test_kimi(void) {
   enum { EL = 48, ROWS = 57344 };
+  const char *per = getenv("MOE_EXPERTS_ROWS"); /* rows per expert instead (a measuring aid) */
   int sizes[EL];
-  for (int e = 0; e < EL; e++) sizes[e] = ROWS / EL + (e < ROWS % EL);
+  for (int e = 0; e < EL; e++) sizes[e] = per && atoi(per) > 0 ? atoi(per) : ROWS / EL + (e < ROWS % EL);
   bench_shape("Kimi K2 rank of EP8", EL, sizes, 7168, 2048, 10, 0);
 }
 
