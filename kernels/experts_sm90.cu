@@ -37,8 +37,8 @@
 // two row tiles or more, CM = 1 below (decode): faster, each where it is chosen, as measured
 // (PERF.md).
 //
-// Work list (decode): per expert, in order, its pairs x column tiles, then its row tile left
-// over (CM = 1: all of them) x groups of CM column tiles.  Inside each, GROUP_TILES row tiles
+// Work list (the function decode): per expert, in order, its pairs x column tiles, then its row
+// tile left over (CM = 1: all of them) x groups of CM column tiles.  Inside each, GROUP_TILES row tiles
 // are a band and inside a band the row tile varies fastest, so the CTAs in flight together
 // share the band's A rows and a few B column tiles in L2.  The grid is static (sized from C
 // alone, persistent, one CTA per SM), so a captured CUDA graph stays right for any offsets
@@ -123,8 +123,8 @@ template <bool MAX> __device__ int block_scan(int v, int *ws, int *total) {
   return v;
 }
 
-// meta = pairs [EL + 1], solos [EL + 1] (exclusive prefixes of each expert's pairs of full row
-// tiles and of its row tiles left over, see decode), lo [EL], hi [EL].
+// meta = pairs [EL + 1], solos [EL + 1] (exclusive prefixes of each expert's pairs of row tiles
+// and of its row tiles left over, see decode), lo [EL], hi [EL].
 __global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const int *offsets, int EL, int C, int cm) {
   __shared__ int ws[32];
   int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL;
