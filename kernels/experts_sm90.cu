@@ -154,7 +154,6 @@ struct Work {
   int rows; // rows of the expert in [row0, row0 + BM), 1..BM
   int n;    // column tile (NT when a solo unit's second CTA has none: it computes nothing)
   int solo; // the CTAs of the cluster share no operand (see decode)
-  int tr;   // a short last pair split evenly, run as transposed tiles (TR kernels only)
 };
 
 // Inside a band of at most GB items (row tiles or pairs) x nc column tiles, the item varies
@@ -187,21 +186,17 @@ __device__ __forceinline__ Work decode(int v, const int *__restrict__ meta, int 
   Work w;
   w.e = a;
   w.solo = local >= np * NT;
-  w.tr = 0;
   if (!w.solo && TR) {
-    // the last pair of an expert with 3 BM / 2 rows or fewer (but over BM: a shorter rest runs
-    // solo) is split evenly in whole 32-row groups and run as transposed tiles, the tokens as
-    // wgmma's N, so that the pair takes the time of its larger half (<= 96 rows), not of BM
+    // transposed tiles: the last pair of an expert, short of 2 BM rows (but over BM: a shorter
+    // rest runs solo), is split evenly in whole 32-row groups, so that each CTA's time follows
+    // its own rows (the tokens are wgmma's N)
     raster(local, np, NT, GROUP_TILES / 2, &item, &col);
     const int p0 = __ldg(lo + a) + 2 * BM * item, rem = min(__ldg(hi + a) - p0, 2 * BM);
-    if (rem <= BM + BM / 2) {
-      const int n0 = (((rem + 1) / 2) + 31) & ~31;
-      w.row0 = p0 + (rank ? n0 : 0);
-      w.rows = rank ? rem - n0 : n0;
-      w.n = col;
-      w.tr = 1;
-      return w;
-    }
+    const int n0 = min(BM, (((rem + 1) / 2) + 31) & ~31);
+    w.row0 = p0 + (rank ? n0 : 0);
+    w.rows = rank ? rem - n0 : n0;
+    w.n = col;
+    return w;
   }
   if (!w.solo) {
     raster(local, np, NT, GROUP_TILES / 2, &item, &col);
@@ -685,7 +680,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           mbar_wait(empty_bar(s), ph ^ 1u); // every consumer warp of the cluster is done with slot s
           const uint32_t sa = ring + (uint32_t)(s * STAGE_BYTES), sb = sa + A_BYTES;
           if (TR) { // the rows in boxes of 32 (tma_a's box), as many as the consumers read
-            const int na = w.tr ? (w.rows + 31) >> 5 : BM / 32;
+            const int na = (w.rows + 31) >> 5;
             mbar_expect_tx(full_bar(s), (uint32_t)(na * 32 * BK * 2 + 2 * B_HALF));
             for (int j = 0; j < na; j++) tma_load(sa + (uint32_t)(j * 32 * BK * 2), &tma_a, kb * BK, w.row0 + 32 * j, full_bar(s));
           } else {
@@ -717,9 +712,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint32_t ph = 0;
     for (int v = cid; v < units; v += ncl) {
       const Work w = decode<CM, TR>(v, meta, EL, NT, rank);
-      if (TR && w.tr) {
+      if (TR) {
         // uniform over the warpgroup, as wgmma requires
-        const int nv = __shfl_sync(0xffffffffu, (w.rows + 31) >> 5, 0);
+        const int nv = __shfl_sync(0xffffffffu, w.n < NT ? (w.rows + 31) >> 5 : 0, 0);
         const int col0 = MODE == GATE_UP ? w.n * (BN / 2) + 64 * cw : w.n * BN + 128 * cw;
         if (nv == 4) tr_tile<MODE, CM, 128>(d, s, ph, ring, bars, stg, cw, t, KT, out, N, w.row0, w.rows, col0);
         else if (nv == 3) tr_tile<MODE, CM, 96>(d, s, ph, ring, bars, stg, cw, t, KT, out, N, w.row0, w.rows, col0);
@@ -1013,22 +1008,22 @@ extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
     return unsupported(ctx, why);
   }
   if (!encode_tiled()) return unsupported(ctx, "the driver offers no cuTensorMapEncodeTiled");
-  // Clusters of two when the experts average two row tiles or more (C >= 2 BM EL, from the static
-  // capacity: the offsets stay on the device): the pair halves the B traffic from L2 (647 vs 603
-  // TFLOP/s at the Kimi K2 shape on the H200; PERF.md), and its short last pairs run as
-  // transposed tiles (TR).  Below that (decode) most tiles run solo and one CTA per tile is a
-  // little ahead at 64-128 rows.  MOE_EXPERTS_KERNEL=sm90x1, sm90x2 (the pair without transposed
-  // tiles) or sm90t2 forces one.
+  // MOE_EXPERTS_KERNEL=sm90t1, sm90t2 (transposed tiles, the default), sm90x1 or sm90x2 (row tiles)
+  // forces one variant
   const char *sel = getenv("MOE_EXPERTS_KERNEL");
-  int cm = C >= 2 * BM * EL ? 2 : 1;
-  bool tr = cm == 2;
-  if (sel && strcmp(sel, "sm90x1") == 0) cm = 1, tr = false;
-  if (sel && strcmp(sel, "sm90x2") == 0) cm = 2, tr = false;
-  if (sel && strcmp(sel, "sm90t2") == 0) cm = 2, tr = true;
+  const bool tr = !(sel && strncmp(sel, "sm90x", 5) == 0);
   CUtensorMap t_xs, t_wgu, t_wdn;
   if (!encode_2d(&t_xs, a->xs->data, C, H, tr ? 32 : BM) || !encode_2d(&t_wgu, a->w_gate_up->data, EL * 2 * F, H) ||
       !encode_2d(&t_wdn, a->w_down->data, EL * H, F))
     return unsupported(ctx, "cuTensorMapEncodeTiled refused a tensor");
-  if (tr) return run<2, true>(ctx, a, dev, t_xs, t_wgu, t_wdn);
-  return cm == 2 ? run<2, false>(ctx, a, dev, t_xs, t_wgu, t_wdn) : run<1, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+
+  // Transposed tiles in clusters of two at every size: measured on the H200 (PERF.md) against the
+  // row tiles, one CTA (x1) or two (x2) per cluster, 48 experts of H 7168, F 2048: Kimi K2's 1,195
+  // rows 2.4% faster than x2, 1,024 rows 0.5%; 8 and 64 rows 3% and 0.4% faster than x1, 200
+  // rows 4%; 128 rows 1.7% slower than x1, 256 rows 2.5% slower than x2.  One CTA a tile with
+  // transposed tiles (t1) lost 36% at 200 rows (not understood), so it is not chosen.
+  if (sel && strcmp(sel, "sm90t1") == 0) return run<1, true>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  if (sel && strcmp(sel, "sm90x2") == 0) return run<2, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  if (sel && strcmp(sel, "sm90x1") == 0) return run<1, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  return run<2, true>(ctx, a, dev, t_xs, t_wgu, t_wdn);
 }
