@@ -171,7 +171,7 @@ __device__ __forceinline__ void raster(int local, int items, int nc, int GB, int
 // column tile, sharing nothing.  So no CTA of a pair waits out its partner's tile without rows
 // of its own.  Every role of every CTA of a cluster decodes the same v the same way, so they
 // agree without talking.
-template <int CM, bool TR>
+template <int CM>
 __device__ __forceinline__ Work decode(int v, const int *__restrict__ meta, int EL, int NT, int rank) {
   const int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL;
   const int NS = (NT + CM - 1) / CM; // solo units per row tile
@@ -186,18 +186,6 @@ __device__ __forceinline__ Work decode(int v, const int *__restrict__ meta, int 
   Work w;
   w.e = a;
   w.solo = local >= np * NT;
-  if (!w.solo && TR) {
-    // transposed tiles: the last pair of an expert, short of 2 BM rows (but over BM: a shorter
-    // rest runs solo), is split evenly in whole 32-row groups, so that each CTA's time follows
-    // its own rows (the tokens are wgmma's N)
-    raster(local, np, NT, GROUP_TILES / 2, &item, &col);
-    const int p0 = __ldg(lo + a) + 2 * BM * item, rem = min(__ldg(hi + a) - p0, 2 * BM);
-    const int n0 = min(BM, (((rem + 1) / 2) + 31) & ~31);
-    w.row0 = p0 + (rank ? n0 : 0);
-    w.rows = rank ? rem - n0 : n0;
-    w.n = col;
-    return w;
-  }
   if (!w.solo) {
     raster(local, np, NT, GROUP_TILES / 2, &item, &col);
     w.row0 = __ldg(lo + a) + (2 * item + rank) * BM;
@@ -393,95 +381,6 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // few ulp of f32, far under the bf16 rounding that follows; e^-g = inf gives -0 as there.
 __device__ __forceinline__ float swiglu(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
 
-// The transposed tile's products: D[64 x NV] (+)= W[64 x 16] . X[NV x 16]^T, weight rows as M and
-// tokens as N, into d[OFF ..] (NV / 2 registers).
-template <int OFF>
-__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\t"
-      "setp.ne.b32 p, %18, 0;\n\t"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-      "}, %16, %17, p, 1, 1, 0, 0;\n\t}\n"
-      : "+f"(d[OFF + 0]), "+f"(d[OFF + 1]), "+f"(d[OFF + 2]), "+f"(d[OFF + 3]), "+f"(d[OFF + 4]), "+f"(d[OFF + 5]), "+f"(d[OFF + 6]), "+f"(d[OFF + 7]),
-        "+f"(d[OFF + 8]), "+f"(d[OFF + 9]), "+f"(d[OFF + 10]), "+f"(d[OFF + 11]), "+f"(d[OFF + 12]), "+f"(d[OFF + 13]), "+f"(d[OFF + 14]), "+f"(d[OFF + 15])
-      : "l"(da), "l"(db), "r"(scale_d)
-      : "memory");
-}
-template <int OFF>
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\t"
-      "setp.ne.b32 p, %34, 0;\n\t"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, %32, %33, p, 1, 1, 0, 0;\n\t}\n"
-      : "+f"(d[OFF + 0]), "+f"(d[OFF + 1]), "+f"(d[OFF + 2]), "+f"(d[OFF + 3]), "+f"(d[OFF + 4]), "+f"(d[OFF + 5]), "+f"(d[OFF + 6]), "+f"(d[OFF + 7]),
-        "+f"(d[OFF + 8]), "+f"(d[OFF + 9]), "+f"(d[OFF + 10]), "+f"(d[OFF + 11]), "+f"(d[OFF + 12]), "+f"(d[OFF + 13]), "+f"(d[OFF + 14]), "+f"(d[OFF + 15]),
-        "+f"(d[OFF + 16]), "+f"(d[OFF + 17]), "+f"(d[OFF + 18]), "+f"(d[OFF + 19]), "+f"(d[OFF + 20]), "+f"(d[OFF + 21]), "+f"(d[OFF + 22]), "+f"(d[OFF + 23]),
-        "+f"(d[OFF + 24]), "+f"(d[OFF + 25]), "+f"(d[OFF + 26]), "+f"(d[OFF + 27]), "+f"(d[OFF + 28]), "+f"(d[OFF + 29]), "+f"(d[OFF + 30]), "+f"(d[OFF + 31])
-      : "l"(da), "l"(db), "r"(scale_d)
-      : "memory");
-}
-template <int OFF>
-__device__ __forceinline__ void wgmma_m64n96k16(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\t"
-      "setp.ne.b32 p, %50, 0;\n\t"
-      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
-      "}, %48, %49, p, 1, 1, 0, 0;\n\t}\n"
-      : "+f"(d[OFF + 0]), "+f"(d[OFF + 1]), "+f"(d[OFF + 2]), "+f"(d[OFF + 3]), "+f"(d[OFF + 4]), "+f"(d[OFF + 5]), "+f"(d[OFF + 6]), "+f"(d[OFF + 7]),
-        "+f"(d[OFF + 8]), "+f"(d[OFF + 9]), "+f"(d[OFF + 10]), "+f"(d[OFF + 11]), "+f"(d[OFF + 12]), "+f"(d[OFF + 13]), "+f"(d[OFF + 14]), "+f"(d[OFF + 15]),
-        "+f"(d[OFF + 16]), "+f"(d[OFF + 17]), "+f"(d[OFF + 18]), "+f"(d[OFF + 19]), "+f"(d[OFF + 20]), "+f"(d[OFF + 21]), "+f"(d[OFF + 22]), "+f"(d[OFF + 23]),
-        "+f"(d[OFF + 24]), "+f"(d[OFF + 25]), "+f"(d[OFF + 26]), "+f"(d[OFF + 27]), "+f"(d[OFF + 28]), "+f"(d[OFF + 29]), "+f"(d[OFF + 30]), "+f"(d[OFF + 31]),
-        "+f"(d[OFF + 32]), "+f"(d[OFF + 33]), "+f"(d[OFF + 34]), "+f"(d[OFF + 35]), "+f"(d[OFF + 36]), "+f"(d[OFF + 37]), "+f"(d[OFF + 38]), "+f"(d[OFF + 39]),
-        "+f"(d[OFF + 40]), "+f"(d[OFF + 41]), "+f"(d[OFF + 42]), "+f"(d[OFF + 43]), "+f"(d[OFF + 44]), "+f"(d[OFF + 45]), "+f"(d[OFF + 46]), "+f"(d[OFF + 47])
-      : "l"(da), "l"(db), "r"(scale_d)
-      : "memory");
-}
-template <int OFF>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\t"
-      "setp.ne.b32 p, %66, 0;\n\t"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, 0;\n\t}\n"
-      : "+f"(d[OFF + 0]), "+f"(d[OFF + 1]), "+f"(d[OFF + 2]), "+f"(d[OFF + 3]), "+f"(d[OFF + 4]), "+f"(d[OFF + 5]), "+f"(d[OFF + 6]), "+f"(d[OFF + 7]),
-        "+f"(d[OFF + 8]), "+f"(d[OFF + 9]), "+f"(d[OFF + 10]), "+f"(d[OFF + 11]), "+f"(d[OFF + 12]), "+f"(d[OFF + 13]), "+f"(d[OFF + 14]), "+f"(d[OFF + 15]),
-        "+f"(d[OFF + 16]), "+f"(d[OFF + 17]), "+f"(d[OFF + 18]), "+f"(d[OFF + 19]), "+f"(d[OFF + 20]), "+f"(d[OFF + 21]), "+f"(d[OFF + 22]), "+f"(d[OFF + 23]),
-        "+f"(d[OFF + 24]), "+f"(d[OFF + 25]), "+f"(d[OFF + 26]), "+f"(d[OFF + 27]), "+f"(d[OFF + 28]), "+f"(d[OFF + 29]), "+f"(d[OFF + 30]), "+f"(d[OFF + 31]),
-        "+f"(d[OFF + 32]), "+f"(d[OFF + 33]), "+f"(d[OFF + 34]), "+f"(d[OFF + 35]), "+f"(d[OFF + 36]), "+f"(d[OFF + 37]), "+f"(d[OFF + 38]), "+f"(d[OFF + 39]),
-        "+f"(d[OFF + 40]), "+f"(d[OFF + 41]), "+f"(d[OFF + 42]), "+f"(d[OFF + 43]), "+f"(d[OFF + 44]), "+f"(d[OFF + 45]), "+f"(d[OFF + 46]), "+f"(d[OFF + 47]),
-        "+f"(d[OFF + 48]), "+f"(d[OFF + 49]), "+f"(d[OFF + 50]), "+f"(d[OFF + 51]), "+f"(d[OFF + 52]), "+f"(d[OFF + 53]), "+f"(d[OFF + 54]), "+f"(d[OFF + 55]),
-        "+f"(d[OFF + 56]), "+f"(d[OFF + 57]), "+f"(d[OFF + 58]), "+f"(d[OFF + 59]), "+f"(d[OFF + 60]), "+f"(d[OFF + 61]), "+f"(d[OFF + 62]), "+f"(d[OFF + 63])
-      : "l"(da), "l"(db), "r"(scale_d)
-      : "memory");
-}
-template <int NV, int OFF>
-__device__ __forceinline__ void wgmma_tr(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-  if (NV == 32) wgmma_m64n32k16<OFF>(d, da, db, scale_d);
-  else if (NV == 64) wgmma_m64n64k16<OFF>(d, da, db, scale_d);
-  else if (NV == 96) wgmma_m64n96k16<OFF>(d, da, db, scale_d);
-  else wgmma_m64n128k16<OFF>(d, da, db, scale_d);
-}
-
-// Four 8 x 8 bf16 matrices to shared memory, transposed: lane l's register j holds row l / 4,
-// columns 2 (l % 4) and + 1 of matrix j, which land in memory row 2 (l % 4) (+ 1) of that matrix at
-// column l / 4; lanes 8 j .. 8 j + 7 give the addresses of matrix j's memory rows.
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
-               "r"(r2), "r"(r3)
-               : "memory");
-}
-
 // Accumulator layout of wgmma m64nNk16 (f32): warp q of the warpgroup owns rows 16q..16q+15;
 // register i of lane l holds row 16q + l/4 + 8 ((i/2) % 2), column 8 (i/4) + 2 (l%4) + (i%2).
 // The consumer's 64 x 128 staging tile (256-byte rows) keeps 16-byte chunk c of row r at chunk
@@ -524,99 +423,7 @@ __device__ __forceinline__ void epilogue(float (&d)[128], uint32_t stg, uint16_t
     }
   }
 }
-
-// The transposed tile's epilogue: d holds D[weight row m][token n] (m64nNV, register i of lane l
-// of warp q: m = 16 q + l / 4 + 8 ((i / 2) % 2), n = 8 (i / 4) + 2 (l % 4) + (i % 2)), each 8 x 8
-// block of it one stmatrix fragment; stored transposed, a token per 128-byte row of the staging
-// tile (64 outputs), chunk c of row r at c ^ (r & 7), then 16-byte stores along the output row.
-// gate_up: d[i] gate, d[64 + i] up of the same output; down: d[0 ..] the warpgroup's first 64
-// outputs, d[64 ..] the next 64 (two passes).
-template <int MODE, int NV>
-__device__ __forceinline__ void epilogue_tr(float (&d)[128], uint32_t stg, uint16_t *__restrict__ out, int N, int row0,
-                                            int rows, int col0, int bar_id, int t) {
-  const int lane = t & 31, q = t >> 5;
-  const int mat = lane >> 3, ri = lane & 7; // the matrix and memory row this lane addresses
-  constexpr int PASSES = MODE == GATE_UP ? 1 : 2;
-#pragma unroll
-  for (int p = 0; p < PASSES; p++) {
-    named_bar_sync(bar_id, 128); // the staging tile's previous readers are done
-#pragma unroll
-    for (int j2 = 0; j2 < NV / 16; j2++) { // tokens 16 j2 .. 16 j2 + 15: matrices (h, jn) = (j & 1, 2 j2 + j / 2)
-      uint32_t r[4];
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        const int i = 4 * (2 * j2 + (j >> 1)) + 2 * (j & 1);
-        float v0, v1;
-        if (MODE == GATE_UP) {
-          v0 = swiglu(d[i], d[64 + i]);
-          v1 = swiglu(d[i + 1], d[65 + i]);
-        } else {
-          v0 = d[64 * p + i];
-          v1 = d[64 * p + i + 1];
-        }
-        r[j] = pack_bf16(v0, v1);
-      }
-      const int n = 16 * j2 + 8 * (mat >> 1) + ri, c = 2 * q + (mat & 1);
-      stmatrix_x4_trans(stg + (uint32_t)(n * 128 + ((c ^ (n & 7)) << 4)), r[0], r[1], r[2], r[3]);
-    }
-    named_bar_sync(bar_id, 128);
-    for (int idx = t; idx < rows * 8; idx += 128) {
-      const int r = idx >> 3, ch = idx & 7;
-      const uint4 v = ld_shared_v4(stg + (uint32_t)(r * 128 + ((ch ^ (r & 7)) << 4)));
-      const int col = col0 + p * 64 + ch * 8;
-      if (col < N) *reinterpret_cast<uint4 *>(out + (long long)(row0 + r) * N + col) = v;
-    }
-  }
-}
 #endif // sm_90a
-
-#if defined(MOE_SM90A)
-// A warp hands slot s back to the producer of every CTA of the cluster once its wgmma group that
-// read the slot has retired.
-template <int CM> __device__ __forceinline__ void release_slot(uint32_t empty, int lane) {
-  if (lane == 0) {
-    if (CM == 1) mbar_arrive_local(empty);
-    else
-      for (int c = 0; c < CM; c++) mbar_arrive_cluster(empty, (uint32_t)c);
-  }
-}
-
-// One transposed tile of a consumer warpgroup: its 128 weight rows of the stage's B (gate_up: 64
-// gate rows and the 64 up rows of the same outputs; down: 128 outputs) as wgmma's M, in two
-// accumulators of 64, times the tile's NV token rows of A as N.  NV is the CTA's rows rounded up
-// to 32, so a short tile costs its rows' share of the tensor-core time.
-template <int MODE, int CM, int NV>
-__device__ __forceinline__ void tr_tile(float (&d)[128], int &s, uint32_t &ph, uint32_t ring, uint32_t bars,
-                                        uint32_t stg, int cw, int t, int KT, uint16_t *__restrict__ out, int N,
-                                        int row0, int rows, int col0) {
-  const int lane = t & 31;
-  const uint32_t wb = ring + A_BYTES;
-  const uint32_t m0 = MODE == GATE_UP ? 64 * cw : 128 * cw, m1 = MODE == GATE_UP ? 128 + 64 * cw : 128 * cw + 64;
-  const uint64_t dw0 = smem_desc(wb + m0 * BK * 2), dw1 = smem_desc(wb + m1 * BK * 2), dx = smem_desc(ring);
-  int prev = 0;
-  for (int kb = 0; kb < KT; kb++) {
-    mbar_wait(bars + 8u * (uint32_t)s, ph);
-    const uint64_t off = (uint64_t)(s * (STAGE_BYTES >> 4));
-    wgmma_fence();
-    fence_acc(d);
-#pragma unroll
-    for (int k = 0; k < BK / 16; k++) {
-      wgmma_tr<NV, 0>(d, dw0 + off + 2 * k, dx + off + 2 * k, kb > 0 || k > 0);
-      wgmma_tr<NV, 64>(d, dw1 + off + 2 * k, dx + off + 2 * k, kb > 0 || k > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<1>(); // the group of the previous k block has retired: its slot is free
-    fence_acc(d);
-    if (kb > 0) release_slot<CM>(bars + 8u * (uint32_t)(STAGES + prev), lane);
-    prev = s;
-    if (++s == STAGES) s = 0, ph ^= 1u;
-  }
-  wgmma_wait<0>();
-  fence_acc(d);
-  release_slot<CM>(bars + 8u * (uint32_t)(STAGES + prev), lane);
-  epilogue_tr<MODE, NV>(d, stg, out, N, row0, rows, col0, 1 + cw, t);
-}
-#endif
 
 // ---- the GEMM ----
 //
@@ -624,7 +431,7 @@ __device__ __forceinline__ void tr_tile(float (&d)[128], int &s, uint32_t &ph, u
 //   tma_a   A [C, K]: xs (gate_up, K = H) or h (down, K = F), box {64, 128}
 //   tma_b   W as [b_rows, K]: w_gate_up [EL * 2F, H] or w_down [EL * H, F], box {64, 128}
 //   N       output columns: F (h) or H (ys); F: the up rows' offset inside an expert (gate_up)
-template <int MODE, int CM, bool TR>
+template <int MODE, int CM>
 __global__ void __launch_bounds__(THREADS, 1)
     sm90_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                      uint16_t *__restrict__ out, const int *__restrict__ meta, int EL, int NT, int KT, int N, int F,
@@ -670,7 +477,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       int s = 0;
       uint32_t ph = 0;
       for (int v = cid; v < units; v += ncl) {
-        const Work w = decode<CM, TR>(v, meta, EL, NT, rank);
+        const Work w = decode<CM>(v, meta, EL, NT, rank);
         int b0, b1;
         if (MODE == GATE_UP) b0 = w.e * 2 * F + w.n * (BN / 2), b1 = b0 + F; // gate rows, up rows
         else b0 = w.e * N + w.n * BN, b1 = b0 + BN / 2;
@@ -679,14 +486,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int kb = 0; kb < KT; kb++) {
           mbar_wait(empty_bar(s), ph ^ 1u); // every consumer warp of the cluster is done with slot s
           const uint32_t sa = ring + (uint32_t)(s * STAGE_BYTES), sb = sa + A_BYTES;
-          if (TR) { // the rows in boxes of 32 (tma_a's box), as many as the consumers read
-            const int na = (w.rows + 31) >> 5;
-            mbar_expect_tx(full_bar(s), (uint32_t)(na * 32 * BK * 2 + 2 * B_HALF));
-            for (int j = 0; j < na; j++) tma_load(sa + (uint32_t)(j * 32 * BK * 2), &tma_a, kb * BK, w.row0 + 32 * j, full_bar(s));
-          } else {
-            mbar_expect_tx(full_bar(s), STAGE_BYTES);
-            tma_load(sa, &tma_a, kb * BK, w.row0, full_bar(s));
-          }
+          mbar_expect_tx(full_bar(s), STAGE_BYTES);
+          tma_load(sa, &tma_a, kb * BK, w.row0, full_bar(s));
           if (CM == 1 || w.solo) {
             tma_load(sb, &tma_b, kb * BK, b0, full_bar(s));
             tma_load(sb + B_HALF, &tma_b, kb * BK, b1, full_bar(s));
@@ -704,30 +505,22 @@ __global__ void __launch_bounds__(THREADS, 1)
     const uint32_t stg = staging + (uint32_t)(cw * STG_BYTES);
     const uint64_t da0 = smem_desc(ring + (uint32_t)(cw * 64 * BK * 2)); // this warpgroup's 64 rows of A
     const uint64_t db0 = smem_desc(ring + A_BYTES);
-    auto release = [&](int s) { release_slot<CM>(empty_bar(s), lane); };
+    // A warp hands slot s back to the producer of every CTA of the cluster once its wgmma
+    // group that read the slot has retired.
+    auto release = [&](int s) {
+      if (lane == 0) {
+        if (CM == 1) mbar_arrive_local(empty_bar(s));
+        else
+          for (int c = 0; c < CM; c++) mbar_arrive_cluster(empty_bar(s), (uint32_t)c);
+      }
+    };
     float d[128];
 #pragma unroll
     for (int i = 0; i < 128; i++) d[i] = 0.f;
     int s = 0;
     uint32_t ph = 0;
     for (int v = cid; v < units; v += ncl) {
-      const Work w = decode<CM, TR>(v, meta, EL, NT, rank);
-      if (TR) {
-        // uniform over the warpgroup, as wgmma requires
-        const int nv = __shfl_sync(0xffffffffu, w.n < NT ? (w.rows + 31) >> 5 : 0, 0);
-        const int col0 = MODE == GATE_UP ? w.n * (BN / 2) + 64 * cw : w.n * BN + 128 * cw;
-        if (nv == 4) tr_tile<MODE, CM, 128>(d, s, ph, ring, bars, stg, cw, t, KT, out, N, w.row0, w.rows, col0);
-        else if (nv == 3) tr_tile<MODE, CM, 96>(d, s, ph, ring, bars, stg, cw, t, KT, out, N, w.row0, w.rows, col0);
-        else if (nv == 2) tr_tile<MODE, CM, 64>(d, s, ph, ring, bars, stg, cw, t, KT, out, N, w.row0, w.rows, col0);
-        else if (nv == 1) tr_tile<MODE, CM, 32>(d, s, ph, ring, bars, stg, cw, t, KT, out, N, w.row0, w.rows, col0);
-        else
-          for (int kb = 0; kb < KT; kb++) { // no rows: keep the ring in step (as below)
-            mbar_wait(full_bar(s), ph);
-            release(s);
-            if (++s == STAGES) s = 0, ph ^= 1u;
-          }
-        continue;
-      }
+      const Work w = decode<CM>(v, meta, EL, NT, rank);
       const int my_rows = w.rows - cw * 64; // rows of the expert among this warpgroup's 64
       // uniform over the warpgroup, as wgmma requires
       const bool active = __shfl_sync(0xffffffffu, my_rows, 0) > 0 && w.n < NT;
@@ -795,13 +588,13 @@ encode_tiled_fn encode_tiled() {
   return fn;
 }
 
-// A row-major bf16 [rows, k] matrix as a 2D tensor map with a {64, box_rows} box, 128B swizzle.
-bool encode_2d(CUtensorMap *m, const void *base, long long rows, long long k, int box_rows = BM) {
+// A row-major bf16 [rows, k] matrix as a 2D tensor map with a {64, 128} box, 128B swizzle.
+bool encode_2d(CUtensorMap *m, const void *base, long long rows, long long k) {
   encode_tiled_fn fn = encode_tiled();
   if (!fn) return false;
   const cuuint64_t dim[2] = {(cuuint64_t)k, (cuuint64_t)rows};
   const cuuint64_t stride[1] = {(cuuint64_t)k * 2};
-  const cuuint32_t box[2] = {BK, (cuuint32_t)box_rows};
+  const cuuint32_t box[2] = {BK, BM};
   const cuuint32_t estride[2] = {1, 1};
   return fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dim, stride, box, estride,
             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -814,7 +607,7 @@ bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 // memory and the real kernel has none; an image for another architecture fails the query.
 bool sm90a_built() {
   cudaFuncAttributes fa;
-  if (cudaFuncGetAttributes(&fa, sm90_gemm_kernel<GATE_UP, 1, false>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&fa, sm90_gemm_kernel<GATE_UP, 1>) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
@@ -823,13 +616,13 @@ bool sm90a_built() {
 
 // Clusters (CM > 1) or CTAs (CM = 1) that fit on the device at once: the persistent grid.
 // Cached per device and kernel; 0 when none fit.
-template <int MODE, int CM, bool TR> int resident_groups(int dev) {
+template <int MODE, int CM> int resident_groups(int dev) {
   static std::atomic<int> cache[64];
   if (dev >= 0 && dev < 64) {
     const int c = cache[dev].load(std::memory_order_relaxed);
     if (c > 0) return c - 1;
   }
-  auto kernel = sm90_gemm_kernel<MODE, CM, TR>;
+  auto kernel = sm90_gemm_kernel<MODE, CM>;
   int n = 0;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -862,10 +655,10 @@ template <int MODE, int CM, bool TR> int resident_groups(int dev) {
   return n;
 }
 
-template <int MODE, int CM, bool TR>
+template <int MODE, int CM>
 cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, const CUtensorMap &tb, uint16_t *out,
                         const int *meta, int EL, int NT, int KT, int N, int F, int b_rows) {
-  auto kernel = sm90_gemm_kernel<MODE, CM, TR>;
+  auto kernel = sm90_gemm_kernel<MODE, CM>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   if (err != cudaSuccess) return err;
   cudaLaunchConfig_t cfg = {};
@@ -887,8 +680,7 @@ int unsupported(moe_ctx *ctx, const char *why) {
   return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts (sm90): %s", why);
 }
 
-// TR: transposed tiles (the tokens as wgmma's N), whose A maps have boxes of 32 rows
-template <int CM, bool TR>
+template <int CM>
 int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_xs, const CUtensorMap &t_wgu,
         const CUtensorMap &t_wdn) {
   static const char *stage = "experts";
@@ -897,7 +689,7 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   const long long tmax = (C + BM - 1) / BM + (EL < C ? EL : C); // row tiles, whatever the offsets
   const int nt_gu = (int)((F + BN / 2 - 1) / (BN / 2)), nt_dn = (int)((H + BN - 1) / BN);
   // grids: all that fit at once, no more than the most units a pass can have
-  const int fit_gu = resident_groups<GATE_UP, CM, TR>(dev), fit_dn = resident_groups<DOWN, CM, TR>(dev);
+  const int fit_gu = resident_groups<GATE_UP, CM>(dev), fit_dn = resident_groups<DOWN, CM>(dev);
   if (fit_gu <= 0 || fit_dn <= 0) return unsupported(ctx, "no CTA of the kernel fits on the device");
   const int g_gu = (int)(tmax * nt_gu < fit_gu ? tmax * nt_gu : fit_gu);
   const int g_dn = (int)(tmax * nt_dn < fit_dn ? tmax * nt_dn : fit_dn);
@@ -927,7 +719,7 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
 
   const char *what = "map launch";
   CUtensorMap t_h;
-  if (!encode_2d(&t_h, h, C, F, TR ? 32 : BM)) {
+  if (!encode_2d(&t_h, h, C, F)) {
     what = "cuTensorMapEncodeTiled(h)";
     err = cudaErrorInvalidValue;
   } else {
@@ -936,12 +728,12 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   }
   if (err == cudaSuccess) {
     what = "gate_up launch";
-    err = launch_gemm<GATE_UP, CM, TR>(stream, g_gu, t_xs, t_wgu, h, meta, (int)EL, nt_gu, (int)(H / BK), (int)F, (int)F,
+    err = launch_gemm<GATE_UP, CM>(stream, g_gu, t_xs, t_wgu, h, meta, (int)EL, nt_gu, (int)(H / BK), (int)F, (int)F,
                                    (int)(EL * 2 * F));
   }
   if (err == cudaSuccess) {
     what = "down launch";
-    err = launch_gemm<DOWN, CM, TR>(stream, g_dn, t_h, t_wdn, ys, meta, (int)EL, nt_dn, (int)(F / BK), (int)H, (int)F,
+    err = launch_gemm<DOWN, CM>(stream, g_dn, t_h, t_wdn, ys, meta, (int)EL, nt_dn, (int)(F / BK), (int)H, (int)F,
                                 (int)(EL * H));
   }
   // Given back after the launches on the same stream, so the kernels are done with it first;
@@ -1008,22 +800,19 @@ extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
     return unsupported(ctx, why);
   }
   if (!encode_tiled()) return unsupported(ctx, "the driver offers no cuTensorMapEncodeTiled");
-  // MOE_EXPERTS_KERNEL=sm90t1, sm90t2 (transposed tiles, the default), sm90x1 or sm90x2 (row tiles)
-  // forces one variant
-  const char *sel = getenv("MOE_EXPERTS_KERNEL");
-  const bool tr = !(sel && strncmp(sel, "sm90x", 5) == 0);
   CUtensorMap t_xs, t_wgu, t_wdn;
-  if (!encode_2d(&t_xs, a->xs->data, C, H, tr ? 32 : BM) || !encode_2d(&t_wgu, a->w_gate_up->data, EL * 2 * F, H) ||
+  if (!encode_2d(&t_xs, a->xs->data, C, H) || !encode_2d(&t_wgu, a->w_gate_up->data, EL * 2 * F, H) ||
       !encode_2d(&t_wdn, a->w_down->data, EL * H, F))
     return unsupported(ctx, "cuTensorMapEncodeTiled refused a tensor");
 
-  // Transposed tiles in clusters of two at every size: measured on the H200 (PERF.md) against the
-  // row tiles, one CTA (x1) or two (x2) per cluster, 48 experts of H 7168, F 2048: Kimi K2's 1,195
-  // rows 2.4% faster than x2, 1,024 rows 0.5%; 8 and 64 rows 3% and 0.4% faster than x1, 200
-  // rows 4%; 128 rows 1.7% slower than x1, 256 rows 2.5% slower than x2.  One CTA a tile with
-  // transposed tiles (t1) lost 36% at 200 rows (not understood), so it is not chosen.
-  if (sel && strcmp(sel, "sm90t1") == 0) return run<1, true>(ctx, a, dev, t_xs, t_wgu, t_wdn);
-  if (sel && strcmp(sel, "sm90x2") == 0) return run<2, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
-  if (sel && strcmp(sel, "sm90x1") == 0) return run<1, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
-  return run<2, true>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  // Clusters of two when the experts average two row tiles or more (C >= 2 BM EL, from the static
+  // capacity: the offsets stay on the device): the pair halves the B traffic from L2 (647 vs 603
+  // TFLOP/s at the Kimi K2 shape on the H200; PERF.md).  Below that (decode) most tiles run solo
+  // and the two are within 1.5% of each other (48 experts of 8-256 rows), one CTA per tile a little
+  // ahead at 64-128 rows.  MOE_EXPERTS_KERNEL=sm90x1 or sm90x2 forces one of the two.
+  const char *sel = getenv("MOE_EXPERTS_KERNEL");
+  if (sel && strcmp(sel, "sm90x2") == 0) return run<2>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  if (sel && strcmp(sel, "sm90x1") == 0) return run<1>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  if (C >= 2 * BM * EL) return run<2>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  return run<1>(ctx, a, dev, t_xs, t_wgu, t_wdn);
 }

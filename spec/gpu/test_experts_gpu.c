@@ -51,7 +51,7 @@ typedef struct {
   const char *name, *env;
   int hopper; /* takes only the shapes sm90_supported accepts, on compute capability 9.0 */
 } kernel;
-static const kernel KERNELS[] = {{"mma", "mma", 0}, {"sm90x1", "sm90x1", 1}, {"sm90x2", "sm90x2", 1}, {"sm90t1", "sm90t1", 1}, {"sm90t2", "sm90t2", 1}, {"auto", NULL, 0}};
+static const kernel KERNELS[] = {{"mma", "mma", 0}, {"sm90x1", "sm90x1", 1}, {"sm90x2", "sm90x2", 1}, {"auto", NULL, 0}};
 enum { NKERNELS = sizeof KERNELS / sizeof *KERNELS };
 static int no_hopper; /* set once the Hopper kernel said the device is not compute capability 9.0 */
 
