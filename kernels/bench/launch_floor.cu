@@ -24,6 +24,8 @@
 #include <cstdlib>
 #include <vector>
 
+#include "grid_barrier.cuh" // the scheduler's own
+
 namespace cg = cooperative_groups;
 
 #define CHECK(x)                                                                                  \
@@ -46,19 +48,6 @@ struct Args {
 };
 
 constexpr int kThreads = 512, kCounts = 48;
-
-// The grid barrier of kernels/schedule.cu, as it is there.
-__device__ __forceinline__ void grid_barrier(unsigned *bar) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned inc = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
-    unsigned old, now;
-    asm volatile("atom.add.release.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(bar), "r"(inc) : "memory");
-    do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
-    while (((now ^ old) & 0x80000000u) == 0);
-  }
-  __syncthreads();
-}
 
 __global__ void __launch_bounds__(kThreads, 1) skeleton(Args a) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
