@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1) skeleton(Args a) {
       do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(f) : "l"(a.flag + tid) : "memory");
       while (f != e);
     }
+    if (tid < kCounts) s[tid] = n + tid; // what the store below reads (flags carry no counts)
     __syncthreads();
   } else { // CLUSTER
     __shared__ int h[kCounts];
