@@ -38,8 +38,8 @@
 // (PERF.md).
 //
 // Work list (the function decode): per expert, in order, its pairs x column tiles, then its row
-// tile left over (CM = 1: all of them) x groups of CM column tiles.  Inside each, GROUP_TILES row tiles
-// are a band and inside a band the row tile varies fastest, so the CTAs in flight together
+// tile left over (CM = 1: all of them) x groups of CM column tiles.  Inside each, GROUP_TILES row
+// tiles are a band and inside a band the row tile varies fastest, so the CTAs in flight together
 // share the band's A rows and a few B column tiles in L2.  The grid is static (sized from C
 // alone, persistent, one CTA per SM), so a captured CUDA graph stays right for any offsets
 // written later; units past the real count are never visited.  Rows: a tile never mixes
