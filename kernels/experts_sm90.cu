@@ -49,6 +49,17 @@
 // work (an expert's last, short tile), and so do both where a solo unit has one column tile
 // fewer than CM (NT odd).
 //
+// The wave gate: the CTAs in flight together share their operands in L2 only while they are
+// near the same k block; left alone they drift apart over a pass's ~58 waves (gate_up at Kimi
+// K2) and read 2.1-2.6x the compulsory bytes from DRAM (PERF.md).  So a producer starts its
+// wave-th unit once all but WAVE_SLACK of the grid's CTAs have issued every copy of their wave
+// before (a counter in the scratch, zeroed by the map kernel, one per pass).  Only where the
+// experts average two row tiles or more: with fewer, as in decode, hardly two CTAs read the
+// same weights and the gate only costs (1.7% at 48 experts x 8 rows).  The gate times the
+// copies; what is computed does not depend on it.  It assumes the persistent grid is resident
+// at once; should it not be (another kernel holding SMs), a wait gives up after WAVE_WAIT_NS
+// and that CTA stops waiting for the rest of the pass, so it can cost time but never hang.
+//
 // Requirements (else MOE_ERR_UNSUPPORTED, before any side effect, and experts.cu falls back):
 // compute capability 9.0, H and F multiples of 64 (whole K blocks; F > 0), every tensor
 // 16-byte aligned, EL * 2F and EL * H below 2^31.  Column tiles may run past F (gate_up, F %
@@ -83,6 +94,8 @@ constexpr int STG_BYTES = 64 * 256;     // a consumer's staging tile: 64 rows x 
 constexpr int SMEM_USED = STAGES * STAGE_BYTES + 2 * STG_BYTES + 2 * STAGES * 8;
 constexpr int SMEM_BYTES = SMEM_USED + 1024; // slack to align the ring to the 1024-byte swizzle atom
 constexpr int MAP_THREADS = 1024;
+[[maybe_unused]] constexpr int WAVE_SLACK = 16;               // CTAs a wave may start without
+[[maybe_unused]] constexpr unsigned WAVE_WAIT_NS = 200000;   // a tile takes ~30-80 us at Kimi K2
 [[maybe_unused]] constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232; // 128 * (40 + 2 * 232) <= 64 Ki registers
 
 enum { GATE_UP = 0, DOWN = 1 };
@@ -124,7 +137,8 @@ template <bool MAX> __device__ int block_scan(int v, int *ws, int *total) {
 }
 
 // meta = pairs [EL + 1], solos [EL + 1] (exclusive prefixes of each expert's pairs of row tiles
-// and of its row tiles left over, see decode), lo [EL], hi [EL].
+// and of its row tiles left over, see decode), lo [EL], hi [EL], then the wave gate's two
+// counters (gate_up, down), zeroed here.
 __global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const int *offsets, int EL, int C, int cm) {
   __shared__ int ws[32];
   int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL;
@@ -145,7 +159,7 @@ __global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const 
     carry_s += tot;
     if (e < EL) pairs[e] = first_p, solos[e] = first_s, lo[e] = m, hi[e] = end;
   }
-  if (threadIdx.x == 0) pairs[EL] = carry_p, solos[EL] = carry_s;
+  if (threadIdx.x == 0) pairs[EL] = carry_p, solos[EL] = carry_s, hi[EL] = 0, hi[EL + 1] = 0;
 }
 
 struct Work {
@@ -239,6 +253,15 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   const uint64_t t0 = MOE_SM90_WATCHDOG_NS ? global_ns() : 0;
   while (!mbar_try_wait(bar, parity))
     if (MOE_SM90_WATCHDOG_NS && global_ns() - t0 > MOE_SM90_WATCHDOG_NS) __trap();
+}
+// The wave gate's wait (see the header): true once *count >= need, false after WAVE_WAIT_NS.
+__device__ __forceinline__ bool wave_wait(const int *count, int need) {
+  const volatile int *c = count;
+  if (*c >= need) return true;
+  const uint64_t t0 = global_ns();
+  while (*c < need)
+    if (global_ns() - t0 > WAVE_WAIT_NS) return false;
+  return true;
 }
 __device__ __forceinline__ void mbar_arrive_local(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
@@ -431,11 +454,13 @@ __device__ __forceinline__ void epilogue(float (&d)[128], uint32_t stg, uint16_t
 //   tma_a   A [C, K]: xs (gate_up, K = H) or h (down, K = F), box {64, 128}
 //   tma_b   W as [b_rows, K]: w_gate_up [EL * 2F, H] or w_down [EL * H, F], box {64, 128}
 //   N       output columns: F (h) or H (ys); F: the up rows' offset inside an expert (gate_up)
+//   waves   this pass's wave gate counter (units whose copies are all issued, summed over the
+//           CTAs), or null: no gate
 template <int MODE, int CM>
 __global__ void __launch_bounds__(THREADS, 1)
     sm90_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                      uint16_t *__restrict__ out, const int *__restrict__ meta, int EL, int NT, int KT, int N, int F,
-                     int b_rows) {
+                     int b_rows, int *waves) {
 #if defined(MOE_SM90A)
   extern __shared__ unsigned char smem_raw[];
   // The same offsets in every CTA (no static shared memory), which multicast relies on.
@@ -476,7 +501,11 @@ __global__ void __launch_bounds__(THREADS, 1)
       prefetch_tmap(&tma_b);
       int s = 0;
       uint32_t ph = 0;
-      for (int v = cid; v < units; v += ncl) {
+      const int slack = min(WAVE_SLACK, ncl * CM);
+      bool gate = waves != nullptr; // false once a wait timed out (it still counts its units)
+      int wave = 0;
+      for (int v = cid; v < units; v += ncl, wave++) {
+        if (gate && wave > 0) gate = wave_wait(waves, wave * ncl * CM - slack);
         const Work w = decode<CM>(v, meta, EL, NT, rank);
         int b0, b1;
         if (MODE == GATE_UP) b0 = w.e * 2 * F + w.n * (BN / 2), b1 = b0 + F; // gate rows, up rows
@@ -497,6 +526,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           }
           if (++s == STAGES) s = 0, ph ^= 1u;
         }
+        if (waves) atomicAdd(waves, 1);
       }
     }
   } else {
@@ -657,7 +687,7 @@ template <int MODE, int CM> int resident_groups(int dev) {
 
 template <int MODE, int CM>
 cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, const CUtensorMap &tb, uint16_t *out,
-                        const int *meta, int EL, int NT, int KT, int N, int F, int b_rows) {
+                        const int *meta, int EL, int NT, int KT, int N, int F, int b_rows, int *waves) {
   auto kernel = sm90_gemm_kernel<MODE, CM>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   if (err != cudaSuccess) return err;
@@ -671,7 +701,7 @@ cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, 
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = CM > 1 ? 1 : 0;
-  err = cudaLaunchKernelEx(&cfg, kernel, ta, tb, out, meta, EL, NT, KT, N, F, b_rows);
+  err = cudaLaunchKernelEx(&cfg, kernel, ta, tb, out, meta, EL, NT, KT, N, F, b_rows, waves);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
@@ -698,8 +728,8 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   int rc = cuda_ctx_stream(ctx, dev, &stream);
   if (rc) return rc;
 
-  // scratch: meta = pairs [EL + 1], solos [EL + 1], lo [EL], hi [EL] ints, then h [C, F] bf16
-  const size_t meta_bytes = ((size_t)(4 * EL + 2) * sizeof(int) + 255) & ~(size_t)255;
+  // scratch: meta = pairs [EL + 1], solos [EL + 1], lo [EL], hi [EL], waves [2] ints, then h [C, F] bf16
+  const size_t meta_bytes = ((size_t)(4 * EL + 4) * sizeof(int) + 255) & ~(size_t)255;
   const size_t h_bytes = (size_t)C * (size_t)F * 2;
   void *scratch = NULL;
   cudaError_t err = cudaMallocAsync(&scratch, meta_bytes + h_bytes, stream);
@@ -714,6 +744,7 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
                       meta_bytes + h_bytes, __FILE__, __LINE__, cudaGetErrorName(err), cudaGetErrorString(err));
   }
   int *meta = (int *)scratch;
+  const bool gate = C >= 2 * BM * EL; // the wave gate (see the header): where CTAs share operands
   uint16_t *h = (uint16_t *)((char *)scratch + meta_bytes);
   uint16_t *ys = (uint16_t *)a->ys->data;
 
@@ -729,12 +760,12 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   if (err == cudaSuccess) {
     what = "gate_up launch";
     err = launch_gemm<GATE_UP, CM>(stream, g_gu, t_xs, t_wgu, h, meta, (int)EL, nt_gu, (int)(H / BK), (int)F, (int)F,
-                                   (int)(EL * 2 * F));
+                                   (int)(EL * 2 * F), gate ? meta + 4 * EL + 2 : nullptr);
   }
   if (err == cudaSuccess) {
     what = "down launch";
     err = launch_gemm<DOWN, CM>(stream, g_dn, t_h, t_wdn, ys, meta, (int)EL, nt_dn, (int)(F / BK), (int)H, (int)F,
-                                (int)(EL * H));
+                                (int)(EL * H), gate ? meta + 4 * EL + 3 : nullptr);
   }
   // Given back after the launches on the same stream, so the kernels are done with it first;
   // on a failed launch it is given back all the same.
