@@ -1,7 +1,7 @@
 /* test_experts_gpu.c -- the experts stage on the GPU against experts_cpu, through the public API
  * only: fresh random inputs, ys poisoned with NaN so that rows the stage must not write are seen
- * to stay untouched, odd sizes, bad offsets, in place, a captured graph replayed on new offsets;
- * then the Kimi K2 rank-of-EP8 shape and a decode shape timed with device events (spot-checked
+ * to stay untouched, odd sizes, bad offsets, in place, a captured graph replayed on new offsets,
+ * two contexts running the stage at the same time; then the Kimi K2 rank-of-EP8 shape and a decode shape timed with device events (spot-checked
  * on the CPU first).
  *
  * Every check runs once per kernel, chosen through MOE_EXPERTS_KERNEL: "mma" (the mma.sync
@@ -319,6 +319,90 @@ static void test_graph(void) {
   for (size_t i = 0; i < sizeof ts / sizeof *ts; i++) moe_tensor_free(ts[i]);
 }
 
+/* Two contexts (two streams) run the stage at the same time on one GPU, ROUNDS times: one's
+ * persistent grid waits for SMs the other holds, so it is only partly resident for a while, which
+ * the Hopper kernel's wave gate must come through (it waits for the CTAs of its own grid, with a
+ * time limit).  Each side is checked against the CPU in the first round, then must give the same
+ * bits in every later one; each call has its own counters, so neither may disturb the other. */
+static void test_concurrent(void) {
+  enum { EL = 4, H = 256, F = 2048, C = 2048, ROUNDS = 4 };
+  const int sizes[2][EL] = {{512, 500, 530, 506}, {600, 388, 700, 360}}; /* two row tiles or more: gated */
+  moe_ctx *other;
+  if (moe_ctx_open(&other) != MOE_OK) {
+    printf("FAIL cannot open a second context\n");
+    exit(1);
+  }
+  moe_ctx *cs[2] = {ctx, other};
+  moe_tensor *xs[2], *ys[2], *wgu[2], *wd[2], *off[2], *ref[2], *cpu[2][4];
+  moe_experts_args g[2];
+  int64_t lo[2], hi[2];
+  for (int side = 0; side < 2; side++) {
+    int32_t o[EL + 1];
+    offsets_of(o, sizes[side], EL, 1);
+    xs[side] = NEW(MOE_BF16, GPU, C, H), ys[side] = NEW(MOE_BF16, GPU, C, H);
+    wgu[side] = NEW(MOE_BF16, GPU, EL, 2 * F, H), wd[side] = NEW(MOE_BF16, GPU, EL, H, F);
+    off[side] = NEW(MOE_I32, GPU, EL + 1);
+    TRY(moe_tensor_randn(ctx, xs[side], 31 + side, 1.0f));
+    TRY(moe_tensor_randn(ctx, wgu[side], 33 + side, 0.0625f));
+    TRY(moe_tensor_randn(ctx, wd[side], 35 + side, 0.022f));
+    TRY(moe_tensor_write(ctx, off[side], o, sizeof o));
+    cpu[side][0] = to_cpu(xs[side]), cpu[side][1] = to_cpu(wgu[side]), cpu[side][2] = to_cpu(wd[side]);
+    cpu[side][3] = to_cpu(off[side]);
+    ref[side] = NEW(MOE_BF16, CPU, C, H);
+    TRY(moe_tensor_fill(ctx, ref[side], NAN));
+    moe_experts_args r = {.ys = ref[side], .xs = cpu[side][0], .expert_offsets = cpu[side][3],
+                          .w_gate_up = cpu[side][1], .w_down = cpu[side][2]};
+    TRY(moe_experts(ctx, &r));
+    written_rows(o, EL, C, &lo[side], &hi[side]);
+    g[side] = (moe_experts_args){.ys = ys[side], .xs = xs[side], .expert_offsets = off[side], .w_gate_up = wgu[side],
+                                 .w_down = wd[side]};
+  }
+  for (int ki = 0; ki < NKERNELS; ki++) {
+    const kernel *k = &KERNELS[ki];
+    if (k->hopper && no_hopper) continue;
+    use_kernel(k);
+    uint16_t *first[2] = {NULL, NULL};
+    int same[2] = {1, 1}, failed = 0;
+    for (int round = 0; round < ROUNDS && !failed; round++) {
+      for (int side = 0; side < 2; side++) TRY(moe_tensor_fill(ctx, ys[side], NAN));
+      TRY(moe_ctx_synchronize(ctx, GPU));
+      for (int side = 0; side < 2 && !failed; side++) { /* both issued before either is waited for */
+        const int rc = moe_experts(cs[side], &g[side]);
+        if (rc != MOE_OK) {
+          if (side > 0 || !hopper_refused(k, "two contexts at once", rc)) /* it reads ctx's message */
+            check(0, "experts [two contexts at once] [%s]: %s", k->name, moe_errmsg(cs[side]));
+          failed = 1;
+        }
+      }
+      TRY_ON(other, moe_ctx_synchronize(other, GPU));
+      TRY(moe_ctx_synchronize(ctx, GPU));
+      for (int side = 0; side < 2 && !failed; side++) {
+        uint16_t *got = read_bf16(ys[side]);
+        if (round == 0) {
+          char name[128];
+          snprintf(name, sizeof name, "two contexts at once, side %d] [%s", side, k->name);
+          compare(name, got, moe_tensor_data(ref[side]), C, H, lo[side], hi[side]);
+          first[side] = got;
+        } else {
+          same[side] &= !memcmp(got, first[side], (size_t)C * H * 2);
+          free(got);
+        }
+      }
+    }
+    for (int side = 0; side < 2 && !failed; side++)
+      check(same[side], "experts [two contexts at once, side %d] [%s]: %d rounds give the same bits", side, k->name,
+            ROUNDS);
+    free(first[0]), free(first[1]);
+  }
+  unsetenv("MOE_EXPERTS_KERNEL");
+  for (int side = 0; side < 2; side++) {
+    moe_tensor_free(xs[side]), moe_tensor_free(ys[side]), moe_tensor_free(wgu[side]), moe_tensor_free(wd[side]);
+    moe_tensor_free(off[side]), moe_tensor_free(ref[side]);
+    for (int i = 0; i < 4; i++) moe_tensor_free(cpu[side][i]);
+  }
+  moe_ctx_close(other);
+}
+
 static int cmp_float(const void *a, const void *b) {
   float x = *(const float *)a, y = *(const float *)b;
   return (x > y) - (x < y);
@@ -488,6 +572,7 @@ int main(int argc, char **argv) {
   if (checks) {
     test_cases();
     test_graph();
+    test_concurrent();
   }
   if (bench) {
     test_kimi();
