@@ -72,6 +72,8 @@ for s in $steps; do
       m=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct
       run "dram-experts-$k" 200 env MOE_EXPERTS_BENCH="$k" ncu --clock-control none --metrics "$m" \
         -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/gpu_tests/test_experts_gpu --bench-only ;;
+    energy) # joules per pass of the experts stage at the Kimi shape (the GPU's energy counter)
+      run energy 120 build/experts_energy ${ENERGY_ARGS:-} ;;
     exchange) run exchange 400 build/exchange_bench ${EXCHANGE_ARGS:-} ;;
     kimi-world) # the layer over a real world: one rank per visible GPU (KIMI_DEVICES, default all)
       devs=${KIMI_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}
