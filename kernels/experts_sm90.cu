@@ -94,8 +94,8 @@ constexpr int STG_BYTES = 64 * 256;     // a consumer's staging tile: 64 rows x 
 constexpr int SMEM_USED = STAGES * STAGE_BYTES + 2 * STG_BYTES + 2 * STAGES * 8;
 constexpr int SMEM_BYTES = SMEM_USED + 1024; // slack to align the ring to the 1024-byte swizzle atom
 constexpr int MAP_THREADS = 1024;
-[[maybe_unused]] constexpr int WAVE_SLACK = 16;               // CTAs a wave may start without
-[[maybe_unused]] constexpr unsigned WAVE_WAIT_NS = 200000;   // a tile takes ~30-80 us at Kimi K2
+[[maybe_unused]] constexpr int WAVE_SLACK = 16;             // CTAs a wave may start without
+[[maybe_unused]] constexpr unsigned WAVE_WAIT_NS = 200000; // a tile takes ~30-80 us at Kimi K2
 [[maybe_unused]] constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232; // 128 * (40 + 2 * 232) <= 64 Ki registers
 
 enum { GATE_UP = 0, DOWN = 1 };
@@ -141,7 +141,7 @@ template <bool MAX> __device__ int block_scan(int v, int *ws, int *total) {
 // counters (gate_up, down), zeroed here.
 __global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const int *offsets, int EL, int C, int cm) {
   __shared__ int ws[32];
-  int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL;
+  int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL, *waves = hi + EL;
   int carry_m = 0, carry_p = 0, carry_s = 0;
   for (int base = 0; base < EL; base += MAP_THREADS) {
     const int e = base + (int)threadIdx.x;
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const 
     carry_s += tot;
     if (e < EL) pairs[e] = first_p, solos[e] = first_s, lo[e] = m, hi[e] = end;
   }
-  if (threadIdx.x == 0) pairs[EL] = carry_p, solos[EL] = carry_s, hi[EL] = 0, hi[EL + 1] = 0;
+  if (threadIdx.x == 0) pairs[EL] = carry_p, solos[EL] = carry_s, waves[0] = 0, waves[1] = 0;
 }
 
 struct Work {
@@ -744,7 +744,8 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
                       meta_bytes + h_bytes, __FILE__, __LINE__, cudaGetErrorName(err), cudaGetErrorString(err));
   }
   int *meta = (int *)scratch;
-  const bool gate = C >= 2 * BM * EL; // the wave gate (see the header): where CTAs share operands
+  // the wave gate (see the header): where CTAs share operands, and its counts fit an int
+  const bool gate = C >= 2 * BM * EL && tmax * (nt_gu > nt_dn ? nt_gu : nt_dn) * CM < INT_MAX;
   uint16_t *h = (uint16_t *)((char *)scratch + meta_bytes);
   uint16_t *ys = (uint16_t *)a->ys->data;
 
