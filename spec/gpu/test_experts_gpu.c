@@ -1,8 +1,8 @@
 /* test_experts_gpu.c -- the experts stage on the GPU against experts_cpu, through the public API
  * only: fresh random inputs, ys poisoned with NaN so that rows the stage must not write are seen
  * to stay untouched, odd sizes, bad offsets, in place, a captured graph replayed on new offsets,
- * two contexts running the stage at the same time; then the Kimi K2 rank-of-EP8 shape and a decode shape timed with device events (spot-checked
- * on the CPU first).
+ * two contexts running the stage at the same time; then the Kimi K2 rank-of-EP8 shape and a decode
+ * shape timed with device events (spot-checked on the CPU first).
  *
  * Every check runs once per kernel, chosen through MOE_EXPERTS_KERNEL: "mma" (the mma.sync
  * kernel), "sm90x1" (TMA + wgmma, one CTA per tile), "sm90x2" (the same in clusters of two with
