@@ -1,6 +1,7 @@
 /* cublas_baseline.c -- the cuBLAS reference points of scenarios/experts.lua.
  *
- *   cublas_baseline H F [--device N] [--warmup N] [--iters N] (--file PATH | N_0 N_1 ... N_{EL-1})
+ *   cublas_baseline H F [--device N] [--warmup N] [--iters N] [--data normal|uniform]
+ *                   (--file PATH | N_0 N_1 ... N_{EL-1})
  *
  * A case is a list of expert row counts (on the command line, or one case per line of PATH:
  * counts separated by blanks or commas, '#' starts a comment).  For each case it times, with
@@ -12,7 +13,12 @@
  * bf16 inputs, f32 accumulation (cublasGemmEx, CUBLAS_COMPUTE_32F), bf16 outputs.  SwiGLU is
  * omitted: down reads the gate half of the gate_up output in place (leading dimension 2F), so
  * the traffic and the FLOPs are those of the stage without its elementwise epilogue.
- * Inputs are random bf16 (uniform in [-1, 1)); the results are not checked.
+ * Inputs are random bf16, by default as the experts stage's scenarios and tests draw them
+ * (--data normal: x of sd 1, w_gate_up of sd 1/sqrt(H), w_down of sd 1/sqrt(F), each value the
+ * centred sum of four uniforms); --data uniform: every value uniform in [-1, 1), as before
+ * 2026-11-30.  Under the card's power cap the tensor cores' energy, which depends on the
+ * operands' bits, sets the time; measured, the choice moves cuBLAS by under 1% (PERF.md).  The
+ * results are not checked.
  *
  * Output, one line per case and kind, key=value separated by blanks (a leading '#' marks a note):
  *   case=1 kind=dense experts=48 rows=57344 gemms=2 ms=8.123 tflops=621.6 min_ms=8.001 max_ms=8.250
@@ -20,6 +26,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <errno.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,7 +54,8 @@
 
 static void die(const char *msg, const char *what) {
   fprintf(stderr, "error: %s%s%s\n", msg, what ? ": " : "", what ? what : "");
-  fprintf(stderr, "usage: cublas_baseline H F [--device N] [--warmup N] [--iters N] (--file PATH | N_0 N_1 ...)\n");
+  fprintf(stderr, "usage: cublas_baseline H F [--device N] [--warmup N] [--iters N] [--data normal|uniform] "
+                  "(--file PATH | N_0 N_1 ...)\n");
   exit(1);
 }
 
@@ -123,6 +131,30 @@ static void fill(void *dst, size_t n, const void *pool, size_t pool_n) {
   }
 }
 
+/* n random bf16 values on the device: uniform in [-1, 1), or (normal) sd * the centred sum of
+ * four uniforms in [0, 1) scaled to unit variance.  xorshift64 from seed. */
+static uint16_t *make_pool(size_t n, int normal, double sd, uint64_t seed) {
+  uint16_t *host = malloc(n * sizeof *host);
+  if (!host) die("out of host memory", NULL);
+  uint64_t s = seed;
+  for (size_t i = 0; i < n; i++) {
+    double u = 0;
+    for (int j = 0; j < (normal ? 4 : 1); j++) {
+      s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+      u += (double)(s >> 40) / (double)(1ull << 24);
+    }
+    float v = (float)(normal ? (u - 2.0) * sqrt(3.0) * sd : u * 2.0 - 1.0);
+    uint32_t b;
+    memcpy(&b, &v, sizeof b);
+    host[i] = (uint16_t)(b >> 16);
+  }
+  uint16_t *pool;
+  CUDA_OK(cudaMalloc((void **)&pool, n * sizeof *pool));
+  CUDA_OK(cudaMemcpy(pool, host, n * sizeof *pool, cudaMemcpyHostToDevice));
+  free(host);
+  return pool;
+}
+
 static int cmp_float(const void *a, const void *b) {
   float x = *(const float *)a, y = *(const float *)b;
   return (x > y) - (x < y);
@@ -155,7 +187,7 @@ static void run_case(const Bufs *b, const Case *c, int dense) {
 
 int main(int argc, char **argv) {
   int64_t H = 0, F = 0;
-  int device = 0, warmup = 3, iters = 10, npos = 0;
+  int device = 0, warmup = 3, iters = 10, npos = 0, normal = 1;
   const char *file = NULL;
   Cases cs = {0};
   int64_t *cmd = calloc((size_t)argc, sizeof *cmd);
@@ -164,7 +196,8 @@ int main(int argc, char **argv) {
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-      printf("usage: cublas_baseline H F [--device N] [--warmup N] [--iters N] (--file PATH | N_0 N_1 ...)\n");
+      printf("usage: cublas_baseline H F [--device N] [--warmup N] [--iters N] [--data normal|uniform] "
+             "(--file PATH | N_0 N_1 ...)\n");
       return 0;
     }
     if (!strncmp(a, "--", 2)) {
@@ -174,6 +207,10 @@ int main(int argc, char **argv) {
       else if (!strcmp(a, "--warmup")) warmup = (int)parse_long(v, "--warmup needs an integer >= 0", 0, 100000);
       else if (!strcmp(a, "--iters")) iters = (int)parse_long(v, "--iters needs an integer >= 1", 1, 100000);
       else if (!strcmp(a, "--file")) file = v;
+      else if (!strcmp(a, "--data")) {
+        if (strcmp(v, "normal") && strcmp(v, "uniform")) die("--data is normal or uniform", v);
+        normal = !strcmp(v, "normal");
+      }
       else die("unknown flag", a);
     } else if (npos == 0) {
       H = parse_long(a, "H must be an integer in [1, 2^20]", 1, 1L << 20), npos++;
@@ -207,38 +244,27 @@ int main(int argc, char **argv) {
   struct cudaDeviceProp prop;
   CUDA_OK(cudaGetDeviceProperties(&prop, device));
 
-  /* one pool of random bf16 values, copied over every buffer: filling gigabytes of weights
-   * from the host would take longer than the timing */
+  /* pools of random bf16 values, copied over every buffer: filling gigabytes of weights from
+   * the host would take longer than the timing */
   const size_t pool_n = (size_t)1 << 24;
-  uint16_t *host = malloc(pool_n * sizeof *host);
-  if (!host) die("out of host memory", NULL);
-  uint64_t s = 0x9e3779b97f4a7c15ull;
-  for (size_t i = 0; i < pool_n; i++) {
-    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-    float v = (float)((double)(s >> 40) / (double)(1ull << 24) * 2.0 - 1.0);
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    host[i] = (uint16_t)(u >> 16);
-  }
-  uint16_t *pool;
-  CUDA_OK(cudaMalloc((void **)&pool, pool_n * sizeof *pool));
-  CUDA_OK(cudaMemcpy(pool, host, pool_n * sizeof *pool, cudaMemcpyHostToDevice));
-  free(host);
+  uint16_t *pool_x = make_pool(pool_n, normal, 1.0, 0x9e3779b97f4a7c15ull);
+  uint16_t *pool_gu = make_pool(pool_n, normal, 1.0 / sqrt((double)H), 0x243f6a8885a308d3ull);
+  uint16_t *pool_dn = make_pool(pool_n, normal, 1.0 / sqrt((double)F), 0x13198a2e03707344ull);
 
   Bufs b = {.H = H, .F = F};
   size_t rows = (size_t)(max_rows ? max_rows : 1);
   CUDA_OK(cudaMalloc((void **)&b.x, rows * (size_t)H * 2));
   CUDA_OK(cudaMalloc((void **)&b.hbuf, rows * (size_t)(2 * F) * 2));
   CUDA_OK(cudaMalloc((void **)&b.y, rows * (size_t)H * 2));
-  fill(b.x, rows * (size_t)H, pool, pool_n);
+  fill(b.x, rows * (size_t)H, pool_x, pool_n);
   b.wgu = calloc((size_t)max_experts, sizeof *b.wgu);
   b.wdn = calloc((size_t)max_experts, sizeof *b.wdn);
   if (!b.wgu || !b.wdn) die("out of host memory", NULL);
   for (int e = 0; e < max_experts; e++) {
     CUDA_OK(cudaMalloc((void **)&b.wgu[e], (size_t)(2 * F) * (size_t)H * 2));
     CUDA_OK(cudaMalloc((void **)&b.wdn[e], (size_t)H * (size_t)F * 2));
-    fill(b.wgu[e], (size_t)(2 * F) * (size_t)H, pool, pool_n);
-    fill(b.wdn[e], (size_t)H * (size_t)F, pool, pool_n);
+    fill(b.wgu[e], (size_t)(2 * F) * (size_t)H, pool_gu, pool_n);
+    fill(b.wdn[e], (size_t)H * (size_t)F, pool_dn, pool_n);
   }
   CUBLAS_OK(cublasCreate(&b.h));
   cudaStream_t stream;
@@ -251,8 +277,9 @@ int main(int argc, char **argv) {
   if (!ms) die("out of host memory", NULL);
 
   printf("# cublas_baseline: H=%lld F=%lld on device %d (%s); cublasGemmEx bf16 in, f32 accumulate "
-         "(CUBLAS_COMPUTE_32F), bf16 out; gate_up then down, SwiGLU omitted; median of %d after %d warm-up\n",
-         (long long)H, (long long)F, device, prop.name, iters, warmup);
+         "(CUBLAS_COMPUTE_32F), bf16 out; gate_up then down, SwiGLU omitted; %s data; median of %d after %d "
+         "warm-up\n",
+         (long long)H, (long long)F, device, prop.name, normal ? "normal" : "uniform", iters, warmup);
   for (int ci = 0; ci < cs.n; ci++) {
     const Case *c = &cs.v[ci];
     int nonempty = 0;
@@ -282,7 +309,7 @@ int main(int argc, char **argv) {
   cublasDestroy(b.h);
   cudaStreamDestroy(stream);
   for (int e = 0; e < max_experts; e++) cudaFree(b.wgu[e]), cudaFree(b.wdn[e]);
-  cudaFree(b.x), cudaFree(b.hbuf), cudaFree(b.y), cudaFree(pool);
+  cudaFree(b.x), cudaFree(b.hbuf), cudaFree(b.y), cudaFree(pool_x), cudaFree(pool_gu), cudaFree(pool_dn);
   free(b.wgu), free(b.wdn), free(ms), free(cmd);
   for (int i = 0; i < cs.n; i++) free(cs.v[i].rows);
   free(cs.v);

@@ -1,11 +1,13 @@
 /* experts_energy.c -- the energy of one pass of the experts stage, from the GPU's own counter.
  *
- *   build/experts_energy [--passes N] [--warmup N] [--rows N]
+ *   build/experts_energy [--passes N] [--warmup N] [--rows N] [--data normal|uniform]
  *
  * Under a power cap a pass's time is its energy divided by the cap, so energy is what a change
  * must lower (PERF.md).  The Kimi K2 rank-of-EP8 shape: 48 experts (1,195 rows for the first 32,
  * 1,194 for the others, 57,344 in all; --rows N gives each expert N), H = 7168, F = 2048, random
- * bf16 inputs, the kernel the library chooses (MOE_EXPERTS_KERNEL forces one).  After --warmup
+ * bf16 inputs (--data normal, the default: moe_tensor_randn, xs of sd 1 and the weights of sd
+ * ~1/sqrt(H) and ~1/sqrt(F); --data uniform: every value uniform in [-1, 1), as cublas_baseline
+ * drew them before 2026-11-30, a pool of 2^24 values repeated), the kernel the library chooses (MOE_EXPERTS_KERNEL forces one).  After --warmup
  * passes (default 5), --passes back-to-back passes (default 500, ~4 s) run between two readings
  * of NVML's total-energy counter, each after the stream has drained.  Prints one line:
  *   passes=500 s=4.102 ms=8.204 watts=695.1 joules=5.702 tflops=615.7 limit_watts=700
@@ -72,16 +74,36 @@ static unsigned long long energy_now(nvml_device dev) {
   return mj;
 }
 
+/* Every bf16 value of t uniform in [-1, 1): a host pool of 2^24 values (xorshift64) repeated. */
+static void fill_uniform(moe_tensor *t) {
+  const size_t n = (size_t)moe_tensor_numel(t), pool_n = (size_t)1 << 24;
+  uint16_t *host = malloc(n * sizeof *host);
+  if (!host) die("out of host memory", NULL);
+  uint64_t s = 0x9e3779b97f4a7c15ull;
+  for (size_t i = 0; i < n; i++) {
+    if (i >= pool_n) {
+      host[i] = host[i - pool_n];
+      continue;
+    }
+    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+    host[i] = moe_f32_to_bf16((float)((double)(s >> 40) / (double)(1ull << 24) * 2.0 - 1.0));
+  }
+  TRY(moe_tensor_write(ctx, t, host, n * sizeof *host));
+  free(host);
+}
+
 int main(int argc, char **argv) {
   long passes = 500, warmup = 5, rows = 0;
+  int uniform = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
-    if (i + 1 >= argc) die("an option needs a value (--passes N, --warmup N, --rows N)", a);
+    if (i + 1 >= argc) die("an option needs a value (--passes N, --warmup N, --rows N, --data D)", a);
     const char *v = argv[++i];
     if (!strcmp(a, "--passes")) passes = parse_long(v, "--passes needs an integer >= 1", 1, 1000000);
     else if (!strcmp(a, "--warmup")) warmup = parse_long(v, "--warmup needs an integer >= 0", 0, 1000000);
     else if (!strcmp(a, "--rows")) rows = parse_long(v, "--rows needs an integer >= 1", 1, 100000);
-    else die("unknown option (usage: experts_energy [--passes N] [--warmup N] [--rows N])", a);
+    else if (!strcmp(a, "--data") && (!strcmp(v, "normal") || !strcmp(v, "uniform"))) uniform = !strcmp(v, "uniform");
+    else die("unknown option (usage: experts_energy [--passes N] [--warmup N] [--rows N] [--data normal|uniform])", a);
   }
   if (moe_ctx_open(&ctx) != MOE_OK) die("cannot open a context", NULL);
   int ngpu = 0;
@@ -102,9 +124,15 @@ int main(int argc, char **argv) {
   TRY(moe_tensor_new(ctx, MOE_BF16, 3, (const int64_t[]){EL, 2 * F, H}, gpu, &wgu));
   TRY(moe_tensor_new(ctx, MOE_BF16, 3, (const int64_t[]){EL, H, F}, gpu, &wd));
   TRY(moe_tensor_new(ctx, MOE_I32, 1, (const int64_t[]){EL + 1}, gpu, &offsets));
-  TRY(moe_tensor_randn(ctx, xs, 1, 1.0f));
-  TRY(moe_tensor_randn(ctx, wgu, 2, 0.0118f)); /* ~1/sqrt(H), as test_experts_gpu */
-  TRY(moe_tensor_randn(ctx, wd, 3, 0.0221f));  /* ~1/sqrt(F) */
+  if (uniform) {
+    fill_uniform(xs);
+    fill_uniform(wgu);
+    fill_uniform(wd);
+  } else {
+    TRY(moe_tensor_randn(ctx, xs, 1, 1.0f));
+    TRY(moe_tensor_randn(ctx, wgu, 2, 0.0118f)); /* ~1/sqrt(H), as test_experts_gpu */
+    TRY(moe_tensor_randn(ctx, wd, 3, 0.0221f));  /* ~1/sqrt(F) */
+  }
   TRY(moe_tensor_write(ctx, offsets, off, sizeof off));
   const moe_experts_args a = {.ys = ys, .xs = xs, .expert_offsets = offsets, .w_gate_up = wgu, .w_down = wd};
 
