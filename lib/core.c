@@ -171,6 +171,12 @@ int moe_tensor_view(moe_ctx *ctx, moe_tensor *base, int64_t offset, int ndim, co
   int64_t numel = 1;
   for (int i = 0; i < ndim; i++) {
     if (shape[i] < 0) return moe_seterr(ctx, MOE_ERR_ARG, "view: dimension %d is %lld, expected >= 0", i + 1, (long long)shape[i]);
+    /* a product past the base's elements is refused below; stop before it can overflow */
+    if (shape[i] > 0 && numel > ((int64_t)1 << 40) / shape[i]) {
+      char b[160];
+      return moe_seterr(ctx, MOE_ERR_ARG, "view: more than 2^40 elements, past the end of %s",
+                        moe_tensor_describe(base, b, sizeof b));
+    }
     numel *= shape[i];
   }
   if (offset < 0 || offset > base->numel || numel > base->numel - offset) {
@@ -258,6 +264,23 @@ int moe_check_same_device(moe_ctx *ctx, const char *stage, moe_device dev, const
                         moe_tensor_describe(t, got, sizeof got));
     }
   }
+  return MOE_OK;
+}
+
+/* Whether two tensors on one device share any byte. */
+static int overlap(const moe_tensor *x, const moe_tensor *y) {
+  if (!x || !y || !x->numel || !y->numel) return 0;
+  uintptr_t a = (uintptr_t)x->data, b = (uintptr_t)y->data;
+  return a < b + moe_tensor_nbytes(y) && b < a + moe_tensor_nbytes(x);
+}
+
+int moe_check_no_overlap(moe_ctx *ctx, const char *stage, const moe_tensor *const *ts, const char *const *names,
+                         int nout, int n) {
+  for (int i = 0; i < nout; i++)
+    for (int j = i + 1; j < n; j++)
+      if (overlap(ts[i], ts[j]))
+        return moe_seterr(ctx, MOE_ERR_ARG, "%s: %s and %s share memory; outputs must not overlap other arguments",
+                          stage, names[i], names[j]);
   return MOE_OK;
 }
 

@@ -17,7 +17,7 @@ int dispatch_cpu(moe_ctx *ctx, const moe_dispatch_args *a) {
   for (int64_t r = 0; r < C; r++) {
     const int64_t p = rank[r], q = route[r];
     if (p >= 0 && p < W && q >= 0 && q < routes)
-      memmove(xs + r * H, x + (p * T + q / a->k) * H, row_bytes); /* memmove: xs may be a view of x */
+      memcpy(xs + r * H, x + (p * T + q / a->k) * H, row_bytes);
     else if (a->zero_fill)
       memset(xs + r * H, 0, row_bytes); /* all-zero bits are bf16 +0 */
   }
@@ -37,5 +37,7 @@ int moe_dispatch(moe_ctx *ctx, const moe_dispatch_args *a) {
   if (a->k < 1) return moe_seterr(ctx, MOE_ERR_ARG, "dispatch: k must be >= 1, got %d", a->k);
   const moe_tensor *ts[] = {a->xs, a->x, a->peer_rank, a->peer_route};
   if ((rc = moe_check_same_device(ctx, stage, a->xs->device, ts, 4))) return rc;
+  static const char *const names[] = {"xs", "x", "peer_rank", "peer_route"};
+  if ((rc = moe_check_no_overlap(ctx, stage, ts, names, 1, 4))) return rc;
   return moe_on_cpu(a->xs) ? dispatch_cpu(ctx, a) : dispatch_cuda(ctx, a);
 }

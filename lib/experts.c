@@ -243,6 +243,12 @@ int moe_experts(moe_ctx *ctx, const moe_experts_args *a) {
   if ((rc = moe_check_tensor(ctx, stage, "expert_offsets", a->expert_offsets, MOE_I32, 1, off_shape))) return rc;
   const moe_tensor *ts[] = {a->ys, a->xs, a->expert_offsets, a->w_gate_up, a->w_down};
   if ((rc = moe_check_same_device(ctx, stage, a->xs->device, ts, 5))) return rc;
+  /* ys may be xs itself (in place: every backend reads a row block of xs before it writes that
+   * block of ys), but no other overlap */
+  static const char *const names[] = {"ys", "xs", "expert_offsets", "w_gate_up", "w_down"};
+  const int in_place = a->ys->data == a->xs->data; /* same shape: checked above */
+  if ((rc = moe_check_no_overlap(ctx, stage, in_place ? ts + 1 : ts, in_place ? names + 1 : names, 1, in_place ? 4 : 5)))
+    return rc;
   return moe_on_cpu(a->xs) ? experts_cpu(ctx, a) : experts_cuda(ctx, a);
 }
 

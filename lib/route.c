@@ -42,13 +42,6 @@ static const char *scoring_name(int s) {
   }
 }
 
-/* Whether two tensors on one device share any byte. */
-static int overlap(const moe_tensor *x, const moe_tensor *y) {
-  if (!x || !y || !x->numel || !y->numel) return 0;
-  uintptr_t a = (uintptr_t)x->data, b = (uintptr_t)y->data;
-  return a < b + moe_tensor_nbytes(y) && b < a + moe_tensor_nbytes(x);
-}
-
 int moe_route(moe_ctx *ctx, const moe_route_args *a) {
   if (!a) return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": arguments are NULL");
   int rc;
@@ -96,11 +89,7 @@ int moe_route(moe_ctx *ctx, const moe_route_args *a) {
   if ((rc = moe_check_same_device(ctx, STAGE, dev, all, 5))) return rc;
   /* an output sharing memory with another argument would be overwritten while still read */
   static const char *const names[] = {"ids", "weights", "stats", "logits", "bias"};
-  for (int i = 0; i < 3; i++)
-    for (int j = i + 1; j < 5; j++)
-      if (overlap(all[i], all[j]))
-        return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": %s and %s share memory; outputs must not overlap other arguments",
-                          names[i], names[j]);
+  if ((rc = moe_check_no_overlap(ctx, STAGE, all, names, 3, 5))) return rc;
 
   return moe_on_cpu(a->logits) ? route_cpu(ctx, a) : route_cuda(ctx, a);
 }

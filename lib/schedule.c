@@ -18,13 +18,6 @@
 
 #define STAGE "schedule"
 
-/* Whether two tensors on one device share any byte. */
-static int overlap(const moe_tensor *x, const moe_tensor *y) {
-  if (!x || !y || !x->numel || !y->numel) return 0;
-  uintptr_t a = (uintptr_t)x->data, b = (uintptr_t)y->data;
-  return a < b + moe_tensor_nbytes(y) && b < a + moe_tensor_nbytes(x);
-}
-
 /* The argument checks of moe_schedule, shared with moe_schedule_legacy. */
 static int schedule_check(moe_ctx *ctx, const moe_schedule_args *a) {
   if (!a) return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": arguments are NULL");
@@ -70,13 +63,7 @@ static int schedule_check(moe_ctx *ctx, const moe_schedule_args *a) {
   static const char *const names[] = {"peer_rank",      "peer_route", "counts", "tokens_per_expert",
                                       "expert_offsets", "route_row",  "stats",  "ids"};
   if ((rc = moe_check_same_device(ctx, STAGE, a->ids->device, all, 8))) return rc;
-  for (int i = 0; i < 7; i++)
-    for (int j = i + 1; j < 8; j++)
-      if (overlap(all[i], all[j]))
-        return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": %s and %s share memory; outputs must not overlap other arguments",
-                          names[i], names[j]);
-
-  return MOE_OK;
+  return moe_check_no_overlap(ctx, STAGE, all, names, 7, 8);
 }
 
 int moe_schedule(moe_ctx *ctx, const moe_schedule_args *a) {

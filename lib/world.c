@@ -314,7 +314,7 @@ static int check_dispatch(moe_ctx *ctx, const char *stage, const moe_world *w, i
   static const char *names[] = {"xs", "x", "peer_rank", "peer_route", "route_row"};
   for (int j = 0; j < 5; j++)
     if (ts[j] && (rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
-  return MOE_OK;
+  return moe_check_no_overlap(ctx, stage, ts, names, 1, 5);
 }
 
 int moe_world_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *args) {
@@ -359,7 +359,7 @@ static int check_combine(moe_ctx *ctx, const char *stage, const moe_world *w, in
   static const char *names[] = {"out", "weights", "ids", "ys", "route_row", "shared", "shared_gate"};
   for (int j = 0; j < 7; j++)
     if (ts[j] && (rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
-  return MOE_OK;
+  return moe_check_no_overlap(ctx, stage, ts, names, 1, 7);
 }
 
 int moe_world_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *args) {

@@ -161,6 +161,11 @@ static int check_shape(lua_State *L, int idx, int64_t shape[MOE_MAX_DIMS]) {
 
 /* ---- tensor handles ---- */
 
+/* While a CUDA graph is being captured, the registry holds a list of every tensor handle made
+ * since graph_begin; graph_end hands it to the graph, which replays on their memory, so that a
+ * tensor made inside the capture and dropped by the caller is not freed under the graph. */
+static const char *const CAPTURED = "moelab.captured";
+
 /* A closed handle first, then the tensor: if creating it fails, the handle is consistent. */
 static Tensor *new_handle(lua_State *L) {
   Tensor *u = (Tensor *)lua_newuserdatauv(L, sizeof *u, 1);
@@ -168,6 +173,11 @@ static Tensor *new_handle(lua_State *L) {
   u->closed = 0;
   u->views = 0;
   luaL_setmetatable(L, TENSOR);
+  if (lua_getfield(L, LUA_REGISTRYINDEX, CAPTURED) == LUA_TTABLE) {
+    lua_pushvalue(L, -2);
+    lua_rawseti(L, -2, (lua_Integer)lua_rawlen(L, -2) + 1);
+  }
+  lua_pop(L, 1);
   return u;
 }
 
@@ -252,8 +262,12 @@ static int t_index(lua_State *L) {
   if (lua_rawget(L, lua_upvalueindex(1)) != LUA_TNIL || lua_type(L, 2) != LUA_TSTRING) return 1;
   const char *k = lua_tostring(L, 2);
   int which = strcmp(k, "shape") == 0 ? 1 : strcmp(k, "dtype") == 0 ? 2 : strcmp(k, "device") == 0 ? 3
-            : strcmp(k, "ndim") == 0 ? 4 : 0;
+            : strcmp(k, "ndim") == 0 ? 4 : strcmp(k, "closed") == 0 ? 5 : 0;
   if (!which) return 1; /* nil */
+  if (which == 5) { /* readable after closing: it is how a caller asks */
+    lua_pushboolean(L, u->closed || !u->t);
+    return 1;
+  }
   if (u->closed || !u->t) return luaL_error(L, "attempt to read '%s' of a closed moelab.Tensor", k);
   moe_tensor *t = u->t;
   switch (which) {
@@ -435,6 +449,17 @@ static int t_nbytes(lua_State *L) {
 
 static int t_address(lua_State *L) {
   lua_pushlightuserdata(L, moe_tensor_data(check_tensor(L, 1)));
+  return 1;
+}
+
+/* t:overlaps(u): whether the two share a byte (same device, intersecting address ranges). */
+static int t_overlaps(lua_State *L) {
+  moe_tensor *a = check_tensor(L, 1), *b = check_tensor(L, 2);
+  const moe_device da = moe_tensor_device(a), db = moe_tensor_device(b);
+  const uintptr_t pa = (uintptr_t)moe_tensor_data(a), pb = (uintptr_t)moe_tensor_data(b);
+  const size_t na = moe_tensor_nbytes(a), nb = moe_tensor_nbytes(b);
+  lua_pushboolean(L, da.kind == db.kind && (da.kind == MOE_CPU || da.index == db.index) && na && nb &&
+                         pa < pb + nb && pb < pa + na);
   return 1;
 }
 
@@ -957,16 +982,26 @@ static int l_graph_begin(lua_State *L) {
   moe_device dev = check_device(L, 1);
   int rc = moe_graph_begin(ctx, dev);
   if (rc) return fail(L, ctx, rc);
+  lua_newtable(L);
+  lua_setfield(L, LUA_REGISTRYINDEX, CAPTURED);
   return 0;
 }
 
 /* graph_end([keep]) -> Graph; keep (any value, say a table of the captured tensors) is held
- * by the graph so that what it replays on stays alive as long as it does. */
+ * by the graph so that what it replays on stays alive as long as it does, and so is every
+ * tensor made during the capture (CAPTURED). */
 static int l_graph_end(lua_State *L) {
   moe_ctx *ctx = getctx(L);
   lua_settop(L, 1);
-  Handle *h = new_object(L, GRAPH);
+  lua_createtable(L, 2, 0); /* {keep, the tensors made during the capture} */
   lua_pushvalue(L, 1);
+  lua_rawseti(L, 2, 1);
+  lua_getfield(L, LUA_REGISTRYINDEX, CAPTURED);
+  lua_rawseti(L, 2, 2);
+  lua_pushnil(L);
+  lua_setfield(L, LUA_REGISTRYINDEX, CAPTURED);
+  Handle *h = new_object(L, GRAPH);
+  lua_pushvalue(L, 2);
   lua_setiuservalue(L, -2, 1);
   moe_graph *g = NULL;
   int rc = moe_graph_end(ctx, &g);
@@ -1554,6 +1589,7 @@ static const luaL_Reg tensor_methods[] = {
   {"numel", t_numel},
   {"nbytes", t_nbytes},
   {"address", t_address},
+  {"overlaps", t_overlaps},
   {NULL, NULL}
 };
 

@@ -65,6 +65,16 @@ local ROWS = {
   { "randn: fractional seed", function() moe.randn({ 2 }, { seed = 1.5 }) end, "option 'seed' must be an integer, got 1.5" },
   { "randn: unknown option", function() moe.randn({ 2 }, { sed = 1 }) end, "unknown option 'sed'" },
   { "full: value not a number", function() moe.full({ 2 }, "x") end, "value must be a number, got \"x\"" },
+  { "view: a shape whose product overflows", function() L:view(0, { 2 ^ 62, 4 }) end,
+    { "view: more than 2^40 elements", "f32 [4, 8]" }, inside = true },
+  { "a closed tensor as an option", function()
+    local x
+    do
+      local t <close> = bf16 { 2, 3, 4 }
+      x = t
+    end
+    moe.dispatch { x = x, schedule = s0 }
+  end, "option 'x' is a closed moelab.Tensor" },
 
   -- route
   { "route: unknown option", function() moe.route { logits = L, k = 2, topk = 2 } end, "unknown option 'topk'" },
@@ -102,7 +112,11 @@ local ROWS = {
   { "route: NaN scale", function() moe.route { logits = L, k = 2, scoring = "sigmoid", scale = 0 / 0 } end,
     { "option 'scale' must be a finite number > 0, got", "nan" } },
   { "route: NaN logits", function() moe.route { logits = NAN, k = 2 } end,
-    "logits contain NaN in 1 row, the first is row 2 (0-based) of 4" },
+    "logits contain NaN or cannot be scored in 1 row (a NaN, a +inf, a softmax row of -inf, a NaN score with the bias), "
+      .. "the first is row 2 (0-based) of 4" },
+  { "route: a +inf logit under softmax", function()
+    moe.route { logits = moe.tensor({ { 1, 2, 3, 4, 5, 6, 7, 8 }, { 1, 1 / 0, 3, 4, 5, 6, 7, 8 } }), k = 2 }
+  end, "cannot be scored in 1 row (a NaN, a +inf, a softmax row of -inf, a NaN score with the bias), the first is row 1" },
   { "route: unknown nan policy", function() moe.route { logits = L, k = 2, nan = "ignore" } end,
     "option 'nan' must be one of 'error', 'mask', got \"ignore\"" },
   { "route: ids of the wrong shape", function() moe.route { logits = L, k = 2, ids = i32 { 4, 3 } } end,
@@ -167,6 +181,11 @@ local ROWS = {
   { "dispatch: out of the wrong shape", function() moe.dispatch { x = X, schedule = s0, out = bf16 { 5, 4 } } end,
     string.format("option 'out' must be bf16 [%d, 4], got moelab.Tensor(bf16 [5, 4] on cpu)", s0.capacity) },
 
+  { "dispatch: out overlapping x", function()
+    local buf = bf16 { 2 * 3 * 4 + s0.capacity * 4 }
+    moe.dispatch { x = buf:view(0, { 2, 3, 4 }), schedule = s0, out = buf:view(4, { s0.capacity, 4 }) }
+  end, "options 'out' and 'x' share memory; an output must not overlap another argument" },
+
   -- experts
   { "experts: unknown option", function() experts { bias = L } end, "unknown option 'bias'" },
   { "experts: w_down missing", function() experts { w_down = false } end, "option 'w_down' is required" },
@@ -184,6 +203,13 @@ local ROWS = {
     "option 'offsets' must be i32 [3], got moelab.Tensor(f32 [3] on cpu)" },
   { "experts: out of the wrong shape", function() experts { out = bf16 { 6, 4 } } end,
     "option 'out' must be bf16 [6, 8], got moelab.Tensor(bf16 [6, 4] on cpu)" },
+
+  { "experts: out overlapping w_down", function() experts { out = WD:view(0, { 6, 8 }) } end,
+    "options 'out' and 'w_down' share memory" },
+  { "experts: out overlapping x, shifted by a row", function()
+    local buf = bf16 { 7, 8 }
+    experts { x = buf:view(0, { 6, 8 }), out = buf:view(8, { 6, 8 }) }
+  end, "options 'out' and 'x' share memory" },
 
   -- combine
   { "combine: unknown option", function() combine { weight = W3 } end, "unknown option 'weight'" },
@@ -214,6 +240,13 @@ local ROWS = {
   { "combine: unknown dtype", function() combine { dtype = "i32" } end,
     "option 'dtype' must be one of 'bf16', 'f32', got \"i32\"" },
 
+  { "combine: out overlapping a ys", function() combine { out = YS[2]:view(0, { 3, 4 }) } end,
+    "options 'out' and 'ys[2]' share memory" },
+  { "combine: out overlapping weights", function() combine { out = W3:view(0, { 3, 2 }), ys = { bf16 { s0.capacity, 2 },
+    bf16 { s1.capacity, 2 } }, dtype = "f32" } end, "options 'out' and 'weights' share memory" },
+  { "route: weights overlapping logits", function() moe.route { logits = L, k = 2, weights = L:view(0, { 4, 2 }) } end,
+    "options 'weights' and 'logits' share memory" },
+
   -- layer
   { "layer: unknown model name", function() moe.layer { model = "kimi", tokens = 4 } end,
     { "unknown model 'kimi'; expected one of: ", "kimi_k2", "qwen3_5_397b" } },
@@ -243,6 +276,13 @@ local ROWS = {
   { "forward: logits of the wrong shape", function() LAYER:forward(LX, { logits = moe.zeros({ 4, 5 }) }) end,
     "option 'logits' must be f32 [4, 4], got moelab.Tensor(f32 [4, 5] on cpu)" },
   { "check.close: unknown option", function() moe.check.close(L, L, { rtl = 1 }) end, "unknown option 'rtl'" },
+  { "check.close: shapes differ", function() moe.check.close(moe.zeros({ 2, 3 }), moe.zeros({ 3, 2 })) end,
+    "shapes differ: got [2, 3], ref [3, 2]" },
+  { "reference: ids without weights", function() LAYER:reference(LX, { ids = i32 { 2, 2, 2 } }) end,
+    "give 'ids' and 'weights' together" },
+  { "reference: logits and routing", function()
+    LAYER:reference(LX, { logits = moe.zeros({ 4, 4 }), routing = "forward" })
+  end, "give at most one routing" },
 }
 
 describe("argument errors", function()

@@ -1,6 +1,7 @@
 -- CUDA graphs and CUDA failures, GPU only: a captured layer replayed 1,000 times on fresh inputs
 -- (so fresh routing each time) equals the eager forward bit for bit; stats reach graph:check();
--- a CUDA failure is a Lua error naming the stage and the CUDA error, and the process goes on.
+-- a CUDA failure is a Lua error naming the stage and the CUDA error, and the process goes on;
+-- a tensor made inside a capture lives as long as its graph.
 describe("graphs [#gpu]", function()
   if skip_without("cuda:0") then return end
   local dev = "cuda:0"
@@ -74,6 +75,26 @@ describe("graphs [#gpu]", function()
     assert.truthy(err:find("tensor", 1, true) and err:find("cudaErrorMemoryAllocation", 1, true), err)
     -- and the device still works
     assert.tensor_equal(moe.full({ 3 }, 2, { device = dev }):to("cpu"), moe.full({ 3 }, 2))
+  end)
+
+  it("a tensor made inside a capture and dropped lives as long as the graph", function()
+    local ids = moe.tensor({ { { 1 }, { 0 }, { 1 } } }, { dtype = "i32", device = dev })
+    local s = moe.schedule { ids = ids, experts = 2 }
+    local x = moe.full({ 1, 3, 8 }, 3, { dtype = "bf16", device = dev })
+    local held = setmetatable({}, { __mode = "v" }) -- sees the tensor without keeping it
+    local g = moe.graph(function() held[1] = moe.dispatch { x = x, schedule = s } end, { device = dev })
+    collectgarbage()
+    collectgarbage()
+    assert.is_not_nil(held[1], "the dispatch output was collected while its graph lives")
+    -- fresh tensors of its size get other memory: a replay writes its rows, not theirs
+    local others = {}
+    for i = 1, 4 do others[i] = moe.zeros({ s.capacity, 8 }, { dtype = "bf16", device = dev }) end
+    g:replay()
+    for i = 1, 4 do assert.tensor_equal(others[i]:to("cpu"), moe.zeros({ s.capacity, 8 }, { dtype = "bf16" })) end
+    assert.tensor_equal(held[1]:to("cpu"), moe.full({ s.capacity, 8 }, 3, { dtype = "bf16" }))
+    g = nil
+    for _ = 1, 3 do collectgarbage() end -- the graph's finaliser, then what it held
+    assert.is_nil(held[1], "the graph's tensors outlived it")
   end)
 
   it("a device copy during capture is refused", function()

@@ -30,11 +30,15 @@ local function same_shape(a, b)
 end
 
 -- Error metrics of got against ref: max |got - ref|, max |ref|, their ratio, relative L2, NaNs.
-function check.metrics(got, ref)
+function check.metrics(got, ref, level)
   local g, gs = flat(got, "got")
   local r, rs = flat(ref, "ref")
+  if args.is_tensor(got) and args.is_tensor(ref) and not same_shape(gs, rs) then
+    error(string.format("check: shapes differ: got %s, ref %s", args.shape_str(gs), args.shape_str(rs)), level or 2)
+  end
   if #g ~= #r then
-    error(string.format("check: got has %d elements %s, ref has %d %s", #g, args.shape_str(gs), #r, args.shape_str(rs)), 2)
+    error(string.format("check: got has %d elements %s, ref has %d %s", #g, args.shape_str(gs), #r, args.shape_str(rs)),
+      level or 2)
   end
   local max_abs, max_ref, sq_diff, sq_ref, nans, worst = 0, 0, 0, 0, 0, nil
   for i = 1, #g do
@@ -63,7 +67,7 @@ end
 function check.close(got, ref, opts)
   opts = args.options("check.close", opts or {}, { rtol = "number", atol = "number", l2 = "number", what = "string" })
   local rtol, atol, l2 = opts.rtol or 2e-2, opts.atol or 0, opts.l2 or 1e-2
-  local m = check.metrics(got, ref)
+  local m = check.metrics(got, ref, 3) -- a mismatch of shapes is the caller's
   local ok = m.nans == 0 and m.max_abs <= atol + rtol * m.max_ref and m.rel_l2 <= l2
   if not ok then
     local g, r = flat(got, "got"), flat(ref, "ref")

@@ -102,6 +102,7 @@ function moe.route(o)
     args.tensor("route", "bias", o.bias, "f32", { E })
   end
   local dev = args.same_device("route", o, { "logits", "bias", "ids", "weights" })
+  args.disjoint("route", o, { "ids", "weights" }, { "logits", "bias" })
   local ids = o.ids and args.tensor("route", "ids", o.ids, "i32", { N, o.k }) or core.new("i32", { N, o.k }, dev)
   local weights = o.weights and args.tensor("route", "weights", o.weights, "f32", { N, o.k })
     or core.new("f32", { N, o.k }, dev)
@@ -110,8 +111,9 @@ function moe.route(o)
     scoring = scoring, groups = groups, topk_groups = topk_groups, scale = scale }
   local st = stats:flat()
   if st[1] > 0 and o.nan ~= "mask" then
-    error(string.format("route: logits contain NaN in %d row%s, the first is row %d (0-based) of %d; "
-      .. "pass nan = 'mask' to route such rows nowhere", st[1], st[1] == 1 and "" or "s", st[2], N), 2)
+    error(string.format("route: logits contain NaN or cannot be scored in %d row%s (a NaN, a +inf, a softmax row of "
+      .. "-inf, a NaN score with the bias), the first is row %d (0-based) of %d; pass nan = 'mask' to route such rows "
+      .. "nowhere", st[1], st[1] == 1 and "" or "s", st[2], N), 2)
   end
   return ids, weights, { nan_rows = st[1] }
 end
@@ -254,6 +256,7 @@ function moe.dispatch(o)
   local out = o.out and args.tensor("dispatch", "out", o.out, "bf16", { s.capacity, H })
     or core.new("bf16", { s.capacity, H }, x.device)
   args.same_device("dispatch", { x = x, out = out, schedule = s.peer_rank }, { "x", "out", "schedule" })
+  args.disjoint("dispatch", { x = x, out = out }, { "out" }, { "x" })
   core.dispatch { xs = out, x = x, peer_rank = s.peer_rank, peer_route = s.peer_route, k = s.k,
     zero_fill = o.zero_fill or false }
   return out
@@ -277,6 +280,10 @@ function moe.experts(o)
   local out = o.out and args.tensor("experts", "out", o.out, "bf16", { C, H }) or core.new("bf16", { C, H }, x.device)
   args.same_device("experts", { x = x, offsets = o.offsets, w_gate_up = wgu, w_down = o.w_down, out = out },
     { "x", "offsets", "w_gate_up", "w_down", "out" })
+  -- out may be x itself (in place: every row block of x is read before it is written), else disjoint
+  local in_place = o.out ~= nil and out:address() == x:address()
+  args.disjoint("experts", o, { "out" }, in_place and { "offsets", "w_gate_up", "w_down" }
+    or { "x", "offsets", "w_gate_up", "w_down" })
   core.experts { ys = out, xs = x, expert_offsets = o.offsets, w_gate_up = wgu, w_down = o.w_down }
   return out
 end
@@ -325,6 +332,8 @@ function moe.combine(o)
     or core.new(o.dtype or "bf16", { T, H }, dev)
   args.same_device("combine", { ids = s1.ids, weights = o.weights, out = out, shared = o.shared,
     shared_gate = o.shared_gate, y = ys[1] }, { "ids", "weights", "out", "shared", "shared_gate", "y" })
+  args.disjoint("combine", { out = out, weights = o.weights, y = o.y, ys = o.ys, shared = o.shared,
+    shared_gate = o.shared_gate }, { "out" }, { "weights", "y", "ys", "shared", "shared_gate" })
   core.combine { out = out, weights = o.weights, ids = s1.ids:select(rank + 1), ys = ys, route_row = route_rows,
     world = W, experts = s1.experts, rank = rank, shared = o.shared, shared_gate = o.shared_gate }
   return out

@@ -218,7 +218,8 @@ return function(moe)
     if eager and not o.ids and self.nan == "error" then
       local st = self.route_stats:flat()
       if st[1] > 0 then
-        error(string.format("layer: route: router logits contain NaN in %d rows, the first is token %d of rank %d",
+        error(string.format("layer: route: router logits contain NaN or cannot be scored (+inf, all -inf) in %d rows, "
+          .. "the first is token %d of rank %d",
           st[1], st[2] % T, st[2] // T), 2)
       end
     end
@@ -316,6 +317,10 @@ return function(moe)
     o = args.options("reference", o or {}, { logits = "tensor", ids = "tensor", weights = "tensor",
       routing = { "own", "forward" }, tokens = "table" })
     check_x(self, "reference", x)
+    if (o.ids == nil) ~= (o.weights == nil) then args.fail("reference", "give 'ids' and 'weights' together") end
+    if (o.ids and 1 or 0) + (o.logits and 1 or 0) + (o.routing and 1 or 0) > 1 then
+      args.fail("reference", "give at most one routing: 'logits', 'ids' and 'weights', or 'routing'")
+    end
     local W, T, K, H, E = self.world, self.tokens, self.k, self.hidden, self.experts
     local c = cpu_weights(self)
     local all = {}
@@ -435,8 +440,8 @@ return function(moe)
     local layer = self.layer
     local st = layer.route_stats:flat()
     if st[1] > 0 and layer.nan == "error" then
-      error(string.format("layer: route: router logits contained NaN in %d rows (those tokens were routed nowhere)",
-        st[1]), 2)
+      error(string.format("layer: route: router logits contained NaN or could not be scored (+inf, all -inf) in %d rows "
+        .. "(those tokens were routed nowhere)", st[1]), 2)
     end
     for r = 1, layer.world do
       local s = layer.schedules[r]

@@ -152,7 +152,8 @@ return function(moe, shared)
         self.group:bind(i)
         local st = self.route_stats[i]:flat()
         if st[1] > 0 then
-          error(string.format("layer: route: router logits contain NaN in %d rows of rank %d, the first is token %d",
+          error(string.format("layer: route: router logits contain NaN or cannot be scored (+inf, all -inf) in %d rows "
+            .. "of rank %d, the first is token %d",
             st[1], self.ranks[i], st[2]), 3)
         end
       end
@@ -337,8 +338,8 @@ return function(moe, shared)
     local layer = self.layer
     local st = layer.route_stats[1]:flat()
     if st[1] > 0 and layer.nan == "error" then
-      error(string.format("layer: route: router logits contained NaN in %d rows (those tokens were routed nowhere)",
-        st[1]), 2)
+      error(string.format("layer: route: router logits contained NaN or could not be scored (+inf, all -inf) in %d rows "
+        .. "(those tokens were routed nowhere)", st[1]), 2)
     end
     local s = layer.schedules[1]
     s.stats = nil

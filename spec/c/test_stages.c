@@ -38,6 +38,17 @@ static moe_tensor *mk(moe_dtype dt, int ndim, const int64_t *shape, const void *
   }
   return t;
 }
+/* A view of base from element offset, kept in the pool like the tensors. */
+static moe_tensor *view_of(moe_tensor *base, int64_t offset, int ndim, const int64_t *shape) {
+  moe_tensor *t;
+  if (moe_tensor_view(ctx, base, offset, ndim, shape, &t) != MOE_OK || npool == 256) {
+    fprintf(stderr, "test_stages: cannot make a view: %s\n", moe_errmsg(ctx));
+    exit(2);
+  }
+  pool[npool++] = t;
+  return t;
+}
+#define VIEW(base, offset, ...) view_of(base, offset, NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__))
 #define BF16(vals, ...) mk(MOE_BF16, NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__), vals)
 #define F32(vals, ...) mk(MOE_F32, NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__), vals)
 #define I32(vals, ...) mk(MOE_I32, NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__), vals)
@@ -112,6 +123,14 @@ static void test_dispatch(void) {
   a.peer_route = pt, a.k = 0;
   ARG_ERROR(moe_dispatch(ctx, &a), "dispatch", "k must be >= 1");
   ARG_ERROR(moe_dispatch(ctx, NULL), "dispatch", "NULL");
+  /* an output overlapping an input would be overwritten while still read */
+  moe_tensor *both = BF16(NULL, C * H + W * T * H);
+  a.k = K, a.xs = VIEW(both, W * T * H - 1, C, H), a.x = VIEW(both, 0, W, T, H);
+  ARG_ERROR(moe_dispatch(ctx, &a), "dispatch", "xs and x share memory");
+  a.xs = VIEW(both, W * T * H, C, H); /* adjacent, not overlapping */
+  OK(moe_dispatch(ctx, &a));
+  moe_tensor *view, *big = BF16(NULL, 4);
+  ARG_ERROR(moe_tensor_view(ctx, big, 0, 2, SHAPE((int64_t)1 << 62, 4), &view), "view", "more than 2^40 elements");
 }
 
 /* ---- experts ---- */
@@ -205,7 +224,11 @@ static void test_experts(void) {
   ARG_ERROR(moe_experts(ctx, &e), "experts", "w_down must be bf16 [3, 2, 1]");
   e.w_down = dn, e.expert_offsets = I32(NULL, EL);
   ARG_ERROR(moe_experts(ctx, &e), "experts", "expert_offsets must be i32 [4]");
-  e.expert_offsets = NULL;
+  e.expert_offsets = off, e.ys = VIEW(gu, 0, C, H);
+  ARG_ERROR(moe_experts(ctx, &e), "experts", "ys and w_gate_up share memory");
+  e.ys = VIEW(xs, H, C - 1, H), e.xs = VIEW(xs, 0, C - 1, H); /* shifted by a row: not in place */
+  ARG_ERROR(moe_experts(ctx, &e), "experts", "ys and xs share memory");
+  e.ys = ys, e.xs = xs, e.expert_offsets = NULL;
   ARG_ERROR(moe_experts(ctx, &e), "experts", "got nothing");
   ARG_ERROR(moe_experts(ctx, NULL), "experts", "NULL");
 }
@@ -283,6 +306,11 @@ static void test_combine(void) {
   ARG_ERROR(moe_combine(ctx, &e), "combine", "shared_gate must be f32 [3]");
   e = a, e.ys = NULL;
   ARG_ERROR(moe_combine(ctx, &e), "combine", "ys and route_row");
+  moe_tensor *ys_big[W] = {BF16(y0v, 3, H), BF16(NULL, 4, H)};
+  e = a, e.ys = (const moe_tensor *const *)ys_big, e.out = VIEW(ys_big[1], 0, T, H);
+  ARG_ERROR(moe_combine(ctx, &e), "combine", "out and ys[1] share memory");
+  e = a, e.out = VIEW(shared, 0, T, H);
+  ARG_ERROR(moe_combine(ctx, &e), "combine", "out and shared share memory");
 }
 
 /* ---- reference ---- */
