@@ -62,6 +62,16 @@ describe("graphs [#gpu]", function()
     assert.truthy(tostring(err):find("NaN", 1, true), tostring(err))
   end)
 
+  it("a layer made on device 'cuda' is on cuda:0 and captures", function()
+    local layer = small_layer { device = "cuda" }
+    assert.equal("cuda:0", layer.device)
+    layer.input:randn(5, 1.0)
+    local g = layer:capture()
+    g:replay()
+    g:check()
+    assert.tensor_equal(layer.out:to("cpu"), layer:forward(layer.input):to("cpu"))
+  end)
+
   it("capture refuses a CPU layer with a clear error", function()
     local layer = small_layer { device = "cpu" }
     assert.has_error(function() layer:capture() end,

@@ -9,7 +9,9 @@ local function describe(v)
   local mt = getmetatable(v)
   if type(mt) == "table" and mt.__name == "moelab.Tensor" then return tostring(v) end
   if type(v) == "string" then return string.format("%q", v) end
-  if math.type(v) == "float" then return string.format("%.17g", v) end
+  if math.type(v) == "float" then -- 2.0 as "2.0", so that "must be an integer, got 2.0" reads right
+    return (v == math.floor(v) and math.abs(v) < 2^53) and string.format("%.1f", v) or string.format("%.17g", v)
+  end
   return tostring(v)
 end
 args.describe = describe

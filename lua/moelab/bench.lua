@@ -1,7 +1,8 @@
 -- moe.bench(fn, {warmup=, iters=, device=}): runs fn warmup times, then times iters runs one by
 -- one and returns {median_ms, min_ms, max_ms, mean_ms, iters, times_ms}.  Each run is timed
 -- with a pair of events: device events on a GPU (the device's time, not the launch's), a
--- monotonic wall clock on the CPU.
+-- monotonic wall clock on the CPU.  device defaults to the default device (cuda:0 where there is a
+-- GPU): the CPU's clock around asynchronous launches would time the launches, not the work.
 local core = require "moelab.core"
 local args = require "moelab.args"
 
@@ -11,7 +12,7 @@ local function bench(fn, opts)
   local warmup, iters = opts.warmup or 3, opts.iters or 10
   args.range("bench", "warmup", warmup, 0)
   args.range("bench", "iters", iters, 1)
-  local device = opts.device or "cpu"
+  local device = opts.device or (core.device_count("cuda") > 0 and "cuda:0" or "cpu")
   for _ = 1, warmup do fn() end
   local start, stop = core.event_new(device), core.event_new(device)
   local times = {}

@@ -33,7 +33,7 @@ local function check_shape(fname, shape, level)
   end
   if #shape > 4 then args.fail(fname, "at most 4 dimensions, got " .. #shape, level + 1) end
   for i, d in ipairs(shape) do
-    if math.type(d) ~= "integer" or d < 0 then
+    if not math.tointeger(d) or d < 0 then -- 2.0 counts, as for every integer option
       args.fail(fname, string.format("shape[%d] must be a non-negative integer, got %s", i, args.describe(d)), level + 1)
     end
   end
@@ -70,6 +70,34 @@ end
 
 local SCORING = { "softmax", "sigmoid", "sqrtsoftplus" }
 
+-- The routing options k, scoring, groups, topk_groups, scale of o checked against E experts,
+-- for fname (route, or a layer when it is built); returns scoring, groups, topk_groups, scale
+-- with their defaults.
+function moe.routing_options(fname, E, o, level)
+  level = (level or 2) + 1
+  local scoring = o.scoring or "softmax"
+  local groups = o.groups or 1
+  args.range(fname, "k", o.k, 1, E, level)
+  args.range(fname, "groups", groups, 1, E, level)
+  if E % groups ~= 0 then
+    args.fail(fname, string.format("option 'groups' (%d) must divide the number of experts (%d)", groups, E), level)
+  end
+  if groups > 1 and scoring ~= "sigmoid" then
+    args.fail(fname, string.format("option 'groups' (%d) needs scoring = 'sigmoid', got '%s'", groups, scoring), level)
+  end
+  local topk_groups = o.topk_groups or groups
+  args.range(fname, "topk_groups", topk_groups, 1, groups, level)
+  if o.k > topk_groups * (E // groups) then
+    args.fail(fname, string.format("option 'k' (%d) exceeds the %d experts in the %d kept groups",
+      o.k, topk_groups * (E // groups), topk_groups), level)
+  end
+  local scale = o.scale or 1.0
+  if not (scale > 0 and scale < math.huge) then
+    args.fail(fname, "option 'scale' must be a finite number > 0, got " .. args.describe(scale), level)
+  end
+  return scoring, groups, topk_groups, scale
+end
+
 function moe.route(o)
   args.options("route", o, {
     logits = "tensor", k = "integer", scoring = SCORING, bias = "tensor", groups = "integer",
@@ -77,26 +105,7 @@ function moe.route(o)
   }, { "logits", "k" })
   local logits = args.tensor("route", "logits", o.logits, "f32", { false, false })
   local N, E = logits.shape[1], logits.shape[2]
-  local scoring = o.scoring or "softmax"
-  local groups = o.groups or 1
-  args.range("route", "k", o.k, 1, E)
-  args.range("route", "groups", groups, 1, E)
-  if E % groups ~= 0 then
-    args.fail("route", string.format("option 'groups' (%d) must divide the number of experts (%d)", groups, E))
-  end
-  if groups > 1 and scoring ~= "sigmoid" then
-    args.fail("route", string.format("option 'groups' (%d) needs scoring = 'sigmoid', got '%s'", groups, scoring))
-  end
-  local topk_groups = o.topk_groups or groups
-  args.range("route", "topk_groups", topk_groups, 1, groups)
-  if o.k > topk_groups * (E // groups) then
-    args.fail("route", string.format("option 'k' (%d) exceeds the %d experts in the %d kept groups",
-      o.k, topk_groups * (E // groups), topk_groups))
-  end
-  local scale = o.scale or 1.0
-  if not (scale > 0 and scale < math.huge) then
-    args.fail("route", "option 'scale' must be a finite number > 0, got " .. args.describe(scale))
-  end
+  local scoring, groups, topk_groups, scale = moe.routing_options("route", E, o)
   if o.bias ~= nil then
     if scoring == "softmax" then args.fail("route", "option 'bias' needs scoring = 'sigmoid' or 'sqrtsoftplus'") end
     args.tensor("route", "bias", o.bias, "f32", { E })
@@ -147,7 +156,7 @@ function moe.schedule_plan(o, fname, level)
   local ids = args.tensor(fname, "ids", o.ids, "i32", { false, false, false }, level)
   local W, T, K = ids.shape[1], ids.shape[2], ids.shape[3]
   local E = o.experts
-  args.range(fname, "experts", E, 1, nil, level)
+  args.range(fname, "experts", E, 1, 0x7fffffff, level) -- ids are i32
   if W < 1 then args.fail(fname, "option 'ids' has no ranks (its first dimension is 0)", level) end
   if E % W ~= 0 then
     args.fail(fname, string.format("option 'experts' (%d) must be a multiple of the world size %d (ids is %s)",
@@ -155,7 +164,7 @@ function moe.schedule_plan(o, fname, level)
   end
   local rank, pad = o.rank or 0, o.pad or 1
   args.range(fname, "rank", rank, 0, W - 1, level)
-  args.range(fname, "pad", pad, 1, nil, level)
+  args.range(fname, "pad", pad, 1, 0x7fffffff, level) -- rows are i32: so no sum below can wrap
   args.range(fname, "capacity", o.capacity, 0, 0x7fffffff, level)
   args.range(fname, "expert_capacity", o.expert_capacity, 0, 0x7fffffff, level)
   local EL = E // W

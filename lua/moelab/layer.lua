@@ -32,7 +32,8 @@ return function(moe)
   local function resolve(o)
     args.options("layer", o, SPEC, { "model", "tokens" }, 3)
     local real = moe.World and getmetatable(o.world) == moe.World and o.world or nil
-    if o.world ~= nil and not real and math.type(o.world) ~= "integer" then
+    local world_n = not real and math.tointeger(o.world) or nil -- 2.0 counts, as for every integer option
+    if o.world ~= nil and not real and not world_n then
       args.fail("layer", "option 'world' must be an integer (a simulated world of that many ranks) or a moe.world, got "
         .. args.describe(o.world), 3)
     end
@@ -59,15 +60,21 @@ return function(moe)
         args.fail("layer", string.format("the model has no integer '%s' (got %s)", f, args.describe(cfg[f])), 3)
       end
     end
-    local W, T = real and real.size or o.world or 1, o.tokens
+    local W, T = real and real.size or world_n or 1, o.tokens
     args.range("layer", "world", W, 1, nil, 3)
-    args.range("layer", "tokens", T, 1, nil, 3)
+    args.range("layer", "tokens", T, 1, 0x7fffffff, 3)
     args.range("layer", "hidden", cfg.hidden, 1, nil, 3)
     args.range("layer", "ffn", cfg.ffn, 1, nil, 3)
     args.range("layer", "shared_ffn", cfg.shared_ffn, 0, nil, 3)
-    args.range("layer", "experts", cfg.experts, 1, nil, 3)
+    args.range("layer", "experts", cfg.experts, 1, 0x7fffffff, 3)
     args.range("layer", "k", cfg.k, 1, cfg.experts, 3)
-    args.range("layer", "pad", o.pad, 1, nil, 3)
+    -- the router's options, checked now rather than at the first forward
+    if cfg.scoring ~= nil and type(cfg.scoring) ~= "string" then
+      args.fail("layer", "option 'scoring' must be a string, got " .. args.describe(cfg.scoring), 3)
+    end
+    args.options("layer", { scoring = cfg.scoring }, { scoring = SPEC.scoring }, nil, 3)
+    moe.routing_options("layer", cfg.experts, cfg, 3)
+    args.range("layer", "pad", o.pad, 1, 0x7fffffff, 3) -- rows are i32: so the capacity's sum cannot wrap
     if cfg.experts % W ~= 0 then
       args.fail("layer", string.format("the %d experts cannot be split over a world of %d ranks (%d %% %d ~= 0)",
         cfg.experts, W, cfg.experts, W), 3)
@@ -75,6 +82,7 @@ return function(moe)
     local E, K, H, F, Fs = cfg.experts, cfg.k, cfg.hidden, cfg.ffn, cfg.shared_ffn
     local EL, pad = E // W, o.pad or 1
     local device = o.device or moe.default_device()
+    if device == "cuda" then device = "cuda:0" end -- as its tensors will name it
     local seed = o.seed or 0
     -- Default capacity: twice the mean rows of a rank plus one pad per expert; skewed routing
     -- needs more (the layer raises on overflow unless overflow = "drop").
