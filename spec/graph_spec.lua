@@ -65,8 +65,8 @@ describe("graphs [#gpu]", function()
   it("a layer made on device 'cuda' is on cuda:0 and captures", function()
     local layer = small_layer { device = "cuda" }
     assert.equal("cuda:0", layer.device)
+    local g = layer:capture() -- makes layer.input, the buffer it replays on
     layer.input:randn(5, 1.0)
-    local g = layer:capture()
     g:replay()
     g:check()
     assert.tensor_equal(layer.out:to("cpu"), layer:forward(layer.input):to("cpu"))
