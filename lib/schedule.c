@@ -134,9 +134,9 @@ static void schedule_fill(const moe_schedule_args *a, const struct scratch *s) {
   for (int p = 0; p < w; p++) {
     const int32_t *row = ids + (size_t)p * tk;
     for (int32_t th = 0; th < threads && th < tk; th++)
-      for (int32_t i = th; i < tk; i += threads) {
+      for (int64_t i = th; i < tk; i += threads) { /* 64-bit: i + threads may pass 2^31 */
         const int32_t id = row[i];
-        if (id >= lo && id < lo + el) bucket[cursor[(size_t)(id - lo) * w + p]++] = p * tk + i;
+        if (id >= lo && id < lo + el) bucket[cursor[(size_t)(id - lo) * w + p]++] = (int32_t)(p * tk + i);
       }
   }
 

@@ -147,11 +147,14 @@ local ROWS = {
   { "schedule: pad past i32", function() moe.schedule { ids = I, experts = 4, pad = 1 << 62 } end,
     "option 'pad' must be between 1 and 2147483647, got 4611686018427387904" },
   { "schedule: negative capacity", function() moe.schedule { ids = I, experts = 4, capacity = -1 } end,
-    { "option 'capacity' must be between 0 and 2147483647", "got -1" } },
+    { "option 'capacity' must be between 0 and 2147483646", "got -1" } },
   { "schedule: negative expert_capacity", function() moe.schedule { ids = I, experts = 4, expert_capacity = -2 } end,
     { "option 'expert_capacity' must be between 0 and 2147483647", "got -2" } },
   { "schedule: capacity past i32", function() moe.schedule { ids = I, experts = 4, capacity = 2 ^ 31 } end,
-    { "option 'capacity' must be between 0 and 2147483647", "got 2147483648" } },
+    { "option 'capacity' must be between 0 and 2147483646", "got 2147483648" } },
+  { "schedule: capacity 2^31 - 1, where a need past it could not be told", function()
+    moe.schedule { ids = I, experts = 4, capacity = 0x7fffffff }
+  end, { "option 'capacity' must be between 0 and 2147483646", "got 2147483647" } },
   { "schedule: unknown layout", function() moe.schedule { ids = I, experts = 4, layout = "rr" } end,
     "option 'layout' must be one of 'roundrobin', 'peer_major', got \"rr\"" },
   { "schedule: unknown overflow policy", function() moe.schedule { ids = I, experts = 4, overflow = "ignore" } end,
@@ -265,7 +268,7 @@ local ROWS = {
     "option 'pad' must be between 1 and 2147483647, got 4611686018427387904" },
   { "layer: K > E", function() moe.layer { model = tiny, tokens = 4, k = 5 } end, "option 'k' must be between 1 and 4, got 5" },
   { "layer: negative capacity", function() moe.layer { model = tiny, tokens = 4, capacity = -1 } end,
-    { "option 'capacity' must be between 0 and 2147483647", "got -1" } },
+    { "option 'capacity' must be between 0 and 2147483646", "got -1" } },
   { "layer: groups that do not divide the experts", function()
     moe.layer { model = tiny, tokens = 2, scoring = "sigmoid", groups = 3 }
   end, "bad argument #1 to 'layer' (option 'groups' (3) must divide the number of experts (4))" },

@@ -165,11 +165,13 @@ function moe.schedule_plan(o, fname, level)
   local rank, pad = o.rank or 0, o.pad or 1
   args.range(fname, "rank", rank, 0, W - 1, level)
   args.range(fname, "pad", pad, 1, 0x7fffffff, level) -- rows are i32: so no sum below can wrap
-  args.range(fname, "capacity", o.capacity, 0, 0x7fffffff, level)
+  -- at most 2^31 - 2: rows_needed saturates at 2^31 - 1, so a capacity of 2^31 - 1 could not tell
+  -- a need of exactly that from an overflow
+  args.range(fname, "capacity", o.capacity, 0, 0x7ffffffe, level)
   args.range(fname, "expert_capacity", o.expert_capacity, 0, 0x7fffffff, level)
   local EL = E // W
   local C = o.capacity or worst_case_rows(W, T, K, EL, pad, o.expert_capacity)
-  if C > 0x7fffffff then args.fail(fname, "the default capacity exceeds 2^31 rows; pass capacity", level) end
+  if C > 0x7ffffffe then args.fail(fname, "the default capacity exceeds 2^31 - 2 rows; pass capacity", level) end
   local dev = ids.device
   local s = setmetatable({
     ids = ids, world = W, tokens = T, k = K, experts = E, local_experts = EL, rank = rank, pad = pad,

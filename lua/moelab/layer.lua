@@ -87,7 +87,7 @@ return function(moe)
     -- Default capacity: twice the mean rows of a rank plus one pad per expert; skewed routing
     -- needs more (the layer raises on overflow unless overflow = "drop").
     local capacity = o.capacity or (2 * T * K + EL * pad)
-    args.range("layer", "capacity", capacity, 0, 0x7fffffff, 3)
+    args.range("layer", "capacity", capacity, 0, 0x7ffffffe, 3) -- as moe.schedule's (see there)
     return {
       cfg = cfg, world = W, tokens = T, experts = E, local_experts = EL, k = K, hidden = H, ffn = F,
       shared_ffn = Fs, pad = pad, layout = o.layout or "roundrobin", capacity = capacity,
