@@ -79,7 +79,7 @@ int moe_check_tensor(moe_ctx *ctx, const char *stage, const char *what, const mo
 int moe_check_same_device(moe_ctx *ctx, const char *stage, moe_device dev,
                           const moe_tensor *const *ts, int n);
 /* The first nout tensors of ts are the stage's outputs: none may share a byte with any other
- * (NULL) tensor of ts, since it would be overwritten while still read.  names[i] names ts[i]. */
+ * tensor of ts (NULL ones skipped): it would be overwritten while still read.  names[i] names ts[i]. */
 int moe_check_no_overlap(moe_ctx *ctx, const char *stage, const moe_tensor *const *ts, const char *const *names,
                          int nout, int n);
 

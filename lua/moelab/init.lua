@@ -33,7 +33,7 @@ local function check_shape(fname, shape, level)
   end
   if #shape > 4 then args.fail(fname, "at most 4 dimensions, got " .. #shape, level + 1) end
   for i, d in ipairs(shape) do
-    if not math.tointeger(d) or d < 0 then -- 2.0 counts, as for every integer option
+    if type(d) ~= "number" or not math.tointeger(d) or d < 0 then -- 2.0 counts, as for every integer option
       args.fail(fname, string.format("shape[%d] must be a non-negative integer, got %s", i, args.describe(d)), level + 1)
     end
   end

@@ -32,7 +32,8 @@ return function(moe)
   local function resolve(o)
     args.options("layer", o, SPEC, { "model", "tokens" }, 3)
     local real = moe.World and getmetatable(o.world) == moe.World and o.world or nil
-    local world_n = not real and math.tointeger(o.world) or nil -- 2.0 counts, as for every integer option
+    -- 2.0 counts, as for every integer option
+    local world_n = not real and type(o.world) == "number" and math.tointeger(o.world) or nil
     if o.world ~= nil and not real and not world_n then
       args.fail("layer", "option 'world' must be an integer (a simulated world of that many ranks) or a moe.world, got "
         .. args.describe(o.world), 3)
@@ -69,9 +70,6 @@ return function(moe)
     args.range("layer", "experts", cfg.experts, 1, 0x7fffffff, 3)
     args.range("layer", "k", cfg.k, 1, cfg.experts, 3)
     -- the router's options, checked now rather than at the first forward
-    if cfg.scoring ~= nil and type(cfg.scoring) ~= "string" then
-      args.fail("layer", "option 'scoring' must be a string, got " .. args.describe(cfg.scoring), 3)
-    end
     args.options("layer", { scoring = cfg.scoring }, { scoring = SPEC.scoring }, nil, 3)
     moe.routing_options("layer", cfg.experts, cfg, 3)
     args.range("layer", "pad", o.pad, 1, 0x7fffffff, 3) -- rows are i32: so the capacity's sum cannot wrap
