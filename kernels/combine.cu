@@ -18,7 +18,7 @@
 
 namespace {
 
-constexpr int MAX_WORLD = 128; // 3 KB of pointers: well inside the 4 KB kernel parameter space
+constexpr int MAX_WORLD = MOE_CUDA_COMBINE_MAX_WORLD; // 3 KB of pointers: inside the 4 KB of parameters
 constexpr int KC = 64;         // routes whose sources are looked up at a time
 
 struct Owners {
@@ -83,7 +83,8 @@ combine_kernel(const __grid_constant__ Owners own, const Args a) {
   const bool looker = (int)threadIdx.x >= nacc;
   const int lane = (int)threadIdx.x & 31;
   const int64_t step = (int64_t)nacc * NV * VEC; // elements per pass
-  const int64_t passes = (H + step - 1) / step, groups = (K + KC - 1) / KC;
+  // K = 0 still has one (empty) group a token, whose last step stores the shared expert or 0
+  const int64_t passes = (H + step - 1) / step, groups = K > 0 ? (K + KC - 1) / KC : 1;
   const int64_t per_token = passes * groups;
   const int64_t n = (a.T - blockIdx.x + G - 1) / G * per_token;
 

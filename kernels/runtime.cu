@@ -163,8 +163,24 @@ int cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src_dev,
   cudaStream_t s;
   int rc = cuda_ctx_stream(ctx, dst_gpu ? dst_dev.index : src_dev.index, &s);
   if (rc) return rc;
-  // cudaMemcpyDefault: unified addressing tells host from device memory and one GPU from another
-  MOE_CUDA_TRY(ctx, "copy", cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, s));
+  const uintptr_t d = (uintptr_t)dst, r = (uintptr_t)src;
+  if (dst_gpu && src_gpu && dst_dev.index == src_dev.index && d != r && d < r + nbytes && r < d + nbytes) {
+    // overlapping views of one tensor: cudaMemcpy does not promise memmove's result, so go
+    // through a temporary (stream-ordered, so a capture holds it as graph memory nodes)
+    void *tmp = NULL;
+    MOE_CUDA_TRY(ctx, "copy", cudaMallocAsync(&tmp, nbytes, s));
+    const cudaError_t e1 = cudaMemcpyAsync(tmp, src, nbytes, cudaMemcpyDeviceToDevice, s);
+    const cudaError_t e2 = e1 == cudaSuccess ? cudaMemcpyAsync(dst, tmp, nbytes, cudaMemcpyDeviceToDevice, s) : e1;
+    MOE_CUDA_TRY(ctx, "copy", cudaFreeAsync(tmp, s));
+    if (e2 != cudaSuccess) {
+      (void)cudaGetLastError();
+      return moe_seterr(ctx, MOE_ERR_CUDA, "copy: cudaMemcpyAsync through a temporary failed: %s: %s",
+                        cudaGetErrorName(e2), cudaGetErrorString(e2));
+    }
+  } else if (d != r) {
+    // cudaMemcpyDefault: unified addressing tells host from device memory and one GPU from another
+    MOE_CUDA_TRY(ctx, "copy", cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, s));
+  }
   // Ordered after the stages issued before it on the stream; the host sees the data on return.
   // Inside a capture the device-to-device copy is a node of the graph, nothing to wait for.
   if (!ctx->capturing) MOE_CUDA_TRY(ctx, "copy", cudaStreamSynchronize(s));

@@ -509,7 +509,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
         // padding rows of the experts this block owns
         if (first_unit && k == 0)
           for (int e = (blk - w0 % G + G) % G; e < wsz; e += G)
-            for (int r = off[e] + lim[e] + tid; r < off[e + 1]; r += kThreads) {
+            for (long long r = off[e] + lim[e] + tid; r < off[e + 1]; r += kThreads) { // C may be near 2^31
               P.peer_rank[r] = -1;
               P.peer_route[r] = -1;
             }
@@ -746,6 +746,13 @@ extern "C" void cuda_scratch_release(moe_ctx *ctx) {
 
 extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   const int device = a->ids->device.index;
+  // The kernel indexes routes, rows of a chunk and experts in 32 bits, with loop steps of up to
+  // a few thousand past the end: sizes within 2^16 of 2^31 (legal on the CPU) are refused here.
+  const long long tk_all = a->ids->shape[1] * a->ids->shape[2], el_all = a->experts / a->ids->shape[0];
+  if (tk_all > INT_MAX - 65536 || el_all > INT_MAX - 65536)
+    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+                      STAGE ": %lld routes a rank and %lld experts a rank; cuda takes at most 2^31 - 65536 of each",
+                      tk_all, el_all);
   cudaStream_t st;
   int rc = cuda_ctx_stream(ctx, device, &st);
   if (rc) return rc;
@@ -823,7 +830,10 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   P.lgcw = log2_exact(cw);
   P.rw = rw;
   const long long units = (long long)W * P.chunks;
-  if (units > INT_MAX / kThreads) return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": %lld units of work is too many", units);
+  // the last chunk's row_end (its first row + rw, in 32 bits) may pass tk by up to rw
+  if (units > INT_MAX / kThreads || (long long)P.chunks * rw > INT_MAX)
+    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": %lld units of %d rows of work are too many for cuda", units,
+                      rw);
   P.units = (int)units;
 
   // pieces: the whole chunk, groups of whole columns, or runs of rows of one column
@@ -884,10 +894,16 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 2;
-  MOE_CUDA_TRY(ctx, STAGE, cudaLaunchKernelEx(&cfg, resident ? schedule_kernel<true> : schedule_kernel<false>, P));
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, resident ? schedule_kernel<true> : schedule_kernel<false>, P);
   trace_grid = grid;
-
-  if ((rc = cuda_scratch_done(ctx, st, scratch, owned))) return rc;
+  // the scratch goes back whether or not the launch went (in a capture, as a free node)
+  rc = cuda_scratch_done(ctx, st, scratch, owned);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return moe_seterr(ctx, MOE_ERR_CUDA, STAGE ": cudaLaunchKernelEx(schedule_kernel) failed at %s:%d: %s: %s", __FILE__,
+                      __LINE__, cudaGetErrorName(err), cudaGetErrorString(err));
+  }
+  if (rc) return rc;
   return moe_ok(ctx);
 }
 

@@ -619,10 +619,14 @@ __global__ void __launch_bounds__(XTHREADS) pull_kernel(V *__restrict__ xs, Pull
 
 template <typename V>
 int launch_pull(moe_ctx *ctx, cudaStream_t s, V *xs, PullArgs a, int64_t H, const char *stage) {
-  a.pieces = (uint32_t)(H * 2 / (int64_t)sizeof(V));
+  const int64_t pieces = H * 2 / (int64_t)sizeof(V);
+  if (pieces == 0 || pieces * XMAX_RB >= ((int64_t)1 << 31)) // as dispatch.cu: indices are 32-bit
+    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: rows of %lld elements are too long for cuda", stage, (long long)H);
+  a.pieces = (uint32_t)pieces;
   int64_t rb = (4 * XTHREADS * XUNROLL + a.pieces - 1) / a.pieces;
   a.rb = (int)(rb < 1 ? 1 : rb > XMAX_RB ? XMAX_RB : rb);
   const int64_t blocks = (a.C + a.rb - 1) / a.rb;
+  if (blocks > INT32_MAX) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: %lld rows are too many for cuda", stage, (long long)a.C);
   if (a.K <= kExtra + 1) pull_kernel<V, true><<<(unsigned)blocks, XTHREADS, 0, s>>>(xs, a);
   else pull_kernel<V, false><<<(unsigned)blocks, XTHREADS, 0, s>>>(xs, a);
   MOE_CUDA_LAUNCHED(ctx, stage);
@@ -647,6 +651,9 @@ int nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex) {
   if (w->aborted)
     return moe_seterr(ctx, MOE_ERR_ARG, "%s: the world was aborted after a timeout or a failed rank; close it", stage);
   if (W > 1024) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: at most 1024 ranks, got %d", stage, W);
+  if (ex->hidden * XMAX_RB >= ((int64_t)1 << 31)) // launch_pull's 32-bit indices, refused before any traffic
+    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: rows of %lld elements are too long for cuda", stage,
+                      (long long)ex->hidden);
   if (W == 1) {
     // NCCL has no symmetric memory for a communicator of one rank, nor any need: the one
     // rank reads its own memory.

@@ -78,6 +78,10 @@ int moe_check_tensor(moe_ctx *ctx, const char *stage, const char *what, const mo
 /* Every non-NULL tensor in ts lives on dev. */
 int moe_check_same_device(moe_ctx *ctx, const char *stage, moe_device dev,
                           const moe_tensor *const *ts, int n);
+/* The most ranks combine's CUDA kernel takes (their pointers travel in its parameters); the
+ * world checks it before any traffic. */
+#define MOE_CUDA_COMBINE_MAX_WORLD 128
+
 /* The first nout tensors of ts are the stage's outputs: none may share a byte with any other
  * tensor of ts (NULL ones skipped): it would be overwritten while still read.  names[i] names ts[i]. */
 int moe_check_no_overlap(moe_ctx *ctx, const char *stage, const moe_tensor *const *ts, const char *const *names,

@@ -271,7 +271,14 @@ static int check_gather(moe_ctx *ctx, const char *stage, const moe_world *w, int
     snprintf(what, sizeof what, "out[%d]", i);
     rc = check_on(ctx, stage, what, out, w->devices[i]);
   }
-  return rc;
+  if (rc) return rc;
+  /* NCCL's in-place form (in is this rank's own slot of out) or disjoint buffers; a partial
+   * overlap would be overwritten while it is still sent */
+  const size_t slot = moe_tensor_nbytes(in);
+  if ((char *)in->data == (char *)out->data + slot * (size_t)w->ranks[i]) return MOE_OK;
+  const moe_tensor *ts[] = {out, in};
+  const char *const names[] = {"out", "in"};
+  return moe_check_no_overlap(ctx, stage, ts, names, 1, 2);
 }
 
 int moe_world_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe_tensor *const *in) {
@@ -335,6 +342,9 @@ int moe_world_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args
 static int check_combine(moe_ctx *ctx, const char *stage, const moe_world *w, int i, const moe_world_combine_args *a) {
   int rc;
   char got[160];
+  if (w->size > MOE_CUDA_COMBINE_MAX_WORLD) /* here, before any rank sends: combine's kernel would refuse it */
+    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: at most %d ranks on cuda, got %d", stage, MOE_CUDA_COMBINE_MAX_WORLD,
+                      w->size);
   if ((rc = moe_check_tensor(ctx, stage, "weights", a->weights, MOE_F32, 2, NULL))) return rc;
   const int64_t T = a->weights->shape[0], K = a->weights->shape[1];
   const int64_t tk[] = {T, K};
@@ -375,13 +385,14 @@ int moe_world_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *
     if ((rc = moe_check_tensor(ctx, stage, "recv_rows", a->recv_rows, MOE_BF16, 3, rows))) return rc;
     if ((rc = moe_check_tensor(ctx, stage, "send_index", a->send_index, MOE_I32, 2, rr))) return rc;
     if ((rc = moe_check_tensor(ctx, stage, "recv_index", a->recv_index, MOE_I32, 2, rr))) return rc;
-    if (a->send_rows == a->recv_rows || a->send_index == a->recv_index ||
-        (a->send_rows->data == a->recv_rows->data) || (a->send_index->data == a->recv_index->data))
-      return moe_seterr(ctx, MOE_ERR_ARG, "%s: the send and receive buffers must be distinct", stage);
-    const moe_tensor *ts[] = {a->send_rows, a->recv_rows, a->send_index, a->recv_index};
-    static const char *names[] = {"send_rows", "recv_rows", "send_index", "recv_index"};
+    /* the four buffers are written (packed, received) while the stage's inputs are still read */
+    const moe_tensor *ts[] = {a->send_rows, a->recv_rows, a->send_index, a->recv_index, a->out, a->weights, a->ids,
+                              a->ys, a->route_row, a->shared, a->shared_gate};
+    static const char *names[] = {"send_rows", "recv_rows", "send_index", "recv_index", "out", "weights", "ids",
+                                  "ys", "route_row", "shared", "shared_gate"};
     for (int j = 0; j < 4; j++)
       if ((rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
+    if ((rc = moe_check_no_overlap(ctx, stage, ts, names, 4, 11))) return rc;
   }
   return nccl_combine(ctx, w, args);
 }
@@ -494,6 +505,13 @@ static int check_sizes(moe_ctx *ctx, const char *stage, const moe_world_exchange
                     (long long)ex->k, (long long)ex->hidden, (long long)ex->capacity);
 }
 
+/* Whether any byte of t lies in local rank i's window, which the other ranks write into. */
+static int in_window(const moe_world_exchange *ex, int i, const moe_tensor *t) {
+  const uintptr_t a = (uintptr_t)t->data, b = (uintptr_t)ex->base[i];
+  const size_t n = moe_tensor_nbytes(t);
+  return n && a < b + ex->bytes && b < a + n;
+}
+
 int moe_world_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_dispatch_args *args) {
   static const char *stage = "world: exchange dispatch";
   if (!ex || !args) return moe_seterr(ctx, MOE_ERR_ARG, "%s: NULL argument", stage);
@@ -503,8 +521,8 @@ int moe_world_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_
     const moe_world_dispatch_args *a = &args[i];
     if ((rc = check_dispatch(ctx, stage, w, i, a, 1))) return rc;
     if ((rc = check_sizes(ctx, stage, ex, i, a->x->shape[0], a->k, a->x->shape[1], a->xs->shape[0]))) return rc;
-    if (a->xs->data == ex->x[i].data || a->xs->data == ex->ys[i].data)
-      return moe_seterr(ctx, MOE_ERR_ARG, "%s: xs may not be the exchange's own x or ys", stage);
+    if (in_window(ex, i, a->xs))
+      return moe_seterr(ctx, MOE_ERR_ARG, "%s: xs may not lie in the exchange's window (its x, ys, route_row)", stage);
   }
   return nccl_exchange_dispatch(ctx, ex, args);
 }
@@ -520,8 +538,8 @@ int moe_world_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_w
     if ((rc = check_sizes(ctx, stage, ex, i, a->weights->shape[0], a->weights->shape[1], a->ys->shape[1],
                           a->ys->shape[0])))
       return rc;
-    if (a->out->data == ex->x[i].data || a->out->data == ex->ys[i].data)
-      return moe_seterr(ctx, MOE_ERR_ARG, "%s: out may not be the exchange's own x or ys", stage);
+    if (in_window(ex, i, a->out))
+      return moe_seterr(ctx, MOE_ERR_ARG, "%s: out may not lie in the exchange's window (its x, ys, route_row)", stage);
   }
   return nccl_exchange_combine(ctx, ex, args);
 }

@@ -174,6 +174,20 @@ for _, dev in ipairs(ALL_DEVICES) do
         assert.has_error(function() b:copy(T({ 1, 2, 3, 4 }, "f32")) end)
         assert.has_error(function() b:copy(T({ 1, 2, 3 }, "i32")) end)
       end)
+      it(":copy between overlapping views of one tensor moves the values as memmove does", function()
+        local n, vals = 3000, {}
+        for i = 1, n do vals[i] = i end
+        for _, shift in ipairs { 7, -7 } do -- the destination after the source, then before it
+          local base = T(vals, "i32")
+          local m = n - 7
+          local src, dst = base:view(shift > 0 and 0 or 7, { m }), base:view(shift > 0 and 7 or 0, { m })
+          dst:copy(src)
+          local want = {}
+          for i = 1, n do want[i] = vals[i] end
+          for i = 1, m do want[(shift > 0 and 7 or 0) + i] = vals[(shift > 0 and 0 or 7) + i] end
+          assert.tensor_equal(base, want)
+        end
+      end)
     end)
 
     describe("moe.randn", function()

@@ -425,6 +425,8 @@ static void test_combine(void) {
   test_combine_case(700, 3, 24, wide, 3);
   const int narrow[] = {64, 7};
   test_combine_case(600, 70, 140, narrow, 2);
+  /* no routes at all (K = 0): out is the shared expert, or 0, as on the CPU */
+  test_combine_case(33, 0, 24, narrow, 2);
 }
 
 /* ---- graphs and events ---- */

@@ -176,8 +176,17 @@ static void direct_one_rank(moe_world *w, const char *how, moe_device d, Sched *
   moe_world_dispatch_args bd = da;
   bd.xs = wys;
   rc = moe_world_exchange_dispatch(ctx, ex, &bd);
-  check(rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), "xs may not be"), "%s: xs in the window is refused: %s", how,
-        moe_errmsg(ctx));
+  check(rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), "xs may not lie in the exchange's window"),
+        "%s: xs in the window is refused: %s", how, moe_errmsg(ctx));
+  /* and an out that starts inside the window, a row past the start of its ys */
+  moe_tensor *inside = NULL;
+  TRY(moe_tensor_view(ctx, wys, H, 2, (const int64_t[]){moe_tensor_dim(ca.out, 0), H}, &inside));
+  moe_world_combine_args bo = ca;
+  bo.out = inside;
+  rc = moe_world_exchange_combine(ctx, ex, &bo);
+  check(rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), "out may not lie in the exchange's window"),
+        "%s: an out inside the window is refused: %s", how, moe_errmsg(ctx));
+  moe_tensor_free(inside);
   moe_tensor *ts[] = {x3, xs, xs_ref, out, ref, small, wx, wys};
   for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_free(ts[i]);
   moe_world_exchange_close(ex);
