@@ -79,10 +79,6 @@ int moe_device_count(moe_ctx *ctx, int kind, int *count) {
   return moe_ok(ctx);
 }
 
-int moe_ctx_synchronize(moe_ctx *ctx, moe_device device) {
-  if (device.kind == MOE_CPU) return moe_ok(ctx);
-  return cuda_synchronize(ctx, device.index);
-}
 
 /* ---- tensors ---- */
 
@@ -115,6 +111,12 @@ static int check_device(moe_ctx *ctx, const char *stage, moe_device device) {
     return moe_seterr(ctx, MOE_ERR_ARG, "%s: cuda:%d does not exist (%d GPU%s visible)", stage, device.index, n,
                       n == 1 ? "" : "s");
   return MOE_OK;
+}
+
+int moe_ctx_synchronize(moe_ctx *ctx, moe_device device) {
+  int rc = check_device(ctx, "synchronize", device); /* no GPU: UNSUPPORTED, as every other call says */
+  if (rc || device.kind == MOE_CPU) return rc ? rc : moe_ok(ctx);
+  return cuda_synchronize(ctx, device.index);
 }
 
 int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape, moe_device device,

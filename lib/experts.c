@@ -288,6 +288,8 @@ int moe_logits(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_ten
   if ((rc = moe_check_tensor(ctx, stage, "out", out, MOE_F32, 2, out_shape))) return rc;
   const moe_tensor *ts[] = {out, x, w};
   if ((rc = moe_check_same_device(ctx, stage, x->device, ts, 3))) return rc;
+  static const char *const names[] = {"out", "x", "w"};
+  if ((rc = moe_check_no_overlap(ctx, stage, ts, names, 1, 3))) return rc;
   return moe_on_cpu(x) ? logits_cpu(ctx, out, x, w) : logits_cuda(ctx, out, x, w);
 }
 
@@ -323,5 +325,7 @@ int moe_sigmoid_gate(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe
   if ((rc = moe_check_tensor(ctx, stage, "g", g, MOE_F32, 1, g_shape))) return rc;
   const moe_tensor *ts[] = {g, x, w};
   if ((rc = moe_check_same_device(ctx, stage, x->device, ts, 3))) return rc;
+  static const char *const names[] = {"g", "x", "w"};
+  if ((rc = moe_check_no_overlap(ctx, stage, ts, names, 1, 3))) return rc;
   return moe_on_cpu(x) ? sigmoid_gate_cpu(ctx, g, x, w) : sigmoid_gate_cuda(ctx, g, x, w);
 }

@@ -1,12 +1,13 @@
 /*
  * moelab.h -- the public C API of moelab, Mixture-of-Experts layer kernels.
  *
- * Plain C: no macros past this preamble are needed to call it, so the declarations between
- * MOE_CDEF_BEGIN and MOE_CDEF_END can be handed to LuaJIT's ffi.cdef as they are.
+ * Plain C: no macros past this preamble are needed to call it.  The declarations between
+ * MOE_CDEF_BEGIN and MOE_CDEF_END go to LuaJIT's ffi.cdef once every "MOE_API " (the export
+ * marker) is taken out of them (README.md has the two lines of Lua that do it).
  *
  * Conventions (SQLite's): every call returns an int status (MOE_OK or an error code); the
- * context keeps the message of its last failure (moe_errmsg); moe_errstr names a code without
- * a context.  Functions that take tensors run where the tensors are: all tensors of one call
+ * context keeps the message of its last call (moe_errmsg: why it failed, "" after a success);
+ * moe_errstr names a code without a context.  Functions that take tensors run where the tensors are: all tensors of one call
  * must live on one device.  Nothing here exits, aborts or longjmps.
  *
  * Data conditions found while computing (NaN logits, invalid expert ids, capacity overflow)
@@ -67,7 +68,8 @@ MOE_API const char *moe_errmsg(const moe_ctx *ctx);
 /* Number of usable devices of a kind: 1 for MOE_CPU, the visible GPUs for MOE_CUDA
  * (0 in a build without CUDA or on a machine without a GPU). */
 MOE_API int moe_device_count(moe_ctx *ctx, int kind, int *count);
-/* The CUDA stream (a cudaStream_t, NULL = the legacy default stream) stages are issued on. */
+/* The CUDA stream (a cudaStream_t) stages are issued on.  NULL (the default) lets the context
+ * make a non-blocking stream of its own on first use, which moe_ctx_stream then returns. */
 MOE_API int moe_ctx_set_stream(moe_ctx *ctx, void *stream);
 MOE_API void *moe_ctx_stream(const moe_ctx *ctx);
 /* Waits for all work issued on the context's stream (a no-op on the CPU). */

@@ -81,7 +81,7 @@ int moe_route(moe_ctx *ctx, const moe_route_args *a) {
     return moe_seterr(ctx, MOE_ERR_ARG,
                       STAGE ": k (%d) must be at most topk_groups (%d) times the experts per group (%lld)", a->k,
                       a->topk_groups, (long long)group_size);
-  if (!isfinite(a->scale) || !(a->scale > 0.0f))
+  if (a->scoring != MOE_SCORE_SOFTMAX && (!isfinite(a->scale) || !(a->scale > 0.0f))) /* softmax ignores it */
     return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": scale must be finite and > 0, got %g", (double)a->scale);
 
   const moe_device dev = a->logits->device;

@@ -72,6 +72,10 @@ local T = opts.tokens or (gpu and 7168 or 32)
 local iters = opts.iters or (gpu and 10 or 1)
 local warmup = gpu and 3 or 0
 if T < 1 or iters < 1 then usage_error("--tokens and --iters must be >= 1") end
+for _, f in ipairs { "hidden", "ffn" } do
+  if opts[f] and opts[f] < 1 then usage_error(string.format("--%s must be >= 1, got %d", f, opts[f])) end
+end
+local json_file = cli.output("json", opts.json)
 
 local function p(...) io.write(string.format(...), "\n") io.flush() end
 
@@ -415,8 +419,8 @@ end
 for _, e in ipairs(baseline_errors) do p("  cuBLAS baseline failed, %s", e) end
 if failed then p("  a check FAILED: see the check column") end
 
-if opts.json then
-  local f = assert(io.open(opts.json, "w"))
+if json_file then
+  local f = json_file
   f:write(json.encode { device = dev, world = W, tokens = T, iters = iters, warmup = warmup, seed = opts.seed,
     zipf_s = ZIPF_S, hot_share = HOT_SHARE, router_std = ROUTER_STD, models = shapes, rows = all_rows,
     baseline = { path = baseline_path, note = baseline_note, notes = baseline_notes, errors = baseline_errors } }, "\n")

@@ -15,22 +15,28 @@ local cli = require "moelab.cli"
 local json = require "moelab.json"
 
 local model = moe.models.kimi_k2
-local device = moe.default_device()
-local small = device == "cpu"
 local opts = cli.parse(arg, {
-  { "tokens", "integer", small and 32 or 7168, "tokens per rank" },
-  { "hidden", "integer", small and 256 or model.hidden, "hidden size H" },
-  { "ffn", "integer", small and 128 or model.ffn, "expert FFN width F (and the shared expert's)" },
+  { "tokens", "integer", nil, "tokens per rank (default 7168 on a GPU, 32 on the CPU)" },
+  { "hidden", "integer", nil, string.format("hidden size H (default %d on a GPU, 256 on the CPU)", model.hidden) },
+  { "ffn", "integer", nil, string.format("expert FFN width F, and the shared expert's (default %d on a GPU, 128 on the "
+    .. "CPU)", model.ffn) },
   { "world", "integer", nil, "expert-parallel ranks W (default 8, or one per --devices)" },
   { "layout", "string", "roundrobin", "row layout: roundrobin or peer_major" },
   { "pad", "integer", 1, "pad each expert's rows to a multiple of this" },
-  { "device", "string", device, "cpu or cuda:N" },
+  { "device", "string", nil, "cpu or cuda:N (default " .. moe.default_device() .. ")" },
   { "devices", "string", nil, "a real world: one rank per GPU listed, e.g. 0,1,2,3" },
   { "capacity", "integer", nil, "rows per rank (default: twice the mean plus one pad per expert)" },
   { "seed", "integer", 1, "seed of the weights and inputs" },
   { "sample", "integer", 4, "on a GPU: tokens of each rank checked against the CPU reference" },
   { "json", "string", nil, "also write the report as JSON to this file" },
 }, "lua scenarios/kimi.lua: one Kimi K2 MoE layer, expert parallel, checked and timed")
+local json_file = cli.output("json", opts.json)
+local device_given = opts.device
+opts.device = opts.device or moe.default_device()
+local small = opts.device == "cpu" and not opts.devices -- the sizes follow the device asked for
+opts.tokens = opts.tokens or (small and 32 or 7168)
+opts.hidden = opts.hidden or (small and 256 or model.hidden)
+opts.ffn = opts.ffn or (small and 128 or model.ffn)
 
 -- A real world when --devices lists GPUs: one rank on each, all in this process.
 local group
@@ -45,7 +51,7 @@ if opts.devices then
   if opts.world and opts.world ~= #list then
     cli.fail(string.format("--world %d but --devices lists %d GPUs: one rank per GPU", opts.world, #list))
   end
-  if opts.device ~= device and opts.device ~= "cuda:" .. list[1] then
+  if device_given and device_given ~= "cuda:" .. list[1] then
     cli.fail("--device and --devices: give one (a real world puts each rank on its own GPU)")
   end
   group = moe.world { devices = list }
@@ -249,8 +255,8 @@ end
 p("  expert load over the world: max %d, mean %.1f (max/mean %.2f)", real.max_load, real.mean_load,
   real.max_load / real.mean_load)
 
-if opts.json then
-  local f = assert(io.open(opts.json, "w"))
+if json_file then
+  local f = json_file
   f:write(json.encode {
     model = model.name, device = opts.device, devices = group and group.devices or nil, world = W, tokens = T,
     hidden = H, ffn = F, pad = layer.pad,

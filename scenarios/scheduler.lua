@@ -22,6 +22,10 @@ local opts = cli.parse(arg, {
   { "reps", "integer", 9, "timed replays; the median is reported" },
   { "json", "string", nil, "also write the table as JSON to this file" },
 }, "lua scenarios/scheduler.lua: the routed-token scheduler against the legacy baseline")
+for _, f in ipairs { "calls", "reps", "pad" } do
+  if opts[f] < 1 then cli.fail(string.format("--%s must be >= 1, got %d", f, opts[f])) end
+end
+local json_file = cli.output("json", opts.json)
 
 local dev = opts.device
 local function capacity_of(c)
@@ -125,8 +129,8 @@ for _, r in ipairs(rows) do
     r.legacy_us and string.format("%.2f", r.legacy_us) or "n/a", r.ours_us,
     r.legacy_us and string.format("%.1fx", r.legacy_us / r.ours_us) or "", r.mismatch and ("  MISMATCH " .. r.mismatch) or "")
 end
-if opts.json then
-  local f = assert(io.open(opts.json, "w"))
+if json_file then
+  local f = json_file
   f:write(json.encode { device = dev, pad = opts.pad, layout = opts.layout, capacity = opts.capacity, rows = rows }, "\n")
   f:close()
 end

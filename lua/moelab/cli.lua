@@ -47,6 +47,7 @@ function cli.parse(argv, spec, title)
       elseif f[2] == "list" then
         local l = {}
         for item in value:gmatch("[^,]+") do l[#l + 1] = item end
+        if #l == 0 then usage(string.format("flag --%s needs a comma-separated list, got '%s'", name, value)) end
         opts[name] = l
       else
         opts[name] = value
@@ -61,6 +62,15 @@ end
 function cli.fail(msg)
   io.stderr:write(msg, "\n")
   os.exit(2)
+end
+
+-- The file of an output flag (--json), opened for writing now, so that a bad path is a usage
+-- error before the run rather than a traceback after it; nil when the flag is absent.
+function cli.output(flag, path)
+  if path == nil then return nil end
+  local f, err = io.open(path, "w")
+  if not f then cli.fail(string.format("--%s: cannot write '%s': %s", flag, path, err)) end
+  return f
 end
 
 return cli

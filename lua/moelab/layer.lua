@@ -97,7 +97,10 @@ return function(moe)
 
   local function new_layer(o)
     local r = resolve(o)
-    if r.real then return world_layer(r) end
+    if r.real then
+      local wl = world_layer(r) -- not a tail call: its errors count this frame to reach the caller
+      return wl
+    end
     local cfg, W, T, E, EL, K, H, F, Fs, pad, device, seed, capacity = r.cfg, r.world, r.tokens, r.experts,
       r.local_experts, r.k, r.hidden, r.ffn, r.shared_ffn, r.pad, r.device, r.seed, r.capacity
 

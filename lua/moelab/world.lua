@@ -232,9 +232,19 @@ return function(moe)
   function World:allgather_ids(ids, out)
     local list, one = per_rank(self, "allgather_ids", "ids", ids, is_tensor)
     local outs = {}
+    if out ~= nil and not is_tensor(out) and type(out) ~= "table" then
+      args.fail("allgather_ids", "out must be a tensor or a list of one per local rank, got " .. args.describe(out), 2)
+    end
     for i, t in ipairs(list) do
       args.tensor("allgather_ids", "ids", t, "i32", { false, false }, 2)
-      outs[i] = out and (one and out or out[i]) or core.new("i32", { self.size, t.shape[1], t.shape[2] }, t.device)
+      local want = { self.size, t.shape[1], t.shape[2] }
+      local o = out
+      if o ~= nil and not is_tensor(o) then o = o[i] end -- a list of outputs, or the one tensor
+      if out ~= nil and is_tensor(out) and #list ~= 1 then
+        args.fail("allgather_ids", string.format("out must be a list of %d tensors (one per local rank)", #list), 2)
+      end
+      outs[i] = o and args.tensor("allgather_ids", string.format("out[%d]", i), o, "i32", want, 2)
+        or core.new("i32", want, t.device)
     end
     call(self.handle, "allgather_ids", outs, list)
     return one and outs[1] or outs
@@ -255,7 +265,10 @@ return function(moe)
     return self
   end
 
-  local function is_args(v) return type(v) == "table" and (v.x ~= nil or v.schedule ~= nil) end
+  -- a table of one rank's arguments (rather than a list of them): any of the stage's own keys
+  local function is_args(v)
+    return type(v) == "table" and (v.x ~= nil or v.schedule ~= nil or v.y ~= nil or v.weights ~= nil)
+  end
 
   -- The calls of dispatch per local rank; the all-gather exchange (direct = false) also takes
   -- x_all, every rank's tokens.

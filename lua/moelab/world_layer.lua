@@ -111,19 +111,19 @@ return function(moe, shared)
     local list = v
     if args.is_tensor(v) then
       if self.nlocal ~= 1 then
-        args.fail(fname, string.format("'%s' needs one tensor per local rank (%d), got one", name, self.nlocal), 4)
+        args.fail(fname, string.format("'%s' needs one tensor per local rank (%d), got one", name, self.nlocal), 3)
       end
       list = { v }
     end
     if type(list) ~= "table" or #list ~= self.nlocal then
       args.fail(fname, string.format("'%s' must be a list of %d tensors (one per local rank), got %s", name,
-        self.nlocal, args.describe(v)), 4)
+        self.nlocal, args.describe(v)), 3)
     end
     for i, t in ipairs(list) do
-      args.tensor(fname, string.format("%s[%d]", name, i), t, dtype, shape, 4)
+      args.tensor(fname, string.format("%s[%d]", name, i), t, dtype, shape, 3)
       if t.device ~= self.devices[i] then
         args.fail(fname, string.format("%s[%d] is on %s but local rank %d (rank %d) is on %s", name, i, t.device, i,
-          self.ranks[i], self.devices[i]), 4)
+          self.ranks[i], self.devices[i]), 3)
       end
     end
     return list
@@ -154,7 +154,7 @@ return function(moe, shared)
         if st[1] > 0 then
           error(string.format("layer: route: router logits contain NaN or cannot be scored (+inf, all -inf) in %d rows "
             .. "of rank %d, the first is token %d",
-            st[1], self.ranks[i], st[2]), 3)
+            st[1], self.ranks[i], st[2]), 0) -- no position here: forward gives the caller's
         end
       end
     end
@@ -165,7 +165,7 @@ return function(moe, shared)
     if eager then
       each(self, function(i)
         local ok, err = pcall(self.schedules[i].check, self.schedules[i])
-        if not ok then error("layer: " .. tostring(err), 4) end
+        if not ok then error("layer: " .. tostring(err), 0) end
       end)
     end
     local ex = self.exchange
@@ -217,7 +217,7 @@ return function(moe, shared)
     if o.logits then oo.logits = per_rank(self, "forward", "logits", o.logits, "f32", { T, E }) end
     local ok, res = pcall(run, self, x, oo)
     self.group:unbind()
-    if not ok then error(res, 0) end
+    if not ok then error(res, 2) end -- at the caller's line (run's own errors carry no position)
     return res
   end
 

@@ -412,6 +412,12 @@ static void test_layer(void) {
     moe_reference_args r = {.out = ref, .x = xp, .ids = ids, .weights = w, .w_gate_up = (const moe_tensor *const *)gu,
                             .w_down = (const moe_tensor *const *)dn, .world = W, .experts = E};
     OK(moe_reference(ctx, &r));
+    if (p == 0) { /* an out overlapping the weights would be written while they are read */
+      moe_tensor *both = F32(NULL, T * K + T * H);
+      moe_reference_args bad = r;
+      bad.weights = VIEW(both, 0, T, K), bad.out = VIEW(both, T * K - 1, T, H);
+      ARG_ERROR(moe_reference(ctx, &bad), "reference", "out and weights share memory");
+    }
     moe_tensor_free(xp);
     double maxerr = 0, maxref = 0;
     for (int i = 0; i < T * H; i++) {
@@ -422,8 +428,33 @@ static void test_layer(void) {
   }
 }
 
+/* What the header promises of the context and of the calls that need no tensor data. */
+static void test_api(void) {
+  /* the message is the last call's: a success clears it */
+  ARG_ERROR(moe_tensor_fill(ctx, NULL, 0), "fill", "NULL");
+  int n = 0;
+  OK(moe_device_count(ctx, MOE_CUDA, &n));
+  CHECK(moe_errmsg(ctx)[0] == '\0', "a success leaves the message empty, got \"%s\"", moe_errmsg(ctx));
+  /* without a GPU, synchronizing on one is UNSUPPORTED, as every other call on it */
+  const int rc = moe_ctx_synchronize(ctx, (moe_device){MOE_CUDA, 0});
+  CHECK(n > 0 ? rc == MOE_OK : rc == MOE_ERR_UNSUPPORTED, "synchronize on cuda:0 with %d GPUs: %d (%s)", n, rc,
+        moe_errmsg(ctx));
+  /* softmax does not use scale: a zero-initialised field is fine */
+  moe_tensor *lg = F32(((const float[]){1, 3, 2, 0, 0, 5}), 2, 3), *ids = I32(NULL, 2, 1), *w = F32(NULL, 2, 1);
+  moe_tensor *st = I32(NULL, 2);
+  moe_route_args ra = {.ids = ids, .weights = w, .stats = st, .logits = lg, .k = 1, .scoring = MOE_SCORE_SOFTMAX,
+                       .groups = 1, .topk_groups = 1};
+  OK(moe_route(ctx, &ra));
+  CHECK(((const int32_t *)moe_tensor_data(ids))[0] == 1 && ((const int32_t *)moe_tensor_data(ids))[1] == 2,
+        "softmax top-1 with scale 0: ids %d %d, want 1 2", ((const int32_t *)moe_tensor_data(ids))[0],
+        ((const int32_t *)moe_tensor_data(ids))[1]);
+  ra.scoring = MOE_SCORE_SIGMOID;
+  ARG_ERROR(moe_route(ctx, &ra), "route", "scale must be finite and > 0");
+}
+
 int main(void) {
   if (moe_ctx_open(&ctx) != MOE_OK) return 2;
+  test_api();
   test_dispatch();
   test_experts();
   test_logits_gate();
