@@ -10,7 +10,8 @@
 -- It also builds the simulated layer of all W ranks on its own GPU from the same seed and checks:
 -- its routing and schedule equal the simulated rank's bit for bit, its output is within the
 -- layer's tolerance of the simulated one and of the dense reference, and the replay equals an
--- eager forward of the same tokens bit for bit.  Prints one line per check; exits 1 on a failure.
+-- eager forward of the same tokens bit for bit; and NaN logits on one rank stop every rank's
+-- forward at once.  Prints one line per check; exits 1 on a failure.
 local moe = require "moelab"
 local cli = require "moelab.cli"
 
@@ -62,6 +63,21 @@ local replayed = graph:replay():to("cpu")
 graph:check()
 local eager = layer:forward(layer.inputs[1]):to("cpu")
 check(pcall(moe.check.equal, replayed, eager), "a graph replay on new tokens equals the eager forward bit for bit")
+
+-- NaN logits on the last rank only: every rank raises at once (the last one naming the NaN, the
+-- others naming that rank), none waits for a rank that left the forward; the world goes on.
+local E = layer.experts
+local logits = moe.randn({ T, E }, { seed = 77 + rank, device = dev })
+if rank == W - 1 then logits:view(3 * E, { 1 }):fill(0 / 0) end
+local t0 = moe.core.now()
+local ok, err = pcall(layer.forward, layer, layer.inputs[1], { logits = logits })
+local secs = moe.core.now() - t0
+err = tostring(err)
+local want = rank == W - 1 and "NaN or cannot be scored" or string.format("rank %d stopped this forward", W - 1)
+check(not ok and err:find(want, 1, true) ~= nil and secs < 5,
+  "NaN logits on rank %d alone stop every rank within %.2f s: %s", W - 1, secs, err)
+local again = layer:forward(layer.inputs[1]):to("cpu")
+check(pcall(moe.check.equal, again, eager), "the next forward runs as before")
 
 world:close()
 io.write(string.format("rank %d: %d check%s failed\n", rank, failures, failures == 1 and "" or "s"))

@@ -39,7 +39,7 @@ return function(moe, shared)
     local function randn(shape, s, std, dev) return core.new("bf16", shape, dev):randn(sd + s, std) end
     local L = { w_router = {}, bias = {}, w_gate_up = {}, w_down = {}, shared_gate_up = {}, shared_down = {},
       shared_gate_w = {}, logits = {}, ids = {}, weights = {}, route_stats = {}, all_ids = {}, schedules = {}, xs = {},
-      out = {}, shared_y = {}, shared_offsets = {}, gate = {} }
+      out = {}, shared_y = {}, shared_offsets = {}, gate = {}, verdict = {}, verdicts = {} }
     for k, v in pairs(L) do self[k] = v end
     for i = 1, self.nlocal do
       local dev, rank = self.devices[i], self.ranks[i]
@@ -60,6 +60,9 @@ return function(moe, shared)
       self.ids[i] = core.new("i32", { T, K }, dev)
       self.weights[i] = core.new("f32", { T, K }, dev)
       self.route_stats[i] = core.new("i32", { 2 }, dev)
+      -- {NaN rows, schedule failed} of this rank, then every rank's: see run
+      self.verdict[i] = core.new("i32", { 1, 2 }, dev)
+      self.verdicts[i] = core.new("i32", { W, 1, 2 }, dev)
       self.all_ids[i] = core.new("i32", { W, T, K }, dev)
       self.schedules[i] = moe.schedule_plan({ ids = self.all_ids[i], experts = E, rank = rank, pad = self.pad,
         capacity = C, expert_capacity = self.expert_capacity, layout = self.layout, overflow = self.overflow,
@@ -147,14 +150,20 @@ return function(moe, shared)
           topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
       end)
     end)
+    -- The data conditions (NaN logits, a schedule's overflow or invalid ids) are decided by all
+    -- ranks together, after the schedule: a rank that raised alone would leave the others waiting
+    -- in the next collective until the world's timeout.  Errors carry no position here: forward
+    -- gives its caller's.
+    local own = {} -- this process's messages, by local rank
+    local nan = {}
     if eager and not o.ids and self.nan == "error" then
       for i = 1, self.nlocal do
         self.group:bind(i)
         local st = self.route_stats[i]:flat()
+        nan[i] = st[1]
         if st[1] > 0 then
-          error(string.format("layer: route: router logits contain NaN or cannot be scored (+inf, all -inf) in %d rows "
-            .. "of rank %d, the first is token %d",
-            st[1], self.ranks[i], st[2]), 0) -- no position here: forward gives the caller's
+          own[i] = string.format("layer: route: router logits contain NaN or cannot be scored (+inf, all -inf) in %d "
+            .. "rows of rank %d, the first is token %d", st[1], self.ranks[i], st[2])
         end
       end
     end
@@ -163,10 +172,26 @@ return function(moe, shared)
       each(self, function(i) self.schedules[i]:run() end)
     end)
     if eager then
+      local failed = {}
       each(self, function(i)
         local ok, err = pcall(self.schedules[i].check, self.schedules[i])
-        if not ok then error("layer: " .. tostring(err), 0) end
+        if not ok then
+          failed[i] = 1
+          own[i] = own[i] or "layer: " .. tostring(err)
+        end
+        self.verdict[i]:copy(core.from_table({ { nan[i] or 0, failed[i] or 0 } }, "i32", "cpu"))
       end)
+      self.group:allgather_ids(self.verdict, self.verdicts)
+      for i = 1, self.nlocal do if own[i] then error(own[i], 0) end end
+      self.group:bind(1)
+      local v = self.verdicts[1]:flat()
+      for r = 0, self.world - 1 do
+        if v[2 * r + 1] > 0 or v[2 * r + 2] > 0 then
+          error(string.format("layer: rank %d stopped this forward (%s); its own error says why", r,
+            v[2 * r + 1] > 0 and "router logits with NaN or unscorable rows" or "its schedule: capacity overflow or "
+            .. "invalid ids"), 0)
+        end
+      end
     end
     local ex = self.exchange
     timed(self, "dispatch", function()
