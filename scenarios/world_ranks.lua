@@ -79,6 +79,14 @@ check(not ok and err:find(want, 1, true) ~= nil and secs < 5,
 local again = layer:forward(layer.inputs[1]):to("cpu")
 check(pcall(moe.check.equal, again, eager), "the next forward runs as before")
 
+-- A layer built with another seed on one rank: every rank refuses it, naming the field.
+local other = {}
+for k, v in pairs(spec) do other[k] = v end
+other.world, other.device, other.seed = world, nil, rank == W - 1 and opts.seed + 1 or opts.seed
+local built, berr = pcall(moe.layer, other)
+check(not built and tostring(berr):find("'seed (low 31 bits)' is", 1, true) ~= nil,
+  "a layer whose seed differs on rank %d is refused on every rank: %s", W - 1, tostring(berr))
+
 world:close()
 io.write(string.format("rank %d: %d check%s failed\n", rank, failures, failures == 1 and "" or "s"))
 os.exit(failures == 0 and 0 or 1)

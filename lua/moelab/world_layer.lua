@@ -34,6 +34,40 @@ return function(moe, shared)
         expert_capacity = self.expert_capacity }
     end
     group:check_config(self.nlocal == 1 and cfgs[1] or cfgs)
+    -- and the model itself, which check_config (the exchange's sizes) does not see: ranks built
+    -- with another seed or FFN width would compute a different layer without a word
+    local fields, values = {}, {}
+    local function field(name, v) fields[#fields + 1], values[#values + 1] = name, v end
+    local function index(list, v) for j, s in ipairs(list) do if s == v then return j end end return 0 end
+    field("ffn", F)
+    field("shared_ffn", Fs)
+    field("shared_gate", cfg.shared_gate and 1 or 0)
+    field("scoring", index({ "softmax", "sigmoid", "sqrtsoftplus" }, cfg.scoring))
+    field("groups", cfg.groups)
+    field("topk_groups", cfg.topk_groups)
+    field("scale", (string.unpack("<i4", string.pack("<f", cfg.scale))))
+    field("seed (low 31 bits)", self.seed & 0x7fffffff)
+    field("seed (high bits)", (self.seed >> 31) & 0x7fffffff)
+    field("overflow", index({ "error", "drop" }, self.overflow))
+    field("invalid", index({ "error", "skip" }, self.invalid))
+    field("nan", index({ "error", "mask" }, self.nan))
+    local mine, all = {}, {}
+    for i = 1, self.nlocal do
+      mine[i] = core.from_table({ values }, "i32", self.devices[i])
+      all[i] = core.new("i32", { W, 1, #values }, self.devices[i])
+    end
+    group:allgather_ids(mine, all)
+    group:bind(1) -- the read back goes on the stream of the all-gather
+    local got = all[1]:flat()
+    group:unbind()
+    for r = 1, W - 1 do
+      for j, name in ipairs(fields) do
+        if got[r * #fields + j] ~= got[j] then
+          args.fail("layer", string.format("ranks 0 and %d build different layers: '%s' is %d on rank 0, %d on rank %d "
+            .. "(every rank must give moe.layer the same options)", r, name, got[j], got[r * #fields + j], r), 3)
+        end
+      end
+    end
 
     local sd = self.seed * 1000
     local function randn(shape, s, std, dev) return core.new("bf16", shape, dev):randn(sd + s, std) end
