@@ -56,6 +56,9 @@ local ROWS = {
     "option 'id' has \"g\" at position 1, expected a hex digit" },
   { "id a number", function() moe.world { rank = 0, size = 2, device = 0, id = 12 } end,
     "option 'id' must be a string, got 12" },
+  { "a negative id_wait", function()
+    moe.world { rank = 1, size = 2, device = 0, id_file = "/nonexistent/nccl.id", id_wait = -1 }
+  end, "option 'id_wait' must be a finite number >= 0, got -1" },
   { "id file rank 0 cannot write", function() moe.world { rank = 0, size = 2, device = 0, id_file = "/nonexistent/nccl.id" } end,
     { "option 'id_file': rank 0 makes the id but cannot write \"/nonexistent/nccl.id\"", "No such file" } },
   -- a rank other than 0 waits for rank 0's file; here none comes

@@ -75,7 +75,14 @@ return function(moe)
       end
       return id
     end
-    wait = wait or tonumber(os.getenv("MOE_NCCL_ID_WAIT") or "") or 120
+    if wait == nil then
+      local env = os.getenv("MOE_NCCL_ID_WAIT")
+      wait = env and env ~= "" and tonumber(env) or 120
+      if env and env ~= "" and not tonumber(env) then
+        bad("the environment variable MOE_NCCL_ID_WAIT must be a number of seconds, got %q", env)
+      end
+    end
+    if not (wait >= 0 and wait < math.huge) then bad("option 'id_wait' must be a finite number >= 0, got %s", wait) end
     local t0 = core.now()
     repeat
       core.sleep(0.05)
@@ -126,7 +133,7 @@ return function(moe)
     o = copy
     if o.devices ~= nil then
       for _, k in ipairs { "rank", "size", "device", "id", "id_file", "id_wait", "from_env" } do
-        if o[k] ~= nil then
+        if o[k] ~= nil and not (k == "from_env" and o[k] == false) then -- from_env = false asks for nothing
           bad("option 'devices' (every rank in this process) cannot be combined with option '%s' (one rank of a "
             .. "multi-process launch)", k)
         end

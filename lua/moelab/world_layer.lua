@@ -275,8 +275,9 @@ return function(moe, shared)
     end
     if o.logits then oo.logits = per_rank(self, "forward", "logits", o.logits, "f32", { T, E }) end
     local ok, res = pcall(run, self, x, oo)
-    self.group:unbind()
+    local unbound, uerr = pcall(self.group.unbind, self.group) -- after a failure too, without hiding it
     if not ok then error(res, 2) end -- at the caller's line (run's own errors carry no position)
+    if not unbound then error(uerr, 2) end
     return res
   end
 
