@@ -10,8 +10,9 @@
 -- It also builds the simulated layer of all W ranks on its own GPU from the same seed and checks:
 -- its routing and schedule equal the simulated rank's bit for bit, its output is within the
 -- layer's tolerance of the simulated one and of the dense reference, and the replay equals an
--- eager forward of the same tokens bit for bit; and NaN logits on one rank stop every rank's
--- forward at once.  Prints one line per check; exits 1 on a failure.
+-- eager forward of the same tokens bit for bit; NaN logits on one rank stop every rank's forward
+-- at once; a layer built with another seed on one rank is refused on every rank.  Prints one
+-- line per check; exits 1 on a failure.
 local moe = require "moelab"
 local cli = require "moelab.cli"
 
