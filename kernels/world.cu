@@ -619,14 +619,10 @@ __global__ void __launch_bounds__(XTHREADS) pull_kernel(V *__restrict__ xs, Pull
 
 template <typename V>
 int launch_pull(moe_ctx *ctx, cudaStream_t s, V *xs, PullArgs a, int64_t H, const char *stage) {
-  const int64_t pieces = H * 2 / (int64_t)sizeof(V);
-  if (pieces == 0 || pieces * XMAX_RB >= ((int64_t)1 << 31)) // as dispatch.cu: indices are 32-bit
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: rows of %lld elements are too long for cuda", stage, (long long)H);
-  a.pieces = (uint32_t)pieces;
+  a.pieces = (uint32_t)(H * 2 / (int64_t)sizeof(V)); // H > 0, and H * XMAX_RB < 2^31 (nccl_exchange_open)
   int64_t rb = (4 * XTHREADS * XUNROLL + a.pieces - 1) / a.pieces;
   a.rb = (int)(rb < 1 ? 1 : rb > XMAX_RB ? XMAX_RB : rb);
   const int64_t blocks = (a.C + a.rb - 1) / a.rb;
-  if (blocks > INT32_MAX) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: %lld rows are too many for cuda", stage, (long long)a.C);
   if (a.K <= kExtra + 1) pull_kernel<V, true><<<(unsigned)blocks, XTHREADS, 0, s>>>(xs, a);
   else pull_kernel<V, false><<<(unsigned)blocks, XTHREADS, 0, s>>>(xs, a);
   MOE_CUDA_LAUNCHED(ctx, stage);

@@ -91,15 +91,8 @@ int moe_combine(moe_ctx *ctx, const moe_combine_args *a) {
   if ((rc = moe_check_same_device(ctx, stage, dev, ts, 5))) return rc;
   static const char *const names[] = {"out", "weights", "ids", "shared", "shared_gate"};
   if ((rc = moe_check_no_overlap(ctx, stage, ts, names, 1, 5))) return rc;
-  for (int o = 0; o < a->world; o++) { /* and against every rank's ys and route_row */
-    const moe_tensor *pair[][2] = {{a->out, a->ys[o]}, {a->out, a->route_row[o]}};
-    char nm[2][32];
-    snprintf(nm[0], sizeof nm[0], "ys[%d]", o);
-    snprintf(nm[1], sizeof nm[1], "route_row[%d]", o);
-    for (int j = 0; j < 2; j++) {
-      const char *const pn[] = {"out", nm[j]};
-      if ((rc = moe_check_no_overlap(ctx, stage, pair[j], pn, 1, 2))) return rc;
-    }
-  }
+  if ((rc = moe_check_no_overlap_list(ctx, stage, a->out, "out", a->ys, a->world, "ys")) ||
+      (rc = moe_check_no_overlap_list(ctx, stage, a->out, "out", a->route_row, a->world, "route_row")))
+    return rc;
   return dev.kind == MOE_CPU ? combine_cpu(ctx, a) : combine_cuda(ctx, a);
 }

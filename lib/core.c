@@ -286,6 +286,15 @@ int moe_check_no_overlap(moe_ctx *ctx, const char *stage, const moe_tensor *cons
   return MOE_OK;
 }
 
+int moe_check_no_overlap_list(moe_ctx *ctx, const char *stage, const moe_tensor *out, const char *out_name,
+                              const moe_tensor *const *list, int n, const char *what) {
+  for (int r = 0; r < n; r++)
+    if (overlap(out, list[r]))
+      return moe_seterr(ctx, MOE_ERR_ARG, "%s: %s and %s[%d] share memory; outputs must not overlap other arguments",
+                        stage, out_name, what, r);
+  return MOE_OK;
+}
+
 /* ---- data movement ---- */
 
 int moe_tensor_write(moe_ctx *ctx, moe_tensor *t, const void *host, size_t nbytes) {

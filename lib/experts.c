@@ -246,9 +246,8 @@ int moe_experts(moe_ctx *ctx, const moe_experts_args *a) {
   /* ys may be xs itself (in place: every backend reads a row block of xs before it writes that
    * block of ys), but no other overlap */
   static const char *const names[] = {"ys", "xs", "expert_offsets", "w_gate_up", "w_down"};
-  const int in_place = a->ys->data == a->xs->data; /* same shape: checked above */
-  if ((rc = moe_check_no_overlap(ctx, stage, in_place ? ts + 1 : ts, in_place ? names + 1 : names, 1, in_place ? 4 : 5)))
-    return rc;
+  const int in_place = a->ys->data == a->xs->data; /* same shape: checked above; then xs stands for ys */
+  if ((rc = moe_check_no_overlap(ctx, stage, ts + in_place, names + in_place, 1, 5 - in_place))) return rc;
   return moe_on_cpu(a->xs) ? experts_cpu(ctx, a) : experts_cuda(ctx, a);
 }
 

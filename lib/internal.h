@@ -86,6 +86,9 @@ int moe_check_same_device(moe_ctx *ctx, const char *stage, moe_device dev,
  * tensor of ts (NULL ones skipped): it would be overwritten while still read.  names[i] names ts[i]. */
 int moe_check_no_overlap(moe_ctx *ctx, const char *stage, const moe_tensor *const *ts, const char *const *names,
                          int nout, int n);
+/* The same for the output out against each tensor of a per-rank array list [n], named "what[r]". */
+int moe_check_no_overlap_list(moe_ctx *ctx, const char *stage, const moe_tensor *out, const char *out_name,
+                              const moe_tensor *const *list, int n, const char *what);
 
 static inline int moe_on_cpu(const moe_tensor *t) { return t->device.kind == MOE_CPU; }
 

@@ -153,12 +153,9 @@ int moe_reference(moe_ctx *ctx, const moe_reference_args *a) {
     return rc;
   static const char *const names[] = {"out", "x", "ids", "weights", "shared_gate_up", "shared_down", "shared_gate_w"};
   if ((rc = moe_check_no_overlap(ctx, stage, ts, names, 1, 7))) return rc;
-  for (int r = 0; r < a->world; r++) {
-    const moe_tensor *pair[][2] = {{a->out, a->w_gate_up[r]}, {a->out, a->w_down[r]}};
-    static const char *const pn[][2] = {{"out", "w_gate_up[r]"}, {"out", "w_down[r]"}};
-    for (int j = 0; j < 2; j++)
-      if ((rc = moe_check_no_overlap(ctx, stage, pair[j], pn[j], 1, 2))) return rc;
-  }
+  if ((rc = moe_check_no_overlap_list(ctx, stage, a->out, "out", a->w_gate_up, a->world, "w_gate_up")) ||
+      (rc = moe_check_no_overlap_list(ctx, stage, a->out, "out", a->w_down, a->world, "w_down")))
+    return rc;
   if (dev.kind != MOE_CPU)
     return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "reference: runs on the cpu only, got x %s",
                       moe_tensor_describe(a->x, got, sizeof got));
