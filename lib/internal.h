@@ -169,6 +169,9 @@ int cuda_fill(moe_ctx *ctx, moe_tensor *t, double value);
 int cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std);
 int route_cuda(moe_ctx *ctx, const moe_route_args *a);
 int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a);
+/* Small problems in one thread-block cluster (kernels/schedule_cluster.cu): *ran = 0 when the
+ * call is left to the grid kernel of schedule_cuda. */
+int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
 /* The scheduler this one replaced (one block per (local expert, source rank), scanning that
  * rank's routes twice): roundrobin only, kept as the benchmark baseline and a second opinion. */
 int schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a);

@@ -1,6 +1,8 @@
 /* test_schedule_gpu.c -- the CUDA schedule against the CPU reference, every output bit for bit,
  * on random and adversarial routings of the shapes that matter (DESIGN.md section 2), for both
- * layouts; the legacy kernel (moe_schedule_legacy) as well for roundrobin.  Outputs on the GPU
+ * layouts, each through the library's choice of kernel and through both kernels forced
+ * (MOE_SCHEDULE_KERNEL=grid, =cluster where the cluster kernel takes the problem); the legacy kernel
+ * (moe_schedule_legacy) as well for roundrobin.  Outputs on the GPU
  * are views into larger buffers prefilled with a sentinel, so an element left unwritten or a
  * write past an output's end (past capacity, say) shows as a mismatch.  A few cases run from a
  * captured CUDA graph, replayed on changed routings.  Then the two kernels are timed.
@@ -45,6 +47,12 @@ static uint64_t next(void) {
 }
 static int below(int n) { return n <= 1 ? 0 : (int)(next() % (uint64_t)n); }
 static int chance(double p) { return (double)(next() >> 11) * (1.0 / 9007199254740992.0) < p; }
+
+/* MOE_SCHEDULE_KERNEL: NULL for the library's choice, "grid" or "cluster" to force one. */
+static void use_kernel(const char *k) {
+  if (k) setenv("MOE_SCHEDULE_KERNEL", k, 1);
+  else unsetenv("MOE_SCHEDULE_KERNEL");
+}
 
 /* ---- a case ---- */
 enum { UNIFORM, TOPK, SKEW, ONE_LOCAL, ONE_REMOTE, LOPSIDED, NMODES };
@@ -253,14 +261,23 @@ static void run_case(const spec *s) {
   if (moe_schedule(ctx, &a)) die("cpu schedule");
 
   int ok = 1;
-  outputs_fill(&gpu);
   args_for(&a, &gpu, ids_gpu, s, capacity);
-  if (moe_schedule(ctx, &a)) {
-    printf("FAIL %s [schedule]: %s\n", name, moe_errmsg(ctx));
-    ok = 0;
-  } else {
-    ok &= same("schedule", &gpu, &cpu, name);
+  /* the library's choice, then each kernel forced: the cluster one refuses problems it does not take */
+  for (int k = 0; k < 3; k++) {
+    static const char *const kernels[] = {NULL, "grid", "cluster"};
+    static const char *const whos[] = {"schedule", "schedule (grid)", "schedule (cluster)"};
+    use_kernel(kernels[k]);
+    outputs_fill(&gpu);
+    const int rc = moe_schedule(ctx, &a);
+    if (rc == MOE_ERR_UNSUPPORTED && k == 2) continue;
+    if (rc) {
+      printf("FAIL %s [%s]: %s\n", name, whos[k], moe_errmsg(ctx));
+      ok = 0;
+    } else {
+      ok &= same(whos[k], &gpu, &cpu, name);
+    }
   }
+  use_kernel(NULL);
   if (s->layout == MOE_LAYOUT_ROUNDROBIN) {
     outputs_fill(&gpu);
     if (moe_schedule_legacy(ctx, &a)) {
@@ -330,7 +347,9 @@ static void run_graph_case(const spec *s0, int fresh) {
     snprintf(who, sizeof who, "graph replay %d", r);
     ok &= same(who, &gpu, &cpu, name);
   }
-  if (ok) printf("PASS graph%s %s\n", fresh ? " (fresh context)" : "", name);
+  if (ok)
+    printf("PASS graph%s%s %s\n", fresh ? " (fresh context)" : "", getenv("MOE_SCHEDULE_KERNEL") ? " (grid kernel)" : "",
+           name);
   ok ? passed++ : failed++;
   moe_graph_free(graph);
   outputs_free(&cpu);
@@ -496,6 +515,22 @@ static void long_rank_cases(void) { /* chunks larger than one shared-memory piec
     }
 }
 
+/* Worlds whose ranks do not divide evenly over the cluster kernel's blocks (W > 16: rpb ranks a
+ * block, the last block with fewer), and a pad or capacity that keeps the rows out of its stage. */
+static void cluster_cases(void) {
+  static const struct { int w, t, k, el; } shapes[] = {{17, 100, 8, 12}, {20, 64, 8, 6}, {33, 50, 4, 3},
+                                                       {48, 128, 8, 8}, {63, 30, 6, 2}};
+  for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
+    for (int layout = 0; layout < 2; layout++) {
+      spec s = base(shapes[i].w, shapes[i].t, shapes[i].k, shapes[i].w * shapes[i].el, "cluster");
+      s.layout = layout, s.rank = (int)i % shapes[i].w, s.mode = i % 2 ? SKEW : TOPK;
+      s.pad = i == 3 ? 100000 : 1 + (int)i; /* 800,000 rows: no stage */
+      s.cap = layout ? CAP_SHORT : CAP_AMPLE;
+      s.masked = 0.05, s.invalid = i == 2 ? 0.01 : 0;
+      run_case(&s);
+    }
+}
+
 static void random_cases(int n) {
   static const int pads[] = {1, 1, 2, 3, 4, 7, 8, 16, 64, 128, 256};
   for (int c = 0; c < n; c++) {
@@ -550,7 +585,8 @@ static float time_calls(int (*fn)(moe_ctx *, const moe_schedule_args *), const m
   return us[4];
 }
 
-int schedule_cuda_trace(long long *out, int max_blocks); /* kernels/schedule.cu */
+int schedule_cuda_trace(long long *out, int max_blocks);    /* kernels/schedule.cu */
+int schedule_cluster_trace(long long *out, int max_blocks); /* kernels/schedule_cluster.cu */
 
 static int cmp_ll(const void *a, const void *b) {
   const long long x = *(const long long *)a, y = *(const long long *)b;
@@ -558,20 +594,22 @@ static int cmp_ll(const void *a, const void *b) {
 }
 
 /* --trace: where one call's time goes.  Per phase, the median over blocks of its clock64 cycles
- * (load, rank, barrier, histogram reads, scan, place, route_row + clears); the kernel's span by
+ * (grid kernel: load, rank, barrier, histogram reads, scan, place, route_row + clears; cluster
+ * kernel: load, list, rank, cluster barrier, segments, place, fill); the kernel's span by
  * %globaltimer (first entry to last end); beside the per-call time of back-to-back calls. */
-static void print_trace(const char *label, float per_call_us) {
+static void print_trace(const char *label, float per_call_us, int cluster) {
   enum { MAXB = 1024 };
   static long long buf[MAXB][10], col[MAXB];
-  const int n = schedule_cuda_trace(&buf[0][0], MAXB);
-  if (n <= 0) die("schedule_cuda_trace");
+  const int n = cluster ? schedule_cluster_trace(&buf[0][0], MAXB) : schedule_cuda_trace(&buf[0][0], MAXB);
+  if (n <= 0) die("schedule trace");
   long long first = buf[0][8], last = buf[0][9];
-  printf("trace %s: %d blocks, %.2f us per call;", label, n, per_call_us);
-  static const char *names[] = {"load", "rank", "barrier", "hist", "scan", "place", "rows+clears"};
+  printf("trace %s, %s kernel: %d blocks, %.2f us per call;", label, cluster ? "cluster" : "grid", n, per_call_us);
+  static const char *grid_names[] = {"load", "rank", "barrier", "hist", "scan", "place", "rows+clears"};
+  static const char *cluster_names[] = {"load", "list+rank", "barrier", "gather", "segments", "place+fill", "barrier+rows"};
   for (int ph = 0; ph < 7; ph++) {
     for (int b = 0; b < n; b++) col[b] = buf[b][ph + 1] - buf[b][ph];
     qsort(col, (size_t)n, sizeof *col, cmp_ll);
-    printf(" %s %lld", names[ph], col[n / 2]);
+    printf(" %s %lld", (cluster ? cluster_names : grid_names)[ph], col[n / 2]);
   }
   for (int b = 0; b < n; b++) {
     first = buf[b][8] < first ? buf[b][8] : first;
@@ -594,17 +632,26 @@ static void timing(int w, int t, float target_us) {
   moe_schedule_args a;
   args_for(&a, &gpu, ids, &s, capacity);
   const float ours = time_calls(moe_schedule, &a), legacy = time_calls(moe_schedule_legacy, &a);
+  use_kernel("grid");
+  const float grid = time_calls(moe_schedule, &a);
+  use_kernel("cluster");
+  float cluster = -1;
+  if (moe_schedule(ctx, &a) == MOE_OK) cluster = time_calls(moe_schedule, &a);
+  use_kernel(NULL);
   printf("time: schedule, Kimi K2 rank of EP%d (W %d, T %d, K 8, E 384, %d routes): %.2f us per call "
-         "(target <= %.0f us), legacy %.2f us, %.1fx\n",
-         w, w, t, s.w * s.t * s.k, ours, target_us, legacy, legacy / ours);
-  if (getenv("MOE_SCHEDULE_TRACE")) {
-    for (int again = 0; again < 2; again++) { /* after the legacy kernel's calls, then once more */
-      if (moe_schedule(ctx, &a)) die("traced call");
-      char label[64];
-      snprintf(label, sizeof label, "EP%d T %d%s", w, t, again ? " again" : "");
-      print_trace(label, ours);
+         "(target <= %.0f us; grid kernel %.2f, cluster kernel %.2f), legacy %.2f us, %.1fx\n",
+         w, w, t, s.w * s.t * s.k, ours, target_us, grid, cluster, legacy, legacy / ours);
+  if (getenv("MOE_SCHEDULE_TRACE"))
+    for (int cl = 0; cl < 1 + (cluster > 0); cl++) {
+      use_kernel(cl ? "cluster" : "grid");
+      for (int again = 0; again < 2; again++) { /* after other calls, then once more */
+        if (moe_schedule(ctx, &a)) die("traced call");
+        char label[64];
+        snprintf(label, sizeof label, "EP%d T %d%s", w, t, again ? " again" : "");
+        print_trace(label, cl ? cluster : grid, cl);
+      }
+      use_kernel(NULL);
     }
-  }
   outputs_free(&gpu);
   moe_tensor_free(ids);
   free(host_ids);
@@ -653,13 +700,44 @@ int main(int argc, char **argv) {
   one_expert_cases(); /* 48 */
   large_expert_cases(); /* 36 */
   long_rank_cases();  /* 6 */
-  for (int fresh = 1; fresh >= 0; fresh--)
-    for (int layout = 0; layout < 2; layout++) {
-      spec s = base(8, 1024, 8, 384, "graph");
-      s.layout = layout, s.rank = 6, s.pad = 128;
-      run_graph_case(&s, fresh); /* 4 */
-    }
+  cluster_cases();    /* 10 */
+  for (int grid = 0; grid < 2; grid++) /* the library's choice (cluster at this size), the grid kernel */
+    for (int fresh = 1; fresh >= 0; fresh--)
+      for (int layout = 0; layout < 2; layout++) {
+        spec s = base(8, 1024, 8, 384, "graph");
+        s.layout = layout, s.rank = 6, s.pad = 128;
+        use_kernel(grid ? "grid" : NULL);
+        run_graph_case(&s, fresh); /* 8 */
+        use_kernel(NULL);
+      }
   random_cases(540);
+  if (!only || !strcmp(only, "kernel-name")) { /* a kernel that does not exist is refused, naming the variable */
+    spec s = base(8, 16, 8, 384, "kernel-name");
+    rng = s.seed;
+    int32_t *host_ids = make_ids(&s);
+    const int64_t shape[3] = {s.w, s.t, s.k};
+    moe_tensor *ids;
+    if (moe_tensor_new(ctx, MOE_I32, 3, shape, GPU, &ids) ||
+        moe_tensor_write(ctx, ids, host_ids, (size_t)s.w * s.t * s.k * sizeof *host_ids))
+      die("ids");
+    outputs gpu;
+    outputs_new(&gpu, &s, 4096, GPU);
+    moe_schedule_args a;
+    args_for(&a, &gpu, ids, &s, 4096);
+    use_kernel("fast");
+    const int rc = moe_schedule(ctx, &a);
+    use_kernel(NULL);
+    if (rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), "MOE_SCHEDULE_KERNEL")) {
+      printf("PASS MOE_SCHEDULE_KERNEL=fast refused: %s\n", moe_errmsg(ctx));
+      passed++;
+    } else {
+      printf("FAIL MOE_SCHEDULE_KERNEL=fast: status %d, %s\n", rc, moe_errmsg(ctx));
+      failed++;
+    }
+    outputs_free(&gpu);
+    moe_tensor_free(ids);
+    free(host_ids);
+  }
 
   printf("%d passed, %d failed\n", passed, failed);
   if (!quick && !only && !failed) {
