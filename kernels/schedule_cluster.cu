@@ -102,8 +102,8 @@ struct Params {
   Smem L;               // the shared-memory layout, computed once on the host
 };
 
-// The last traced call, per block: clock64 at the phase points (entry, load, list, rank, cluster
-// barrier, segments, place, fill), then %globaltimer at entry and end.  Read by
+// The last traced call, per block: clock64 at the phase points (entry, ids loaded, ranked, past
+// the cluster barrier, c[e][q] gathered, segments, placed, end), then %globaltimer at entry and end.  Read by
 // schedule_cluster_trace (the scheduler's GPU test, --trace).
 constexpr int kTracePoints = 8;
 __device__ long long trace_buf[kMaxCluster][kTracePoints + 2];
@@ -150,9 +150,11 @@ __device__ __forceinline__ unsigned match_peers(unsigned key, unsigned act, int 
   }
   return peers;
 }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-// Stores v at (ld_cluster: reads) the same shared-memory offset as p in block `cta` of the cluster.
+// The int at the same shared-memory offset as p in block `cta` of the cluster: read or written.
 __device__ __forceinline__ int ld_cluster(const int *p, unsigned cta) {
   int v;
   asm volatile("{\n\t.reg .b32 ra;\n\t"
@@ -171,7 +173,7 @@ __device__ __forceinline__ void st_cluster(int *p, unsigned cta, int v) {
                : "memory");
 }
 
-// -1 into a[lo, hi) and b[lo, hi) by threads `th` of `nth`: 16-byte stores where aligned.
+// -1 into a[lo, hi) by threads `th` of `nth`: 16-byte stores where aligned.
 __device__ void fill_unused(int32_t *a, int lo, int hi, int th, int nth) {
   if (lo >= hi) return;
   int head = (int)((16 - ((uintptr_t)(a + lo) & 15)) & 15) / 4;
@@ -522,7 +524,9 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
   else if (rpb * el > kMaxKeys) why = "more than 512 (source rank, expert) pairs a block";
   else if (E > kMaxExperts) why = "more than 4,096 experts";
   if (why) {
-    if (forced) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": MOE_SCHEDULE_KERNEL=cluster, but the cluster kernel takes %s", why);
+    if (forced)
+      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": MOE_SCHEDULE_KERNEL=cluster, but the cluster kernel takes %s",
+                        why);
     return MOE_OK;
   }
   const int g = (int)((W + rpb - 1) / rpb);
@@ -555,7 +559,8 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
   while ((1 << P.nbits) < P.keys) P.nbits++;
 
   // the stage: a block's share of the rows a call can use, min(C, W T K + EL (pad - 1)) / G, if small
-  const long long rows_max = (long long)a->capacity < W * tk + el * (a->pad - 1LL) ? a->capacity : W * tk + el * (a->pad - 1LL);
+  const long long rows_bound = W * tk + el * (a->pad - 1LL);
+  const long long rows_max = a->capacity < rows_bound ? a->capacity : rows_bound;
   P.stage = cdiv(rows_max, g) <= kMaxStage ? cdiv(rows_max, g) : 0;
   int lgs = 0;
   while ((1 << lgs) < P.rpb) lgs++;
@@ -572,7 +577,9 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
     if (cached) sm_optin[device].store(optin + 1, std::memory_order_relaxed);
   }
   if (smem > (size_t)optin) {
-    if (forced) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": MOE_SCHEDULE_KERNEL=cluster, but %zu bytes of shared memory do not fit a block", smem);
+    if (forced)
+      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+                        STAGE ": MOE_SCHEDULE_KERNEL=cluster, but %zu bytes of shared memory do not fit a block", smem);
     return MOE_OK;
   }
   if (!(cached && raised[device][lgr][lgs].load())) {
@@ -584,7 +591,9 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
   int rc = cluster_fits(ctx, device, kernel, g, (size_t)optin, &ok);
   if (rc) return rc;
   if (!ok) {
-    if (forced) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": MOE_SCHEDULE_KERNEL=cluster, but cuda:%d cannot place a cluster of %d blocks", device, g);
+    if (forced)
+      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+                        STAGE ": MOE_SCHEDULE_KERNEL=cluster, but cuda:%d cannot place a cluster of %d blocks", device, g);
     return MOE_OK;
   }
   cudaStream_t st;

@@ -5,7 +5,7 @@
  * (moe_schedule_legacy) as well for roundrobin.  Outputs on the GPU
  * are views into larger buffers prefilled with a sentinel, so an element left unwritten or a
  * write past an output's end (past capacity, say) shows as a mismatch.  A few cases run from a
- * captured CUDA graph, replayed on changed routings.  Then the two kernels are timed.
+ * captured CUDA graph, replayed on changed routings.  Then the kernels are timed.
  *
  *   test_schedule_gpu [--quick] [--max-routes N] [--only LABEL] [--trace] [--shape W,T]
  *     --quick: skip the cases over 200,000 routes, and the timing; --max-routes: skip those over N;
@@ -595,7 +595,7 @@ static int cmp_ll(const void *a, const void *b) {
 
 /* --trace: where one call's time goes.  Per phase, the median over blocks of its clock64 cycles
  * (grid kernel: load, rank, barrier, histogram reads, scan, place, route_row + clears; cluster
- * kernel: load, list, rank, cluster barrier, segments, place, fill); the kernel's span by
+ * kernel: load, list + rank, cluster barrier, gather, segments, place + fill, barrier + rows); the span by
  * %globaltimer (first entry to last end); beside the per-call time of back-to-back calls. */
 static void print_trace(const char *label, float per_call_us, int cluster) {
   enum { MAXB = 1024 };
@@ -638,9 +638,11 @@ static void timing(int w, int t, float target_us) {
   float cluster = -1;
   if (moe_schedule(ctx, &a) == MOE_OK) cluster = time_calls(moe_schedule, &a);
   use_kernel(NULL);
+  char cl[48] = "does not take it";
+  if (cluster >= 0) snprintf(cl, sizeof cl, "%.2f", cluster);
   printf("time: schedule, Kimi K2 rank of EP%d (W %d, T %d, K 8, E 384, %d routes): %.2f us per call "
-         "(target <= %.0f us; grid kernel %.2f, cluster kernel %.2f), legacy %.2f us, %.1fx\n",
-         w, w, t, s.w * s.t * s.k, ours, target_us, grid, cluster, legacy, legacy / ours);
+         "(target <= %.0f us; grid kernel %.2f, cluster kernel %s), legacy %.2f us, %.1fx\n",
+         w, w, t, s.w * s.t * s.k, ours, target_us, grid, cl, legacy, legacy / ours);
   if (getenv("MOE_SCHEDULE_TRACE"))
     for (int cl = 0; cl < 1 + (cluster > 0); cl++) {
       use_kernel(cl ? "cluster" : "grid");
