@@ -88,16 +88,11 @@ constexpr int kRed = kParitySlot + 4; // shared ints: block reductions (32 long 
 constexpr int kTotOffset = 64; // ints: after the barrier
 static_assert(MOE_SCRATCH_HEADER >= (int)sizeof(int32_t) * (kTotOffset + 2 * kStageC), "scratch header too small");
 
-struct Params {
+struct Params : ScheduleCall {
   int trace; // record the phases' times (MOE_SCHEDULE_TRACE set): a measuring aid
-  const int32_t *ids;
-  int32_t *peer_rank, *peer_route, *counts, *tpe, *offsets, *route_row, *stats;
   unsigned *bar;             // scratch: the grid barrier's arrival count (bit 31: the call's parity)
   int32_t *tot;              // scratch: c[e][q] totals [2][kStageC], by the call's parity
   int32_t *inv, *hist, *acc; // scratch: [G][2], [units][EL], [units][EL] (only with pieces)
-  int tk, world, experts, el, lo;
-  int pad, capacity, expert_capacity;
-  int roundrobin;
   // route i = m * stride + c; nc columns, nr rows
   int nc, nr, stride;
   // chunk s covers 2^lgcw columns from s * cstep and rw rows from s * rstep
@@ -128,23 +123,6 @@ __host__ __device__ inline Smem smem_layout(int ts, int rwin, int world, int sta
   L.hist = L.cst + (stage_c ? rwin * world : 0);
   L.total = L.hist + hwin + 4; // slack: compute-sanitizer saw the compiler read c[] in 12-byte pieces
   return L;
-}
-
-__device__ __forceinline__ unsigned lanemask_lt() {
-  unsigned m;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-  return m;
-}
-
-// Lanes of the warp whose key equals this lane's, among the lanes in act; keys < 2^nbits.
-__device__ __forceinline__ unsigned match_peers(unsigned key, unsigned act, int nbits) {
-  unsigned peers = act;
-  for (int b = 0; b < nbits; b++) {
-    const bool one = (key >> b) & 1u;
-    const unsigned set = __ballot_sync(MOE_FULL_MASK, one);
-    peers &= one ? set : ~set;
-  }
-  return peers;
 }
 
 __device__ __forceinline__ int window_bits(int wsz) { return wsz > 1 ? 32 - __clz(wsz - 1) : 0; }
@@ -763,27 +741,10 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   if ((rc = device_limits(ctx, device, true, 0, &nsm, &per_sm))) return rc;
 
   Params P = {};
+  static_cast<ScheduleCall &>(P) = schedule_call(a);
   static const int trace = getenv("MOE_SCHEDULE_TRACE") != NULL;
   P.trace = trace;
-  const int W = (int)a->ids->shape[0];
-  const int tk = (int)(a->ids->shape[1] * a->ids->shape[2]);
-  P.ids = (const int32_t *)a->ids->data;
-  P.peer_rank = (int32_t *)a->peer_rank->data;
-  P.peer_route = (int32_t *)a->peer_route->data;
-  P.counts = (int32_t *)a->counts->data;
-  P.tpe = (int32_t *)a->tokens_per_expert->data;
-  P.offsets = (int32_t *)a->expert_offsets->data;
-  P.route_row = (int32_t *)a->route_row->data;
-  P.stats = (int32_t *)a->stats->data;
-  P.tk = tk;
-  P.world = W;
-  P.experts = a->experts;
-  P.el = a->experts / W;
-  P.lo = a->rank * P.el;
-  P.pad = a->pad;
-  P.capacity = a->capacity;
-  P.expert_capacity = a->expert_capacity;
-  P.roundrobin = a->layout == MOE_LAYOUT_ROUNDROBIN;
+  const int W = P.world, tk = P.tk;
 
   // windows: c[e][q] of a ranking window fits kStageC unless W alone is larger
   P.rwin = P.el < kRankWindow ? P.el : kRankWindow;

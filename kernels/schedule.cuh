@@ -1,6 +1,6 @@
-// schedule.cuh -- device helpers shared by the scheduler (schedule.cu) and its predecessor kept
-// as a baseline (schedule_legacy.cu): block-wide scans and reductions, and the segment arithmetic
-// of DESIGN.md section 2 that both must compute alike.
+// schedule.cuh -- device helpers shared by the scheduler's kernels (schedule.cu, schedule_cluster.cu)
+// and their predecessor kept as a baseline (schedule_legacy.cu): warp ranking, block-wide scans and
+// reductions, and the segment arithmetic of DESIGN.md section 2 that all must compute alike.
 #pragma once
 
 #include <stdint.h>
@@ -8,6 +8,53 @@
 #include "common.cuh"
 
 #define MOE_FULL_MASK 0xffffffffu
+
+// What every scheduler kernel takes from a call (each kernel's parameters extend it): the tensors,
+// the sizes, this rank's first expert lo, and the options.
+struct ScheduleCall {
+  const int32_t *ids;
+  int32_t *peer_rank, *peer_route, *counts, *tpe, *offsets, *route_row, *stats;
+  int tk, world, experts, el, lo, pad, capacity, expert_capacity, roundrobin;
+};
+static inline ScheduleCall schedule_call(const moe_schedule_args *a) {
+  ScheduleCall c;
+  c.ids = (const int32_t *)a->ids->data;
+  c.peer_rank = (int32_t *)a->peer_rank->data;
+  c.peer_route = (int32_t *)a->peer_route->data;
+  c.counts = (int32_t *)a->counts->data;
+  c.tpe = (int32_t *)a->tokens_per_expert->data;
+  c.offsets = (int32_t *)a->expert_offsets->data;
+  c.route_row = (int32_t *)a->route_row->data;
+  c.stats = (int32_t *)a->stats->data;
+  c.tk = (int)(a->ids->shape[1] * a->ids->shape[2]);
+  c.world = (int)a->ids->shape[0];
+  c.experts = a->experts;
+  c.el = a->experts / c.world;
+  c.lo = a->rank * c.el;
+  c.pad = a->pad;
+  c.capacity = a->capacity;
+  c.expert_capacity = a->expert_capacity;
+  c.roundrobin = a->layout == MOE_LAYOUT_ROUNDROBIN;
+  return c;
+}
+
+// The ranking of both kernels (schedule.cu, schedule_cluster.cu): the lanes below this one, and the
+// lanes whose key equals this lane's among the lanes in act, keys < 2^nbits, by log2(keys) ballots
+// (cheaper than __match_any_sync on sm_90: PERF.md).
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+__device__ __forceinline__ unsigned match_peers(unsigned key, unsigned act, int nbits) {
+  unsigned peers = act;
+  for (int b = 0; b < nbits; b++) {
+    const bool one = (key >> b) & 1u;
+    const unsigned set = __ballot_sync(MOE_FULL_MASK, one);
+    peers &= one ? set : ~set;
+  }
+  return peers;
+}
 
 // Block-wide collectives: every thread of the block calls them (blockDim.x a multiple of 32);
 // sh is __shared__ room for 32 values, reusable right after the call returns.

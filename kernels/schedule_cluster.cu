@@ -89,11 +89,8 @@ __host__ __device__ inline Smem smem_layout(int slots, int keys, int el, int wor
   return L;
 }
 
-struct Params {
+struct Params : ScheduleCall {
   int trace; // record the phases' times (MOE_SCHEDULE_TRACE set): a measuring aid
-  const int32_t *ids;
-  int32_t *peer_rank, *peer_route, *counts, *tpe, *offsets, *route_row, *stats;
-  int tk, world, experts, el, lo, pad, capacity, expert_capacity, roundrobin;
   int rpb;   // source ranks a block
   int keys;  // rpb * el
   int nbits; // bits of a key: ceil(log2(keys))
@@ -135,21 +132,6 @@ __device__ __forceinline__ long long padded_size(int n, int pad, float inv_pad) 
   return (q + 1) * pad;
 }
 
-__device__ __forceinline__ unsigned lanemask_lt() {
-  unsigned m;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-  return m;
-}
-// Lanes of the warp whose key equals this lane's, among the lanes in act; keys < 2^nbits.
-__device__ __forceinline__ unsigned match_peers(unsigned key, unsigned act, int nbits) {
-  unsigned peers = act;
-  for (int b = 0; b < nbits; b++) {
-    const bool one = (key >> b) & 1u;
-    const unsigned set = __ballot_sync(MOE_FULL_MASK, one);
-    peers &= one ? set : ~set;
-  }
-  return peers;
-}
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
@@ -534,25 +516,9 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
   if (!forced && (g < kAutoBlocks || rpb * R > kAutoSlots)) return MOE_OK;
 
   Params P = {};
+  static_cast<ScheduleCall &>(P) = schedule_call(a);
   static const int trace = getenv("MOE_SCHEDULE_TRACE") != NULL;
   P.trace = trace;
-  P.ids = (const int32_t *)a->ids->data;
-  P.peer_rank = (int32_t *)a->peer_rank->data;
-  P.peer_route = (int32_t *)a->peer_route->data;
-  P.counts = (int32_t *)a->counts->data;
-  P.tpe = (int32_t *)a->tokens_per_expert->data;
-  P.offsets = (int32_t *)a->expert_offsets->data;
-  P.route_row = (int32_t *)a->route_row->data;
-  P.stats = (int32_t *)a->stats->data;
-  P.tk = (int)tk;
-  P.world = (int)W;
-  P.experts = (int)E;
-  P.el = (int)el;
-  P.lo = a->rank * P.el;
-  P.pad = a->pad;
-  P.capacity = a->capacity;
-  P.expert_capacity = a->expert_capacity;
-  P.roundrobin = a->layout == MOE_LAYOUT_ROUNDROBIN;
   P.rpb = (int)rpb;
   P.keys = (int)(rpb * el);
   P.nbits = 0;

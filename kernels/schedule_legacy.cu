@@ -20,11 +20,8 @@ namespace {
 constexpr int kThreads = MOE_SCHED_THREADS;
 constexpr int kStageC = 4096; // c[e][q] of the block's expert in shared memory up to this world size
 
-struct LegacyParams {
-  const int32_t *ids;
-  int32_t *peer_rank, *peer_route, *counts, *tpe, *offsets, *route_row, *stats;
+struct LegacyParams : ScheduleCall {
   int32_t *c, *inv; // scratch: c [EL][W], inv [W][2]
-  int tk, world, experts, el, lo, pad, capacity, expert_capacity;
 };
 
 __global__ void __launch_bounds__(kThreads) legacy_count(const LegacyParams P) {
@@ -175,23 +172,8 @@ extern "C" int schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   if (rc) return rc;
 
   LegacyParams P = {};
-  const int W = (int)a->ids->shape[0];
-  P.ids = (const int32_t *)a->ids->data;
-  P.peer_rank = (int32_t *)a->peer_rank->data;
-  P.peer_route = (int32_t *)a->peer_route->data;
-  P.counts = (int32_t *)a->counts->data;
-  P.tpe = (int32_t *)a->tokens_per_expert->data;
-  P.offsets = (int32_t *)a->expert_offsets->data;
-  P.route_row = (int32_t *)a->route_row->data;
-  P.stats = (int32_t *)a->stats->data;
-  P.tk = (int)(a->ids->shape[1] * a->ids->shape[2]);
-  P.world = W;
-  P.experts = a->experts;
-  P.el = a->experts / W;
-  P.lo = a->rank * P.el;
-  P.pad = a->pad;
-  P.capacity = a->capacity;
-  P.expert_capacity = a->expert_capacity;
+  static_cast<ScheduleCall &>(P) = schedule_call(a);
+  const int W = P.world;
 
   void *scratch;
   int owned;
