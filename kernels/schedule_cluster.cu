@@ -39,9 +39,10 @@
 // Where it applies (schedule_cluster_cuda decides, the grid kernel takes the rest): at most 16
 // slots a thread (tk <= 16,384; W <= 16 * 16 / R), at most 512 (source rank, expert) keys a block,
 // E <= 4,096 (c[e][q] of all ranks in every block's shared memory), and the device can place a
-// cluster of G blocks.  By default it runs where it measured ahead of the grid kernel: G >= 8
-// blocks holding at most 8 ids a thread (512 tokens of top-8: EP8, EP16, EP32; not EP4, whose
-// four SMs each rank a quarter of the local routes, nor EP64, whose sixteen each load 64 KB).
+// cluster of G blocks.  By default it runs where it measured ahead of the grid kernel: at most 8
+// ids a thread and at most 512 local routes a block under uniform routing, tk rpb / W (512 tokens
+// of top-8: EP8, EP16, EP32; not EP4, whose four blocks each rank 1,024 local routes, nor EP64,
+// whose sixteen each load 64 KB of ids; 128 and 256 tokens at every EP size from 4 to 64).
 // MOE_SCHEDULE_KERNEL=grid or =cluster forces one of the two (a measuring aid, and how the GPU
 // test runs both on every case).
 #include <limits.h>
@@ -62,8 +63,8 @@ constexpr int kMaxSlots = 16;       // ids a thread holds in registers
 constexpr int kMaxKeys = 512;       // (source rank, local expert) pairs a block ranks
 constexpr int kMaxExperts = 4096;   // E: every block stages c[e][q] of all ranks
 constexpr int kMaxCluster = 16;     // non-portable; 8 where the device cannot place 16
-constexpr int kAutoSlots = 8;       // the default up to this many slots a thread, with G >= kAutoBlocks
-constexpr int kAutoBlocks = 8;
+constexpr int kAutoSlots = 8;       // the default up to this many slots a thread
+constexpr int kAutoLocal = 512;     // and this many local routes a block, were the routing uniform
 constexpr int kMaxStage = 16384;    // rows a block writes out of its shared memory
 
 // Offsets (ints) of the shared arrays; the host sizes the launch with the same function.
@@ -512,8 +513,9 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
     return MOE_OK;
   }
   const int g = (int)((W + rpb - 1) / rpb);
-  // measured (PERF.md): ahead of the grid kernel from 8 blocks, as long as a thread holds few ids
-  if (!forced && (g < kAutoBlocks || rpb * R > kAutoSlots)) return MOE_OK;
+  // measured (PERF.md): ahead of the grid kernel while a thread holds few ids and a block ranks
+  // few local routes (tk rpb / W of them under uniform routing)
+  if (!forced && (rpb * R > kAutoSlots || tk * rpb > (long long)kAutoLocal * W)) return MOE_OK;
 
   Params P = {};
   static_cast<ScheduleCall &>(P) = schedule_call(a);

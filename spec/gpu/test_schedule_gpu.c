@@ -348,8 +348,8 @@ static void run_graph_case(const spec *s0, int fresh) {
     ok &= same(who, &gpu, &cpu, name);
   }
   if (ok)
-    printf("PASS graph%s%s %s\n", fresh ? " (fresh context)" : "", getenv("MOE_SCHEDULE_KERNEL") ? " (grid kernel)" : "",
-           name);
+    printf("PASS graph%s (%s kernel) %s\n", fresh ? " (fresh context)" : "",
+           getenv("MOE_SCHEDULE_KERNEL") ? getenv("MOE_SCHEDULE_KERNEL") : "chosen", name);
   ok ? passed++ : failed++;
   moe_graph_free(graph);
   outputs_free(&cpu);
@@ -703,12 +703,12 @@ int main(int argc, char **argv) {
   large_expert_cases(); /* 36 */
   long_rank_cases();  /* 6 */
   cluster_cases();    /* 10 */
-  for (int grid = 0; grid < 2; grid++) /* the library's choice (cluster at this size), the grid kernel */
+  for (int grid = 0; grid < 2; grid++) /* each kernel forced */
     for (int fresh = 1; fresh >= 0; fresh--)
       for (int layout = 0; layout < 2; layout++) {
         spec s = base(8, 1024, 8, 384, "graph");
         s.layout = layout, s.rank = 6, s.pad = 128;
-        use_kernel(grid ? "grid" : NULL);
+        use_kernel(grid ? "grid" : "cluster");
         run_graph_case(&s, fresh); /* 8 */
         use_kernel(NULL);
       }
