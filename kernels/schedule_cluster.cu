@@ -62,7 +62,7 @@ constexpr int kThreads = 1024, kWarps = kThreads / 32;
 constexpr int kMaxSlots = 16;       // ids a thread holds in registers
 constexpr int kMaxKeys = 512;       // (source rank, local expert) pairs a block ranks
 constexpr int kMaxExperts = 4096;   // E: every block stages c[e][q] of all ranks
-constexpr int kMaxCluster = 16;     // non-portable; 8 where the device cannot place 16
+constexpr int kMaxCluster = 16;     // non-portable; where a device cannot place G blocks, the grid kernel runs
 constexpr int kAutoSlots = 8;       // the default up to this many slots a thread
 constexpr int kAutoLocal = 512;     // and this many local routes a block, were the routing uniform
 constexpr int kMaxStage = 16384;    // rows a block writes out of its shared memory
@@ -74,18 +74,19 @@ struct Smem {
 constexpr int up4(int x) { return (x + 3) & ~3; } // 16-byte aligned arrays (filled with int4 stores)
 __host__ __device__ inline Smem smem_layout(int slots, int keys, int el, int world, int stage) {
   Smem L;
-  L.misc = 0;                   // [0] invalid ids, [1] first invalid, [2] list length, [8..40) warp totals
+  L.misc = 0;                   // [0] invalid ids, [1] first invalid, [2] list length, [3] rows of a
+                                // block's stage share, [4] unused rows a block fills, [8..40) warp totals
   L.list = 64;                  // the local routes in order: e << 18 | source rank in block << 14 | i
   L.ord = L.list + slots;       // each list entry's ordinal among its key in its warp
   L.kp = keys | 1;              // odd row stride: the scan over warps reads a column conflict-free
-  L.cnt = up4(L.ord + slots);       // [kWarps][kp]: per warp and key, counts -> offsets over the warps
+  L.cnt = up4(L.ord + slots);   // [kWarps][kp]: per warp and key, counts -> offsets over the warps
   L.ctot = L.cnt + kWarps * L.kp; // c[e][p] of this block's ranks, by key = rank in block * el + e
   L.wp = world | 1;
   L.call = L.ctot + keys;       // c[e][q] of all ranks, [el][wp]
-  L.raw = L.call + el * L.wp;   // n_e before expert_capacity (warp 0's)
+  L.raw = L.call + el * L.wp;   // n_e before expert_capacity
   L.off = L.raw + el;           // min(base[e], C), e = 0..el
   L.lim = L.off + el + 1;       // routes of e that get a row
-  L.stage = up4(L.lim + el);        // this block's share of the rows: source rank << 14 | route, or -1
+  L.stage = up4(L.lim + el);    // this block's share of the rows: source rank << 14 | route, or -1
   L.total = L.stage + stage;
   return L;
 }
@@ -101,8 +102,8 @@ struct Params : ScheduleCall {
 };
 
 // The last traced call, per block: clock64 at the phase points (entry, ids loaded, ranked, past
-// the cluster barrier, c[e][q] gathered, segments, placed, end), then %globaltimer at entry and end.  Read by
-// schedule_cluster_trace (the scheduler's GPU test, --trace).
+// the cluster barrier, c[e][q] gathered, segments, placed, end), then %globaltimer at entry and
+// end.  Read by schedule_cluster_trace (the scheduler's GPU test, --trace).
 constexpr int kTracePoints = 8;
 __device__ long long trace_buf[kMaxCluster][kTracePoints + 2];
 int trace_grid;
@@ -222,13 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_cluster_kernel(const Par
   trace_point(P, 1);
 
   // 2. the list of local routes, in thread order
-  const int nloc = __popc(loc);
-  int inc = nloc;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int x = __shfl_up_sync(MOE_FULL_MASK, inc, o);
-    if (lane >= o) inc += x;
-  }
+  const int nloc = __popc(loc), inc = warp_inclusive_scan(nloc);
   if (lane == 31) misc[8 + warp] = inc;
   __syncthreads();
   if (__any_sync(MOE_FULL_MASK, ninv)) {
@@ -241,13 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_cluster_kernel(const Par
     if (lane == 0) atomicAdd(&misc[0], n), atomicMin(&misc[1], f);
   }
   if (warp == 0) {
-    const int x = misc[8 + lane];
-    int y = x;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int z = __shfl_up_sync(MOE_FULL_MASK, y, o);
-      if (lane >= o) y += z;
-    }
+    const int x = misc[8 + lane], y = warp_inclusive_scan(x);
     __syncwarp();
     misc[8 + lane] = y - x;
     if (lane == 31) misc[2] = y;
@@ -287,13 +276,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_cluster_kernel(const Par
   }
   __syncthreads();
   for (int k = warp; k < P.keys; k += kWarps) { // over the warps, in order: offsets, and c[e][p]
-    const int x = cnt[lane * L.kp + k];
-    int y = x;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int z = __shfl_up_sync(MOE_FULL_MASK, y, o);
-      if (lane >= o) y += z;
-    }
+    const int x = cnt[lane * L.kp + k], y = warp_inclusive_scan(x);
     cnt[lane * L.kp + k] = y - x;
     if (lane == 31) ctot[k] = y;
   }
