@@ -38,8 +38,8 @@
 //
 // Where it applies (schedule_cluster_cuda decides, the grid kernel takes the rest): at most 16
 // slots a thread (tk <= 16,384; W <= 16 * 16 / R), at most 512 (source rank, expert) keys a block,
-// E <= 4,096 (c[e][q] of all ranks in every block's shared memory), and the device can place a
-// cluster of G blocks.  By default it runs where it measured ahead of the grid kernel: at most 8
+// E <= 4,096 (c[e][q] of all ranks in every block's shared memory), C < 2^31 - 2^16 (its row
+// arithmetic is 32-bit), and the device can place a cluster of G blocks.  By default it runs where it measured ahead of the grid kernel: at most 8
 // ids a thread and at most 512 local routes a block under uniform routing, tk rpb / W (512 tokens
 // of top-8: EP8, EP16, EP32; not EP4, whose four blocks each rank 1,024 local routes, nor EP64,
 // whose sixteen each load 64 KB of ids; 128 and 256 tokens at every EP size from 4 to 64).
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_cluster_kernel(const Par
     if (!(here >> s & 1)) continue;
     const int pl = s / kR, r = s % kR;
     const int i = P.roundrobin ? r * kThreads + t : t * kR + r;
-    if ((unsigned)(v[s] - P.lo) < (unsigned)el) {
+    if ((unsigned)v[s] - (unsigned)P.lo < (unsigned)el) {
       loc |= 1u << s;
     } else { // another rank's, masked or invalid: no row
       const int flat = (p0 + pl) * tk + i;
@@ -489,10 +489,12 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
   else if (rpb * R > kMaxSlots) why = "more than 16 routes a thread";
   else if (rpb * el > kMaxKeys) why = "more than 512 (source rank, expert) pairs a block";
   else if (E > kMaxExperts) why = "more than 4,096 experts";
+  // rows, shares and padding loops in 32 bits, a step past C included (the grid kernel: 64-bit)
+  else if (a->capacity > INT_MAX - 65536) why = "a capacity within 2^16 of 2^31";
   if (why) {
     if (forced)
-      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": MOE_SCHEDULE_KERNEL=cluster, but the cluster kernel takes %s",
-                        why);
+      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+                        STAGE ": MOE_SCHEDULE_KERNEL=cluster, but the cluster kernel does not take %s", why);
     return MOE_OK;
   }
   const int g = (int)((W + rpb - 1) / rpb);
@@ -521,6 +523,11 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
   P.inv_pad = 1.0f / (float)P.pad;
   P.L = smem_layout(kThreads * R * P.rpb, P.keys, P.el, P.world, P.stage);
   const size_t smem = sizeof(int) * (size_t)P.L.total + 16; // + the last int4 of the fills
+  // the context's stream, and the device current: the attributes and the occupancy query below act
+  // on the calling thread's current device
+  cudaStream_t st;
+  int rc = cuda_ctx_stream(ctx, device, &st);
+  if (rc) return rc;
   const bool cached = device >= 0 && device < kDevices;
   int optin = cached ? sm_optin[device].load(std::memory_order_relaxed) - 1 : -1;
   if (optin < 0) {
@@ -539,7 +546,7 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
     if (cached) raised[device][lgr][lgs].store(true);
   }
   bool ok;
-  int rc = cluster_fits(ctx, device, kernel, g, (size_t)optin, &ok);
+  rc = cluster_fits(ctx, device, kernel, g, (size_t)optin, &ok);
   if (rc) return rc;
   if (!ok) {
     if (forced)
@@ -547,9 +554,6 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
                         STAGE ": MOE_SCHEDULE_KERNEL=cluster, but cuda:%d cannot place a cluster of %d blocks", device, g);
     return MOE_OK;
   }
-  cudaStream_t st;
-  if ((rc = cuda_ctx_stream(ctx, device, &st))) return rc;
-
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)g);
   cfg.blockDim = dim3(kThreads);
