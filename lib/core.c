@@ -79,7 +79,6 @@ int moe_device_count(moe_ctx *ctx, int kind, int *count) {
   return moe_ok(ctx);
 }
 
-
 /* ---- tensors ---- */
 
 size_t moe_dtype_size(moe_dtype dtype) {

@@ -7,8 +7,8 @@
  *
  * Conventions (SQLite's): every call returns an int status (MOE_OK or an error code); the
  * context keeps the message of its last call (moe_errmsg: why it failed, "" after a success);
- * moe_errstr names a code without a context.  Functions that take tensors run where the tensors are: all tensors of one call
- * must live on one device.  Nothing here exits, aborts or longjmps.
+ * moe_errstr names a code without a context.  Functions that take tensors run where the tensors
+ * are: all tensors of one call must live on one device.  Nothing here exits, aborts or longjmps.
  *
  * Data conditions found while computing (NaN logits, invalid expert ids, capacity overflow)
  * are not errors of the C API: the stage records them in its stats tensor (where a captured

@@ -420,10 +420,9 @@ for _, e in ipairs(baseline_errors) do p("  cuBLAS baseline failed, %s", e) end
 if failed then p("  a check FAILED: see the check column") end
 
 if json_file then
-  local f = json_file
-  f:write(json.encode { device = dev, world = W, tokens = T, iters = iters, warmup = warmup, seed = opts.seed,
+  json_file:write(json.encode { device = dev, world = W, tokens = T, iters = iters, warmup = warmup, seed = opts.seed,
     zipf_s = ZIPF_S, hot_share = HOT_SHARE, router_std = ROUTER_STD, models = shapes, rows = all_rows,
     baseline = { path = baseline_path, note = baseline_note, notes = baseline_notes, errors = baseline_errors } }, "\n")
-  f:close()
+  json_file:close()
 end
 os.exit(failed and 1 or 0)

@@ -7,8 +7,8 @@
  * 1,194 for the others, 57,344 in all; --rows N gives each expert N), H = 7168, F = 2048, random
  * bf16 inputs (--data normal, the default: moe_tensor_randn, xs of sd 1 and the weights of sd
  * ~1/sqrt(H) and ~1/sqrt(F); --data uniform: every value uniform in [-1, 1), as cublas_baseline
- * drew them before 2026-11-30, a pool of 2^24 values repeated), the kernel the library chooses (MOE_EXPERTS_KERNEL forces one).  After --warmup
- * passes (default 5), --passes back-to-back passes (default 500, ~4 s) run between two readings
+ * drew them before 2026-11-30, a pool of 2^24 values repeated), the kernel the library chooses
+ * (MOE_EXPERTS_KERNEL forces one).  After --warmup passes (default 5), --passes back-to-back passes (default 500, ~4 s) run between two readings
  * of NVML's total-energy counter, each after the stream has drained.  Prints one line:
  *   passes=500 s=4.102 ms=8.204 watts=695.1 joules=5.702 tflops=615.7 limit_watts=700
  * (joules and ms per pass; watts the mean over the timed passes; the counter is read from

@@ -256,8 +256,7 @@ p("  expert load over the world: max %d, mean %.1f (max/mean %.2f)", real.max_lo
   real.max_load / real.mean_load)
 
 if json_file then
-  local f = json_file
-  f:write(json.encode {
+  json_file:write(json.encode {
     model = model.name, device = opts.device, devices = group and group.devices or nil, world = W, tokens = T,
     hidden = H, ffn = F, pad = layer.pad,
     layout = layer.layout, capacity = layer.capacity,
@@ -272,7 +271,7 @@ if json_file then
     real = { ranks = real.ranks, max_load = real.max_load, mean_load = real.mean_load, route_ms = real.route_ms,
       schedule_ms = real.schedule_ms },
   }, "\n")
-  f:close()
+  json_file:close()
 end
 
 os.exit(pass and 0 or 1)

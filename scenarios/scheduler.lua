@@ -130,8 +130,7 @@ for _, r in ipairs(rows) do
     r.legacy_us and string.format("%.1fx", r.legacy_us / r.ours_us) or "", r.mismatch and ("  MISMATCH " .. r.mismatch) or "")
 end
 if json_file then
-  local f = json_file
-  f:write(json.encode { device = dev, pad = opts.pad, layout = opts.layout, capacity = opts.capacity, rows = rows }, "\n")
-  f:close()
+  json_file:write(json.encode { device = dev, pad = opts.pad, layout = opts.layout, capacity = opts.capacity, rows = rows }, "\n")
+  json_file:close()
 end
 os.exit(ok and 0 or 1)

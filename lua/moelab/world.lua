@@ -242,14 +242,14 @@ return function(moe)
     if out ~= nil and not is_tensor(out) and type(out) ~= "table" then
       args.fail("allgather_ids", "out must be a tensor or a list of one per local rank, got " .. args.describe(out), 2)
     end
+    if is_tensor(out) and #list ~= 1 then
+      args.fail("allgather_ids", string.format("out must be a list of %d tensors (one per local rank)", #list), 2)
+    end
     for i, t in ipairs(list) do
       args.tensor("allgather_ids", "ids", t, "i32", { false, false }, 2)
       local want = { self.size, t.shape[1], t.shape[2] }
       local o = out
       if o ~= nil and not is_tensor(o) then o = o[i] end -- a list of outputs, or the one tensor
-      if out ~= nil and is_tensor(out) and #list ~= 1 then
-        args.fail("allgather_ids", string.format("out must be a list of %d tensors (one per local rank)", #list), 2)
-      end
       outs[i] = o and args.tensor("allgather_ids", string.format("out[%d]", i), o, "i32", want, 2)
         or core.new("i32", want, t.device)
     end
