@@ -42,6 +42,7 @@ typedef struct Tensor {
   moe_tensor *t; /* NULL until created, and after it is freed */
   int closed;
   int views; /* live views of this owner */
+  int pins;  /* graphs that replay on this owner's memory (see PINS) */
 } Tensor;
 
 /* An event or a graph: the C object alone (NULL until created and once freed). */
@@ -161,29 +162,73 @@ static int check_shape(lua_State *L, int idx, int64_t shape[MOE_MAX_DIMS]) {
 
 /* ---- tensor handles ---- */
 
-/* While a CUDA graph is being captured, the registry holds a list of every tensor handle made
- * since graph_begin; graph_end hands it to the graph, which replays on their memory, so that a
- * tensor made inside the capture and dropped by the caller is not freed under the graph. */
-static const char *const CAPTURED = "moelab.captured";
+/* A graph replays on raw device pointers, so the memory of every tensor a capture touches must
+ * outlive the graph, whatever its handles do.  While a capture is under way the registry holds
+ * PINS, a set of owner handles: every owner made during it, and the owner of every tensor a
+ * function is handed.  Each is pinned once (pins + 1); graph_end gives the set to the graph,
+ * whose release unpins them.  Closing a pinned tensor makes its handle unusable at once; its
+ * memory goes when the last graph on it does. */
+static const char *const PINS = "moelab.pins";
 
-/* A closed handle first, then the tensor: if creating it fails, the handle is consistent. */
-static Tensor *new_handle(lua_State *L) {
+static void release_owner(Tensor *o);
+static Tensor *push_owner(lua_State *L, int idx);
+
+/* Pins the owner of the tensor at idx into the capture under way, if any. */
+static void pin(lua_State *L, int idx) {
+  idx = lua_absindex(L, idx);
+  if (lua_getfield(L, LUA_REGISTRYINDEX, PINS) == LUA_TTABLE) {
+    Tensor *o = push_owner(L, idx); /* pins, owner */
+    if (lua_rawget(L, -2) == LUA_TNIL) {
+      push_owner(L, idx);
+      lua_pushboolean(L, 1);
+      lua_rawset(L, -4);
+      o->pins++;
+    }
+    lua_pop(L, 1);
+  }
+  lua_pop(L, 1);
+}
+
+/* Undoes the pins of a set that graph_end handed to a graph (the table at idx). */
+static void unpin_all(lua_State *L, int idx) {
+  idx = lua_absindex(L, idx);
+  lua_pushnil(L);
+  while (lua_next(L, idx)) {
+    lua_pop(L, 1);
+    Tensor *o = (Tensor *)lua_touserdata(L, -1);
+    o->pins--;
+    release_owner(o);
+  }
+}
+
+/* A closed handle first, then the tensor: if creating it fails, the handle is consistent.  An
+ * owner made during a capture is pinned at once (a view's owner was, when the view's base was
+ * checked). */
+static Tensor *new_handle(lua_State *L, int owner) {
   Tensor *u = (Tensor *)lua_newuserdatauv(L, sizeof *u, 1);
   u->t = NULL;
   u->closed = 0;
   u->views = 0;
+  u->pins = 0;
   luaL_setmetatable(L, TENSOR);
-  if (lua_getfield(L, LUA_REGISTRYINDEX, CAPTURED) == LUA_TTABLE) {
-    lua_pushvalue(L, -2);
-    lua_rawseti(L, -2, (lua_Integer)lua_rawlen(L, -2) + 1);
-  }
-  lua_pop(L, 1);
+  if (owner) pin(L, -1);
+  return u;
+}
+
+/* The open tensor at idx (pinned into a capture under way), or NULL. */
+static Tensor *open_tensor(lua_State *L, int idx) {
+  Tensor *u = (Tensor *)luaL_testudata(L, idx, TENSOR);
+  if (!u || u->closed || !u->t) return NULL;
+  pin(L, idx);
   return u;
 }
 
 static Tensor *check_handle(lua_State *L, int idx) {
-  Tensor *u = (Tensor *)luaL_checkudata(L, idx, TENSOR);
-  if (u->closed || !u->t) luaL_argerror(L, idx, "moelab.Tensor is closed");
+  Tensor *u = open_tensor(L, idx);
+  if (!u) {
+    luaL_checkudata(L, idx, TENSOR);
+    luaL_argerror(L, idx, "moelab.Tensor is closed");
+  }
   return u;
 }
 
@@ -191,7 +236,7 @@ static moe_tensor *check_tensor(lua_State *L, int idx) { return check_handle(L, 
 
 /* The owner's memory goes with its last handle, owner or view. */
 static void release_owner(Tensor *o) {
-  if (o->closed && o->views == 0) {
+  if (o->closed && o->views == 0 && o->pins == 0) {
     moe_tensor_free(o->t);
     o->t = NULL;
   }
@@ -230,7 +275,7 @@ static Tensor *push_owner(lua_State *L, int idx) {
 static int push_view(lua_State *L, int bi, int64_t offset, int ndim, const int64_t *shape) {
   moe_ctx *ctx = getctx(L);
   moe_tensor *base = check_tensor(L, bi);
-  Tensor *u = new_handle(L);
+  Tensor *u = new_handle(L, 0);
   Tensor *o = push_owner(L, bi);
   lua_setiuservalue(L, -2, 1);
   o->views++; /* counted with the link, so that releasing u undoes exactly this */
@@ -378,7 +423,7 @@ static int t_to(lua_State *L) {
   int nd = moe_tensor_ndim(src);
   int64_t shape[MOE_MAX_DIMS];
   for (int i = 0; i < nd; i++) shape[i] = moe_tensor_dim(src, i);
-  Tensor *u = new_handle(L);
+  Tensor *u = new_handle(L, 1);
   int rc = moe_tensor_new(ctx, moe_tensor_dtype(src), nd, shape, dev, &u->t);
   if (!rc) rc = moe_tensor_copy(ctx, u->t, src);
   if (rc) return fail(L, ctx, rc);
@@ -482,7 +527,7 @@ static int l_new(lua_State *L) {
   int64_t shape[MOE_MAX_DIMS];
   int nd = check_shape(L, 2, shape);
   moe_device dev = opt_device(L, 3);
-  Tensor *u = new_handle(L);
+  Tensor *u = new_handle(L, 1);
   int rc = moe_tensor_new(ctx, dtype, nd, shape, dev, &u->t);
   /* host memory comes zeroed; device memory is zeroed here */
   if (!rc && dev.kind != MOE_CPU) rc = moe_tensor_fill(ctx, u->t, 0.0);
@@ -626,7 +671,7 @@ static int l_from_table(lua_State *L) {
   }
   int bufidx = lua_gettop(L);
 
-  Tensor *u = new_handle(L);
+  Tensor *u = new_handle(L, 1);
   int rc = moe_tensor_new(ctx, f.dtype, nd, shape, dev, &u->t);
   if (!rc) rc = moe_tensor_write(ctx, u->t, lua_touserdata(L, bufidx), nbytes);
   if (rc) return fail(L, ctx, rc);
@@ -667,9 +712,10 @@ static Args args_open(lua_State *L, const char *fname) {
 
 static const moe_tensor *tensor_at(Args *a, int idx, const char *field) {
   lua_State *L = a->L;
-  Tensor *u = (Tensor *)luaL_testudata(L, idx, TENSOR);
-  if (!u) arg_error(L, a->fname, 1, "field '%s': expected moelab.Tensor, got %s", field, type_name(L, idx));
-  if (u->closed || !u->t) arg_error(L, a->fname, 1, "field '%s': moelab.Tensor is closed", field);
+  Tensor *u = open_tensor(L, idx);
+  if (!u && !luaL_testudata(L, idx, TENSOR))
+    arg_error(L, a->fname, 1, "field '%s': expected moelab.Tensor, got %s", field, type_name(L, idx));
+  if (!u) arg_error(L, a->fname, 1, "field '%s': moelab.Tensor is closed", field);
   return u->t;
 }
 
@@ -734,8 +780,8 @@ static const moe_tensor *const *tensors_field(Args *a, const char *field, int wo
   const moe_tensor **ts = (const moe_tensor **)lua_newuserdatauv(L, (size_t)world * sizeof *ts, 0);
   for (int i = 0; i < world; i++) {
     lua_rawgeti(L, tbl, i + 1);
-    Tensor *u = (Tensor *)luaL_testudata(L, -1, TENSOR);
-    if (!u || u->closed || !u->t) {
+    Tensor *u = open_tensor(L, -1);
+    if (!u) {
       const char *name = lua_pushfstring(L, "%s[%d]", field, i + 1);
       tensor_at(a, -2, name); /* raises */
     }
@@ -983,23 +1029,22 @@ static int l_graph_begin(lua_State *L) {
   int rc = moe_graph_begin(ctx, dev);
   if (rc) return fail(L, ctx, rc);
   lua_newtable(L);
-  lua_setfield(L, LUA_REGISTRYINDEX, CAPTURED);
+  lua_setfield(L, LUA_REGISTRYINDEX, PINS);
   return 0;
 }
 
 /* graph_end([keep]) -> Graph; keep (any value, say a table of the captured tensors) is held
- * by the graph so that what it replays on stays alive as long as it does, and so is every
- * tensor made during the capture (CAPTURED). */
+ * by the graph as long as it lives, and so are the capture's pins (PINS), undone with it. */
 static int l_graph_end(lua_State *L) {
   moe_ctx *ctx = getctx(L);
   lua_settop(L, 1);
-  lua_createtable(L, 2, 0); /* {keep, the tensors made during the capture} */
+  lua_createtable(L, 2, 0); /* {keep, the pinned owners} */
   lua_pushvalue(L, 1);
   lua_rawseti(L, 2, 1);
-  lua_getfield(L, LUA_REGISTRYINDEX, CAPTURED);
+  lua_getfield(L, LUA_REGISTRYINDEX, PINS);
   lua_rawseti(L, 2, 2);
   lua_pushnil(L);
-  lua_setfield(L, LUA_REGISTRYINDEX, CAPTURED);
+  lua_setfield(L, LUA_REGISTRYINDEX, PINS);
   Handle *h = new_object(L, GRAPH);
   lua_pushvalue(L, 2);
   lua_setiuservalue(L, -2, 1);
@@ -1010,12 +1055,21 @@ static int l_graph_end(lua_State *L) {
   return 1;
 }
 
+/* __gc and __close: the graph first, then its pins (once: the set is dropped after). */
 static int g_release(lua_State *L) {
   Handle *h = (Handle *)luaL_testudata(L, 1, GRAPH);
-  if (h && h->p) {
+  if (!h) return 0;
+  if (h->p) {
     moe_graph_free((moe_graph *)h->p);
     h->p = NULL;
   }
+  if (lua_getiuservalue(L, 1, 1) == LUA_TTABLE) {
+    if (lua_rawgeti(L, -1, 2) == LUA_TTABLE) unpin_all(L, -1);
+    lua_pop(L, 1);
+    lua_pushnil(L);
+    lua_rawseti(L, -2, 2);
+  }
+  lua_pop(L, 1);
   return 0;
 }
 
@@ -1054,8 +1108,8 @@ static moe_world *check_world(lua_State *L, int idx) {
 static moe_tensor *w_tensor(lua_State *L, const char *fname, int tbl, int entry, const char *field, int optional) {
   int ty = lua_getfield(L, tbl, field);
   if (ty == LUA_TNIL && optional) return NULL;
-  Tensor *u = (Tensor *)luaL_testudata(L, -1, TENSOR);
-  if (!u || u->closed || !u->t) {
+  Tensor *u = open_tensor(L, -1);
+  if (!u) {
     if (entry) arg_error(L, fname, 1, "entry %d, field '%s': expected an open moelab.Tensor, got %s", entry, field,
                          type_name(L, -1));
     arg_error(L, fname, 1, "field '%s': expected an open moelab.Tensor, got %s", field, type_name(L, -1));
@@ -1242,8 +1296,8 @@ static int gather_call(lua_State *L, const char *fname, int ids) {
   for (int i = 0; i < n; i++) {
     for (int a = 2; a <= 3; a++) {
       lua_rawgeti(L, a, i + 1);
-      Tensor *u = (Tensor *)luaL_testudata(L, -1, TENSOR);
-      if (!u || u->closed || !u->t)
+      Tensor *u = open_tensor(L, -1);
+      if (!u)
         return arg_error(L, fname, a - 1, "entry %d: expected an open moelab.Tensor, got %s", i + 1, type_name(L, -1));
       if (a == 2) out[i] = u->t;
       else in[i] = u->t;
@@ -1453,7 +1507,7 @@ static int w_exchange(lua_State *L) {
     rc = moe_world_exchange_views(ctx, u->ex, i, &views[0], &views[1]);
     if (rc) return fail(L, ctx, rc);
     for (int j = 0; j < 2; j++) {
-      Tensor *t = new_handle(L);
+      Tensor *t = new_handle(L, 1);
       t->t = views[j];
       lua_pushvalue(L, -1);
       lua_pushvalue(L, xi);

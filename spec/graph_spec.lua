@@ -1,7 +1,7 @@
 -- CUDA graphs and CUDA failures, GPU only: a captured layer replayed 1,000 times on fresh inputs
 -- (so fresh routing each time) equals the eager forward bit for bit; stats reach graph:check();
 -- a CUDA failure is a Lua error naming the stage and the CUDA error, and the process goes on;
--- a tensor made inside a capture lives as long as its graph.
+-- a tensor made inside a capture, or used by one and closed, keeps its memory as long as its graph.
 describe("graphs [#gpu]", function()
   if skip_without("cuda:0") then return end
   local dev = "cuda:0"
@@ -105,6 +105,36 @@ describe("graphs [#gpu]", function()
     g = nil
     for _ = 1, 3 do collectgarbage() end -- the graph's finaliser, then what it held
     assert.is_nil(held[1], "the graph's tensors outlived it")
+  end)
+
+  it("a tensor a graph uses keeps its memory when its caller closes it, until the graph goes", function()
+    local ids = moe.tensor({ { { 1 }, { 0 }, { 1 } } }, { dtype = "i32", device = dev })
+    local s = moe.schedule { ids = ids, experts = 2 }
+    local g, probe, gone
+    do
+      local x <close> = moe.full({ 1, 3, 8 }, 3, { dtype = "bf16", device = dev })
+      local out <close> = moe.zeros({ s.capacity, 8 }, { dtype = "bf16", device = dev })
+      g = moe.graph(function() moe.dispatch { x = x, schedule = s, out = out } end, { device = dev })
+      probe = out:view(0, { 1, 8 }) -- a view made after the capture, of a pinned owner
+      gone = { x, out }
+    end
+    assert.is_true(gone[1].closed and gone[2].closed)
+    assert.has_error(function() return gone[1]:to("cpu") end)
+    -- tensors of the same sizes made now must get other memory than the closed ones
+    local others = {}
+    for _ = 1, 4 do
+      others[#others + 1] = moe.full({ 1, 3, 8 }, 7, { dtype = "bf16", device = dev })
+      others[#others + 1] = moe.zeros({ s.capacity, 8 }, { dtype = "bf16", device = dev })
+    end
+    g:replay()
+    assert.tensor_equal(probe:to("cpu"), moe.full({ 1, 8 }, 3, { dtype = "bf16" }))
+    for i = 2, #others, 2 do
+      assert.tensor_equal(others[i]:to("cpu"), moe.zeros({ s.capacity, 8 }, { dtype = "bf16" }))
+    end
+    -- once the graph is gone the memory is the view's alone
+    g = nil
+    for _ = 1, 3 do collectgarbage() end
+    assert.tensor_equal(probe:to("cpu"), moe.full({ 1, 8 }, 3, { dtype = "bf16" }))
   end)
 
   it("a device copy during capture is refused", function()
