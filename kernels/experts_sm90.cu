@@ -33,9 +33,8 @@
 // lock step.  When an expert's row tiles are odd in number, the last one runs "solo": the two
 // CTAs on that row tile and two column tiles, each loading its own A and B, still in lock step
 // but sharing nothing, so that neither idles through a tile its partner has and it has not (as
-// a pair, such a tile cost a whole pair's time).  CM = 2 is the default where experts average
-// two row tiles or more, CM = 1 below (decode): faster, each where it is chosen, as measured
-// (PERF.md).
+// a pair, such a tile cost a whole pair's time).  CM = 2 is the default at every size; CM = 1
+// (one CTA a tile) stays as a variant to measure against (PERF.md).
 //
 // Work list (the function decode): per expert, in order, its pairs x column tiles, then its row
 // tile left over (CM = 1: all of them) x groups of CM column tiles.  Inside each, GROUP_TILES row
@@ -837,14 +836,15 @@ extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
       !encode_2d(&t_wdn, a->w_down->data, EL * H, F))
     return unsupported(ctx, "cuTensorMapEncodeTiled refused a tensor");
 
-  // Clusters of two when the experts average two row tiles or more (C >= 2 BM EL, from the static
-  // capacity: the offsets stay on the device): the pair halves the B traffic from L2 (647 vs 603
-  // TFLOP/s at the Kimi K2 shape on the H200; PERF.md).  Below that (decode) most tiles run solo
-  // and the two are within 1.5% of each other (48 experts of 8-256 rows), one CTA per tile a little
-  // ahead at 64-128 rows.  MOE_EXPERTS_KERNEL=sm90x1 or sm90x2 forces one of the two.
+  // Clusters of two at every size: the pair halves the B traffic from L2 (647 vs 603 TFLOP/s at
+  // the Kimi K2 shape on the H200), and with 129-255 rows an expert one CTA a tile read the
+  // weights twice from DRAM (48 experts of 160 or 192 rows: 2.13-2.15 ms against 1.45); at 1-48
+  // rows the pair is 0.4-6% ahead, at 96-128 1-2% behind (PERF.md).  MOE_EXPERTS_KERNEL=sm90x1
+  // or sm90x2 forces one of the two; otherwise a device that cannot place a cluster of two gets
+  // one CTA a tile.
   const char *sel = getenv("MOE_EXPERTS_KERNEL");
-  if (sel && strcmp(sel, "sm90x2") == 0) return run<2>(ctx, a, dev, t_xs, t_wgu, t_wdn);
   if (sel && strcmp(sel, "sm90x1") == 0) return run<1>(ctx, a, dev, t_xs, t_wgu, t_wdn);
-  if (C >= 2 * BM * EL) return run<2>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  const int rc = run<2>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  if (rc != MOE_ERR_UNSUPPORTED || (sel && strcmp(sel, "sm90x2") == 0)) return rc;
   return run<1>(ctx, a, dev, t_xs, t_wgu, t_wdn);
 }
