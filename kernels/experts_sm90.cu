@@ -31,9 +31,10 @@
 // A stage is then written by both CTAs' copies, so each CTA's consumers hand it back to both
 // producers (remote mbarrier arrivals), and the CTAs of the pair walk the same work list in
 // lock step.  When an expert's row tiles are odd in number, the last one runs "solo": the two
-// CTAs on that row tile and two column tiles, each loading its own A and B, still in lock step
-// but sharing nothing, so that neither idles through a tile its partner has and it has not (as
-// a pair, such a tile cost a whole pair's time).  CM = 2 is the default at every size; CM = 1
+// CTAs on that row tile and two column tiles, each loading its own B and half of the shared A
+// rows (multicast to both: tma_a_half, boxes of 64 rows), still in lock step, so that neither
+// idles through a tile its partner has and it has not (as a pair, such a tile cost a whole
+// pair's time).  CM = 2 is the default at every size; CM = 1
 // (one CTA a tile) stays as a variant to measure against (PERF.md).
 //
 // Work list (the function decode): per expert, in order, its pairs x column tiles, then its row
@@ -451,13 +452,15 @@ __device__ __forceinline__ void epilogue(float (&d)[128], uint32_t stg, uint16_t
 //
 // out [C, N] for the tiles of the work list:
 //   tma_a   A [C, K]: xs (gate_up, K = H) or h (down, K = F), box {64, 128}
+//   tma_a_half  the same in boxes {64, 64}: a solo unit's halves, one from each CTA (CM = 2)
 //   tma_b   W as [b_rows, K]: w_gate_up [EL * 2F, H] or w_down [EL * H, F], box {64, 128}
 //   N       output columns: F (h) or H (ys); F: the up rows' offset inside an expert (gate_up)
 //   waves   this pass's wave gate counter (units whose copies are all issued, summed over the
 //           CTAs), or null: no gate
 template <int MODE, int CM>
 __global__ void __launch_bounds__(THREADS, 1)
-    sm90_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
+    sm90_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_a_half,
+                     const __grid_constant__ CUtensorMap tma_b,
                      uint16_t *__restrict__ out, const int *__restrict__ meta, int EL, int NT, int KT, int N, int F,
                      int b_rows, int *waves) {
 #if defined(MOE_SM90A)
@@ -497,6 +500,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     setmaxnreg_dec<PRODUCER_REGS>();
     if (threadIdx.x == 0) {
       prefetch_tmap(&tma_a);
+      if (CM > 1) prefetch_tmap(&tma_a_half);
       prefetch_tmap(&tma_b);
       int s = 0;
       uint32_t ph = 0;
@@ -515,7 +519,11 @@ __global__ void __launch_bounds__(THREADS, 1)
           mbar_wait(empty_bar(s), ph ^ 1u); // every consumer warp of the cluster is done with slot s
           const uint32_t sa = ring + (uint32_t)(s * STAGE_BYTES), sb = sa + A_BYTES;
           mbar_expect_tx(full_bar(s), STAGE_BYTES);
-          tma_load(sa, &tma_a, kb * BK, w.row0, full_bar(s));
+          if (CM > 1 && w.solo) // both CTAs on this row tile: each loads half its rows for both
+            tma_load_multicast(sa + (uint32_t)(rank * A_BYTES / 2), &tma_a_half, kb * BK, w.row0 + rank * (BM / 2),
+                               full_bar(s), (uint16_t)((1u << CM) - 1u));
+          else
+            tma_load(sa, &tma_a, kb * BK, w.row0, full_bar(s));
           if (CM == 1 || w.solo) {
             tma_load(sb, &tma_b, kb * BK, b0, full_bar(s));
             tma_load(sb + B_HALF, &tma_b, kb * BK, b1, full_bar(s));
@@ -618,12 +626,12 @@ encode_tiled_fn encode_tiled() {
 }
 
 // A row-major bf16 [rows, k] matrix as a 2D tensor map with a {64, 128} box, 128B swizzle.
-bool encode_2d(CUtensorMap *m, const void *base, long long rows, long long k) {
+bool encode_2d(CUtensorMap *m, const void *base, long long rows, long long k, int box_rows = BM) {
   encode_tiled_fn fn = encode_tiled();
   if (!fn) return false;
   const cuuint64_t dim[2] = {(cuuint64_t)k, (cuuint64_t)rows};
   const cuuint64_t stride[1] = {(cuuint64_t)k * 2};
-  const cuuint32_t box[2] = {BK, BM};
+  const cuuint32_t box[2] = {BK, (cuuint32_t)box_rows};
   const cuuint32_t estride[2] = {1, 1};
   return fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dim, stride, box, estride,
             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -685,7 +693,8 @@ template <int MODE, int CM> int resident_groups(int dev) {
 }
 
 template <int MODE, int CM>
-cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, const CUtensorMap &tb, uint16_t *out,
+cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, const CUtensorMap &ta_half,
+                        const CUtensorMap &tb, uint16_t *out,
                         const int *meta, int EL, int NT, int KT, int N, int F, int b_rows, int *waves) {
   auto kernel = sm90_gemm_kernel<MODE, CM>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
@@ -700,7 +709,7 @@ cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, 
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = CM > 1 ? 1 : 0;
-  err = cudaLaunchKernelEx(&cfg, kernel, ta, tb, out, meta, EL, NT, KT, N, F, b_rows, waves);
+  err = cudaLaunchKernelEx(&cfg, kernel, ta, ta_half, tb, out, meta, EL, NT, KT, N, F, b_rows, waves);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
@@ -749,9 +758,10 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   uint16_t *ys = (uint16_t *)a->ys->data;
 
   const char *what = "map launch";
-  CUtensorMap t_h;
-  if (!encode_2d(&t_h, h, C, F)) {
-    what = "cuTensorMapEncodeTiled(h)";
+  CUtensorMap t_h, t_h_half, t_xs_half; // A in boxes of half a tile's rows, for a solo unit's multicast
+  if (!encode_2d(&t_h, h, C, F) || !encode_2d(&t_h_half, h, C, F, BM / 2) ||
+      !encode_2d(&t_xs_half, a->xs->data, C, H, BM / 2)) {
+    what = "cuTensorMapEncodeTiled(h or the half-row boxes)";
     err = cudaErrorInvalidValue;
   } else {
     sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->expert_offsets->data, (int)EL, (int)C, CM);
@@ -759,13 +769,13 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   }
   if (err == cudaSuccess) {
     what = "gate_up launch";
-    err = launch_gemm<GATE_UP, CM>(stream, g_gu, t_xs, t_wgu, h, meta, (int)EL, nt_gu, (int)(H / BK), (int)F, (int)F,
-                                   (int)(EL * 2 * F), gate ? meta + 4 * EL + 2 : nullptr);
+    err = launch_gemm<GATE_UP, CM>(stream, g_gu, t_xs, t_xs_half, t_wgu, h, meta, (int)EL, nt_gu, (int)(H / BK),
+                                   (int)F, (int)F, (int)(EL * 2 * F), gate ? meta + 4 * EL + 2 : nullptr);
   }
   if (err == cudaSuccess) {
     what = "down launch";
-    err = launch_gemm<DOWN, CM>(stream, g_dn, t_h, t_wdn, ys, meta, (int)EL, nt_dn, (int)(F / BK), (int)H, (int)F,
-                                (int)(EL * H), gate ? meta + 4 * EL + 3 : nullptr);
+    err = launch_gemm<DOWN, CM>(stream, g_dn, t_h, t_h_half, t_wdn, ys, meta, (int)EL, nt_dn, (int)(F / BK),
+                                (int)H, (int)F, (int)(EL * H), gate ? meta + 4 * EL + 3 : nullptr);
   }
   // Given back after the launches on the same stream, so the kernels are done with it first;
   // on a failed launch it is given back all the same.
