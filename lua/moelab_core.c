@@ -776,7 +776,7 @@ static const moe_tensor *const *tensors_field(Args *a, const char *field, int wo
   lua_Integer n = (lua_Integer)lua_rawlen(L, tbl);
   if (n != world)
     arg_error(L, a->fname, 1, "field '%s': expected %d tensors (world), got %I", field, world, (LUAI_UACINT)n);
-  luaL_checkstack(L, world + 4, "too many tensors");
+  luaL_checkstack(L, world + 8, "too many tensors"); /* + the scratch and pin()'s four */
   const moe_tensor **ts = (const moe_tensor **)lua_newuserdatauv(L, (size_t)world * sizeof *ts, 0);
   for (int i = 0; i < world; i++) {
     lua_rawgeti(L, tbl, i + 1);
@@ -1038,16 +1038,16 @@ static int l_graph_begin(lua_State *L) {
 static int l_graph_end(lua_State *L) {
   moe_ctx *ctx = getctx(L);
   lua_settop(L, 1);
+  /* what can fail for want of memory first, so that the pins never sit in a table nobody undoes */
+  Handle *h = new_object(L, GRAPH);
   lua_createtable(L, 2, 0); /* {keep, the pinned owners} */
   lua_pushvalue(L, 1);
-  lua_rawseti(L, 2, 1);
+  lua_rawseti(L, 3, 1);
   lua_getfield(L, LUA_REGISTRYINDEX, PINS);
-  lua_rawseti(L, 2, 2);
+  lua_rawseti(L, 3, 2);
+  lua_setiuservalue(L, 2, 1);
   lua_pushnil(L);
   lua_setfield(L, LUA_REGISTRYINDEX, PINS);
-  Handle *h = new_object(L, GRAPH);
-  lua_pushvalue(L, 2);
-  lua_setiuservalue(L, -2, 1);
   moe_graph *g = NULL;
   int rc = moe_graph_end(ctx, &g);
   h->p = g;
@@ -1314,6 +1314,22 @@ static int w_allgather_ids(lua_State *L) { return gather_call(L, "allgather_ids"
 
 static void config_from(lua_State *L, const char *fname, int tbl, int entry, moe_world_config *c) {
   static const char *const layouts[] = {"roundrobin", "peer_major", NULL};
+  static const char *const fields[] = {"capacity", "expert_capacity", "experts", "hidden", "k", "layout",
+                                       "pad", "tokens", "version", "world", NULL};
+  lua_pushnil(L); /* a misspelt field is an error, not a default */
+  while (lua_next(L, tbl)) {
+    lua_pop(L, 1);
+    const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+    int known = 0;
+    for (int i = 0; k && fields[i]; i++) known |= strcmp(k, fields[i]) == 0;
+    if (!known) {
+      const char *what = k ? lua_pushfstring(L, "'%s'", k) : lua_pushfstring(L, "(a %s key)", type_name(L, -1));
+      arg_error(L, fname, 1,
+                "entry %d: unknown field %s; expected capacity, expert_capacity, experts, hidden, k, layout, pad, "
+                "tokens, version or world",
+                entry, what);
+    }
+  }
   c->version = w_int(L, fname, tbl, entry, "version", 1, MOE_VERSION_NUMBER);
   c->world = w_int(L, fname, tbl, entry, "world", 0, 0);
   c->tokens = w_int(L, fname, tbl, entry, "tokens", 0, 0);

@@ -245,6 +245,8 @@ local ROWS = {
     "option 'shared_gate' must be f32 [3], got moelab.Tensor(f32 [2] on cpu)" },
   { "combine: unknown dtype", function() combine { dtype = "i32" } end,
     "option 'dtype' must be one of 'bf16', 'f32', got \"i32\"" },
+  { "combine: dtype and out disagree", function() combine { dtype = "f32", out = bf16 { 3, 4 } } end,
+    "option 'dtype' is 'f32' but option 'out' is bf16" },
 
   { "combine: out overlapping a ys", function() combine { out = YS[2]:view(0, { 3, 4 }) } end,
     "options 'out' and 'ys[2]' share memory" },

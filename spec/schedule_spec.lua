@@ -417,6 +417,20 @@ for _, dev in ipairs(ALL_DEVICES) do
       end
     end)
 
+    it("s:check() reads what the last run left, also a run it did not see (a graph's replay)", function()
+      local ids = S.tensor({ 0, 1, 1, 0 }, "i32", { 1, 4, 1 }, dev)
+      local s = moe.schedule_plan { ids = ids, experts = 2, capacity = 4 }
+      s:run():check()
+      -- as a replay does: the same buffers scheduled again, by the stage alone, on new ids
+      ids:copy(S.tensor({ 0, 5, 1, 0 }, "i32", { 1, 4, 1 }, dev))
+      require("moelab.core").schedule { peer_rank = s.peer_rank, peer_route = s.peer_route, counts = s.counts,
+        tokens_per_expert = s.tokens_per_expert, expert_offsets = s.expert_offsets, route_row = s.route_row,
+        stats = s.stats_tensor, ids = s.ids, experts = 2, rank = 0, pad = 1, capacity = 4, layout = "roundrobin" }
+      assert.has_error(function() s:check() end,
+        "schedule: invalid expert id 5 at rank 0, token 1, slot 0 (expected -1 or 0..1); 1 invalid id in all; "
+          .. "pass invalid = 'skip' to drop them")
+    end)
+
     if dev ~= "cpu" then
       it("equals the CPU schedule bit for bit", function()
         math.randomseed(99)

@@ -209,6 +209,12 @@ describe("world configurations [#cpu]", function()
       assert.truthy(err:find("configurations differ: " .. field .. " is ", 1, true), err)
     end
   end)
+  it("a misspelt field is an error, not a default", function()
+    local ok, err = pcall(moe.core.world_compare_configs, 0, { base, with { tokns = 5 } })
+    assert.is_false(ok)
+    assert.truthy(err:find("entry 2: unknown field 'tokns'; expected capacity, expert_capacity, experts, hidden, k, "
+      .. "layout, pad, tokens, version or world", 1, true), err)
+  end)
   it("layout, capacity and the library version count", function()
     local ok, err = pcall(moe.core.world_compare_configs, 0, { base, with { layout = "peer_major" } })
     assert.is_false(ok)

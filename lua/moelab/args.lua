@@ -62,6 +62,13 @@ local function sorted_keys(t)
   return ks
 end
 
+-- Options 'dtype' and 'out' together must agree: the output's own dtype is what a stage writes.
+function args.same_dtype(fname, out, dtype, level)
+  if out and dtype and out.dtype ~= dtype then
+    args.fail(fname, string.format("option 'dtype' is '%s' but option 'out' is %s", dtype, out.dtype), (level or 2) + 1)
+  end
+end
+
 -- Checks an options table against spec = {name = kind, ...}; required = {name, ...}.
 -- Unknown keys are errors: a typo must not be silently ignored.  Returns opts.
 function args.options(fname, opts, spec, required, level)

@@ -207,10 +207,12 @@ function Schedule:read_stats()
   return out
 end
 
--- Raises on the conditions the schedule's policies do not allow (level: for error()).
+-- Raises on the conditions the schedule's policies do not allow (level: for error()).  It reads
+-- the stats the last run left on the device every time: a graph's replay runs the schedule
+-- without this table knowing.
 function Schedule:check(level)
   level = (level or 1) + 1
-  local st = self.stats or self:read_stats()
+  local st = self:read_stats()
   if st.invalid > 0 and self.invalid == "error" then
     local f = st.first_invalid
     local per_rank = self.tokens * self.k
@@ -341,6 +343,7 @@ function moe.combine(o)
   local dev = s1.device
   local out = o.out and args.tensor("combine", "out", o.out, o.out.dtype == "f32" and "f32" or "bf16", { T, H })
     or core.new(o.dtype or "bf16", { T, H }, dev)
+  args.same_dtype("combine", o.out, o.dtype)
   args.same_device("combine", { ids = s1.ids, weights = o.weights, out = out, shared = o.shared,
     shared_gate = o.shared_gate, y = ys[1] }, { "ids", "weights", "out", "shared", "shared_gate", "y" })
   args.disjoint("combine", { out = out, weights = o.weights, y = o.y, ys = o.ys, shared = o.shared,

@@ -454,7 +454,6 @@ return function(moe)
     end
     for r = 1, layer.world do
       local s = layer.schedules[r]
-      s.stats = nil
       local ok, err = pcall(s.check, s)
       if not ok then error("layer: " .. tostring(err), 2) end
     end

@@ -329,6 +329,7 @@ return function(moe)
       local T, K, H = s.tokens, s.k, y.shape[2]
       args.tensor("combine", "weights", a.weights, "f32", { T, K }, 3)
       local ids = a.ids or s.ids:select(s.rank + 1)
+      args.same_dtype("combine", a.out, a.dtype, 3)
       outs[i] = a.out or core.new(a.dtype or "bf16", { T, H }, y.device)
       calls[i] = { out = outs[i], weights = a.weights, ids = ids, ys = y, route_row = s.route_row,
         experts = s.experts, shared = a.shared, shared_gate = a.shared_gate }

@@ -402,7 +402,6 @@ return function(moe, shared)
         .. "(those tokens were routed nowhere)", st[1]), 2)
     end
     local s = layer.schedules[1]
-    s.stats = nil
     local ok, err = pcall(s.check, s)
     if not ok then error("layer: " .. tostring(err), 2) end
     return self
