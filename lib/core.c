@@ -182,6 +182,9 @@ int moe_tensor_view(moe_ctx *ctx, moe_tensor *base, int64_t offset, int ndim, co
   }
   if (offset < 0 || offset > base->numel || numel > base->numel - offset) {
     char b[160];
+    if (offset > INT64_MAX - numel) /* the end would not fit an int64 (numel <= 2^40, offset any) */
+      return moe_seterr(ctx, MOE_ERR_ARG, "view: elements from %lld on lie outside %s", (long long)offset,
+                        moe_tensor_describe(base, b, sizeof b));
     return moe_seterr(ctx, MOE_ERR_ARG, "view: elements [%lld, %lld) lie outside %s", (long long)offset,
                       (long long)(offset + numel), moe_tensor_describe(base, b, sizeof b));
   }

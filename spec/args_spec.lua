@@ -245,6 +245,20 @@ local ROWS = {
     "option 'shared_gate' must be f32 [3], got moelab.Tensor(f32 [2] on cpu)" },
   { "combine: unknown dtype", function() combine { dtype = "i32" } end,
     "option 'dtype' must be one of 'bf16', 'f32', got \"i32\"" },
+  { "combine: a closed out", function()
+    local out = moe.zeros({ 3, 4 })
+    do local c <close> = out end
+    combine { out = out }
+  end, "option 'out' is a closed moelab.Tensor" },
+  { "route: a closed ids buffer", function()
+    local ids = i32 { 4, 2 }
+    do local c <close> = ids end
+    moe.route { logits = L, k = 2, ids = ids, weights = moe.zeros({ 4, 2 }) }
+  end, "option 'ids' is a closed moelab.Tensor" },
+  { "combine: schedules of other ids", function()
+    local s1b = moe.schedule { ids = moe.zeros({ 2, 3, 2 }, { dtype = "i32" }), experts = 4, rank = 1 }
+    combine { schedules = { s0, s1b }, ys = { YS[1], bf16 { s1b.capacity, 4 } } }
+  end, "schedules[2] was made from other ids than schedules[1]" },
   { "combine: dtype and out disagree", function() combine { dtype = "f32", out = bf16 { 3, 4 } } end,
     "option 'dtype' is 'f32' but option 'out' is bf16" },
 
@@ -261,6 +275,14 @@ local ROWS = {
   { "layer: model neither a name nor a preset", function() moe.layer { model = 42, tokens = 4 } end,
     "option 'model' must be a preset from moe.models or its name, got 42" },
   { "layer: unknown option", function() moe.layer { model = "kimi_k2", tokns = 4 } end, "unknown option 'tokns'" },
+  { "layer: a model field of the wrong type", function()
+    moe.layer { model = { experts = 4, k = 2, hidden = 16, ffn = 8, scale = "x" }, tokens = 4 }
+  end, "option 'scale' must be a number, got \"x\"" },
+  { "layer: a model's groups not an integer", function()
+    moe.layer { model = { experts = 4, k = 2, hidden = 16, ffn = 8, groups = 1.5 }, tokens = 4 }
+  end, "option 'groups' must be an integer, got 1.5" },
+  { "layer: the default capacity past i32", function() moe.layer { model = "kimi_k2", tokens = 0x7fffffff } end,
+    "the default capacity (2 tokens k + experts per rank x pad = 34359738736 rows) exceeds 2^31 - 2; pass capacity" },
   { "layer: tokens missing", function() moe.layer { model = "kimi_k2" } end, "option 'tokens' is required" },
   { "layer: E not divisible by W", function() moe.layer { model = "kimi_k2", tokens = 4, world = 5 } end,
     "the 384 experts cannot be split over a world of 5 ranks" },

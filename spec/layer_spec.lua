@@ -93,6 +93,35 @@ for _, dev in ipairs(ALL_DEVICES) do
       end
     end)
 
+    it("check and reference need a forward first, and take only what forward takes", function()
+      local layer = small_layer("kimi_k2", dev)
+      local x = input(layer)
+      local W, T, K, E = layer.world, layer.tokens, layer.k, layer.experts
+      assert.has_error(function() layer:check(x) end,
+        "bad argument #1 to 'check' (no forward has run: check compares the last forward's output)")
+      assert.has_error(function() layer:reference(x, { routing = "forward" }) end,
+        "bad argument #1 to 'reference' (routing = 'forward' before any forward: there is no routing to take)")
+      local ok, err = pcall(layer.reference, layer, x, { logits = moe.zeros({ W * T, E - 1 }) })
+      assert.is_false(ok)
+      assert.truthy(err:find("option 'logits' must be f32 [" .. W * T .. ", " .. E .. "]", 1, true), err)
+      ok, err = pcall(layer.reference, layer, x, { ids = moe.zeros({ 3 }, { dtype = "i32" }), weights = moe.zeros({ 3 }) })
+      assert.is_false(ok)
+      assert.truthy(err:find("option 'ids' must be i32 [" .. W .. ", " .. T .. ", " .. K .. "]", 1, true), err)
+      ok, err = pcall(layer.reference, layer, x, { logits = moe.full({ W * T, E }, 0 / 0) })
+      assert.is_false(ok)
+      assert.truthy(err:find("reference: router logits contain NaN", 1, true), err)
+      layer:forward(x)
+      layer:check(x)
+    end)
+
+    it("a model table without scoring routes by softmax, without a bias", function()
+      local layer = small_layer({ experts = 16, k = 2, hidden = H, ffn = F }, dev)
+      assert.are.equal("softmax", layer.cfg.scoring)
+      assert.is_nil(layer.bias)
+      local x = input(layer)
+      assert.close(layer:forward(x), reference(layer, x))
+    end)
+
     it("is the same on every run", function()
       local layer = small_layer("deepseek_v3", dev)
       local x = input(layer)

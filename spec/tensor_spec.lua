@@ -135,6 +135,10 @@ for _, dev in ipairs(ALL_DEVICES) do
         local b = base()
         assert.has_error(function() b:view(20, { 5 }) end)
         assert.has_error(function() b:view(-1, { 2 }) end)
+        -- an offset whose end would pass 2^63 - 1: a clean error, no signed overflow on the way
+        local ok, err = pcall(b.view, b, math.maxinteger, { 1 })
+        assert.is_false(ok)
+        assert.truthy(tostring(err):find("view: elements from " .. math.maxinteger .. " on lie outside", 1, true), err)
         assert.has_error(function() b:select(3) end)
         assert.has_error(function() b:select(0) end)
       end)

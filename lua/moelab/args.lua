@@ -148,6 +148,7 @@ function args.same_device(fname, opts, names, level)
   for _, name in ipairs(names) do
     local t = opts[name]
     if is_tensor(t) then
+      if t.closed then args.fail(fname, string.format("option '%s' is a closed moelab.Tensor", name), (level or 2) + 1) end
       if dev == nil then dev, first = t.device, name
       elseif t.device ~= dev then
         args.fail(fname, string.format("option '%s' is on %s but '%s' is on %s; all tensors must be on one device",

@@ -330,6 +330,11 @@ function moe.combine(o)
         .. "top-%d, %d experts), got rank %d of %d ranks, %d tokens, top-%d, %d experts", i, i - 1, W, s1.tokens,
         s1.k, s1.experts, s.rank, s.world, s.tokens, s.k, s.experts))
     end
+    -- the same ids, not just the same sizes: combine reads schedules[1]'s ids with every route_row
+    if s.ids:address() ~= s1.ids:address() or s.ids.device ~= s1.ids.device then
+      args.fail("combine", string.format("schedules[%d] was made from other ids than schedules[1] (every rank's "
+        .. "schedule must come from the same all-gathered ids tensor)", i))
+    end
     local y = args.tensor("combine", "ys[" .. i .. "]", ys[i], "bf16", { s.capacity, H or false })
     H = H or y.shape[2]
     route_rows[i] = s.route_row
@@ -341,8 +346,10 @@ function moe.combine(o)
   if o.shared then args.tensor("combine", "shared", o.shared, "bf16", { T, H }) end
   if o.shared_gate then args.tensor("combine", "shared_gate", o.shared_gate, "f32", { T }) end
   local dev = s1.device
-  local out = o.out and args.tensor("combine", "out", o.out, o.out.dtype == "f32" and "f32" or "bf16", { T, H })
-    or core.new(o.dtype or "bf16", { T, H }, dev)
+  local out = o.out and args.tensor("combine", "out", o.out, nil, { T, H }) or core.new(o.dtype or "bf16", { T, H }, dev)
+  if out.dtype == "i32" then
+    args.fail("combine", string.format("option 'out' must be bf16 or f32 [%d, %d], got %s", T, H, tostring(out)))
+  end
   args.same_dtype("combine", o.out, o.dtype)
   args.same_device("combine", { ids = s1.ids, weights = o.weights, out = out, shared = o.shared,
     shared_gate = o.shared_gate, y = ys[1] }, { "ids", "weights", "out", "shared", "shared_gate", "y" })

@@ -50,7 +50,11 @@ return function(moe)
     local cfg = {}
     for _, f in ipairs(MODEL_FIELDS) do cfg[f] = m[f] end
     for _, f in ipairs(MODEL_FIELDS) do if o[f] ~= nil then cfg[f] = o[f] end end
-    cfg.name = cfg.name or "custom"
+    -- a model table's fields as strictly as the options of the same names
+    local kinds = { name = "string" }
+    for _, f in ipairs(MODEL_FIELDS) do kinds[f] = kinds[f] or SPEC[f] end
+    args.options("layer", cfg, kinds, nil, 3)
+    cfg.name, cfg.scoring = cfg.name or "custom", cfg.scoring or "softmax"
     cfg.groups, cfg.topk_groups = cfg.groups or 1, cfg.topk_groups or cfg.groups or 1
     cfg.scale, cfg.shared_ffn = cfg.scale or 1.0, cfg.shared_ffn or 0
     if o.shared == false then cfg.shared_ffn = 0 end
@@ -85,6 +89,10 @@ return function(moe)
     -- Default capacity: twice the mean rows of a rank plus one pad per expert; skewed routing
     -- needs more (the layer raises on overflow unless overflow = "drop").
     local capacity = o.capacity or (2 * T * K + EL * pad)
+    if o.capacity == nil and capacity > 0x7ffffffe then
+      args.fail("layer", string.format("the default capacity (2 tokens k + experts per rank x pad = %d rows) "
+        .. "exceeds 2^31 - 2; pass capacity", capacity), 3)
+    end
     args.range("layer", "capacity", capacity, 0, 0x7ffffffe, 3) -- as moe.schedule's (see there)
     return {
       cfg = cfg, world = W, tokens = T, experts = E, local_experts = EL, k = K, hidden = H, ffn = F,
@@ -270,6 +278,7 @@ return function(moe)
           shared_gate = self.gate and self.gate:view((p - 1) * T, { T }) }
       end
     end)
+    self.forwarded = true -- its buffers now hold a pass (or, captured, will at each replay)
     return self.out
   end
 
@@ -307,8 +316,14 @@ return function(moe)
         core.logits(logits, x, c.w_router)
       end
       ids, weights = core.new("i32", { N, K }, "cpu"), core.new("f32", { N, K }, "cpu")
-      core.route { ids = ids, weights = weights, logits = logits, bias = c.bias, k = K, scoring = self.cfg.scoring,
-        groups = self.cfg.groups, topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
+      local stats = core.new("i32", { 2 }, "cpu")
+      core.route { ids = ids, weights = weights, stats = stats, logits = logits, bias = c.bias, k = K,
+        scoring = self.cfg.scoring, groups = self.cfg.groups, topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
+      local st = stats:flat()
+      if st[1] > 0 and self.nan == "error" then -- the layer's policy, as forward applies it
+        error(string.format("layer: reference: router logits contain NaN or cannot be scored (+inf, all -inf) in "
+          .. "%d of its %d rows; the layer has nan = 'error'", st[1], N), 3)
+      end
     end
     local out = core.new("f32", { N, self.hidden }, "cpu")
     core.reference { out = out, x = x, ids = ids, weights = weights, w_gate_up = c.w_gate_up, w_down = c.w_down,
@@ -331,6 +346,14 @@ return function(moe)
       args.fail("reference", "give at most one routing: 'logits', 'ids' and 'weights', or 'routing'")
     end
     local W, T, K, H, E = self.world, self.tokens, self.k, self.hidden, self.experts
+    if o.ids then -- as forward takes them
+      args.tensor("reference", "ids", o.ids, "i32", { W, T, K })
+      args.tensor("reference", "weights", o.weights, "f32", { W, T, K })
+    end
+    if o.logits then args.tensor("reference", "logits", o.logits, "f32", { W * T, E }) end
+    if o.routing == "forward" and not self.forwarded then
+      args.fail("reference", "routing = 'forward' before any forward: there is no routing to take")
+    end
     local c = cpu_weights(self)
     local all = {}
     if o.tokens then
@@ -369,6 +392,7 @@ return function(moe)
   -- CPU reference.
   function Layer:check(x, o)
     o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
+    if not self.forwarded then args.fail("check", "no forward has run: check compares the last forward's output") end
     local W, T, H = self.world, self.tokens, self.hidden
     local got, ref
     if o.sample and o.sample < T then
