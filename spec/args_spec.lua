@@ -51,6 +51,8 @@ local ROWS = {
   { "zeros: shape not a table", function() moe.zeros(3) end, "shape must be a table of sizes, got 3" },
   { "zeros: negative size", function() moe.zeros({ 2, -1 }) end, "shape[2] must be a non-negative integer, got -1" },
   { "zeros: fractional size", function() moe.zeros({ 2, 1.5 }) end, "shape[2] must be a non-negative integer, got 1.5" },
+  { "zeros: a hole in the shape", function() moe.zeros({ 2, nil, 3 }) end,
+    "bad argument #1 to 'zeros' (shape[2] must be a non-negative integer, got nil)" },
   { "zeros: 5 dimensions", function() moe.zeros({ 1, 1, 1, 1, 1 }) end, "at most 4 dimensions, got 5" },
   { "zeros: device not a string", function() moe.zeros({ 2 }, { device = 0 }) end,
     "option 'device' must be a device, 'cpu' or 'cuda:N', got 0" },
@@ -108,9 +110,11 @@ local ROWS = {
     moe.route { logits = L, k = 2, scoring = "sigmoid", bias = moe.zeros({ 7 }) }
   end, "option 'bias' must be f32 [8], got moelab.Tensor(f32 [7] on cpu)" },
   { "route: negative scale", function() moe.route { logits = L, k = 2, scoring = "sigmoid", scale = -1 } end,
-    "option 'scale' must be a finite number > 0, got -1" },
+    "option 'scale' must be a finite number > 0 that an f32 holds (2^-126 .. 3.4e38), got -1" },
   { "route: NaN scale", function() moe.route { logits = L, k = 2, scoring = "sigmoid", scale = 0 / 0 } end,
-    { "option 'scale' must be a finite number > 0, got", "nan" } },
+    { "option 'scale' must be a finite number > 0 that an f32 holds", "nan" } },
+  { "route: a scale past the f32 range", function() moe.route { logits = L, k = 2, scoring = "sigmoid", scale = 1e300 } end,
+    "option 'scale' must be a finite number > 0 that an f32 holds (2^-126 .. 3.4e38), got 1.0000000000000001e+300" },
   { "route: NaN logits", function() moe.route { logits = NAN, k = 2 } end,
     "logits contain NaN or cannot be scored in 1 row (a NaN, a +inf, a softmax row of -inf, a NaN score with the bias), "
       .. "the first is row 2 (0-based) of 4" },
@@ -300,7 +304,7 @@ local ROWS = {
     moe.layer { model = tiny, tokens = 2, scoring = "sigmoid", groups = 2, topk_groups = 3 }
   end, "option 'topk_groups' must be between 1 and 2, got 3" },
   { "layer: negative scale", function() moe.layer { model = tiny, tokens = 2, scale = -1 } end,
-    "option 'scale' must be a finite number > 0, got -1" },
+    "option 'scale' must be a finite number > 0 that an f32 holds (2^-126 .. 3.4e38), got -1" },
   { "layer: a model with an unknown scoring", function()
     moe.layer { model = { experts = 4, k = 2, hidden = 16, ffn = 8, scoring = "relu" }, tokens = 2 }
   end, "option 'scoring' must be one of 'softmax', 'sigmoid', 'sqrtsoftplus', got \"relu\"" },

@@ -32,7 +32,8 @@ local function check_shape(fname, shape, level)
     args.fail(fname, "shape must be a table of sizes, got " .. args.describe(shape), level + 1)
   end
   if #shape > 4 then args.fail(fname, "at most 4 dimensions, got " .. #shape, level + 1) end
-  for i, d in ipairs(shape) do
+  for i = 1, #shape do -- not ipairs: it would stop at a hole ({2, nil, 3})
+    local d = shape[i]
     if type(d) ~= "number" or not math.tointeger(d) or d < 0 then -- 2.0 counts, as for every integer option
       args.fail(fname, string.format("shape[%d] must be a non-negative integer, got %s", i, args.describe(d)), level + 1)
     end
@@ -92,8 +93,10 @@ function moe.routing_options(fname, E, o, level)
       o.k, topk_groups * (E // groups), topk_groups), level)
   end
   local scale = o.scale or 1.0
-  if not (scale > 0 and scale < math.huge) then
-    args.fail(fname, "option 'scale' must be a finite number > 0, got " .. args.describe(scale), level)
+  -- applied as an f32: it must stay finite and nonzero there (FLT_MIN .. FLT_MAX)
+  if not (scale >= 0x1p-126 and scale <= 0x1.fffffep127) then
+    args.fail(fname, "option 'scale' must be a finite number > 0 that an f32 holds (2^-126 .. 3.4e38), got "
+      .. args.describe(scale), level)
   end
   return scoring, groups, topk_groups, scale
 end
