@@ -58,9 +58,35 @@ static moe_ctx *getctx(lua_State *L) {
   return c->ctx;
 }
 
+/* Whether a frame runs a file of the Lua front-end: a "moelab" directory right above the file. */
+static int frontend_frame(const lua_Debug *ar) {
+  const char *s = ar->source, *slash = s && s[0] == '@' ? strrchr(s, '/') : NULL;
+  if (!slash || slash - s < 7 || strncmp(slash - 6, "moelab", 6) != 0) return 0;
+  return slash - s == 7 || slash[-7] == '/';
+}
+
+/* Pushes "file:line: " of the code that called into moelab: the first frame outside the binding
+ * and the front-end, so that an error names the user's line, not the library's.  Where a C
+ * function (a pcall) stands between, nothing: whoever catches the error places it. */
+static void push_caller_where(lua_State *L) {
+  lua_Debug ar;
+  for (int level = 1; lua_getstack(L, level, &ar) && lua_getinfo(L, "Sl", &ar); level++) {
+    if (frontend_frame(&ar)) continue;
+    if (ar.currentline > 0) {
+      lua_pushfstring(L, "%s:%d: ", ar.short_src, ar.currentline);
+      return;
+    }
+    break;
+  }
+  lua_pushliteral(L, "");
+}
+
 static int fail(lua_State *L, moe_ctx *ctx, int rc) {
   const char *msg = moe_errmsg(ctx);
-  return luaL_error(L, "%s", (msg && *msg) ? msg : moe_errstr(rc));
+  push_caller_where(L);
+  lua_pushstring(L, (msg && *msg) ? msg : moe_errstr(rc));
+  lua_concat(L, 2);
+  return lua_error(L);
 }
 
 /* "bad argument #arg to 'fname' (...)" under a fixed name: the user-facing names of the
@@ -71,7 +97,10 @@ static int arg_error(lua_State *L, const char *fname, int arg, const char *fmt, 
   va_start(ap, fmt);
   const char *msg = lua_pushvfstring(L, fmt, ap);
   va_end(ap);
-  return luaL_error(L, "bad argument #%d to '%s' (%s)", arg, fname, msg);
+  push_caller_where(L);
+  lua_pushfstring(L, "bad argument #%d to '%s' (%s)", arg, fname, msg);
+  lua_concat(L, 2);
+  return lua_error(L);
 }
 
 /* The type of a value as luaL_typeerror names it (__name for userdata that have one). */
