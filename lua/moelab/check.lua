@@ -29,7 +29,10 @@ local function same_shape(a, b)
   return true
 end
 
--- Error metrics of got against ref: max |got - ref|, max |ref|, their ratio, relative L2, NaNs.
+-- Error metrics of got against ref: max |got - ref|, max |ref|, their ratio, relative L2, NaNs,
+-- and infinities that differ.  An infinity must be matched exactly (the same sign on both sides)
+-- and stays out of the magnitudes: one in ref would make any error relatively small.
+local function infinite(v) return v == math.huge or v == -math.huge end
 function check.metrics(got, ref, level)
   local g, gs = flat(got, "got")
   local r, rs = flat(ref, "ref")
@@ -40,12 +43,14 @@ function check.metrics(got, ref, level)
     error(string.format("check: got has %d elements %s, ref has %d %s", #g, args.shape_str(gs), #r, args.shape_str(rs)),
       level or 2)
   end
-  local max_abs, max_ref, sq_diff, sq_ref, nans, worst = 0, 0, 0, 0, 0, nil
+  local max_abs, max_ref, sq_diff, sq_ref, nans, infs, worst = 0, 0, 0, 0, 0, 0, nil
   for i = 1, #g do
     local a, b = g[i], r[i]
     if a ~= a or b ~= b then
       nans = nans + 1
       worst = worst or i
+    elseif infinite(a) or infinite(b) then
+      if a ~= b then infs, worst = infs + 1, worst or i end
     else
       local d = math.abs(a - b)
       if d > max_abs then max_abs, worst = d, (nans == 0 and i or worst) end
@@ -55,7 +60,7 @@ function check.metrics(got, ref, level)
     end
   end
   return {
-    n = #g, max_abs = max_abs, max_ref = max_ref, nans = nans,
+    n = #g, max_abs = max_abs, max_ref = max_ref, nans = nans, infs = infs,
     rel_max = max_ref > 0 and max_abs / max_ref or max_abs,
     rel_l2 = sq_ref > 0 and math.sqrt(sq_diff / sq_ref) or math.sqrt(sq_diff),
     worst = worst, shape = gs,
@@ -68,22 +73,24 @@ function check.close(got, ref, opts)
   opts = args.options("check.close", opts or {}, { rtol = "number", atol = "number", l2 = "number", what = "string" })
   local rtol, atol, l2 = opts.rtol or 2e-2, opts.atol or 0, opts.l2 or 1e-2
   local m = check.metrics(got, ref, 3) -- a mismatch of shapes is the caller's
-  local ok = m.nans == 0 and m.max_abs <= atol + rtol * m.max_ref and m.rel_l2 <= l2
+  local ok = m.nans == 0 and m.infs == 0 and m.max_abs <= atol + rtol * m.max_ref and m.rel_l2 <= l2
   if not ok then
     local g, r = flat(got, "got"), flat(ref, "ref")
     local lines = {}
     local shown = 0
     for i = 1, #g do
       local a, b = g[i], r[i]
-      if a ~= a or b ~= b or math.abs(a - b) > atol + rtol * m.max_ref then
+      local bad = a ~= a or b ~= b or (a ~= b and (infinite(a) or infinite(b)))
+      if bad or math.abs(a - b) > atol + rtol * m.max_ref then
         lines[#lines + 1] = string.format("  at %s: got %.6g, expected %.6g", index_str(i, m.shape), a, b)
         shown = shown + 1
         if shown == 5 then break end
       end
     end
+    local unmatched = m.infs > 0 and string.format(", %d infinities unmatched", m.infs) or ""
     error(string.format("%snot close: max |got - ref| = %.4g (%.4g of max |ref| = %.4g; allowed %.4g + %.4g), "
-      .. "relative L2 = %.4g (allowed %.4g), %d NaN\n%s", opts.what and (opts.what .. ": ") or "", m.max_abs, m.rel_max,
-      m.max_ref, atol, rtol, m.rel_l2, l2, m.nans, table.concat(lines, "\n")), 2)
+      .. "relative L2 = %.4g (allowed %.4g), %d NaN%s\n%s", opts.what and (opts.what .. ": ") or "", m.max_abs,
+      m.rel_max, m.max_ref, atol, rtol, m.rel_l2, l2, m.nans, unmatched, table.concat(lines, "\n")), 2)
   end
   return m
 end
@@ -94,7 +101,7 @@ function check.verdict(got, ref, o, what)
   if o.raise == false then
     local m = check.metrics(got, ref)
     local rtol, l2 = o.rtol or 2e-2, o.l2 or 1e-2
-    m.rtol, m.l2, m.pass = rtol, l2, m.nans == 0 and m.rel_max <= rtol and m.rel_l2 <= l2
+    m.rtol, m.l2, m.pass = rtol, l2, m.nans == 0 and m.infs == 0 and m.rel_max <= rtol and m.rel_l2 <= l2
     return m
   end
   return check.close(got, ref, { rtol = o.rtol, l2 = o.l2, what = what })
