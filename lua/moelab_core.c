@@ -982,6 +982,7 @@ static int l_now(lua_State *L) {
 /* core.sleep(seconds): the thread sleeps (a rank waiting for the id file rank 0 writes) */
 static int l_sleep(lua_State *L) {
   lua_Number sec = luaL_checknumber(L, 1);
+  luaL_argcheck(L, sec == sec && sec <= 1e9, 1, "seconds must be a number up to 1e9"); /* fits a time_t */
   if (sec > 0) {
     struct timespec ts;
     ts.tv_sec = (time_t)sec;

@@ -320,6 +320,7 @@ local ROWS = {
   end, "give either 'logits' or 'ids' and 'weights', not both" },
   { "forward: logits of the wrong shape", function() LAYER:forward(LX, { logits = moe.zeros({ 4, 5 }) }) end,
     "option 'logits' must be f32 [4, 4], got moelab.Tensor(f32 [4, 5] on cpu)" },
+  { "core.sleep: an infinite wait", function() moe.core.sleep(math.huge) end, "seconds must be a number up to 1e9" },
   { "check.close: unknown option", function() moe.check.close(L, L, { rtl = 1 }) end, "unknown option 'rtl'" },
   { "check.close: shapes differ", function() moe.check.close(moe.zeros({ 2, 3 }), moe.zeros({ 3, 2 })) end,
     "shapes differ: got [2, 3], ref [3, 2]" },
