@@ -256,6 +256,7 @@ return function(moe, shared)
       end
       ex:combine(calls)
     end)
+    self.forwarded = true -- its buffers now hold a pass (or, captured, will at each replay)
     return self.nlocal == 1 and self.out[1] or self.out
   end
 
@@ -330,6 +331,9 @@ return function(moe, shared)
   -- the routing the last forward chose.
   function WorldLayer:reference(x, o)
     o = args.options("reference", o or {}, { routing = { "own", "forward" }, sample = "integer" })
+    if o.routing == "forward" and not self.forwarded then
+      args.fail("reference", "routing = 'forward' before any forward: there is no routing to take")
+    end
     local T, H, K = self.tokens, self.hidden, self.k
     x = per_rank(self, "reference", "x", x, "bf16", { T, H })
     local n = o.sample and math.min(o.sample, T) or T
@@ -356,6 +360,7 @@ return function(moe, shared)
   -- raise = false, which returns the metrics and .pass.
   function WorldLayer:check(x, o)
     o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
+    if not self.forwarded then args.fail("check", "no forward has run: check compares the last forward's output") end
     local T, H = self.tokens, self.hidden
     x = per_rank(self, "check", "x", x, "bf16", { T, H })
     local n = o.sample and math.min(o.sample, T) or T
