@@ -326,6 +326,12 @@ local ROWS = {
     "shapes differ: got [2, 3], ref [3, 2]" },
   { "reference: ids without weights", function() LAYER:reference(LX, { ids = i32 { 2, 2, 2 } }) end,
     "give 'ids' and 'weights' together" },
+  { "check: NaN logits met by the reference's own routing, through check", function()
+    local layer = moe.layer { model = tiny, tokens = 2 }
+    local x = moe.full({ 1, 2, 16 }, 0 / 0, { dtype = "bf16" })
+    layer:forward(x, { check = false })
+    layer:check(x)
+  end, "layer: reference: router logits contain NaN" },
   { "reference: logits and routing", function()
     LAYER:reference(LX, { logits = moe.zeros({ 4, 4 }), routing = "forward" })
   end, "give at most one routing" },
@@ -343,6 +349,7 @@ describe("argument errors", function()
       end
       assert.truthy(err:find("^[^\n]-args_spec%.lua:%d+: "),
         "the error should point at the caller (args_spec.lua), got:\n" .. err)
+      assert.falsy(err:find("^[^\n]-%.lua:%d+: [^\n]-%.lua:%d+: "), "a doubled position:\n" .. err)
     end)
   end
 end)

@@ -393,6 +393,14 @@ for _, dev in ipairs(ALL_DEVICES) do
       -- token 0: 1 * (route 0 -> 1) + 2 * (route 1 -> 2); token 1: 4 * 3 + 8 * 4
       assert.tensor_equal(out, { 1 + 4, 10 + 40, 12 + 32, 120 + 320 })
     end)
+    it("takes schedules made from a copy of the same ids, as from the tensor itself", function()
+      local s = world.schedules
+      local copy = moe.schedule { ids = s[2].ids:to(dev), experts = 6, rank = 1, pad = 2, capacity = 10,
+        overflow = "drop", invalid = "skip" }
+      local a = moe.combine { schedules = s, ys = world.ys, weights = world.weights[1], rank = 0 }
+      local b = moe.combine { schedules = { s[1], copy, s[3] }, ys = world.ys, weights = world.weights[1], rank = 0 }
+      assert.tensor_equal(b, a)
+    end)
     if dev ~= "cpu" then
       it("equals the CPU combine bit for bit", function()
         local cw = combine_world("cpu", { W = 3, T = 6, K = 3, E = 6, ids = ids, capacity = 10 })

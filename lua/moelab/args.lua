@@ -21,6 +21,19 @@ function args.fail(fname, msg, level)
   error(string.format("bad argument #1 to '%s' (%s)", fname, msg), (level or 2) + 1)
 end
 
+-- Raises msg at the first frame outside the front-end (a file in a "moelab" directory): the
+-- user's line, however deep in the front-end the failure was found, as the C binding places its
+-- errors.  Where a C function (a pcall) stands between, without a position: its catcher adds one.
+function args.raise(msg)
+  local level = 2
+  while true do
+    local info = debug.getinfo(level, "S")
+    if not (info and info.what ~= "C" and info.source:match("^@.*[/@]moelab/[^/]+%.lua$")) then break end
+    level = level + 1
+  end
+  error(msg, level)
+end
+
 local function is_tensor(v)
   local mt = getmetatable(v)
   return type(mt) == "table" and mt.__name == "moelab.Tensor"
@@ -64,6 +77,9 @@ end
 
 -- Options 'dtype' and 'out' together must agree: the output's own dtype is what a stage writes.
 function args.same_dtype(fname, out, dtype, level)
+  if out and is_tensor(out) and out.closed then
+    args.fail(fname, "option 'out' is a closed moelab.Tensor", (level or 2) + 1)
+  end
   if out and dtype and out.dtype ~= dtype then
     args.fail(fname, string.format("option 'dtype' is '%s' but option 'out' is %s", dtype, out.dtype), (level or 2) + 1)
   end

@@ -53,7 +53,7 @@ function check.metrics(got, ref, level)
       if a ~= b then infs, worst = infs + 1, worst or i end
     else
       local d = math.abs(a - b)
-      if d > max_abs then max_abs, worst = d, (nans == 0 and i or worst) end
+      if d > max_abs then max_abs, worst = d, (nans == 0 and infs == 0 and i or worst) end
       if math.abs(b) > max_ref then max_ref = math.abs(b) end
       sq_diff = sq_diff + d * d
       sq_ref = sq_ref + b * b

@@ -334,9 +334,12 @@ function moe.combine(o)
         s1.k, s1.experts, s.rank, s.world, s.tokens, s.k, s.experts))
     end
     -- the same ids, not just the same sizes: combine reads schedules[1]'s ids with every route_row
-    if s.ids:address() ~= s1.ids:address() or s.ids.device ~= s1.ids.device then
+    -- (the same tensor, or a copy: then its contents are compared, which reads both back)
+    args.tensor("combine", "schedules[" .. i .. "].ids", s.ids, "i32", nil)
+    if i > 1 and (s.ids:address() ~= s1.ids:address() or s.ids.device ~= s1.ids.device)
+        and not pcall(moe.check.equal, s.ids, s1.ids) then
       args.fail("combine", string.format("schedules[%d] was made from other ids than schedules[1] (every rank's "
-        .. "schedule must come from the same all-gathered ids tensor)", i))
+        .. "schedule must come from the same all-gathered ids)", i))
     end
     local y = args.tensor("combine", "ys[" .. i .. "]", ys[i], "bf16", { s.capacity, H or false })
     H = H or y.shape[2]
@@ -379,13 +382,13 @@ function moe.graph(fn, opts)
   local begun, berr = pcall(core.graph_begin, dev)
   if not begun then
     if was_running then collectgarbage("restart") end
-    error(berr, 2)
+    args.raise(berr)
   end
   local ok, err = pcall(fn)
   local ended, graph = pcall(core.graph_end) -- always end the capture, even after a failure
   if was_running then collectgarbage("restart") end
-  if not ok then error("graph: capture failed: " .. tostring(err), 2) end
-  if not ended then error(graph, 2) end
+  if not ok then args.raise("graph: capture failed: " .. tostring(err)) end
+  if not ended then args.raise(graph) end
   return graph
 end
 

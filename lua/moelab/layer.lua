@@ -321,8 +321,8 @@ return function(moe)
         scoring = self.cfg.scoring, groups = self.cfg.groups, topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
       local st = stats:flat()
       if st[1] > 0 and self.nan == "error" then -- the layer's policy, as forward applies it
-        error(string.format("layer: reference: router logits contain NaN or cannot be scored (+inf, all -inf) in "
-          .. "%d of its %d rows; the layer has nan = 'error'", st[1], N), 3)
+        args.raise(string.format("layer: reference: router logits contain NaN or cannot be scored (+inf, all -inf) "
+          .. "in %d of its %d rows; the layer has nan = 'error'", st[1], N))
       end
     end
     local out = core.new("f32", { N, self.hidden }, "cpu")

@@ -214,10 +214,10 @@ return function(moe)
   end
   local function is_tensor(v) return args.is_tensor(v) end
 
-  -- h:method(...) with its error raised at the caller's caller (the user's line), not here.
+  -- h:method(...) with its error raised at the user's line (args.raise), not here.
   local function call(h, method, ...)
     local res = table.pack(pcall(h[method], h, ...))
-    if not res[1] then error((tostring(res[2]):gsub("^[^\n]-world%.lua:%d+: ", "")), 3) end
+    if not res[1] then args.raise((tostring(res[2]):gsub("^[^\n]-world%.lua:%d+: ", ""))) end
     return table.unpack(res, 2, res.n)
   end
 

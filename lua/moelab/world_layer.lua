@@ -390,7 +390,7 @@ return function(moe, shared)
     self.group:bind(1)
     local ok, graph = pcall(moe.graph, function() run(self, x, { check = false }) end, { device = self.device })
     self.group:unbind()
-    if not ok then error(graph, 0) end
+    if not ok then args.raise(graph) end
     return setmetatable({ graph = graph, layer = self }, Graph)
   end
 
