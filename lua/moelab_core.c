@@ -81,6 +81,16 @@ static void push_caller_where(lua_State *L) {
   lua_pushliteral(L, "");
 }
 
+/* raise(msg): msg raised where the binding raises its own errors (push_caller_where); the
+ * front-end's args.raise, so that one rule places every error. */
+static int l_raise(lua_State *L) {
+  luaL_checkstring(L, 1);
+  push_caller_where(L);
+  lua_pushvalue(L, 1);
+  lua_concat(L, 2);
+  return lua_error(L);
+}
+
 static int fail(lua_State *L, moe_ctx *ctx, int rc) {
   const char *msg = moe_errmsg(ctx);
   push_caller_where(L);
@@ -1734,6 +1744,7 @@ static const luaL_Reg module_funcs[] = {
   {"combine", l_combine},
   {"reference", l_reference},
   {"now", l_now},
+  {"raise", l_raise},
   {"sleep", l_sleep},
   {"event_new", l_event_new},
   {"graph_begin", l_graph_begin},

@@ -22,17 +22,9 @@ function args.fail(fname, msg, level)
 end
 
 -- Raises msg at the first frame outside the front-end (a file in a "moelab" directory): the
--- user's line, however deep in the front-end the failure was found, as the C binding places its
--- errors.  Where a C function (a pcall) stands between, without a position: its catcher adds one.
-function args.raise(msg)
-  local level = 2
-  while true do
-    local info = debug.getinfo(level, "S")
-    if not (info and info.what ~= "C" and info.source:match("^@.*[/@]moelab/[^/]+%.lua$")) then break end
-    level = level + 1
-  end
-  error(msg, level)
-end
+-- user's line, however deep in the front-end the failure was found; without a position where a
+-- C function (a pcall) stands between, whose catcher adds one.  The binding's own rule (C).
+args.raise = core.raise
 
 local function is_tensor(v)
   local mt = getmetatable(v)
