@@ -34,8 +34,8 @@
 // CTAs on that row tile and two column tiles, each loading its own B and half of the shared A
 // rows (multicast to both: tma_a_half, boxes of 64 rows), still in lock step, so that neither
 // idles through a tile its partner has and it has not (as a pair, such a tile cost a whole
-// pair's time).  CM = 2 is the default at every size; CM = 1
-// (one CTA a tile) stays as a variant to measure against (PERF.md).
+// pair's time).  CM = 2 is the default at every size; CM = 1 (one CTA a tile) stays as a
+// variant to measure against (PERF.md).
 //
 // Work list (the function decode): per expert, in order, its pairs x column tiles, then its row
 // tile left over (CM = 1: all of them) x groups of CM column tiles.  Inside each, GROUP_TILES row
@@ -625,7 +625,8 @@ encode_tiled_fn encode_tiled() {
   return fn;
 }
 
-// A row-major bf16 [rows, k] matrix as a 2D tensor map with a {64, 128} box, 128B swizzle.
+// A row-major bf16 [rows, k] matrix as a 2D tensor map with a {64, box_rows} box, 128B swizzle.
+// (The half-row boxes of run() describe the same tensors as maps that succeeded with 128 rows.)
 bool encode_2d(CUtensorMap *m, const void *base, long long rows, long long k, int box_rows = BM) {
   encode_tiled_fn fn = encode_tiled();
   if (!fn) return false;
