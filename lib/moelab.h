@@ -359,7 +359,9 @@ MOE_API int moe_world_combine(moe_ctx *ctx, moe_world *w, const moe_world_combin
 typedef struct moe_world_exchange moe_world_exchange;
 MOE_API int moe_world_exchange_open(moe_ctx *ctx, moe_world *w, int64_t tokens, int k, int64_t hidden,
                                     int64_t capacity, moe_world_exchange **out);
-/* NULL is a no-op.  A world closed before its exchanges stays open until the last is closed. */
+/* NULL is a no-op.  A world closed before its exchanges stays open until the last is closed.
+ * A graph that captured the exchange's dispatch or combine uses its windows: free the graph
+ * first (the Lua front-end keeps the exchange alive for its graphs). */
 MOE_API void moe_world_exchange_close(moe_world_exchange *ex);
 /* Views of local rank i's window: x bf16 [T, H] and ys bf16 [C, H] (either pointer may be
  * NULL).  A rank that writes its tokens into x and its experts' output into ys saves the

@@ -206,7 +206,8 @@ static int check_shape(lua_State *L, int idx, int64_t shape[MOE_MAX_DIMS]) {
  * PINS, a set of owner handles: every owner made during it, and the owner of every tensor a
  * function is handed.  Each is pinned once (pins + 1); graph_end gives the set to the graph,
  * whose release unpins them.  Closing a pinned tensor makes its handle unusable at once; its
- * memory goes when the last graph on it does. */
+ * memory goes when the last graph on it does.  An exchange a captured call used is held in the
+ * same set (pin_object): its windows are written and read whatever tensors the call was given. */
 static const char *const PINS = "moelab.pins";
 
 static void release_owner(Tensor *o);
@@ -228,13 +229,27 @@ static void pin(lua_State *L, int idx) {
   lua_pop(L, 1);
 }
 
-/* Undoes the pins of a set that graph_end handed to a graph (the table at idx). */
+/* Keeps the object at idx (not a tensor: an exchange, whose windows a captured call uses
+ * through no tensor the graph was handed) alive as long as the capture under way's graph. */
+static void pin_object(lua_State *L, int idx) {
+  idx = lua_absindex(L, idx);
+  if (lua_getfield(L, LUA_REGISTRYINDEX, PINS) == LUA_TTABLE) {
+    lua_pushvalue(L, idx);
+    lua_pushboolean(L, 1);
+    lua_rawset(L, -3);
+  }
+  lua_pop(L, 1);
+}
+
+/* Undoes the pins of a set that graph_end handed to a graph (the table at idx); its other
+ * objects (pin_object) are merely let go with the set. */
 static void unpin_all(lua_State *L, int idx) {
   idx = lua_absindex(L, idx);
   lua_pushnil(L);
   while (lua_next(L, idx)) {
     lua_pop(L, 1);
-    Tensor *o = (Tensor *)lua_touserdata(L, -1);
+    Tensor *o = (Tensor *)luaL_testudata(L, -1, TENSOR);
+    if (!o) continue;
     o->pins--;
     release_owner(o);
   }
@@ -1508,8 +1523,9 @@ static int w_combine(lua_State *L) {
  * Its user value is the World (kept alive, and checked open before each call).  Its windows'
  * x and ys are plain tensor handles whose memory is the exchange's: a weak-keyed table in the
  * registry maps each of them to the exchange, so the exchange outlives every handle of its
- * memory (and every view of those, which keep their owner).  The windows go with the exchange
- * at collection; the world's own close waits for them (moe_world_close). */
+ * memory (and every view of those, which keep their owner), and a graph that captured one of
+ * its calls holds it too (pin_object).  The windows go with the exchange at collection; the
+ * world's own close waits for them (moe_world_close). */
 
 #define EXCHANGE "moelab.Exchange"
 
@@ -1579,6 +1595,7 @@ static int x_dispatch(lua_State *L) {
   moe_ctx *ctx = getctx(L);
   int n;
   moe_world_exchange *ex = check_exchange(L, 1, &n);
+  pin_object(L, 1); /* a graph of this call writes into the windows, whatever x and xs are */
   lua_settop(L, 2);
   int rc = moe_world_exchange_dispatch(ctx, ex, dispatch_args(L, n, 1));
   if (rc) return fail(L, ctx, rc);
@@ -1589,6 +1606,7 @@ static int x_combine(lua_State *L) {
   moe_ctx *ctx = getctx(L);
   int n;
   moe_world_exchange *ex = check_exchange(L, 1, &n);
+  pin_object(L, 1); /* a graph of this call reads the peers' windows, whatever y is */
   lua_settop(L, 2);
   int rc = moe_world_exchange_combine(ctx, ex, combine_args(L, n, 1));
   if (rc) return fail(L, ctx, rc);

@@ -401,6 +401,44 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     end
   end)
 
+  it("a graph of the direct exchange keeps the exchange, and its windows, as long as the graph", function()
+    local C = 256
+    local all = moe.zeros({ 1, T, K }, { dtype = "i32", device = dev })
+    local s = moe.schedule_plan { ids = all, experts = E, rank = 0, pad = 2, capacity = C }
+    local ids = ids_on(dev)
+    local x = moe.randn({ T, H }, { dtype = "bf16", seed = 19, device = dev }) -- not a window: copied in
+    local xs = moe.zeros({ C, H }, { dtype = "bf16", device = dev })
+    local held = setmetatable({}, { __mode = "v" }) -- sees the exchange without keeping it
+    local graph
+    do
+      local ex = world:exchange { tokens = T, k = K, hidden = H, capacity = C }
+      held[1] = ex.handle
+      local function step()
+        world:allgather_ids(ids, all)
+        s:run()
+        ex:dispatch { x = x, schedule = s, out = xs, zero_fill = true }
+      end
+      step()
+      graph = moe.graph(step, { device = dev })
+    end
+    for _ = 1, 3 do collectgarbage() end
+    assert.is_not_nil(held[1], "the exchange was collected while a graph of its dispatch lives")
+    -- an exchange opened now must get other windows than the captured one's
+    local other = world:exchange { tokens = T, k = K, hidden = H, capacity = C }
+    other.x[1]:copy(moe.zeros({ T, H }, { dtype = "bf16", device = dev }))
+    math.randomseed(40)
+    local flat = {}
+    for i = 1, T * K do flat[i] = S.int(-1, E - 1) end
+    ids:copy(S.tensor(flat, "i32", { T, K }))
+    graph:replay()
+    local ref_s = moe.schedule { ids = ids:view(0, { 1, T, K }), experts = E, rank = 0, pad = 2, capacity = C }
+    assert.tensor_equal(xs, moe.dispatch { x = x:view(0, { 1, T, H }), schedule = ref_s, zero_fill = true })
+    assert.tensor_equal(other.x[1], moe.zeros({ T, H }, { dtype = "bf16", device = dev }))
+    graph = nil
+    for _ = 1, 3 do collectgarbage() end -- the graph's finaliser, then what it held
+    assert.is_nil(held[1], "the exchange outlived its graph")
+  end)
+
   it("one rank of a multi-process launch (ncclCommInitRank, size 1)", function()
     local id = moe.world_unique_id()
     assert.are.equal(256, #id)

@@ -356,7 +356,8 @@ return function(moe)
   -- makes it with the same sizes.  ex.x[i] and ex.ys[i] are local rank i's windows (bf16 [T, H],
   -- [C, H]): tokens written into ex.x and expert outputs into ex.ys are not copied again.
   -- ex:dispatch and ex:combine take World:dispatch's and World:combine's arguments (no x_all).
-  -- The windows are freed with the exchange, once nothing refers to it or to them.
+  -- The windows are freed with the exchange, once nothing refers to it or to them (a graph that
+  -- captured its dispatch or combine refers to it).
   local Exchange = { __name = "moelab.Exchange" }
   Exchange.__index = Exchange
 
