@@ -98,7 +98,8 @@ for _, dev in ipairs(ALL_DEVICES) do
       local x = input(layer)
       local W, T, K, E = layer.world, layer.tokens, layer.k, layer.experts
       assert.has_error(function() layer:check(x) end,
-        "bad argument #1 to 'check' (no forward has run: check compares the last forward's output)")
+        "bad argument #1 to 'check' (no forward has run (a capture runs nothing before its first replay): check "
+          .. "compares the last pass's output)")
       assert.has_error(function() layer:reference(x, { routing = "forward" }) end,
         "bad argument #1 to 'reference' (routing = 'forward' before any forward: there is no routing to take)")
       local ok, err = pcall(layer.reference, layer, x, { logits = moe.zeros({ W * T, E - 1 }) })

@@ -564,4 +564,21 @@ describe("moe.layer over a real world [#gpu]", function()
       assert.matches("over a world of " .. W .. " GPUs", tostring(real))
       world:close()
     end)
+
+  it("a capture of one rank's pass is not a forward: check waits for the first replay", function()
+    local world = moe.world { devices = { 0 } }
+    local layer = moe.layer { model = "kimi_k2", tokens = 24, hidden = 128, ffn = 64, experts = 8, k = 4, seed = 5,
+      world = world }
+    local g = layer:capture()
+    layer.inputs[1]:copy(moe.randn({ 24, 128 }, { dtype = "bf16", seed = 78, device = "cuda:0" }))
+    local ok, err = pcall(layer.check, layer, layer.inputs[1])
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("no forward has run", 1, true), tostring(err))
+    g:replay()
+    g:check()
+    assert.is_true(layer:check(layer.inputs[1], { raise = false }).pass)
+    g = nil
+    collectgarbage()
+    world:close()
+  end)
 end)

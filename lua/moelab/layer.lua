@@ -278,7 +278,7 @@ return function(moe)
           shared_gate = self.gate and self.gate:view((p - 1) * T, { T }) }
       end
     end)
-    self.forwarded = true -- its buffers now hold a pass (or, captured, will at each replay)
+    self.forwarded = true -- its buffers now hold a pass (capture puts the flag back: nothing ran)
     return self.out
   end
 
@@ -392,7 +392,10 @@ return function(moe)
   -- CPU reference.
   function Layer:check(x, o)
     o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
-    if not self.forwarded then args.fail("check", "no forward has run: check compares the last forward's output") end
+    if not self.forwarded then
+      args.fail("check", "no forward has run (a capture runs nothing before its first replay): check compares the "
+        .. "last pass's output")
+    end
     local W, T, H = self.world, self.tokens, self.hidden
     local got, ref
     if o.sample and o.sample < T then
@@ -460,12 +463,17 @@ return function(moe)
       x = self.input
     end
     check_x(self, "capture", x)
-    local graph = moe.graph(function() self:forward(x, { check = false }) end, { device = self.device })
+    -- a capture runs nothing: the buffers hold what they held before it, until a replay
+    local forwarded = self.forwarded
+    local ok, graph = pcall(moe.graph, function() self:forward(x, { check = false }) end, { device = self.device })
+    self.forwarded = forwarded
+    if not ok then args.raise(graph) end
     return setmetatable({ graph = graph, layer = self, x = x }, Graph)
   end
 
   function Graph:replay()
     self.graph:replay()
+    self.layer.forwarded = true
     return self.layer.out
   end
 

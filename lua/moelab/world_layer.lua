@@ -256,7 +256,7 @@ return function(moe, shared)
       end
       ex:combine(calls)
     end)
-    self.forwarded = true -- its buffers now hold a pass (or, captured, will at each replay)
+    self.forwarded = true -- its buffers now hold a pass (capture puts the flag back: nothing ran)
     return self.nlocal == 1 and self.out[1] or self.out
   end
 
@@ -360,7 +360,10 @@ return function(moe, shared)
   -- raise = false, which returns the metrics and .pass.
   function WorldLayer:check(x, o)
     o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
-    if not self.forwarded then args.fail("check", "no forward has run: check compares the last forward's output") end
+    if not self.forwarded then
+      args.fail("check", "no forward has run (a capture runs nothing before its first replay): check compares the "
+        .. "last pass's output")
+    end
     local T, H = self.tokens, self.hidden
     x = per_rank(self, "check", "x", x, "bf16", { T, H })
     local n = o.sample and math.min(o.sample, T) or T
@@ -388,7 +391,10 @@ return function(moe, shared)
     end
     x = per_rank(self, "capture", "x", x or self.inputs, "bf16", { self.tokens, self.hidden })
     self.group:bind(1)
+    -- a capture runs nothing: the buffers hold what they held before it, until a replay
+    local forwarded = self.forwarded
     local ok, graph = pcall(moe.graph, function() run(self, x, { check = false }) end, { device = self.device })
+    self.forwarded = forwarded
     self.group:unbind()
     if not ok then args.raise(graph) end
     return setmetatable({ graph = graph, layer = self }, Graph)
@@ -396,6 +402,7 @@ return function(moe, shared)
 
   function Graph:replay()
     self.graph:replay()
+    self.layer.forwarded = true
     return self.layer.out[1]
   end
 
