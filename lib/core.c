@@ -127,11 +127,14 @@ int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape
   if (ndim < 0 || ndim > MOE_MAX_DIMS)
     return moe_seterr(ctx, MOE_ERR_ARG, "tensor: %d dimensions, expected 0 to %d", ndim, MOE_MAX_DIMS);
   if (ndim > 0 && !shape) return moe_seterr(ctx, MOE_ERR_ARG, "tensor: shape is NULL");
-  int64_t numel = 1;
+  /* span: the product of the non-zero dimensions, bounded like a size even where a zero makes the
+   * tensor empty, so that no stage's arithmetic on an empty tensor's other dimensions overflows */
+  int64_t numel = 1, span = 1;
   for (int i = 0; i < ndim; i++) {
     if (shape[i] < 0) return moe_seterr(ctx, MOE_ERR_ARG, "tensor: dimension %d is %lld, expected >= 0", i + 1, (long long)shape[i]);
-    if (shape[i] > 0 && numel > ((int64_t)1 << 40) / shape[i])
-      return moe_seterr(ctx, MOE_ERR_ARG, "tensor: more than 2^40 elements");
+    if (shape[i] > 0 && span > ((int64_t)1 << 40) / shape[i])
+      return moe_seterr(ctx, MOE_ERR_ARG, "tensor: more than 2^40 elements (the dimensions other than 0 multiplied)");
+    if (shape[i] > 0) span *= shape[i];
     numel *= shape[i];
   }
   int rc = check_device(ctx, "tensor", device);
@@ -169,15 +172,16 @@ int moe_tensor_view(moe_ctx *ctx, moe_tensor *base, int64_t offset, int ndim, co
   *out = NULL;
   if (ndim < 0 || ndim > MOE_MAX_DIMS || (ndim > 0 && !shape))
     return moe_seterr(ctx, MOE_ERR_ARG, "view: %d dimensions, expected 0 to %d", ndim, MOE_MAX_DIMS);
-  int64_t numel = 1;
+  int64_t numel = 1, span = 1; /* span: as in moe_tensor_new */
   for (int i = 0; i < ndim; i++) {
     if (shape[i] < 0) return moe_seterr(ctx, MOE_ERR_ARG, "view: dimension %d is %lld, expected >= 0", i + 1, (long long)shape[i]);
     /* a product past the base's elements is refused below; stop before it can overflow */
-    if (shape[i] > 0 && numel > ((int64_t)1 << 40) / shape[i]) {
+    if (shape[i] > 0 && span > ((int64_t)1 << 40) / shape[i]) {
       char b[160];
-      return moe_seterr(ctx, MOE_ERR_ARG, "view: more than 2^40 elements, past the end of %s",
-                        moe_tensor_describe(base, b, sizeof b));
+      return moe_seterr(ctx, MOE_ERR_ARG, "view: more than 2^40 elements (the dimensions other than 0 multiplied) "
+                        "of %s", moe_tensor_describe(base, b, sizeof b));
     }
+    if (shape[i] > 0) span *= shape[i];
     numel *= shape[i];
   }
   if (offset < 0 || offset > base->numel || numel > base->numel - offset) {

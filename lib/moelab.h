@@ -114,7 +114,8 @@ MOE_API int moe_tensor_copy(moe_ctx *ctx, moe_tensor *dst, const moe_tensor *src
  * owns nothing, and base must outlive it (the Lua binding keeps base alive for it). */
 MOE_API int moe_tensor_view(moe_ctx *ctx, moe_tensor *base, int64_t offset, int ndim, const int64_t *shape,
                             moe_tensor **out);
-/* Every element set to value, rounded to the dtype (NaN allowed for float dtypes). */
+/* Every element set to value, rounded to the dtype (NaN allowed for float dtypes); an i32
+ * tensor takes only integers in its range (MOE_ERR_ARG otherwise). */
 MOE_API int moe_tensor_fill(moe_ctx *ctx, moe_tensor *t, double value);
 /* Pseudo-normal values: the Irwin-Hall sum of four 16-bit uniforms drawn from a hash of
  * (seed, element index), centred and scaled to unit variance, times std.  Integer arithmetic
@@ -128,9 +129,13 @@ MOE_API float moe_bf16_to_f32(uint16_t x);
 /* ---- 1. route: logits f32 [N, E] -> ids i32 [N, K], weights f32 [N, K] ---- */
 typedef enum { MOE_SCORE_SOFTMAX = 0, MOE_SCORE_SIGMOID = 1, MOE_SCORE_SQRTSOFTPLUS = 2 } moe_scoring;
 typedef struct moe_route_args {
-  moe_tensor *ids;           /* out: i32 [N, K]; -1 on a row with NaN logits */
-  moe_tensor *weights;       /* out: f32 [N, K]; 0 on a row with NaN logits */
-  moe_tensor *stats;         /* out: i32 [2] = {rows with NaN, first such row or -1}; may be NULL */
+  moe_tensor *ids;           /* out: i32 [N, K]; -1 on a rejected row (below) */
+  moe_tensor *weights;       /* out: f32 [N, K]; 0 on a rejected row */
+  moe_tensor *stats;         /* out: i32 [2] = {rejected rows, first such row or -1}; may be NULL.
+                                A row is rejected when a logit is NaN or the scoring would make a
+                                NaN: a NaN key or group score (a NaN bias, or infinite biases of
+                                opposite signs), a +inf logit under softmax or sqrtsoftplus, a
+                                softmax row whose logits are all -inf */
   const moe_tensor *logits;  /* f32 [N, E] */
   const moe_tensor *bias;    /* f32 [E] selection bias, or NULL (sigmoid and sqrtsoftplus only) */
   int k;
@@ -309,7 +314,8 @@ MOE_API int moe_world_allgather_ids(moe_ctx *ctx, moe_world *w, moe_tensor *cons
  * world whose x is x_all. */
 typedef struct moe_world_dispatch_args {
   moe_tensor *xs;               /* out: bf16 [C, H] */
-  moe_tensor *x_all;            /* out: bf16 [W, T, H], every rank's tokens */
+  moe_tensor *x_all;            /* out: bf16 [W, T, H], every rank's tokens; x may be this
+                                   rank's own slot of it (in place), nothing else may overlap it */
   const moe_tensor *x;          /* bf16 [T, H], this rank's tokens */
   const moe_tensor *peer_rank;  /* i32 [C], this rank's schedule */
   const moe_tensor *peer_route; /* i32 [C] */

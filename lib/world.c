@@ -334,6 +334,13 @@ int moe_world_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args
     const int64_t all_shape[] = {w->size, a->x->shape[0], a->x->shape[1]};
     if ((rc = moe_check_tensor(ctx, stage, "x_all", a->x_all, MOE_BF16, 3, all_shape))) return rc;
     if ((rc = check_on(ctx, stage, "x_all", a->x_all, w->devices[i]))) return rc;
+    /* x_all is an output too: x may be this rank's own slot of it (NCCL's in-place all-gather, as
+     * in moe_world_allgather) and nothing else may share its memory */
+    const char *own_slot = (const char *)a->x_all->data + moe_tensor_nbytes(a->x) * (size_t)w->ranks[i];
+    const int in_place = (const char *)a->x->data == own_slot;
+    const moe_tensor *ts[] = {a->x_all, a->xs, a->peer_rank, a->peer_route, in_place ? NULL : a->x};
+    static const char *names[] = {"x_all", "xs", "peer_rank", "peer_route", "x"};
+    if ((rc = moe_check_no_overlap(ctx, stage, ts, names, 1, 5))) return rc;
   }
   return nccl_dispatch(ctx, w, args);
 }

@@ -300,6 +300,24 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     end)
   end
 
+  it("dispatch refuses an x_all that shares memory with xs, and takes x in its own slot of x_all", function()
+    local s = moe.schedule { ids = world:allgather_ids(ids_on(dev)), experts = E, rank = 0, pad = 4, capacity = 256 }
+    local x = moe.randn({ T, H }, { dtype = "bf16", seed = 21, device = dev })
+    local both = moe.zeros({ T * H + 256 * H }, { dtype = "bf16", device = dev })
+    local ok, err = pcall(world.dispatch, world, { x = x, schedule = s, x_all = both:view(0, { 1, T, H }),
+      out = both:view(T * H - H, { 256, H }) })
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("x_all and xs share memory", 1, true), tostring(err))
+    local base = moe.zeros({ T * H + H }, { dtype = "bf16", device = dev })
+    ok, err = pcall(world.dispatch, world, { x = base:view(H, { T, H }), schedule = s, x_all = base:view(0, { 1, T, H }) })
+    assert.is_false(ok) -- one row off its slot: overwritten while it is sent
+    assert.truthy(tostring(err):find("x_all and x share memory", 1, true), tostring(err))
+    local x_all = moe.zeros({ 1, T, H }, { dtype = "bf16", device = dev })
+    x_all:select(1):copy(x)
+    local xs = world:dispatch { x = x_all:view(0, { T, H }), schedule = s, x_all = x_all, zero_fill = true }
+    assert.tensor_equal(xs, moe.dispatch { x = x:view(0, { 1, T, H }), schedule = s, zero_fill = true })
+  end)
+
   it("the exchange captures as a CUDA graph and replays on new routing", function()
     local ids = ids_on(dev)
     local all = moe.zeros({ 1, T, K }, { dtype = "i32", device = dev })

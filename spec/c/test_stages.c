@@ -131,6 +131,14 @@ static void test_dispatch(void) {
   OK(moe_dispatch(ctx, &a));
   moe_tensor *view, *big = BF16(NULL, 4);
   ARG_ERROR(moe_tensor_view(ctx, big, 0, 2, SHAPE((int64_t)1 << 62, 4), &view), "view", "more than 2^40 elements");
+  /* an empty tensor's other dimensions are bounded too: stages multiply them (T * K of ids [0, T, K]) */
+  ARG_ERROR(moe_tensor_view(ctx, big, 0, 3, SHAPE(0, (int64_t)1 << 40, 2), &view), "view", "more than 2^40 elements");
+  moe_tensor *empty = NULL;
+  ARG_ERROR(moe_tensor_new(ctx, MOE_I32, 3, SHAPE(0, (int64_t)1 << 40, (int64_t)1 << 40), (moe_device){MOE_CPU, 0}, &empty),
+            "tensor", "more than 2^40 elements");
+  CHECK(empty == NULL, "a refused tensor is NULL");
+  moe_tensor *edge = I32(NULL, 0, (int64_t)1 << 20, (int64_t)1 << 20); /* 2^40 exactly: allowed */
+  CHECK(moe_tensor_numel(edge) == 0, "[0, 2^20, 2^20] has no elements");
 }
 
 /* ---- experts ---- */
