@@ -213,6 +213,8 @@ for _, dev in ipairs(ALL_DEVICES) do
         assert.are.equal(layer:stats().dropped, dropped)
         assert.are.equal(8 * 4 * 8 - 8, dropped) -- one route per expert survives
         assert.close(out, layer:reference(x, { ids = ids, weights = layer.weights }))
+        layer:check(x) -- against the routes that reached an expert, whole and sampled
+        layer:check(x, { sample = 2 })
       end)
       it("overflow raises by default", function()
         local layer = small_layer("kimi_k2", dev, { capacity = 10 })
@@ -232,8 +234,38 @@ for _, dev in ipairs(ALL_DEVICES) do
           assert.are.equal(st.dropped, dropped)
           assert.are.equal(8 * 4 * 8 - 40, dropped)
           assert.close(out, layer:reference(x, { ids = ids, weights = layer.weights }))
+          layer:check(x)
+          layer:check(x, { sample = 3 })
         end
       end)
+      it("invalid = 'skip' skips, and check compares the routes that reached an expert", function()
+        local layer = small_layer("kimi_k2", dev, { invalid = "skip" })
+        local x = input(layer)
+        local W, T, K, E = layer.world, layer.tokens, layer.k, layer.experts
+        math.randomseed(7)
+        local flat = {}
+        for i = 1, W * T * K do flat[i] = S.chance(0.2) and E + S.int(0, 5) or S.int(-1, E - 1) end
+        local w = moe.randn({ W, T, K }, { seed = 8, device = dev })
+        layer:forward(x, { ids = S.tensor(flat, "i32", { W, T, K }, dev), weights = w })
+        assert.is_true(layer:stats().invalid > 0)
+        layer:check(x)
+        layer:check(x, { sample = 2 })
+      end)
+    end)
+
+    it("check takes the routing the forward was given (logits, or ids and weights)", function()
+      local layer = small_layer("kimi_k2", dev)
+      local x = input(layer)
+      layer:forward(x, { logits = moe.randn({ layer.world * layer.tokens, layer.experts }, { seed = 3, device = dev }) })
+      layer:check(x)
+      layer:check(x, { sample = layer.tokens })
+      layer:check(x, { sample = 2 })
+      local other = small_layer("kimi_k2", dev, { seed = 9 }) -- another router: other ids
+      other:forward(x)
+      layer:forward(x, { ids = other.ids, weights = other.weights })
+      layer:check(x)
+      layer:forward(x) -- the router's own routing again: on the CPU checked against its own
+      layer:check(x)
     end)
 
     if dev ~= "cpu" then

@@ -230,6 +230,7 @@ return function(moe)
     end
     if o.logits then args.tensor("forward", "logits", o.logits, "f32", { W * T, self.experts }) end
     local eager = o.check ~= false
+    self.routing_given = o.ids ~= nil or o.logits ~= nil -- check's reference then takes this routing
     self.times, self.timing = {}, eager
     timed(self, "route", function() route(self, x, o) end)
     if eager and not o.ids and self.nan == "error" then
@@ -385,11 +386,34 @@ return function(moe)
     return whole and out:view(0, { W, T, H }) or out
   end
 
-  -- check(x [, {sample = n, rtol =, l2 =}]) -> metrics of the last forward's output against the
-  -- dense reference; raises when it is not within tolerance.  With sample, n tokens of each
-  -- rank (evenly spaced) are checked; with raise = false it returns the metrics and .pass, against the routing the forward chose (the router's
-  -- own exactness is the route stage's check): the way to check a layer too large for a full
-  -- CPU reference.
+  -- check(x [, {sample = n, rtol =, l2 =, raise =}]): the last forward's output against the dense
+  -- reference, with the routing that forward applied (given logits or ids, or the router's; routes
+  -- that reached no expert -- masked, invalid and skipped, dropped by a capacity -- left out).
+  -- Raises when out of tolerance, unless raise = false, which returns the metrics and .pass.  With
+  -- sample, n evenly spaced tokens of each rank: the way to check a layer too large for a full CPU
+  -- reference.  On the CPU, a whole check of a forward that routed for itself takes the
+  -- reference's own routing, so the router is checked too.
+  -- The last forward's ids as its experts saw them: -1 where a route reached no expert (masked,
+  -- an invalid id skipped, dropped by a capacity: route_row -1 on the expert's owner), or nil when
+  -- every valid route reached one (the schedules' stats say so).
+  local function applied_ids(self)
+    local dropped, invalid = 0, 0
+    for _, s in ipairs(self.schedules) do
+      local st = s:read_stats()
+      dropped, invalid = dropped + st.dropped, st.invalid -- every rank sees all ids: one invalid count
+    end
+    if dropped == 0 and invalid == 0 then return nil end
+    local W, EL, E = self.world, self.local_experts, self.experts
+    local ids = self.ids:to("cpu")
+    local flat = ids:flat()
+    local rows = {}
+    for r = 1, W do rows[r] = self.route_rows[r]:flat() end
+    for i, e in ipairs(flat) do -- i - 1 = p * TK + route
+      if e >= 0 and (e >= E or rows[e // EL + 1][i] < 0) then flat[i] = -1 end
+    end
+    return core.from_table(flat, "i32", "cpu"):view(0, { W, self.tokens, self.k })
+  end
+
   function Layer:check(x, o)
     o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
     if not self.forwarded then
@@ -397,6 +421,12 @@ return function(moe)
         .. "last pass's output")
     end
     local W, T, H = self.world, self.tokens, self.hidden
+    -- the forward's routing (the router's, given, or with the routes no expert took masked); on the
+    -- CPU a forward that routed for itself is checked against the reference's own routing, which
+    -- checks the router too
+    local ids = applied_ids(self)
+    local routing = ids and { ids = ids, weights = self.weights }
+      or { routing = (self.device == "cpu" and not self.routing_given) and "own" or "forward" }
     local got, ref
     if o.sample and o.sample < T then
       args.range("check", "sample", o.sample, 1)
@@ -404,10 +434,11 @@ return function(moe)
       for r = 0, W - 1 do
         for i = 0, o.sample - 1 do tokens[#tokens + 1] = r * T + (i * T) // o.sample end
       end
-      ref = self:reference(x, { tokens = tokens, routing = "forward" })
+      routing.tokens, routing.routing = tokens, not ids and "forward" or nil
+      ref = self:reference(x, routing)
       got = gather_rows(self.out, tokens, H)
     else
-      ref = self:reference(x, { routing = self.device == "cpu" and "own" or "forward" })
+      ref = self:reference(x, routing)
       got = self.out
     end
     return moe.check.verdict(got, ref, o, "layer")

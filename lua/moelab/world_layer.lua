@@ -357,7 +357,9 @@ return function(moe, shared)
   -- check(x [, {sample = n, rtol =, l2 =, raise =}]): the last forward's output of every local
   -- rank against the dense f32 reference on the CPU, with the routing the forward chose; with
   -- sample, n evenly spaced tokens of each local rank.  Raises when out of tolerance unless
-  -- raise = false, which returns the metrics and .pass.
+  -- raise = false, which returns the metrics and .pass.  The reference counts every valid route:
+  -- which routes another process's capacity dropped is not known here, so a forward that dropped
+  -- routes (layer:stats().dropped) differs from it by those routes.
   function WorldLayer:check(x, o)
     o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
     if not self.forwarded then
