@@ -279,6 +279,14 @@ local ROWS = {
   { "layer: a model field of the wrong type", function()
     moe.layer { model = { experts = 4, k = 2, hidden = 16, ffn = 8, scale = "x" }, tokens = 4 }
   end, "option 'scale' must be a number, got \"x\"" },
+  { "layer: a misspelt model field", function()
+    moe.layer { model = { experts = 4, k = 2, hidden = 16, ffn = 8, sharedffn = 16 }, tokens = 4 }
+  end, "the model has a field \"sharedffn\", not one of: name, experts, k" },
+  { "layer: a softmax model given a scale", function()
+    moe.layer { model = "qwen3_235b", tokens = 4, hidden = 16, ffn = 8, scale = 2.5 }
+  end, "option 'scale' (2.5) needs scoring = 'sigmoid' or 'sqrtsoftplus'" },
+  { "route: a scale with softmax", function() moe.route { logits = L, k = 2, scale = 2 } end,
+    "option 'scale' (2) needs scoring = 'sigmoid' or 'sqrtsoftplus': softmax's weights are renormalised to sum 1" },
   { "layer: a model's groups not an integer", function()
     moe.layer { model = { experts = 4, k = 2, hidden = 16, ffn = 8, groups = 1.5 }, tokens = 4 }
   end, "option 'groups' must be an integer, got 1.5" },

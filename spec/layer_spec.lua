@@ -115,6 +115,25 @@ for _, dev in ipairs(ALL_DEVICES) do
       layer:check(x)
     end)
 
+    it("an overridden router drops the preset settings that follow from the one replaced", function()
+      local o = { world = 2, tokens = 4, hidden = 16, ffn = 8, device = dev }
+      local function layer(t)
+        for k, v in pairs(o) do t[k] = v end
+        return moe.layer(t)
+      end
+      local l = layer { model = "deepseek_v3", groups = 1 } -- the preset keeps 4 of 8 groups
+      assert.are.equal(1, l.cfg.topk_groups)
+      l = layer { model = "deepseek_v3", groups = 4 }
+      assert.are.equal(4, l.cfg.topk_groups)
+      l = layer { model = "deepseek_v3", scoring = "softmax" } -- groups and scale are sigmoid's
+      assert.are.same({ 1, 1, 1.0 }, { l.cfg.groups, l.cfg.topk_groups, l.cfg.scale })
+      l = layer { model = "deepseek_v3", scoring = "sqrtsoftplus" }
+      assert.are.same({ 1, 1, 2.5 }, { l.cfg.groups, l.cfg.topk_groups, l.cfg.scale })
+      local x = moe.randn({ 2, 4, 16 }, { dtype = "bf16", seed = 4, device = dev })
+      l:forward(x)
+      l:check(x)
+    end)
+
     it("a model table without scoring routes by softmax, without a bias", function()
       local layer = small_layer({ experts = 16, k = 2, hidden = H, ffn = F }, dev)
       assert.are.equal("softmax", layer.cfg.scoring)

@@ -98,6 +98,10 @@ function moe.routing_options(fname, E, o, level)
     args.fail(fname, "option 'scale' must be a finite number > 0 that an f32 holds (2^-126 .. 3.4e38), got "
       .. args.describe(scale), level)
   end
+  if scale ~= 1 and scoring == "softmax" then -- the kernels ignore it there: say so rather than drop it
+    args.fail(fname, string.format("option 'scale' (%s) needs scoring = 'sigmoid' or 'sqrtsoftplus': softmax's "
+      .. "weights are renormalised to sum 1", args.describe(scale)), level)
+  end
   return scoring, groups, topk_groups, scale
 end
 

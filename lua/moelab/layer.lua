@@ -19,6 +19,8 @@ return function(moe)
   }
   local MODEL_FIELDS = { "name", "experts", "k", "hidden", "ffn", "shared_ffn", "shared_gate", "scoring", "groups",
     "topk_groups", "scale" }
+  local MODEL_FIELD = {}
+  for _, f in ipairs(MODEL_FIELDS) do MODEL_FIELD[f] = true end
 
   local function model_names()
     local names = {}
@@ -47,9 +49,20 @@ return function(moe)
     elseif type(m) ~= "table" then
       args.fail("layer", "option 'model' must be a preset from moe.models or its name, got " .. args.describe(m), 3)
     end
+    for key in pairs(m) do -- a misspelt field would be silently absent
+      if not MODEL_FIELD[key] then
+        args.fail("layer", string.format("the model has a field %s, not one of: %s", args.describe(key),
+          table.concat(MODEL_FIELDS, ", ")), 3)
+      end
+    end
     local cfg = {}
     for _, f in ipairs(MODEL_FIELDS) do cfg[f] = m[f] end
     for _, f in ipairs(MODEL_FIELDS) do if o[f] ~= nil then cfg[f] = o[f] end end
+    -- an overridden router takes none of the model's settings that follow from the one replaced:
+    -- its groups' count of kept groups, the groups of another scoring, softmax's missing scale
+    if o.groups ~= nil and o.topk_groups == nil then cfg.topk_groups = nil end
+    if o.scoring ~= nil and o.scoring ~= "sigmoid" and o.groups == nil then cfg.groups, cfg.topk_groups = nil, nil end
+    if o.scoring == "softmax" and o.scale == nil then cfg.scale = nil end
     -- a model table's fields as strictly as the options of the same names
     local kinds = { name = "string" }
     for _, f in ipairs(MODEL_FIELDS) do kinds[f] = kinds[f] or SPEC[f] end
