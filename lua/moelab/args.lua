@@ -108,7 +108,7 @@ end
 -- A range check for an integer or number option that is present.
 function args.range(fname, name, v, lo, hi, level)
   if v == nil then return end
-  if (lo and v < lo) or (hi and v > hi) then
+  if v ~= v or (lo and v < lo) or (hi and v > hi) then -- NaN passes no comparison: refused too
     local want
     if lo and hi then want = string.format("between %s and %s", lo, hi)
     elseif lo then want = string.format(">= %s", lo)

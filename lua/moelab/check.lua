@@ -71,6 +71,7 @@ end
 -- Defaults are DESIGN.md's bf16 tolerances: rtol = 2e-2, l2 = 1e-2, atol = 0.
 function check.close(got, ref, opts)
   opts = args.options("check.close", opts or {}, { rtol = "number", atol = "number", l2 = "number", what = "string" })
+  for _, t in ipairs { "rtol", "atol", "l2" } do args.range("check.close", t, opts[t], 0) end
   local rtol, atol, l2 = opts.rtol or 2e-2, opts.atol or 0, opts.l2 or 1e-2
   local m = check.metrics(got, ref, 3) -- a mismatch of shapes is the caller's
   local ok = m.nans == 0 and m.infs == 0 and m.max_abs <= atol + rtol * m.max_ref and m.rel_l2 <= l2
@@ -98,6 +99,8 @@ end
 -- A layer's check: with raise = false the metrics with the tolerances and .pass, else
 -- check.close (which raises with a diff).
 function check.verdict(got, ref, o, what)
+  args.range("check", "rtol", o.rtol, 0, nil, 2)
+  args.range("check", "l2", o.l2, 0, nil, 2)
   if o.raise == false then
     local m = check.metrics(got, ref)
     local rtol, l2 = o.rtol or 2e-2, o.l2 or 1e-2
