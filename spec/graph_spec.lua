@@ -151,6 +151,29 @@ describe("graphs [#gpu]", function()
     assert.tensor_equal(probe:to("cpu"), moe.full({ 1, 8 }, 3, { dtype = "bf16" }))
   end)
 
+  it("inside a capture, combine takes schedules of one ids tensor and refuses copies, saying why", function()
+    local ids = moe.tensor({ { { 1 }, { 0 }, { 1 } }, { { 0 }, { 0 }, { 1 } } }, { dtype = "i32", device = dev })
+    local copy = moe.zeros({ 2, 3, 1 }, { dtype = "i32", device = dev })
+    copy:copy(ids)
+    local s0 = moe.schedule { ids = ids, experts = 2, rank = 0 }
+    local s1 = moe.schedule { ids = copy, experts = 2, rank = 1 }
+    local ys = { moe.full({ s0.capacity, 8 }, 1, { dtype = "bf16", device = dev }),
+      moe.full({ s1.capacity, 8 }, 2, { dtype = "bf16", device = dev }) }
+    local w = moe.full({ 3, 1 }, 1, { device = dev })
+    local eager = moe.combine { schedules = { s0, s1 }, ys = ys, weights = w } -- eager: the copy is compared
+    local ok, err = pcall(moe.graph, function() moe.combine { schedules = { s0, s1 }, ys = ys, weights = w } end,
+      { device = dev })
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("inside a graph capture every rank's schedule must come from the same tensor", 1,
+      true), tostring(err))
+    local same = moe.schedule { ids = ids, experts = 2, rank = 1 }
+    local out = moe.zeros({ 3, 8 }, { dtype = "bf16", device = dev })
+    local g = moe.graph(function() moe.combine { schedules = { s0, same }, ys = ys, weights = w, out = out } end,
+      { device = dev })
+    g:replay()
+    assert.tensor_equal(out:to("cpu"), eager:to("cpu"))
+  end)
+
   it("a device copy during capture is refused", function()
     local t = moe.zeros({ 4 }, { device = dev })
     local ok, err = pcall(moe.graph, function() t:flat() end, { device = dev })

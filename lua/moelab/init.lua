@@ -67,6 +67,8 @@ function moe.randn(shape, opts)
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu"):randn(opts.seed or 0, opts.std or 1.0)
 end
 
+local capturing = false -- moe.graph's fn is running: stages are recorded, nothing can be read back
+
 -- ---------------------------------------------------------------- 1. route
 
 local SCORING = { "softmax", "sigmoid", "sqrtsoftplus" }
@@ -340,8 +342,12 @@ function moe.combine(o)
     -- the same ids, not just the same sizes: combine reads schedules[1]'s ids with every route_row
     -- (the same tensor, or a copy: then its contents are compared, which reads both back)
     args.tensor("combine", "schedules[" .. i .. "].ids", s.ids, "i32", nil)
-    if i > 1 and (s.ids:address() ~= s1.ids:address() or s.ids.device ~= s1.ids.device)
-        and not pcall(moe.check.equal, s.ids, s1.ids) then
+    local copy = i > 1 and (s.ids:address() ~= s1.ids:address() or s.ids.device ~= s1.ids.device)
+    if copy and capturing then -- contents read now would say nothing of a replay's (and cannot be read)
+      args.fail("combine", string.format("schedules[%d] was made from another ids tensor than schedules[1]: inside a "
+        .. "graph capture every rank's schedule must come from the same tensor of all-gathered ids", i))
+    end
+    if copy and not pcall(moe.check.equal, s.ids, s1.ids) then
       args.fail("combine", string.format("schedules[%d] was made from other ids than schedules[1] (every rank's "
         .. "schedule must come from the same all-gathered ids)", i))
     end
@@ -388,7 +394,9 @@ function moe.graph(fn, opts)
     if was_running then collectgarbage("restart") end
     args.raise(berr)
   end
+  capturing = true
   local ok, err = pcall(fn)
+  capturing = false
   local ended, graph = pcall(core.graph_end) -- always end the capture, even after a failure
   if was_running then collectgarbage("restart") end
   if not ok then args.raise("graph: capture failed: " .. tostring(err)) end
