@@ -9,6 +9,28 @@ describe("moe.check.close", function()
     assert.truthy(tostring(err):find("at [2]: got 3.5, expected 3", 1, true), err)
   end)
 
+  it("refuses what is not a tensor or a flat table of numbers, at the caller's line", function()
+    local closed
+    do
+      local t <close> = moe.zeros({ 2 })
+      closed = t
+    end
+    local cases = {
+      { function() moe.check.close({ "a" }, { 1 }) end, "check: got[1] must be a number (a flat table of numbers), got \"a\"" },
+      { function() moe.check.close({ { 1 } }, { { 1 } }) end, "check: got[1] must be a number" },
+      { function() moe.check.metrics({ 1 }, { true }) end, "check: ref[1] must be a number" },
+      { function() moe.check.close(nil, { 1 }) end, "check: got must be a moelab.Tensor or a flat table of numbers, got nil" },
+      { function() moe.check.equal(closed, { 0, 0 }) end, "check: a is a closed moelab.Tensor" },
+      { function() moe.check.metrics(closed, { 0, 0 }) end, "check: got is a closed moelab.Tensor" },
+    }
+    for _, c in ipairs(cases) do
+      local ok, err = pcall(c[1])
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find(c[2], 1, true), tostring(err))
+      assert.truthy(tostring(err):find("^[^\n]-check_spec%.lua:%d+: "), "not placed at the caller: " .. tostring(err))
+    end
+  end)
+
   it("a NaN on either side fails", function()
     assert.is_false(pcall(moe.check.close, { 1, 0 / 0 }, { 1, 2 }))
     assert.is_false(pcall(moe.check.close, { 1, 2 }, { 1, 0 / 0 }))

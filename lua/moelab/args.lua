@@ -43,10 +43,15 @@ local function matches(kind, v)
   if kind == "tensor" then return is_tensor(v) end
   if kind == "integer" then return math.type(v) == "integer" or (math.type(v) == "float" and v == math.floor(v) and v == v and math.abs(v) < 2^53) end
   if kind == "number" then return type(v) == "number" end
-  if kind == "device" then
-    return type(v) == "string" and (v == "cpu" or v == "cuda" or v:match("^cuda:%d+$") ~= nil)
-  end
+  if kind == "device" then return args.is_device(v) end
   return type(v) == kind
+end
+
+-- "cpu", "cuda" or "cuda:N" with N as the binding reads it (at most 1,000,000)
+function args.is_device(v)
+  if v == "cpu" or v == "cuda" then return true end
+  local n = type(v) == "string" and v:match("^cuda:(%d+)$")
+  return type(n) == "string" and tonumber(n) <= 1000000
 end
 
 local function expected(kind)

@@ -3,10 +3,23 @@ local args = require "moelab.args"
 
 local check = {}
 
+-- The values of v (a tensor, or a flat table of numbers) and its shape; errors are placed at the
+-- caller's line (args.raise), however deep in this file they are found.
 local function flat(v, what)
-  if args.is_tensor(v) then return v:flat(), v.shape end
-  if type(v) == "table" then return v, { #v } end
-  error(string.format("check: %s must be a moelab.Tensor or a flat table, got %s", what, args.describe(v)), 3)
+  if args.is_tensor(v) then
+    if v.closed then args.raise(string.format("check: %s is a closed moelab.Tensor", what)) end
+    return v:flat(), v.shape
+  end
+  if type(v) == "table" then
+    for i = 1, #v do
+      if type(v[i]) ~= "number" then
+        args.raise(string.format("check: %s[%d] must be a number (a flat table of numbers), got %s", what, i,
+          args.describe(v[i])))
+      end
+    end
+    return v, { #v }
+  end
+  args.raise(string.format("check: %s must be a moelab.Tensor or a flat table of numbers, got %s", what, args.describe(v)))
 end
 
 local function index_str(i, shape)

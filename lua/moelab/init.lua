@@ -407,6 +407,9 @@ end
 -- A timing event: device events on a GPU, a monotonic clock on the CPU.
 -- e:record(); stop:elapsed_since(start) -> milliseconds.
 function moe.event(device)
+  if device ~= nil and not args.is_device(device) then
+    args.fail("event", "expected a device, 'cpu' or 'cuda:N', got " .. args.describe(device))
+  end
   return core.event_new(device or moe.default_device())
 end
 
