@@ -429,6 +429,15 @@ for _, dev in ipairs(ALL_DEVICES) do
       assert.has_error(function() s:check() end,
         "schedule: invalid expert id 5 at rank 0, token 1, slot 0 (expected -1 or 0..1); 1 invalid id in all; "
           .. "pass invalid = 'skip' to drop them")
+      -- its ids closed since: the same report without the id; its stats closed: nothing to read
+      do local _ <close> = ids end
+      local ok, err = pcall(s.check, s)
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find("schedule: invalid expert id at rank 0, token 1, slot 0", 1, true), tostring(err))
+      do local _ <close> = s.stats_tensor end
+      ok, err = pcall(s.read_stats, s)
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find("its stats tensor (stats_tensor) is closed", 1, true), tostring(err))
     end)
 
     if dev ~= "cpu" then

@@ -210,6 +210,9 @@ end
 
 -- Reads the stats back: {rows_needed, rows_used, dropped, invalid, first_invalid}.
 function Schedule:read_stats()
+  if self.stats_tensor.closed then
+    args.raise("schedule: its stats tensor (stats_tensor) is closed: nothing to read")
+  end
   local st, out = self.stats_tensor:flat(), {}
   for i, name in ipairs(STAT_NAMES) do out[name] = st[i] end
   self.stats = out
@@ -226,8 +229,10 @@ function Schedule:check(level)
     local f = st.first_invalid
     local per_rank = self.tokens * self.k
     local w, rest = f // per_rank, f % per_rank
-    error(string.format("schedule: invalid expert id %d at rank %d, token %d, slot %d (expected -1 or 0..%d); "
-      .. "%d invalid id%s in all; pass invalid = 'skip' to drop them", self.ids:get(f + 1), w, rest // self.k,
+    -- the id itself, unless the caller closed the ids since the run
+    local id = self.ids.closed and "" or string.format(" %d", self.ids:get(f + 1))
+    error(string.format("schedule: invalid expert id%s at rank %d, token %d, slot %d (expected -1 or 0..%d); "
+      .. "%d invalid id%s in all; pass invalid = 'skip' to drop them", id, w, rest // self.k,
       rest % self.k, self.experts - 1, st.invalid, st.invalid == 1 and "" or "s"), level)
   end
   if st.rows_needed > self.capacity and self.overflow == "error" then
