@@ -399,13 +399,6 @@ return function(moe)
     return whole and out:view(0, { W, T, H }) or out
   end
 
-  -- check(x [, {sample = n, rtol =, l2 =, raise =}]): the last forward's output against the dense
-  -- reference, with the routing that forward applied (given logits or ids, or the router's; routes
-  -- that reached no expert -- masked, invalid and skipped, dropped by a capacity -- left out).
-  -- Raises when out of tolerance, unless raise = false, which returns the metrics and .pass.  With
-  -- sample, n evenly spaced tokens of each rank: the way to check a layer too large for a full CPU
-  -- reference.  On the CPU, a whole check of a forward that routed for itself takes the
-  -- reference's own routing, so the router is checked too.
   -- The last forward's ids as its experts saw them: -1 where a route reached no expert (masked,
   -- an invalid id skipped, dropped by a capacity: route_row -1 on the expert's owner), or nil when
   -- every valid route reached one (the schedules' stats say so).
@@ -421,12 +414,19 @@ return function(moe)
     local flat = ids:flat()
     local rows = {}
     for r = 1, W do rows[r] = self.route_rows[r]:flat() end
-    for i, e in ipairs(flat) do -- i - 1 = p * TK + route
+    for i, e in ipairs(flat) do -- i - 1 = p T K + route: the same index in route_row [W, T K]
       if e >= 0 and (e >= E or rows[e // EL + 1][i] < 0) then flat[i] = -1 end
     end
     return core.from_table(flat, "i32", "cpu"):view(0, { W, self.tokens, self.k })
   end
 
+  -- check(x [, {sample = n, rtol =, l2 =, raise =}]): the last forward's output against the dense
+  -- reference, with the routing that forward applied (given logits or ids, or the router's; routes
+  -- that reached no expert -- masked, invalid and skipped, dropped by a capacity -- left out).
+  -- Raises when out of tolerance, unless raise = false, which returns the metrics and .pass.  With
+  -- sample, n evenly spaced tokens of each rank: the way to check a layer too large for a full CPU
+  -- reference.  On the CPU, a whole check of a forward that routed for itself takes the
+  -- reference's own routing, so the router is checked too.
   function Layer:check(x, o)
     o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
     if not self.forwarded then
@@ -508,16 +508,16 @@ return function(moe)
     end
     check_x(self, "capture", x)
     -- a capture runs nothing: the buffers hold what they held before it, until a replay
-    local forwarded = self.forwarded
+    local forwarded, routing_given = self.forwarded, self.routing_given
     local ok, graph = pcall(moe.graph, function() self:forward(x, { check = false }) end, { device = self.device })
-    self.forwarded = forwarded
+    self.forwarded, self.routing_given = forwarded, routing_given
     if not ok then args.raise(graph) end
     return setmetatable({ graph = graph, layer = self, x = x }, Graph)
   end
 
   function Graph:replay()
     self.graph:replay()
-    self.layer.forwarded = true
+    self.layer.forwarded, self.layer.routing_given = true, false -- the captured pass routes for itself
     return self.layer.out
   end
 
