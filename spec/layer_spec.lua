@@ -98,10 +98,10 @@ for _, dev in ipairs(ALL_DEVICES) do
       local x = input(layer)
       local W, T, K, E = layer.world, layer.tokens, layer.k, layer.experts
       assert.has_error(function() layer:check(x) end,
-        "bad argument #1 to 'check' (no forward has run (a capture runs nothing before its first replay): check "
-          .. "compares the last pass's output)")
+        "bad argument #1 to 'check' (no forward has completed (a capture runs nothing before its first replay): "
+          .. "check compares the last pass's output)")
       assert.has_error(function() layer:reference(x, { routing = "forward" }) end,
-        "bad argument #1 to 'reference' (routing = 'forward' before any forward: there is no routing to take)")
+        "bad argument #1 to 'reference' (routing = 'forward' before any forward completed: there is no routing to take)")
       local ok, err = pcall(layer.reference, layer, x, { logits = moe.zeros({ W * T, E - 1 }) })
       assert.is_false(ok)
       assert.truthy(err:find("option 'logits' must be f32 [" .. W * T .. ", " .. E .. "]", 1, true), err)
@@ -129,6 +129,10 @@ for _, dev in ipairs(ALL_DEVICES) do
       assert.are.same({ 1, 1, 1.0 }, { l.cfg.groups, l.cfg.topk_groups, l.cfg.scale })
       l = layer { model = "deepseek_v3", scoring = "sqrtsoftplus" }
       assert.are.same({ 1, 1, 2.5 }, { l.cfg.groups, l.cfg.topk_groups, l.cfg.scale })
+      -- a kept-group count given with them is the caller's, and checked
+      local ok, err = pcall(layer, { model = "glm5", scoring = "sqrtsoftplus", topk_groups = 4 })
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find("option 'topk_groups' must be between 1 and 1, got 4", 1, true), tostring(err))
       local x = moe.randn({ 2, 4, 16 }, { dtype = "bf16", seed = 4, device = dev })
       l:forward(x)
       l:check(x)
@@ -263,12 +267,28 @@ for _, dev in ipairs(ALL_DEVICES) do
         local W, T, K, E = layer.world, layer.tokens, layer.k, layer.experts
         math.randomseed(7)
         local flat = {}
-        for i = 1, W * T * K do flat[i] = S.chance(0.2) and E + S.int(0, 5) or S.int(-1, E - 1) end
+        for i = 1, W * T * K do -- invalid ids past E and below -1, the mask -1, valid ids
+          flat[i] = S.chance(0.1) and E + S.int(0, 5) or S.chance(0.1) and -S.int(2, 9) or S.int(-1, E - 1)
+        end
         local w = moe.randn({ W, T, K }, { seed = 8, device = dev })
         layer:forward(x, { ids = S.tensor(flat, "i32", { W, T, K }, dev), weights = w })
         assert.is_true(layer:stats().invalid > 0)
         layer:check(x)
         layer:check(x, { sample = 2 })
+        layer:reference(x, { routing = "forward" }) -- the forward's routing, its invalid ids left out
+      end)
+      it("a forward that raised is no pass to check", function()
+        local layer = small_layer("kimi_k2", dev)
+        local x = input(layer)
+        layer:forward(x)
+        local W, T, K = layer.world, layer.tokens, layer.k
+        local bad = moe.full({ W, T, K }, layer.experts + 1, { dtype = "i32", device = dev })
+        assert.is_false(pcall(layer.forward, layer, x, { ids = bad, weights = moe.full({ W, T, K }, 0.5, { device = dev }) }))
+        local ok, err = pcall(layer.check, layer, x)
+        assert.is_false(ok)
+        assert.truthy(tostring(err):find("no forward has completed", 1, true), tostring(err))
+        layer:forward(x)
+        layer:check(x)
       end)
     end)
 

@@ -591,12 +591,35 @@ describe("moe.layer over a real world [#gpu]", function()
     layer.inputs[1]:copy(moe.randn({ 24, 128 }, { dtype = "bf16", seed = 78, device = "cuda:0" }))
     local ok, err = pcall(layer.check, layer, layer.inputs[1])
     assert.is_false(ok)
-    assert.truthy(tostring(err):find("no forward has run", 1, true), tostring(err))
+    assert.truthy(tostring(err):find("no forward has completed", 1, true), tostring(err))
     g:replay()
     g:check()
     assert.is_true(layer:check(layer.inputs[1], { raise = false }).pass)
     g = nil
     collectgarbage()
+    world:close()
+  end)
+
+  it("check leaves out the invalid ids a forward skipped, and refuses after a forward that raised", function()
+    local world = moe.world { devices = { 0 } }
+    local T, K, E = 24, 4, 8
+    local layer = moe.layer { model = "kimi_k2", tokens = T, hidden = 128, ffn = 64, experts = E, k = K, seed = 6,
+      world = world, invalid = "skip" }
+    layer.inputs[1]:copy(moe.randn({ T, 128 }, { dtype = "bf16", seed = 79, device = "cuda:0" }))
+    math.randomseed(12)
+    local flat = {}
+    for i = 1, T * K do
+      flat[i] = S.chance(0.1) and E + S.int(0, 3) or S.chance(0.1) and -S.int(2, 5) or S.int(-1, E - 1)
+    end
+    layer:forward(layer.inputs[1], { ids = S.tensor(flat, "i32", { T, K }, "cuda:0"),
+      weights = moe.randn({ T, K }, { seed = 13, device = "cuda:0" }) })
+    assert.is_true(layer:stats().invalid > 0)
+    assert.is_true(layer:check(layer.inputs[1], { raise = false }).pass)
+    local nan = moe.full({ T, E }, 0 / 0, { device = "cuda:0" })
+    assert.is_false(pcall(layer.forward, layer, layer.inputs[1], { logits = nan }))
+    local ok, err = pcall(layer.check, layer, layer.inputs[1])
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("no forward has completed", 1, true), tostring(err))
     world:close()
   end)
 end)

@@ -61,7 +61,10 @@ return function(moe)
     -- an overridden router takes none of the model's settings that follow from the one replaced:
     -- its groups' count of kept groups, the groups of another scoring, softmax's missing scale
     if o.groups ~= nil and o.topk_groups == nil then cfg.topk_groups = nil end
-    if o.scoring ~= nil and o.scoring ~= "sigmoid" and o.groups == nil then cfg.groups, cfg.topk_groups = nil, nil end
+    if o.scoring ~= nil and o.scoring ~= "sigmoid" and o.groups == nil then
+      cfg.groups = nil
+      if o.topk_groups == nil then cfg.topk_groups = nil end
+    end
     if o.scoring == "softmax" and o.scale == nil then cfg.scale = nil end
     -- a model table's fields as strictly as the options of the same names
     local kinds = { name = "string" }
@@ -243,6 +246,8 @@ return function(moe)
     end
     if o.logits then args.tensor("forward", "logits", o.logits, "f32", { W * T, self.experts }) end
     local eager = o.check ~= false
+    -- until this pass completes the buffers hold part of it: check and the forward's routing wait
+    self.forwarded = false
     self.routing_given = o.ids ~= nil or o.logits ~= nil -- check's reference then takes this routing
     self.times, self.timing = {}, eager
     timed(self, "route", function() route(self, x, o) end)
@@ -319,6 +324,16 @@ return function(moe)
     return g
   end
 
+  -- ids (i32 on the CPU) with every id outside [0, E) but the mask -1 made -1: what a forward
+  -- with invalid = "skip" routed; the tensor itself when there is none.
+  local function skip_invalid(ids, E)
+    local flat, any = ids:flat(), false
+    for i, e in ipairs(flat) do
+      if e ~= -1 and (e < 0 or e >= E) then flat[i], any = -1, true end
+    end
+    return any and core.from_table(flat, "i32", "cpu"):view(0, ids.shape) or ids
+  end
+
   -- The dense reference of DESIGN.md for the rows x (bf16 or f32 [N, H] on the CPU) with the
   -- weights c on the CPU: routed by ids and weights when given, else by the router on logits
   -- (computed from x when nil).  Shared with the layer over a real world.  -> f32 [N, H].
@@ -366,7 +381,7 @@ return function(moe)
     end
     if o.logits then args.tensor("reference", "logits", o.logits, "f32", { W * T, E }) end
     if o.routing == "forward" and not self.forwarded then
-      args.fail("reference", "routing = 'forward' before any forward: there is no routing to take")
+      args.fail("reference", "routing = 'forward' before any forward completed: there is no routing to take")
     end
     local c = cpu_weights(self)
     local all = {}
@@ -392,6 +407,7 @@ return function(moe)
       else
         ids, weights = gather_rows(src_ids, tokens, K), gather_rows(src_w, tokens, K)
       end
+      if not o.ids then ids = skip_invalid(ids, E) end -- as the forward did (it raises otherwise)
     elseif o.logits then
       logits = whole and o.logits:to("cpu") or gather_rows(o.logits, tokens, E)
     end
@@ -415,7 +431,7 @@ return function(moe)
     local rows = {}
     for r = 1, W do rows[r] = self.route_rows[r]:flat() end
     for i, e in ipairs(flat) do -- i - 1 = p T K + route: the same index in route_row [W, T K]
-      if e >= 0 and (e >= E or rows[e // EL + 1][i] < 0) then flat[i] = -1 end
+      if e ~= -1 and (e < 0 or e >= E or rows[e // EL + 1][i] < 0) then flat[i] = -1 end
     end
     return core.from_table(flat, "i32", "cpu"):view(0, { W, self.tokens, self.k })
   end
@@ -430,8 +446,8 @@ return function(moe)
   function Layer:check(x, o)
     o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
     if not self.forwarded then
-      args.fail("check", "no forward has run (a capture runs nothing before its first replay): check compares the "
-        .. "last pass's output")
+      args.fail("check", "no forward has completed (a capture runs nothing before its first replay): check "
+        .. "compares the last pass's output")
     end
     local W, T, H = self.world, self.tokens, self.hidden
     -- the forward's routing (the router's, given, or with the routes no expert took masked); on the
@@ -555,6 +571,7 @@ return function(moe)
   end
 
   -- The layer over a real world (lua/moelab/world_layer.lua), with what the two share.
-  world_layer = require("moelab.world_layer")(moe, { schedule_stats = schedule_stats, dense_reference = dense_reference })
+  world_layer = require("moelab.world_layer")(moe, { schedule_stats = schedule_stats, dense_reference = dense_reference,
+    skip_invalid = skip_invalid })
   return new_layer
 end

@@ -275,6 +275,7 @@ return function(moe, shared)
       oo.weights = per_rank(self, "forward", "weights", o.weights, "f32", { T, K })
     end
     if o.logits then oo.logits = per_rank(self, "forward", "logits", o.logits, "f32", { T, E }) end
+    self.forwarded = false -- until this pass completes the buffers hold part of it
     local ok, res = pcall(run, self, x, oo)
     local unbound, uerr = pcall(self.group.unbind, self.group) -- after a failure too, without hiding it
     if not ok then error(res, 2) end -- at the caller's line (run's own errors carry no position)
@@ -332,7 +333,7 @@ return function(moe, shared)
   function WorldLayer:reference(x, o)
     o = args.options("reference", o or {}, { routing = { "own", "forward" }, sample = "integer" })
     if o.routing == "forward" and not self.forwarded then
-      args.fail("reference", "routing = 'forward' before any forward: there is no routing to take")
+      args.fail("reference", "routing = 'forward' before any forward completed: there is no routing to take")
     end
     local T, H, K = self.tokens, self.hidden, self.k
     x = per_rank(self, "reference", "x", x, "bf16", { T, H })
@@ -343,6 +344,7 @@ return function(moe, shared)
     local ids, w
     if o.routing == "forward" then
       ids, w = sample_rows(self, self.ids, n, K, "i32"), sample_rows(self, self.weights, n, K, "f32")
+      ids = shared.skip_invalid(ids, self.experts) -- as the forward did (it raises otherwise)
     else
       c.w_router = c.w_router or self.w_router[1]:to("cpu")
       c.bias = c.bias or (self.bias[1] and self.bias[1]:to("cpu"))
@@ -357,14 +359,15 @@ return function(moe, shared)
   -- check(x [, {sample = n, rtol =, l2 =, raise =}]): the last forward's output of every local
   -- rank against the dense f32 reference on the CPU, with the routing the forward chose; with
   -- sample, n evenly spaced tokens of each local rank.  Raises when out of tolerance unless
-  -- raise = false, which returns the metrics and .pass.  The reference counts every valid route:
-  -- which routes another process's capacity dropped is not known here, so a forward that dropped
-  -- routes (layer:stats().dropped) differs from it by those routes.
+  -- raise = false, which returns the metrics and .pass.  The reference leaves out invalid ids
+  -- (skipped by the forward) but counts every valid route: which routes another process's
+  -- capacity dropped is not known here, so a forward that dropped routes (layer:stats().dropped)
+  -- differs from it by those routes.
   function WorldLayer:check(x, o)
     o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
     if not self.forwarded then
-      args.fail("check", "no forward has run (a capture runs nothing before its first replay): check compares the "
-        .. "last pass's output")
+      args.fail("check", "no forward has completed (a capture runs nothing before its first replay): check "
+        .. "compares the last pass's output")
     end
     local T, H = self.tokens, self.hidden
     x = per_rank(self, "check", "x", x, "bf16", { T, H })
