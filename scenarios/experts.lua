@@ -14,7 +14,7 @@
 -- counts the routes only.  The cuBLAS numbers come from build/cublas_baseline (or
 -- $MOE_BUILD_DIR/cublas_baseline), run once per preset; n/a where it or a GPU is absent.
 -- On the CPU the presets keep their E and top-k but run at a tiny H, F and T, and the times are
--- wall clock: only the GPU's are meaningful.  Exits 1 when a check fails.
+-- wall clock: only the GPU's are meaningful.  Exits 1 when a check fails, 2 on a bad flag.
 local moe = require "moelab"
 local cli = require "moelab.cli"
 local json = require "moelab.json"
@@ -61,6 +61,11 @@ if dev ~= "cpu" and not dev:match("^cuda:%d+$") then
   usage_error("--device must be cpu or cuda:N, got '" .. dev .. "'")
 end
 local gpu = dev ~= "cpu"
+local present = {}
+for _, d in ipairs(moe.devices()) do present[d] = true end
+if not present[dev] then
+  usage_error(string.format("--device %s: not on this machine (%s)", dev, table.concat(moe.devices(), ", ")))
+end
 local model_keys = pick(opts.models, MODEL_KEYS, "model")
 local dists = pick(opts.dists, DISTS, "distribution")
 local pads = {}

@@ -1,7 +1,8 @@
 -- One Kimi K2 MoE layer over 8 expert-parallel ranks, checked against the dense reference and timed.
 --
 --   lua scenarios/kimi.lua [--tokens N] [--hidden H] [--ffn F] [--world W] [--layout L] [--pad B]
---                          [--device D] [--devices 0,1,...] [--capacity C] [--seed S] [--json FILE]
+--                          [--device D] [--devices 0,1,...] [--capacity C] [--seed S] [--sample N]
+--                          [--json FILE]
 --
 -- By default the W ranks are simulated side by side on one device.  With --devices they are real:
 -- one rank per listed GPU, in this process (moe.world), tokens exchanged over NVLink.
@@ -9,7 +10,8 @@
 -- On the CPU the run keeps Kimi K2's real E = 384, K = 8 and W = 8 but shrinks H, F and the
 -- token count so that it takes seconds; it then schedules the real shape (7,168 tokens on each
 -- of the 8 ranks) and reports rows, padding waste and expert-load imbalance there.
--- Exits 1 when the layer does not match the reference.
+-- Exits 1 when the layer does not match the reference (or, on a GPU, the router's ids differ
+-- from the CPU's); 2 on a bad flag or a configuration the library refuses.
 local moe = require "moelab"
 local cli = require "moelab.cli"
 local json = require "moelab.json"
@@ -31,6 +33,7 @@ local opts = cli.parse(arg, {
   { "json", "string", nil, "also write the report as JSON to this file" },
 }, "lua scenarios/kimi.lua: one Kimi K2 MoE layer, expert parallel, checked and timed")
 local json_file = cli.output("json", opts.json)
+if opts.sample < 1 then cli.fail(string.format("--sample must be >= 1, got %d", opts.sample)) end
 local device_given = opts.device
 opts.device = opts.device or moe.default_device()
 local small = opts.device == "cpu" and not opts.devices -- the sizes follow the device asked for
@@ -54,16 +57,16 @@ if opts.devices then
   if device_given and device_given ~= "cuda:" .. list[1] then
     cli.fail("--device and --devices: give one (a real world puts each rank on its own GPU)")
   end
-  group = moe.world { devices = list }
+  group = cli.guard("moe.world", moe.world, { devices = list })
   opts.device = group.devices[1]
   small = false
 end
 local W, T, H, F = opts.world or (group and group.size) or 8, opts.tokens, opts.hidden, opts.ffn
 local reduced = H ~= model.hidden or F ~= model.ffn or T ~= 7168
 
-local layer = moe.layer { model = model, world = group or W, tokens = T, hidden = H, ffn = F, shared_ffn = F,
-  pad = opts.pad, layout = opts.layout, capacity = opts.capacity, device = not group and opts.device or nil,
-  seed = opts.seed }
+local layer = cli.guard("moe.layer", moe.layer, { model = model, world = group or W, tokens = T, hidden = H, ffn = F,
+  shared_ffn = F, pad = opts.pad, layout = opts.layout, capacity = opts.capacity,
+  device = not group and opts.device or nil, seed = opts.seed })
 local x = moe.randn({ W, T, H }, { dtype = "bf16", device = opts.device, seed = opts.seed * 7919 + 1 })
 -- In a real world each rank's tokens go into its exchange window (layer.inputs): the same values
 -- as the simulated world's x[r].
@@ -72,8 +75,9 @@ if group then
   x = layer.inputs
 end
 
--- One forward to warm up and to check; then timed forwards.
-local out = layer:forward(x)
+-- One forward to warm up and to check (what it refuses, a capacity too small say, is the
+-- configuration's: status 2); then timed forwards.
+local out = cli.guard("the first forward", layer.forward, layer, x)
 local stats = layer:stats()
 -- On the CPU every token is checked against a reference that routes x itself; on a GPU, a
 -- sample of tokens of each rank against the routing the GPU chose, and that routing against
@@ -264,12 +268,15 @@ if json_file then
       local m = {}
       for _, s in ipairs(stages) do if times[s] then m[s] = median(times[s]) end end
       return m
-    end)(), graph_ms = graph_ms,
+    end)(), total_ms = total, graph_ms = graph_ms,
     stats = { rows_used = stats.rows_used, rows_needed = stats.rows_needed, padding = stats.padding,
+      padding_waste = stats.padding_waste,
       max_load = stats.max_load, mean_load = stats.mean_load, dropped = stats.dropped, invalid = stats.invalid },
-    check = { rel_max = metrics.rel_max, rel_l2 = metrics.rel_l2, nans = metrics.nans, pass = pass },
-    real = { ranks = real.ranks, max_load = real.max_load, mean_load = real.mean_load, route_ms = real.route_ms,
-      schedule_ms = real.schedule_ms },
+    check = { rel_max = metrics.rel_max, rel_l2 = metrics.rel_l2, nans = metrics.nans, rtol = rtol, l2 = l2tol,
+      pass = metrics.pass, sampled_tokens = sample },
+    route_ids_equal_cpu = route_exact, pass = pass, reference_ms = ref_ms,
+    real = { world = real.W, tokens = real.T, experts = real.E, k = real.K, ranks = real.ranks,
+      max_load = real.max_load, mean_load = real.mean_load, route_ms = real.route_ms, schedule_ms = real.schedule_ms },
   }, "\n")
   json_file:close()
 end

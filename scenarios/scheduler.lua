@@ -7,7 +7,9 @@
 -- Each row: the ids of W ranks x T tokens routed by the model's router on router-like logits
 -- (std 1.5); rank 0's schedule.  On a GPU each timing is N schedule calls captured in one CUDA
 -- graph and replayed, timed with device events; the median over R replays, divided by N.  Both
--- schedulers are first checked equal to each other and to the CPU, bit for bit.
+-- schedulers are first checked equal to each other and to the CPU, bit for bit.  Exits 1 on a
+-- mismatch; 2 on a bad flag or a configuration the library refuses (a --capacity one shape
+-- overflows, say: the number applies to every shape).
 local moe = require "moelab"
 local cli = require "moelab.cli"
 local json = require "moelab.json"
@@ -24,6 +26,9 @@ local opts = cli.parse(arg, {
 }, "lua scenarios/scheduler.lua: the routed-token scheduler against the legacy baseline")
 for _, f in ipairs { "calls", "reps", "pad" } do
   if opts[f] < 1 then cli.fail(string.format("--%s must be >= 1, got %d", f, opts[f])) end
+end
+if opts.layout ~= "roundrobin" and opts.layout ~= "peer_major" then
+  cli.fail(string.format("--layout must be roundrobin or peer_major, got '%s'", opts.layout))
 end
 local json_file = cli.output("json", opts.json)
 
@@ -86,9 +91,10 @@ local rows = {}
 local ok = true
 for i, c in ipairs(cases) do
   local m = c.model
-  local ids = route_ids(c, 1000 + i)
+  local shape = string.format("%s, EP%d, T %d", c.label, c.W, c.T)
+  local ids = cli.guard(shape, route_ids, c, 1000 + i)
   local plan = { ids = ids, experts = m.experts, rank = 0, pad = opts.pad, layout = opts.layout, capacity = capacity_of(c) }
-  local s = moe.schedule(plan)
+  local s = cli.guard(shape, moe.schedule, plan)
   local row = { label = c.label, W = c.W, T = c.T, E = m.experts, K = m.k, routes = c.W * c.T * m.k }
   -- bit-for-bit checks: the CPU is the oracle
   if gpu then
@@ -130,7 +136,8 @@ for _, r in ipairs(rows) do
     r.legacy_us and string.format("%.1fx", r.legacy_us / r.ours_us) or "", r.mismatch and ("  MISMATCH " .. r.mismatch) or "")
 end
 if json_file then
-  json_file:write(json.encode { device = dev, pad = opts.pad, layout = opts.layout, capacity = opts.capacity, rows = rows }, "\n")
+  json_file:write(json.encode { device = dev, pad = opts.pad, layout = opts.layout,
+    capacity = math.tointeger(tonumber(opts.capacity)) or opts.capacity, pass = ok, rows = rows }, "\n")
   json_file:close()
 end
 os.exit(ok and 0 or 1)

@@ -6,11 +6,17 @@
 -- Every rank joins and all-gathers once; then the last rank exits without a word, and each of
 -- the others checks: its next all-gather raises (NCCL's report of the lost peer, or the timeout)
 -- within the timeout and a margin, a call after that says the world was aborted, and close
--- returns.  Prints one line per check; exits 1 on a failure.
+-- returns.  Prints one line per check; exits 1 on a failure, 2 on a bad flag, a world that
+-- cannot be made, or a world of one rank (no other rank to leave).
 local moe = require "moelab"
+local cli = require "moelab.cli"
 
-local world = moe.world { from_env = true }
+cli.parse(arg, {}, "MOE_WORLD_TIMEOUT=5 scenarios/launch.sh 2 lua scenarios/world_fault.lua: the last rank leaves "
+  .. "mid-run, the others must fail within the timeout")
+local world = cli.guard("moe.world (start it with scenarios/launch.sh W lua scenarios/world_fault.lua, W >= 2)",
+  moe.world, { from_env = true })
 local rank, W = world.rank, world.size
+if W < 2 then cli.fail("world_fault.lua needs a world of two ranks or more: the last one leaves, the others check") end
 local timeout = tonumber(os.getenv("MOE_WORLD_TIMEOUT") or "") or 600
 local ids = moe.zeros({ 16, 2 }, { dtype = "i32", device = world.device })
 world:allgather_ids(ids) -- every rank is connected

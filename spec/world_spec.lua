@@ -152,6 +152,18 @@ describe("scenarios/launch.sh, the one-host launcher [#cpu]", function()
       assert.matches("status=2", out, 1, true)
     end)
   end
+  it("stops the other ranks when one fails, and exits with its status", function()
+    local t0 = os.time()
+    local out = run("2 bash -c 'if [ $MOE_RANK = 1 ]; then exit 3; fi; sleep 20; echo rank $MOE_RANK finished'")
+    assert.truthy(out:find("status=3", 1, true), out)
+    assert.is_nil(out:find("finished", 1, true), out)
+    assert.is_true(os.time() - t0 < 10, "the launcher waited for the rank it should have stopped")
+  end)
+  it("gives every rank its environment and exits 0 when all succeed", function()
+    local out = run("3 bash -c 'echo rank $MOE_RANK of $MOE_WORLD_SIZE on $MOE_DEVICE'")
+    for r = 0, 2 do assert.truthy(out:find(string.format("[%d] rank %d of 3 on %d", r, r, r), 1, true), out) end
+    assert.truthy(out:find("status=0", 1, true), out)
+  end)
 end)
 
 describe("scenarios/kimi.lua --devices, its flag errors [#cpu]", function()
@@ -171,6 +183,11 @@ describe("scenarios/kimi.lua --devices, its flag errors [#cpu]", function()
     { "--devices ,", "--devices: list at least one GPU" },
     { "--devices 0,1 --world 4", "--world 4 but --devices lists 2 GPUs" },
     { "--devices 0 --device cuda:3", "--device and --devices: give one" },
+    -- what the library refuses is a configuration error too (status 2), not a failed check (1)
+    { "--layout bogus", "moe.layer: bad argument #1 to 'layer' (option 'layout' must be one of" },
+    { "--world 5", "the 384 experts cannot be split over a world of 5 ranks" },
+    { "--device cpu --tokens 4 --capacity 1", "the first forward: layer: schedule: capacity overflow on rank 0" },
+    { "--tokens 4 --json --hidden 8", "flag --json needs a value" },
   } do
     it(row[1] .. " exits 2 saying so", function()
       local out = run(row[1])

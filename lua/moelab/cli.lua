@@ -1,5 +1,6 @@
 -- Command-line flags for scenarios: `--name value` or `--name=value`, typed by a spec, with
--- --help.  An unknown flag or a bad value prints the usage and exits with status 2.
+-- --help.  An unknown flag or a bad value prints the usage and exits with status 2; so does a
+-- configuration the library refuses (cli.guard), so that status 1 stays a failed check.
 local cli = {}
 
 -- spec: list of {name, kind ("integer"|"number"|"string"|"list"|"flag"), default, help}
@@ -34,7 +35,8 @@ function cli.parse(argv, spec, title)
       if value == nil then
         i = i + 1
         value = argv[i]
-        if value == nil then usage("flag --" .. name .. " needs a value") end
+        -- the next flag is not a value (a value that starts with -- is given as --name=value)
+        if value == nil or value:match("^%-%-") then usage("flag --" .. name .. " needs a value") end
       end
       if f[2] == "integer" then
         local v = math.tointeger(tonumber(value))
@@ -64,13 +66,42 @@ function cli.fail(msg)
   os.exit(2)
 end
 
--- The file of an output flag (--json), opened for writing now, so that a bad path is a usage
--- error before the run rather than a traceback after it; nil when the flag is absent.
+-- fn(...) for a scenario: an error it raises (a configuration the library refuses, a run that
+-- cannot be made) is printed without a traceback, after `what`, and exits with status 2.
+-- MOE_TRACEBACK=1 adds the traceback.
+function cli.guard(what, fn, ...)
+  local res = table.pack(xpcall(fn, function(e)
+    return os.getenv("MOE_TRACEBACK") and debug.traceback(tostring(e), 2) or tostring(e)
+  end, ...))
+  if not res[1] then cli.fail(string.format("%s: %s", what, res[2])) end
+  return table.unpack(res, 2, res.n)
+end
+
+-- The report file of an output flag (--json): checked writable now (a bad path is a usage error
+-- before the run, not a traceback after it) without truncating it, and written whole by close, so
+-- that a run that fails leaves an earlier report as it was.  nil when the flag is absent.
+local Output = {}
+Output.__index = Output
+function Output:write(...)
+  for _, v in ipairs { ... } do self.parts[#self.parts + 1] = tostring(v) end
+  return self
+end
+function Output:close()
+  local f, err = io.open(self.path, "w")
+  if not f then cli.fail(string.format("--%s: cannot write '%s': %s", self.flag, self.path, err)) end
+  f:write(table.concat(self.parts))
+  f:close()
+end
+
 function cli.output(flag, path)
   if path == nil then return nil end
-  local f, err = io.open(path, "w")
+  local existed = io.open(path, "r")
+  if existed then existed:close() end
+  local f, err = io.open(path, "a")
   if not f then cli.fail(string.format("--%s: cannot write '%s': %s", flag, path, err)) end
-  return f
+  f:close()
+  if not existed then os.remove(path) end -- nothing there until there is a report
+  return setmetatable({ flag = flag, path = path, parts = {} }, Output)
 end
 
 return cli
