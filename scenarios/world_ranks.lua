@@ -40,7 +40,7 @@ end
 
 local spec = { model = opts.model, tokens = T, hidden = H, ffn = opts.ffn, experts = opts.experts, seed = opts.seed }
 spec.world = world
-local layer = moe.layer(spec)
+local layer = cli.guard("moe.layer", moe.layer, spec)
 spec.world, spec.device = W, dev
 local sim = moe.layer(spec)
 
