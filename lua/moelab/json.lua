@@ -1,5 +1,8 @@
 -- A small JSON encoder for reports (scenarios' --json FILE): tables with only positive integer
--- keys 1..n become arrays, other tables objects with sorted keys; numbers keep full precision.
+-- keys 1..n become arrays (an empty table too), other tables objects with sorted keys (strings or
+-- numbers; two that print alike, 1 and "1", are an error); numbers keep full precision, NaN and
+-- the infinities become null; a string that is not UTF-8 has its bytes past 0x7f escaped as the
+-- code points of the same value (as Latin-1), so that the output is always valid JSON.
 local json = {}
 
 local function encode(v, out)
@@ -11,7 +14,8 @@ local function encode(v, out)
     elseif math.type(v) == "integer" then out[#out + 1] = tostring(v)
     else out[#out + 1] = string.format("%.17g", v) end
   elseif t == "string" then
-    out[#out + 1] = '"' .. v:gsub('[%c"\\]', function(c)
+    local pattern = utf8.len(v) and '[%c"\\]' or '[%c"\\\128-\255]'
+    out[#out + 1] = '"' .. v:gsub(pattern, function(c)
       local map = { ['"'] = '\\"', ['\\'] = '\\\\', ['\n'] = '\\n', ['\t'] = '\\t', ['\r'] = '\\r' }
       return map[c] or string.format("\\u%04x", c:byte())
     end) .. '"'
@@ -29,8 +33,15 @@ local function encode(v, out)
       end
       out[#out + 1] = "]"
     else
-      local keys = {}
-      for k in pairs(v) do keys[#keys + 1] = tostring(k) end
+      local keys, seen = {}, {}
+      for k in pairs(v) do
+        local kt = type(k)
+        if kt ~= "string" and kt ~= "number" then error("json: a key of type " .. kt .. " (keys are strings or numbers)", 2) end
+        local s = tostring(k)
+        if seen[s] then error(string.format("json: keys %q and %s collide", s, s), 2) end
+        seen[s] = true
+        keys[#keys + 1] = s
+      end
       table.sort(keys)
       out[#out + 1] = "{"
       for i, k in ipairs(keys) do
