@@ -19,6 +19,10 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 id_file=$dir/nccl.id
 pids=()
+stop_all() { for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null; done; }
+# the ranks are not in the terminal's process group (below): pass an interrupt on to them
+trap 'stop_all; exit 130' INT
+trap 'stop_all; exit 143' TERM
 set -m # each rank in its own process group (job control on while they start), so that stopping
 #        a rank stops its whole pipeline
 for ((r = 0; r < W; r++)); do
@@ -36,7 +40,7 @@ while [ ${#pids[@]} -gt 0 ]; do
   pids=("${left[@]}")
   if [ $status -eq 0 ] && [ $rc -ne 0 ]; then
     status=$rc
-    for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null; done
+    stop_all
   fi
 done
 exit $status
