@@ -844,20 +844,11 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   P.hist = P.inv + 2 * (size_t)grid;
   P.acc = npieces > 1 ? P.hist + hist_n : NULL;
 
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeCooperative; // all blocks resident at once: the grid barrier
-  attr[0].val.cooperative = 1;
-  // may start while the previous kernel finishes (the kernel waits for it with griddepcontrol):
-  // the launch latency overlaps the previous kernel's tail
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 2;
+  cudaLaunchConfig_t cfg;
+  cudaLaunchAttribute attr[2], coop = {};
+  coop.id = cudaLaunchAttributeCooperative; // all blocks resident at once: the grid barrier
+  coop.val.cooperative = 1;
+  schedule_launch_config(&cfg, attr, (unsigned)grid, kThreads, smem, st, coop);
   const cudaError_t err = cudaLaunchKernelEx(&cfg, resident ? schedule_kernel<true> : schedule_kernel<false>, P);
   trace_grid = grid;
   // the scratch goes back whether or not the launch went (in a capture, as a free node)

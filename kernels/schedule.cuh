@@ -38,6 +38,25 @@ static inline ScheduleCall schedule_call(const moe_schedule_args *a) {
   return c;
 }
 
+// The launch of a scheduler kernel: `grid` blocks of `threads` on st, as a programmatic dependent
+// of the kernel before it (the kernels wait for it with griddepcontrol.wait, so the launch latency
+// overlaps its tail), with one more attribute, `first` (cooperative, or the cluster's shape).
+// cfg points into attr.
+static inline void schedule_launch_config(cudaLaunchConfig_t *cfg, cudaLaunchAttribute attr[2], unsigned grid,
+                                          unsigned threads, size_t smem, cudaStream_t st, cudaLaunchAttribute first) {
+  *cfg = {};
+  cfg->gridDim = dim3(grid);
+  cfg->blockDim = dim3(threads);
+  cfg->dynamicSmemBytes = smem;
+  cfg->stream = st;
+  attr[0] = first;
+  attr[1] = {};
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg->attrs = attr;
+  cfg->numAttrs = 2;
+}
+
 // The ranking of both kernels (schedule.cu, schedule_cluster.cu): the lanes below this one, and the
 // lanes whose key equals this lane's among the lanes in act, keys < 2^nbits, by log2(keys) ballots
 // (cheaper than __match_any_sync on sm_90: PERF.md).

@@ -554,18 +554,11 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
                         STAGE ": MOE_SCHEDULE_KERNEL=cluster, but cuda:%d cannot place a cluster of %d blocks", device, g);
     return MOE_OK;
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)g);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = (unsigned)g, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 2;
+  cudaLaunchConfig_t cfg;
+  cudaLaunchAttribute attr[2], cluster = {};
+  cluster.id = cudaLaunchAttributeClusterDimension; // the whole grid is one cluster
+  cluster.val.clusterDim.x = (unsigned)g, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+  schedule_launch_config(&cfg, attr, (unsigned)g, kThreads, smem, st, cluster);
   *ran = 1;
   trace_grid = g;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, P);
