@@ -759,9 +759,13 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   uint16_t *ys = (uint16_t *)a->ys->data;
 
   const char *what = "map launch";
-  CUtensorMap t_h, t_h_half, t_xs_half; // A in boxes of half a tile's rows, for a solo unit's multicast
-  if (!encode_2d(&t_h, h, C, F) || !encode_2d(&t_h_half, h, C, F, BM / 2) ||
-      !encode_2d(&t_xs_half, a->xs->data, C, H, BM / 2)) {
+  // A in boxes of half a tile's rows, for a solo unit's multicast: pairs only (CM = 1 is passed
+  // the full maps, which it never reads as halves)
+  CUtensorMap t_h, t_h_half, t_xs_half = t_xs;
+  bool maps = encode_2d(&t_h, h, C, F);
+  t_h_half = t_h;
+  if (maps && CM > 1) maps = encode_2d(&t_h_half, h, C, F, BM / 2) && encode_2d(&t_xs_half, a->xs->data, C, H, BM / 2);
+  if (!maps) {
     what = "cuTensorMapEncodeTiled(h or the half-row boxes)";
     err = cudaErrorInvalidValue;
   } else {
