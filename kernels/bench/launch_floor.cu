@@ -13,6 +13,9 @@
 //   clusterN  clusters of N blocks: each cluster sums 48 counts of its blocks through distributed
 //           shared memory, publishes them tagged with the call's epoch, and every block polls all
 //           clusters' words: no grid barrier, no atomics
+//   redundant  no exchange at all: every block reads all W x 4,096 ids (512 tokens of top-8, 384
+//           experts, EP W) and counts its rank's window into c[e][q] in shared memory, as a
+//           scheduler that computes the counts in every block would have to (PERF.md)
 //
 // Launch attributes per row: cooperative (coop) and programmatic dependent launch (pdl).  Prints
 // µs per call: the median and the minimum of 9 replays of the graph, after 3.
@@ -37,7 +40,7 @@ namespace cg = cooperative_groups;
     }                                                                                             \
   } while (0)
 
-enum Mode { EMPTY, NOBAR, ATOMIC, FLAGS, CLUSTER };
+enum Mode { EMPTY, NOBAR, ATOMIC, FLAGS, CLUSTER, REDUNDANT };
 
 struct Args {
   const int *in;
@@ -45,6 +48,7 @@ struct Args {
   unsigned *bar, *flag, *epoch;
   unsigned long long *pub;
   int mode;
+  int nids, el; // REDUNDANT: ids every block reads, experts in its window
 };
 
 constexpr int kThreads = 512, kCounts = 48;
@@ -53,6 +57,38 @@ __global__ void __launch_bounds__(kThreads, 1) skeleton(Args a) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   if (a.mode == EMPTY) return;
   const int tid = threadIdx.x, blk = blockIdx.x;
+  if (a.mode == REDUNDANT) { // every block counts all ids into c[e][q] of its window, no exchange
+    __shared__ int c[2048]; // [16][97], el <= 96
+    for (int x = tid; x < 2048; x += kThreads) c[x] = 0;
+    __syncthreads();
+    asm volatile("griddepcontrol.launch_dependents;");
+    const int4 *in4 = (const int4 *)a.in;
+    const int n4 = a.nids / 4, per_q = 4096 / 4; // 4096 ids a source rank
+    for (int x0 = tid; x0 < n4; x0 += kThreads * 8) {
+      int4 v[8];
+#pragma unroll
+      for (int u = 0; u < 8; u++) v[u] = x0 + u * kThreads < n4 ? __ldg(in4 + x0 + u * kThreads) : make_int4(-1, -1, -1, -1);
+#pragma unroll
+      for (int u = 0; u < 8; u++) {
+        const int q = (x0 + u * kThreads) / per_q;
+        const int ids[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+          if ((unsigned)ids[k] < (unsigned)a.el) atomicAdd(&c[(q & 15) * 97 + ids[k]], 1);
+      }
+    }
+    __syncthreads();
+    if (tid < 32) { // a scan of the window's n_e by one warp
+      int sum = 0;
+      for (int e = tid; e < a.el; e += 32)
+        for (int q = 0; q < 16; q++) sum += c[q * 97 + e];
+      for (int o = 1; o < 32; o <<= 1) sum += __shfl_up_sync(0xffffffffu, sum, o);
+      c[tid] = sum;
+    }
+    __syncthreads();
+    a.out[blk * kThreads + tid] = c[tid & 31];
+    return;
+  }
   __shared__ int s[1024]; // up to 16 clusters x kCounts
   __shared__ unsigned epoch_sh;
   if (tid == 0) epoch_sh = *(volatile unsigned *)a.epoch;
@@ -107,6 +143,39 @@ __global__ void __launch_bounds__(kThreads, 1) skeleton(Args a) {
   a.out[blk * kThreads + tid] = s[tid % kCounts] + v;
 }
 
+// Times a graph of 200 launches of cfg: the median and the fastest of 9 replays (after 3), µs a
+// call.  A launch or capture the driver refuses returns that error, with nothing timed.
+static cudaError_t time_calls(const cudaLaunchConfig_t &cfg, const Args &a, cudaEvent_t t0, cudaEvent_t t1, float *med,
+                              float *fastest) {
+  CHECK(cudaStreamBeginCapture(cfg.stream, cudaStreamCaptureModeGlobal));
+  cudaError_t le = cudaSuccess;
+  for (int i = 0; i < 200 && le == cudaSuccess; i++) le = cudaLaunchKernelEx(&cfg, skeleton, a);
+  cudaGraph_t g;
+  const cudaError_t ce = cudaStreamEndCapture(cfg.stream, &g);
+  if (le != cudaSuccess || ce != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (ce == cudaSuccess) cudaGraphDestroy(g);
+    return le != cudaSuccess ? le : ce;
+  }
+  cudaGraphExec_t ge;
+  CHECK(cudaGraphInstantiate(&ge, g, 0));
+  std::vector<float> us;
+  for (int rep = 0; rep < 12; rep++) {
+    CHECK(cudaEventRecord(t0, cfg.stream));
+    CHECK(cudaGraphLaunch(ge, cfg.stream));
+    CHECK(cudaEventRecord(t1, cfg.stream));
+    CHECK(cudaEventSynchronize(t1));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, t0, t1));
+    if (rep >= 3) us.push_back(ms * 1000.f / 200);
+  }
+  std::sort(us.begin(), us.end());
+  *med = us[us.size() / 2], *fastest = us[0];
+  CHECK(cudaGraphExecDestroy(ge));
+  CHECK(cudaGraphDestroy(g));
+  return cudaSuccess;
+}
+
 int main() {
   int dev = 0, sms = 0;
   if (cudaGetDeviceCount(&dev) != cudaSuccess || dev == 0) {
@@ -125,7 +194,12 @@ int main() {
   CHECK(cudaMalloc(&flag, 4096));
   CHECK(cudaMalloc(&epoch, 64));
   CHECK(cudaMalloc(&pub, 1 << 16));
-  CHECK(cudaMemset(in, 1, 1 << 22));
+  {
+    std::vector<int> ids(1 << 20); // random experts in [0, 384): the redundant rows' ids
+    unsigned x = 12345;
+    for (int &v : ids) x = x * 1664525u + 1013904223u, v = (int)((x >> 8) % 384);
+    CHECK(cudaMemcpy(in, ids.data(), ids.size() * sizeof(int), cudaMemcpyHostToDevice));
+  }
   CHECK(cudaMemset(tot, 0, 4096));
   CHECK(cudaMemset(bar, 0, 64));
   CHECK(cudaMemset(flag, 0, 4096));
@@ -168,34 +242,30 @@ int main() {
           }
           cfg.attrs = attr;
           cfg.numAttrs = (unsigned)na;
-          CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-          cudaError_t le = cudaSuccess;
-          for (int i = 0; i < 200 && le == cudaSuccess; i++) le = cudaLaunchKernelEx(&cfg, skeleton, a);
-          cudaGraph_t g;
-          const cudaError_t ce = cudaStreamEndCapture(st, &g);
-          if (le != cudaSuccess || ce != cudaSuccess) {
-            printf("%-10s %6d %4d %3d   launch refused: %s\n", r.name, G, coop, pdl,
-                   cudaGetErrorString(le != cudaSuccess ? le : ce));
-            (void)cudaGetLastError();
-            if (ce == cudaSuccess) cudaGraphDestroy(g);
-            continue;
-          }
-          cudaGraphExec_t ge;
-          CHECK(cudaGraphInstantiate(&ge, g, 0));
-          std::vector<float> us;
-          for (int rep = 0; rep < 12; rep++) {
-            CHECK(cudaEventRecord(t0, st));
-            CHECK(cudaGraphLaunch(ge, st));
-            CHECK(cudaEventRecord(t1, st));
-            CHECK(cudaEventSynchronize(t1));
-            float ms;
-            CHECK(cudaEventElapsedTime(&ms, t0, t1));
-            if (rep >= 3) us.push_back(ms * 1000.f / 200);
-          }
-          std::sort(us.begin(), us.end());
-          printf("%-10s %6d %4d %3d   %.2f (%.2f)\n", r.name, G, coop, pdl, us[us.size() / 2], us[0]);
-          CHECK(cudaGraphExecDestroy(ge));
-          CHECK(cudaGraphDestroy(g));
+          float med, fastest;
+          const cudaError_t err = time_calls(cfg, a, t0, t1, &med, &fastest);
+          if (err != cudaSuccess)
+            printf("%-10s %6d %4d %3d   launch refused: %s\n", r.name, G, coop, pdl, cudaGetErrorString(err));
+          else
+            printf("%-10s %6d %4d %3d   %.2f (%.2f)\n", r.name, G, coop, pdl, med, fastest);
         }
+  // REDUNDANT: W source ranks of 4096 ids (512 tokens of top-8), 384 experts: every block reads
+  // all W x 4096 ids, with G blocks
+  for (int W : {4, 8, 16, 32, 64})
+    for (int G : {W, 2 * W, 16, 64}) {
+      a.mode = REDUNDANT, a.nids = W * 4096, a.el = 384 / W;
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(G);
+      cfg.blockDim = dim3(kThreads);
+      cfg.stream = st;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      float med, fastest;
+      CHECK(time_calls(cfg, a, t0, t1, &med, &fastest));
+      printf("redundant EP%-3d %4d blocks, %4d KB a block   %.2f (%.2f)\n", W, G, W * 16, med, fastest);
+    }
   return 0;
 }
