@@ -17,7 +17,8 @@ int combine_cpu(moe_ctx *ctx, const moe_combine_args *a) {
   const float *w = a->weights->data, *gate = a->shared_gate ? a->shared_gate->data : NULL;
   const int32_t *ids = a->ids->data;
   const uint16_t *shared = a->shared ? a->shared->data : NULL;
-  float *acc = malloc((H ? (size_t)H : 1) * sizeof *acc);
+  if (T == 0 || H == 0) return moe_ok(ctx); /* nothing to write (T may be up to 2^40 when H is 0) */
+  float *acc = malloc((size_t)H * sizeof *acc);
   if (!acc) return moe_seterr(ctx, MOE_ERR_NOMEM, "combine: out of host memory");
   for (int64_t t = 0; t < T; t++) {
     for (int64_t h = 0; h < H; h++) acc[h] = 0.0f;

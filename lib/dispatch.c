@@ -9,7 +9,7 @@
  * zeroed under zero_fill and otherwise left alone. */
 int dispatch_cpu(moe_ctx *ctx, const moe_dispatch_args *a) {
   const int64_t W = a->x->shape[0], T = a->x->shape[1], H = a->x->shape[2], C = a->xs->shape[0];
-  const int64_t routes = T * a->k;
+  const int64_t routes = moe_dispatch_routes(T, a->k);
   const size_t row_bytes = (size_t)H * sizeof(uint16_t);
   const int32_t *rank = a->peer_rank->data, *route = a->peer_route->data;
   const uint16_t *x = a->x->data;

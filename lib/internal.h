@@ -92,6 +92,13 @@ int moe_check_no_overlap_list(moe_ctx *ctx, const char *stage, const moe_tensor 
 
 static inline int moe_on_cpu(const moe_tensor *t) { return t->device.kind == MOE_CPU; }
 
+/* Dispatch's bound on a row's peer_route, T * k routes a source rank (k >= 1): peer_route is
+ * i32, so where T * k passes 2^31 (or int64: T may be up to 2^40 on an empty x) every
+ * non-negative value is below it and 2^31 serves. */
+static inline int64_t moe_dispatch_routes(int64_t T, int k) {
+  return T > (int64_t)INT32_MAX / k ? (int64_t)INT32_MAX + 1 : T * k;
+}
+
 /* The helpers below are compiled for the GPU too when a .cu file includes this header, so
  * that the kernels compute the same bits as the CPU from the same source. */
 #if defined(__CUDACC__)

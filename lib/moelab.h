@@ -95,6 +95,7 @@ MOE_API void moe_event_free(moe_event *event);
 MOE_API int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape,
                            moe_device device, moe_tensor **out);
 MOE_API void moe_tensor_free(moe_tensor *t);
+/* The accessors: t must be a tensor (NULL is not checked).  dim of an i outside [0, ndim) is 1. */
 MOE_API moe_dtype moe_tensor_dtype(const moe_tensor *t);
 MOE_API int moe_tensor_ndim(const moe_tensor *t);
 MOE_API int64_t moe_tensor_dim(const moe_tensor *t, int i);

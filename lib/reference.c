@@ -19,6 +19,7 @@ static int reference_cpu(moe_ctx *ctx, const moe_reference_args *a) {
   const int64_t N = a->x->shape[0], H = a->x->shape[1], K = a->ids->shape[1];
   const int64_t E = a->experts, EL = E / a->world, F = a->w_gate_up[0]->shape[1] / 2;
   const int64_t Fs = a->shared_gate_up ? a->shared_gate_up->shape[1] / 2 : 0;
+  if (N == 0) return moe_ok(ctx); /* no token (K and H may then be up to 2^40 each) */
   const int64_t KH = K * H > 0 ? K * H : 1;
   const int64_t NC = N < REF_CHUNK_FLOATS / KH ? N : (REF_CHUNK_FLOATS / KH > 0 ? REF_CHUNK_FLOATS / KH : 1);
   const int32_t *ids = a->ids->data;

@@ -192,6 +192,10 @@ int route_cpu(moe_ctx *ctx, const moe_route_args *a) {
   int32_t *ids = a->ids->data;
   float *weights = a->weights->data;
 
+  if (n == 0) { /* no row: no scratch (e may be up to 2^31 - 1 here) */
+    if (a->stats) ((int32_t *)a->stats->data)[0] = 0, ((int32_t *)a->stats->data)[1] = -1;
+    return moe_ok(ctx);
+  }
   /* scratch: s and key per expert, group scores, kept groups, the chosen experts or groups */
   float *s = malloc(sizeof(float) * (size_t)e * 2 + sizeof(float) * (size_t)a->groups);
   unsigned char *kept = malloc((size_t)a->groups);

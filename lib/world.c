@@ -312,11 +312,17 @@ static int check_dispatch(moe_ctx *ctx, const char *stage, const moe_world *w, i
   const int64_t T = a->x->shape[0], H = a->x->shape[1];
   const int64_t xs_shape[] = {-1, H};
   if ((rc = moe_check_tensor(ctx, stage, "xs", a->xs, MOE_BF16, 2, xs_shape))) return rc;
-  const int64_t row_shape[] = {a->xs->shape[0]}, rr[] = {w->size, T * a->k};
+  const int64_t row_shape[] = {a->xs->shape[0]};
   if ((rc = moe_check_tensor(ctx, stage, "peer_rank", a->peer_rank, MOE_I32, 1, row_shape))) return rc;
   if ((rc = moe_check_tensor(ctx, stage, "peer_route", a->peer_route, MOE_I32, 1, row_shape))) return rc;
   if (a->k < 1) return moe_seterr(ctx, MOE_ERR_ARG, "%s: k must be >= 1, got %d", stage, a->k);
-  if (direct && (rc = moe_check_tensor(ctx, stage, "route_row", a->route_row, MOE_I32, 2, rr))) return rc;
+  if (direct) {
+    if (T > INT32_MAX / a->k) /* route_row's rows are T * k routes, indexed by an i32 */
+      return moe_seterr(ctx, MOE_ERR_ARG, "%s: T * k = %lld * %d routes a rank do not fit an i32", stage, (long long)T,
+                        a->k);
+    const int64_t rr[] = {w->size, T * a->k};
+    if ((rc = moe_check_tensor(ctx, stage, "route_row", a->route_row, MOE_I32, 2, rr))) return rc;
+  }
   const moe_tensor *ts[] = {a->xs, a->x, a->peer_rank, a->peer_route, direct ? a->route_row : NULL};
   static const char *names[] = {"xs", "x", "peer_rank", "peer_route", "route_row"};
   for (int j = 0; j < 5; j++)

@@ -460,6 +460,42 @@ static void test_api(void) {
   ARG_ERROR(moe_route(ctx, &ra), "route", "scale must be finite and > 0");
 }
 
+/* ---- empty tensors with huge other dimensions (up to 2^40 each): nothing to compute, so each
+ * stage returns at once -- no product of those dimensions overflowing (the sanitizer run of the
+ * suite traps on signed overflow), no scratch sized by them, no loop over them ---- */
+
+static void test_empty_extremes(void) {
+  const int64_t big = (int64_t)1 << 40;
+  /* dispatch: T * k past 2^63; the one row's route points at no token of an empty x: zeroed */
+  moe_tensor *xs = BF16(((const float[]){7}), 1, 1);
+  moe_dispatch_args d = {.xs = xs, .x = BF16(NULL, 0, big, 1), .peer_rank = I32(((const int32_t[]){0}), 1),
+                         .peer_route = I32(((const int32_t[]){5}), 1), .k = INT32_MAX, .zero_fill = 1};
+  OK(moe_dispatch(ctx, &d));
+  check_values("dispatch from an empty x of 2^40 tokens", xs, 0, (const float[]){0}, 1);
+  /* reference: no token, K = H = 2^40 */
+  const moe_tensor *gu[1] = {BF16(NULL, 1, 0, big)}, *dn[1] = {BF16(NULL, 1, big, 0)};
+  moe_reference_args r = {.out = F32(NULL, 0, big), .x = BF16(NULL, 0, big), .ids = I32(NULL, 0, big),
+                          .weights = F32(NULL, 0, big), .w_gate_up = gu, .w_down = dn, .world = 1, .experts = 1};
+  OK(moe_reference(ctx, &r));
+  /* combine: 2^40 tokens of no route and no column */
+  const moe_tensor *ys[1] = {BF16(NULL, 1, 0)}, *rr[1] = {I32(NULL, 1, 0)};
+  moe_combine_args c = {.out = F32(NULL, big, 0), .weights = F32(NULL, big, 0), .ids = I32(NULL, big, 0), .ys = ys,
+                        .route_row = rr, .world = 1, .experts = 1, .rank = 0};
+  OK(moe_combine(ctx, &c));
+  /* experts: H = 0 and F = 2^37 -- f32 scratch for one expert's weights would be 2^39 floats */
+  moe_experts_args e = {.ys = BF16(NULL, 1, 0), .xs = BF16(NULL, 1, 0), .expert_offsets = I32(((const int32_t[]){0, 1}), 2),
+                        .w_gate_up = BF16(NULL, 1, (int64_t)1 << 38, 0), .w_down = BF16(NULL, 1, 0, (int64_t)1 << 37)};
+  OK(moe_experts(ctx, &e));
+  /* route: no row of 2^31 - 1 experts; the stats still say nothing was rejected */
+  moe_tensor *st = I32(((const int32_t[]){9, 9}), 2);
+  moe_route_args ra = {.ids = I32(NULL, 0, 1), .weights = F32(NULL, 0, 1), .stats = st, .logits = F32(NULL, 0, INT32_MAX),
+                       .k = 1, .scoring = MOE_SCORE_SOFTMAX, .groups = 1, .topk_groups = 1};
+  OK(moe_route(ctx, &ra));
+  CHECK(((const int32_t *)moe_tensor_data(st))[0] == 0 && ((const int32_t *)moe_tensor_data(st))[1] == -1,
+        "route stats of no row: %d %d, want 0 -1", ((const int32_t *)moe_tensor_data(st))[0],
+        ((const int32_t *)moe_tensor_data(st))[1]);
+}
+
 int main(void) {
   if (moe_ctx_open(&ctx) != MOE_OK) return 2;
   test_api();
@@ -469,6 +505,7 @@ int main(void) {
   test_combine();
   test_reference();
   test_layer();
+  test_empty_extremes();
   for (int i = 0; i < npool; i++) moe_tensor_free(pool[i]);
   moe_ctx_close(ctx);
   if (failures) {
