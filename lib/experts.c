@@ -256,6 +256,7 @@ int moe_experts(moe_ctx *ctx, const moe_experts_args *a) {
 
 int logits_cpu(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
   const int64_t N = x->shape[0], H = x->shape[1], E = w->shape[0];
+  if (N == 0 || E == 0) return moe_ok(ctx); /* out is empty (the others may then be up to 2^40) */
   size_t nfloat = (size_t)(E * H + MLP_ROWS * H);
   float *wf = malloc((nfloat ? nfloat : 1) * sizeof *wf);
   if (!wf) return moe_seterr(ctx, MOE_ERR_NOMEM, "logits: out of host memory (%zu bytes of scratch)", nfloat * sizeof *wf);
