@@ -46,6 +46,13 @@ local ROWS = {
   { "tensor: nested deeper than 4", function() moe.tensor({ { { { { 1 } } } } }) end, "4" },
   { "tensor: shape and data disagree", function() moe.tensor({ 1, 2, 3 }, { shape = { 2, 2 } }) end, { "4", "3" } },
   { "zeros: shape not a table", function() moe.zeros(3) end, "shape must be a table of sizes, got 3" },
+  { "tensor: a shape past 2^40 elements, empty or not", function() moe.tensor({}, { shape = { 2 ^ 40, 2 ^ 40, 0 } }) end,
+    "'tensor' (shape [1099511627776, 1099511627776, 0] has more than 2^40 elements" },
+  { "zeros: a shape past 2^40 elements", function() moe.zeros({ 2 ^ 21, 2 ^ 20 }) end,
+    "'zeros' (shape [2097152, 1048576] has more than 2^40 elements" },
+  { "schedule_plan: an unknown option, named as schedule_plan", function()
+    moe.schedule_plan { ids = moe.zeros({ 1, 2, 2 }, { dtype = "i32" }), experts = 4, pads = 2 }
+  end, "bad argument #1 to 'schedule_plan' (unknown option 'pads'" },
   { "zeros: negative size", function() moe.zeros({ 2, -1 }) end, "shape[2] must be a non-negative integer, got -1" },
   { "zeros: fractional size", function() moe.zeros({ 2, 1.5 }) end, "shape[2] must be a non-negative integer, got 1.5" },
   { "zeros: a hole in the shape", function() moe.zeros({ 2, nil, 3 }) end,
@@ -174,6 +181,9 @@ local ROWS = {
   end, "invalid expert id 7 at rank 1, token 2, slot 1" },
   { "schedule: capacity overflow", function() moe.schedule { ids = I, experts = 4, capacity = 2 } end,
     "capacity overflow on rank 0: the routes need 6 rows, capacity is 2 (4 routes lost their row)" },
+  { "schedule: capacity overflow with an expert capacity, whose drops the count includes", function()
+    moe.schedule { ids = I, experts = 4, capacity = 1, expert_capacity = 1 }
+  end, "routes lost their row, those past expert_capacity included)" },
 
   -- dispatch
   { "dispatch: unknown option", function() moe.dispatch { x = X, schedule = s0, zero_fil = true } end,
@@ -280,6 +290,11 @@ local ROWS = {
   { "layer: model neither a name nor a preset", function() moe.layer { model = 42, tokens = 4 } end,
     "option 'model' must be a preset from moe.models or its name, got 42" },
   { "layer: unknown option", function() moe.layer { model = "kimi_k2", tokns = 4 } end, "unknown option 'tokns'" },
+  { "layer: no model", function() moe.layer { tokens = 4 } end, "(option 'model' is required)" },
+  { "layer: a shared gate without a shared expert", function()
+    moe.layer { model = "kimi_k2", tokens = 4, hidden = 16, ffn = 8, experts = 8, k = 2, shared = false,
+      shared_gate = true }
+  end, "option 'shared_gate' gates the shared expert, and this layer has none" },
   { "layer: a model field of the wrong type", function()
     moe.layer { model = { experts = 4, k = 2, hidden = 16, ffn = 8, scale = "x" }, tokens = 4 }
   end, "option 'scale' must be a number, got \"x\"" },
@@ -342,11 +357,15 @@ local ROWS = {
     "shapes differ: got [2, 3], ref [3, 2]" },
   { "reference: ids without weights", function() LAYER:reference(LX, { ids = i32 { 2, 2, 2 } }) end,
     "give 'ids' and 'weights' together" },
-  { "check: NaN logits met by the reference's own routing, through check", function()
+  { "check: NaN logits a forward without checks let through", function()
     local layer = moe.layer { model = tiny, tokens = 2 }
     local x = moe.full({ 1, 2, 16 }, 0 / 0, { dtype = "bf16" })
     layer:forward(x, { check = false })
     layer:check(x)
+  end, "layer: route: router logits contained NaN or could not be scored (+inf, all -inf) in 2 rows" },
+  { "reference: NaN logits met by the reference's own routing", function()
+    local layer = moe.layer { model = tiny, tokens = 2 }
+    layer:reference(moe.full({ 1, 2, 16 }, 0 / 0, { dtype = "bf16" }))
   end, "layer: reference: router logits contain NaN" },
   { "reference: logits and routing", function()
     LAYER:reference(LX, { logits = moe.zeros({ 4, 4 }), routing = "forward" })

@@ -331,5 +331,53 @@ for _, dev in ipairs(ALL_DEVICES) do
       assert.is_false(ok)
       assert.truthy(tostring(err):find("the first is token 2 of rank 5", 1, true), err)
     end)
+
+    it("after a forward that did not check, stats() counts NaN rows and check raises what forward would have",
+      function()
+        local layer = small_layer("qwen3_235b", dev)
+        local x = input(layer)
+        local flat = moe.zeros({ 8 * 4, 128 }):flat()
+        flat[(4 * 5 + 2) * 128 + 7], flat[7 * 128 + 1] = 0 / 0, 0 / 0 -- two rows
+        layer:forward(x, { logits = S.tensor(flat, "f32", { 32, 128 }, dev), check = false })
+        assert.are.equal(2, layer:stats().unscored)
+        for _, raise in ipairs { true, false } do -- whatever raise says
+          local ok, err = pcall(layer.check, layer, x, { raise = raise })
+          assert.is_false(ok)
+          assert.truthy(tostring(err):find("NaN or could not be scored (+inf, all -inf) in 2 rows", 1, true), err)
+        end
+        layer:forward(x) -- the router's own logits: nothing unscored, and check passes
+        assert.are.equal(0, layer:stats().unscored)
+        assert.is_true(layer:check(x, { raise = false }).pass)
+        -- routing given as ids: the router did not run, so its last count is not this pass's
+        local ids, weights = layer.ids:to(dev), layer.weights:to(dev)
+        layer:forward(x, { logits = S.tensor(flat, "f32", { 32, 128 }, dev), check = false })
+        layer:forward(x, { ids = ids, weights = weights })
+        assert.are.equal(0, layer:stats().unscored)
+        assert.is_true(layer:check(x, { raise = false }).pass)
+      end)
+
+    it("closing what forward returns leaves the layer whole", function()
+      local layer = small_layer("kimi_k2", dev)
+      local x = input(layer)
+      do
+        local out <close> = layer:forward(x)
+        assert.are.equal(layer.world, out.shape[1])
+      end
+      local again = layer:forward(x)
+      assert.is_true(layer:check(x, { raise = false }).pass)
+      assert.tensor_equal(again:to("cpu"), layer.out:to("cpu"))
+    end)
+
+    it("check raises a capacity overflow that a forward without checks let through", function()
+      local layer = moe.layer { model = "qwen3_235b", world = 2, tokens = 8, hidden = 32, ffn = 16, experts = 8, k = 2,
+        capacity = 4, device = dev }
+      local x = moe.randn({ 2, 8, 32 }, { dtype = "bf16", seed = 9, device = dev })
+      assert.is_false(pcall(layer.forward, layer, x))
+      layer:forward(x, { check = false })
+      assert.is_true(layer:stats().dropped > 0)
+      local ok, err = pcall(layer.check, layer, x, { raise = false })
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find("capacity", 1, true), err)
+    end)
   end)
 end

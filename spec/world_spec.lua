@@ -639,4 +639,26 @@ describe("moe.layer over a real world [#gpu]", function()
     assert.truthy(tostring(err):find("no forward has completed", 1, true), tostring(err))
     world:close()
   end)
+
+  it("after a forward that did not check, stats() counts NaN rows and check raises what forward would have",
+    function()
+      local world = moe.world { devices = { 0 } }
+      local T, E = 24, 8
+      local layer = moe.layer { model = "kimi_k2", tokens = T, hidden = 128, ffn = 64, experts = E, k = 4, seed = 6,
+        world = world }
+      local x = moe.randn({ T, 128 }, { dtype = "bf16", seed = 80, device = "cuda:0" })
+      local flat = moe.randn({ T, E }, { seed = 14 }):flat()
+      flat[3 * E + 2], flat[9 * E + 5] = 0 / 0, 0 / 0 -- rows 3 and 9
+      layer:forward(x, { logits = S.tensor(flat, "f32", { T, E }, "cuda:0"), check = false })
+      assert.are.equal(2, layer:stats().unscored)
+      for _, raise in ipairs { true, false } do
+        local ok, err = pcall(layer.check, layer, x, { raise = raise })
+        assert.is_false(ok)
+        assert.truthy(tostring(err):find("in 2 rows of rank 0", 1, true), tostring(err))
+      end
+      layer:forward(x)
+      assert.are.equal(0, layer:stats().unscored)
+      assert.is_true(layer:check(x, { raise = false }).pass)
+      world:close()
+    end)
 end)

@@ -101,7 +101,9 @@ function args.options(fname, opts, spec, required, level)
   end
   for _, k in ipairs(required or {}) do
     if opts[k] == nil then
-      args.fail(fname, string.format("option '%s' is required (%s)", k, expected(spec[k])), level)
+      -- an "any" option is checked by its function, which says what it takes
+      args.fail(fname, spec[k] == "any" and string.format("option '%s' is required", k)
+        or string.format("option '%s' is required (%s)", k, expected(spec[k])), level)
     end
   end
   for k, v in pairs(opts) do
@@ -125,7 +127,7 @@ end
 -- shape string "[2, 3]"
 function args.shape_str(shape)
   local s = {}
-  for i, d in ipairs(shape) do s[i] = tostring(d) end
+  for i, d in ipairs(shape) do s[i] = tostring(math.tointeger(d) or d) end -- 2^40 as 1099511627776, not 1.0995...e+12
   return "[" .. table.concat(s, ", ") .. "]"
 end
 

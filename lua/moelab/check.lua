@@ -117,7 +117,9 @@ function check.verdict(got, ref, o, what)
   if o.raise == false then
     local m = check.metrics(got, ref)
     local rtol, l2 = o.rtol or 2e-2, o.l2 or 1e-2
-    m.rtol, m.l2, m.pass = rtol, l2, m.nans == 0 and m.infs == 0 and m.rel_max <= rtol and m.rel_l2 <= l2
+    -- check.close's rule (atol 0): max |got - ref| <= rtol max |ref|, so an all-zero ref needs an all-zero got
+    m.rtol, m.l2 = rtol, l2
+    m.pass = m.nans == 0 and m.infs == 0 and m.max_abs <= rtol * m.max_ref and m.rel_l2 <= l2
     return m
   end
   return check.close(got, ref, { rtol = o.rtol, l2 = o.l2, what = what })

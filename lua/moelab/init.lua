@@ -38,6 +38,14 @@ local function check_shape(fname, shape, level)
       args.fail(fname, string.format("shape[%d] must be a non-negative integer, got %s", i, args.describe(d)), level + 1)
     end
   end
+  local n = 1 -- the dimensions other than 0 multiplied, as the library bounds them
+  for i = 1, #shape do
+    if shape[i] > 0 then n = n * shape[i] end
+    if n > 2 ^ 40 then
+      args.fail(fname, string.format("shape %s has more than 2^40 elements (the dimensions other than 0 multiplied)",
+        args.shape_str(shape)), level + 1)
+    end
+  end
   return shape
 end
 
@@ -155,9 +163,10 @@ local function worst_case_rows(W, T, K, EL, pad, expert_capacity)
   return rows
 end
 
--- Allocates a schedule's buffers without running it (the layer reruns it in place).
+-- Allocates a schedule's buffers without running it (the layer reruns it in place).  fname and
+-- level: the function a caller inside the module raises as, and the level of its own caller.
 function moe.schedule_plan(o, fname, level)
-  fname, level = fname or "schedule", (level or 2) + 1
+  fname, level = fname or "schedule_plan", (level or 1) + 1
   args.options(fname, o, {
     ids = "tensor", experts = "integer", rank = "integer", pad = "integer", capacity = "integer",
     expert_capacity = "integer", layout = LAYOUTS, overflow = { "error", "drop" }, invalid = { "error", "skip" },
@@ -237,8 +246,8 @@ function Schedule:check(level)
   end
   if st.rows_needed > self.capacity and self.overflow == "error" then
     error(string.format("schedule: capacity overflow on rank %d: the routes need %d rows, capacity is %d "
-      .. "(%d routes lost their row); raise capacity or pass overflow = 'drop'", self.rank, st.rows_needed,
-      self.capacity, st.dropped), level)
+      .. "(%d routes lost their row%s); raise capacity or pass overflow = 'drop'", self.rank, st.rows_needed,
+      self.capacity, st.dropped, self.expert_capacity and ", those past expert_capacity included" or ""), level)
   end
   return self
 end

@@ -75,7 +75,13 @@ return function(moe)
     cfg.scale, cfg.shared_ffn = cfg.scale or 1.0, cfg.shared_ffn or 0
     if o.shared == false then cfg.shared_ffn = 0 end
     if o.shared == true and cfg.shared_ffn == 0 then cfg.shared_ffn = cfg.ffn end
-    if cfg.shared_ffn == 0 then cfg.shared_gate = false end
+    if cfg.shared_ffn == 0 then
+      if o.shared_gate then -- asked for, not a preset's setting that went with its shared expert
+        args.fail("layer", "option 'shared_gate' gates the shared expert, and this layer has none (shared_ffn = 0 or "
+          .. "shared = false)", 3)
+      end
+      cfg.shared_gate = false
+    end
     for _, f in ipairs { "experts", "k", "hidden", "ffn" } do
       if math.type(cfg[f]) ~= "integer" then
         args.fail("layer", string.format("the model has no integer '%s' (got %s)", f, args.describe(cfg[f])), 3)
@@ -233,7 +239,8 @@ return function(moe)
       groups = self.cfg.groups, topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
   end
 
-  -- forward(x [, {logits=} or {ids=, weights=}]) -> out bf16 [W, T, H] (the layer's own buffer).
+  -- forward(x [, {logits=} or {ids=, weights=}]) -> out bf16 [W, T, H]: a view of the layer's own
+  -- buffer (layer.out), which the next pass overwrites; closing the view leaves the layer whole.
   function Layer:forward(x, o)
     o = args.options("forward", o or {}, { logits = "tensor", ids = "tensor", weights = "tensor", check = "boolean" })
     if (o.ids == nil) ~= (o.weights == nil) then args.fail("forward", "give 'ids' and 'weights' together") end
@@ -249,6 +256,7 @@ return function(moe)
     -- until this pass completes the buffers hold part of it: check and the forward's routing wait
     self.forwarded = false
     self.routing_given = o.ids ~= nil or o.logits ~= nil -- check's reference then takes this routing
+    self.routed = o.ids == nil -- the router ran: route_stats are this pass's
     self.times, self.timing = {}, eager
     timed(self, "route", function() route(self, x, o) end)
     if eager and not o.ids and self.nan == "error" then
@@ -298,7 +306,7 @@ return function(moe)
       end
     end)
     self.forwarded = true -- its buffers now hold a pass (capture puts the flag back: nothing ran)
-    return self.out
+    return self.out:view(0, self.out.shape)
   end
 
   -- CPU copies of the weights, made once, for the reference.
@@ -436,19 +444,42 @@ return function(moe)
     return core.from_table(flat, "i32", "cpu"):view(0, { W, self.tokens, self.k })
   end
 
+  -- What the layer's policies do not allow in its last pass, as forward raises it in eager use:
+  -- router logits with NaN or unscorable rows (nan = 'error'), a schedule's capacity overflow or
+  -- invalid ids.  -> the message, or nil.  For a pass that did not check (forward{check = false},
+  -- a replay) this is the check.
+  local function policy_error(self)
+    if self.routed and self.nan == "error" then
+      local st = self.route_stats:flat()
+      if st[1] > 0 then
+        return string.format("layer: route: router logits contained NaN or could not be scored (+inf, all -inf) in %d "
+          .. "rows (those tokens were routed nowhere)", st[1])
+      end
+    end
+    for r = 1, self.world do
+      local s = self.schedules[r]
+      local ok, err = pcall(s.check, s)
+      if not ok then return "layer: " .. tostring(err) end
+    end
+  end
+
   -- check(x [, {sample = n, rtol =, l2 =, raise =}]): the last forward's output against the dense
   -- reference, with the routing that forward applied (given logits or ids, or the router's; routes
   -- that reached no expert -- masked, invalid and skipped, dropped by a capacity -- left out).
   -- Raises when out of tolerance, unless raise = false, which returns the metrics and .pass.  With
   -- sample, n evenly spaced tokens of each rank: the way to check a layer too large for a full CPU
   -- reference.  On the CPU, a whole check of a forward that routed for itself takes the
-  -- reference's own routing, so the router is checked too.
+  -- reference's own routing, so the router is checked too.  First, whatever raise says, it raises
+  -- what the layer's policies do not allow in that pass (policy_error), as an eager forward would
+  -- have: a forward{check = false} leaves that to check, or to stats() to read.
   function Layer:check(x, o)
     o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
     if not self.forwarded then
       args.fail("check", "no forward has completed (a capture runs nothing before its first replay): check "
         .. "compares the last pass's output")
     end
+    local why = policy_error(self) -- whatever raise says: this pass broke the layer's policies
+    if why then error(why, 2) end
     local W, T, H = self.world, self.tokens, self.hidden
     -- the forward's routing (the router's, given, or with the routes no expert took masked); on the
     -- CPU a forward that routed for itself is checked against the reference's own routing, which
@@ -504,7 +535,11 @@ return function(moe)
     return st
   end
 
-  function Layer:stats() return schedule_stats(self.schedules, self.local_experts) end
+  function Layer:stats()
+    local st = schedule_stats(self.schedules, self.local_experts)
+    st.unscored = self.routed and self.route_stats:flat()[1] or 0 -- rows the router could not score
+    return st
+  end
 
   -- capture([x]) -> a graph of the whole forward pass over the input buffer x (default: the
   -- layer's own buffer layer.input, which the caller fills).  graph:replay() reruns it on the
@@ -524,31 +559,22 @@ return function(moe)
     end
     check_x(self, "capture", x)
     -- a capture runs nothing: the buffers hold what they held before it, until a replay
-    local forwarded, routing_given = self.forwarded, self.routing_given
+    local forwarded, routing_given, routed = self.forwarded, self.routing_given, self.routed
     local ok, graph = pcall(moe.graph, function() self:forward(x, { check = false }) end, { device = self.device })
-    self.forwarded, self.routing_given = forwarded, routing_given
+    self.forwarded, self.routing_given, self.routed = forwarded, routing_given, routed
     if not ok then args.raise(graph) end
     return setmetatable({ graph = graph, layer = self, x = x }, Graph)
   end
 
   function Graph:replay()
     self.graph:replay()
-    self.layer.forwarded, self.layer.routing_given = true, false -- the captured pass routes for itself
-    return self.layer.out
+    self.layer.forwarded, self.layer.routing_given, self.layer.routed = true, false, true -- it routes for itself
+    return self.layer.out:view(0, self.layer.out.shape)
   end
 
   function Graph:check()
-    local layer = self.layer
-    local st = layer.route_stats:flat()
-    if st[1] > 0 and layer.nan == "error" then
-      error(string.format("layer: route: router logits contained NaN or could not be scored (+inf, all -inf) in %d rows "
-        .. "(those tokens were routed nowhere)", st[1]), 2)
-    end
-    for r = 1, layer.world do
-      local s = layer.schedules[r]
-      local ok, err = pcall(s.check, s)
-      if not ok then error("layer: " .. tostring(err), 2) end
-    end
+    local why = policy_error(self.layer)
+    if why then error(why, 2) end
     return self
   end
 

@@ -170,6 +170,7 @@ return function(moe, shared)
     local T, H, K = self.tokens, self.hidden, self.k
     local eager = o.check ~= false
     self.times, self.timing = {}, eager
+    self.routed = o.ids == nil -- the router ran: route_stats are this pass's
     timed(self, "route", function()
       each(self, function(i)
         if o.ids then
@@ -257,7 +258,10 @@ return function(moe, shared)
       ex:combine(calls)
     end)
     self.forwarded = true -- its buffers now hold a pass (capture puts the flag back: nothing ran)
-    return self.nlocal == 1 and self.out[1] or self.out
+    -- views of the layer's buffers: closing them leaves the layer whole
+    local out = {}
+    for i = 1, self.nlocal do out[i] = self.out[i]:view(0, self.out[i].shape) end
+    return self.nlocal == 1 and out[1] or out
   end
 
   -- forward(x [, {logits=, ids=, weights=, check=}]): x, logits, ids and weights one per local
@@ -284,7 +288,41 @@ return function(moe, shared)
   end
 
   -- What the last forward did on the local ranks: rows, padding, loads, drops (DESIGN.md).
-  function WorldLayer:stats() return shared.schedule_stats(self.schedules, self.local_experts, self.ranks) end
+  -- unscored: rows the router could not score (NaN, +inf, all -inf) on the local ranks.
+  function WorldLayer:stats()
+    local st = shared.schedule_stats(self.schedules, self.local_experts, self.ranks)
+    st.unscored = 0
+    if self.routed then
+      for i = 1, self.nlocal do
+        self.group:bind(i)
+        st.unscored = st.unscored + self.route_stats[i]:flat()[1]
+      end
+      self.group:unbind()
+    end
+    return st
+  end
+
+  -- What the layer's policies do not allow in its last pass on the local ranks (NaN logits under
+  -- nan = 'error', a schedule's overflow or invalid ids), as an eager forward raises it -> the
+  -- message, or nil.
+  local function policy_error(self)
+    for i = 1, self.nlocal do
+      self.group:bind(i)
+      local st = self.routed and self.nan == "error" and self.route_stats[i]:flat() or { 0 }
+      local s = self.schedules[i]
+      local ok, err = pcall(s.check, s)
+      if st[1] > 0 then
+        self.group:unbind()
+        return string.format("layer: route: router logits contained NaN or could not be scored (+inf, all -inf) in "
+          .. "%d rows of rank %d (those tokens were routed nowhere)", st[1], self.ranks[i])
+      end
+      if not ok then
+        self.group:unbind()
+        return "layer: " .. tostring(err)
+      end
+    end
+    self.group:unbind()
+  end
 
   -- Every rank's expert weights on the CPU, for the reference: the local ranks' copied from
   -- their GPUs, the others' drawn on the CPU from the same seeds (moe.randn gives the same values
@@ -369,6 +407,8 @@ return function(moe, shared)
       args.fail("check", "no forward has completed (a capture runs nothing before its first replay): check "
         .. "compares the last pass's output")
     end
+    local why = policy_error(self) -- whatever raise says: this pass broke the layer's policies
+    if why then error(why, 2) end
     local T, H = self.tokens, self.hidden
     x = per_rank(self, "check", "x", x, "bf16", { T, H })
     local n = o.sample and math.min(o.sample, T) or T
@@ -397,9 +437,9 @@ return function(moe, shared)
     x = per_rank(self, "capture", "x", x or self.inputs, "bf16", { self.tokens, self.hidden })
     self.group:bind(1)
     -- a capture runs nothing: the buffers hold what they held before it, until a replay
-    local forwarded = self.forwarded
+    local forwarded, routed = self.forwarded, self.routed
     local ok, graph = pcall(moe.graph, function() run(self, x, { check = false }) end, { device = self.device })
-    self.forwarded = forwarded
+    self.forwarded, self.routed = forwarded, routed
     self.group:unbind()
     if not ok then args.raise(graph) end
     return setmetatable({ graph = graph, layer = self }, Graph)
@@ -407,20 +447,13 @@ return function(moe, shared)
 
   function Graph:replay()
     self.graph:replay()
-    self.layer.forwarded = true
-    return self.layer.out[1]
+    self.layer.forwarded, self.layer.routed = true, true -- the captured pass routes for itself
+    return self.layer.out[1]:view(0, self.layer.out[1].shape)
   end
 
   function Graph:check()
-    local layer = self.layer
-    local st = layer.route_stats[1]:flat()
-    if st[1] > 0 and layer.nan == "error" then
-      error(string.format("layer: route: router logits contained NaN or could not be scored (+inf, all -inf) in %d rows "
-        .. "(those tokens were routed nowhere)", st[1]), 2)
-    end
-    local s = layer.schedules[1]
-    local ok, err = pcall(s.check, s)
-    if not ok then error("layer: " .. tostring(err), 2) end
+    local why = policy_error(self.layer)
+    if why then error(why, 2) end
     return self
   end
 
