@@ -186,6 +186,11 @@ local ROWS = {
   end, "routes lost their row, those past expert_capacity included)" },
 
   -- dispatch
+  { "dispatch: a schedule with a closed tensor, named", function()
+    local s = moe.schedule { ids = I, experts = 4 }
+    do local _ <close> = s.peer_rank end
+    moe.dispatch { x = X, schedule = s }
+  end, "option 'schedule': the schedule's peer_rank tensor is closed" },
   { "dispatch: unknown option", function() moe.dispatch { x = X, schedule = s0, zero_fil = true } end,
     "unknown option 'zero_fil'" },
   { "dispatch: schedule missing", function() moe.dispatch { x = X } end, "option 'schedule' is required" },
@@ -291,6 +296,9 @@ local ROWS = {
     "option 'model' must be a preset from moe.models or its name, got 42" },
   { "layer: unknown option", function() moe.layer { model = "kimi_k2", tokns = 4 } end, "unknown option 'tokns'" },
   { "layer: no model", function() moe.layer { tokens = 4 } end, "(option 'model' is required)" },
+  { "layer: the model's router setting that the options make wrong, said to be the model's", function()
+    moe.layer { model = "deepseek_v3", tokens = 4, hidden = 16, ffn = 8, experts = 12, k = 2 }
+  end, "option 'groups' (8) must divide the number of experts (12); the value is the model's (DeepSeek-V3)" },
   { "layer: a shared gate without a shared expert", function()
     moe.layer { model = "kimi_k2", tokens = 4, hidden = 16, ffn = 8, experts = 8, k = 2, shared = false,
       shared_gate = true }

@@ -266,10 +266,17 @@ function moe.schedule(o)
   return s
 end
 
+local SCHEDULE_TENSORS = { "ids", "peer_rank", "peer_route", "counts", "tokens_per_expert", "expert_offsets",
+  "route_row", "stats_tensor" }
 local function check_schedule(fname, name, s, level)
   if getmetatable(s) ~= Schedule then
     args.fail(fname, string.format("option '%s' must be a moelab.Schedule (from moe.schedule), got %s",
       name, args.describe(s)), level + 1)
+  end
+  for _, f in ipairs(SCHEDULE_TENSORS) do -- the stages read them: a closed one would be named as the schedule
+    if s[f].closed then
+      args.fail(fname, string.format("option '%s': the schedule's %s tensor is closed", name, f), level + 1)
+    end
   end
   return s
 end

@@ -97,7 +97,15 @@ return function(moe)
     args.range("layer", "k", cfg.k, 1, cfg.experts, 3)
     -- the router's options, checked now rather than at the first forward
     args.options("layer", { scoring = cfg.scoring }, { scoring = SPEC.scoring }, nil, 3)
-    moe.routing_options("layer", cfg.experts, cfg, 3)
+    local ok, err = pcall(moe.routing_options, "layer", cfg.experts, cfg, 1) -- its errors without a position
+    if not ok then
+      local name = tostring(err):match("option '([%w_]+)'")
+      if name and o[name] == nil and m[name] ~= nil then -- a setting of the model's that the options did not give
+        err = tostring(err):gsub("%)$", string.format("; the value is the model's (%s): an option of that name "
+          .. "overrides it)", cfg.name), 1)
+      end
+      args.raise(err)
+    end
     args.range("layer", "pad", o.pad, 1, 0x7fffffff, 3) -- rows are i32: so the capacity's sum cannot wrap
     if cfg.experts % W ~= 0 then
       args.fail("layer", string.format("the %d experts cannot be split over a world of %d ranks (%d %% %d ~= 0)",
