@@ -482,11 +482,28 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     f:write(id, "\n")
     f:close()
     local w1 = moe.world { rank = 0, size = 1, device = 0, id_file = path }
+    local kept = io.open(path, "r")
+    assert.is_not_nil(kept, "a file rank 0 did not make is left alone")
+    kept:close()
     os.remove(path)
     w1:bind()
     local ids = ids_on(dev)
     assert.tensor_equal(w1:allgather_ids(ids):view(0, { T, K }), ids)
     w1:close()
+  end)
+
+  it("rank 0 removes the id file it made once the world is open, or has failed to open", function()
+    for _, device in ipairs { 0, 4096 } do -- no GPU 4096: the init fails after the file is written
+      local path = os.tmpname()
+      os.remove(path)
+      local ok, w = pcall(moe.world, { rank = 0, size = 1, device = device, id_file = path })
+      assert.are.equal(device == 0, ok, tostring(w))
+      local left = io.open(path, "r")
+      if left then left:close() end
+      os.remove(path)
+      assert.is_nil(left, "the id file is still there")
+      if ok then w:close() end
+    end
   end)
 end)
 

@@ -8,8 +8,9 @@
 --
 -- The id is an NCCL unique id as 256 hex digits, given to every process.  The process that
 -- makes it must stay up until every rank has joined (NCCL's bootstrap listens in it): with
--- id_file, rank 0 makes the id and writes the file when there is none, and the other ranks wait
--- for it (option id_wait or MOE_NCCL_ID_WAIT seconds, default 120).  The exchange methods
+-- id_file, rank 0 makes the id and writes the file when there is none (and removes it once the
+-- world is open, or has failed), and the other ranks wait for it (option id_wait or
+-- MOE_NCCL_ID_WAIT seconds, default 120).  The exchange methods
 -- (allgather_ids, dispatch, combine, exchange) take one value per local rank: a list, or the
 -- value itself when the process holds one rank.
 local args = require "moelab.args"
@@ -49,12 +50,14 @@ return function(moe)
   end
 
   -- The id of an id file: rank 0 makes it and writes the file (by a rename, so that no rank reads
-  -- half of it) when there is none; any other rank waits for the file.
+  -- half of it) when there is none; any other rank waits for the file.  -> the id, and whether
+  -- this process made the file (then it removes it once the world is open or has failed: the id
+  -- lives only as long as this process, and a file left behind would hand a dead id to a rerun).
   local function id_from_file(path, rank, wait)
     local f = io.open(path, "r")
     if f then
       f:close()
-      return read_id_file(path)
+      return read_id_file(path), false
     end
     if rank == 0 then
       local tmp = string.format("%s.tmp%d", path, math.random(1 << 30))
@@ -73,7 +76,7 @@ return function(moe)
         os.remove(tmp)
         bad("option 'id_file': rank 0 cannot put the id at %q: %s", path, rerr)
       end
-      return id
+      return id, true
     end
     if wait == nil then
       local env = os.getenv("MOE_NCCL_ID_WAIT")
@@ -93,7 +96,7 @@ return function(moe)
         path, wait)
     end
     f:close()
-    return read_id_file(path)
+    return read_id_file(path), false
   end
 
   -- Fills the rank options missing from o from the environment.
@@ -171,14 +174,18 @@ return function(moe)
     if (o.id == nil) == (o.id_file == nil) then
       bad("give exactly one of option 'id' (the NCCL unique id as hex) and option 'id_file' (a file holding it)")
     end
-    local id = o.id
+    local id, made = o.id, false
     if id then
       local problem = hex_problem(id)
       if problem then bad("option 'id' %s", problem) end
     else
-      id = id_from_file(o.id_file, o.rank, o.id_wait)
+      id, made = id_from_file(o.id_file, o.rank, o.id_wait)
     end
-    return core.world_open_rank(o.rank, o.size, o.device, id)
+    -- the init is collective: once it returns every rank has joined, and so read the file
+    local ok, h = pcall(core.world_open_rank, o.rank, o.size, o.device, id)
+    if made then os.remove(o.id_file) end
+    if not ok then error(h, 0) end
+    return h
   end
 
   local function new_world(o)
