@@ -356,6 +356,18 @@ for _, dev in ipairs(ALL_DEVICES) do
         assert.is_true(layer:check(x, { raise = false }).pass)
       end)
 
+    it("stage_times gives ms per stage of an eager forward, nothing for one with check = false", function()
+      local layer = small_layer("qwen3_235b", dev)
+      local x = input(layer)
+      layer:forward(x)
+      local t = layer:stage_times()
+      for _, stage in ipairs { "route", "schedule", "dispatch", "experts", "combine" } do
+        assert.is_true(type(t[stage]) == "number" and t[stage] >= 0, stage .. ": " .. tostring(t[stage]))
+      end
+      layer:forward(x, { check = false })
+      assert.are.same({}, layer:stage_times())
+    end)
+
     it("closing what forward returns leaves the layer whole", function()
       local layer = small_layer("kimi_k2", dev)
       local x = input(layer)
