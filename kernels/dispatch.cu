@@ -77,7 +77,8 @@ int launch(moe_ctx *ctx, cudaStream_t s, const moe_dispatch_args *a) {
   if (blocks > INT32_MAX) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "dispatch: %lld rows are too many for cuda", (long long)C);
   dispatch_kernel<V><<<(unsigned)blocks, THREADS, 0, s>>>(
       (V *)a->xs->data, (const V *)a->x->data, (const int32_t *)a->peer_rank->data,
-      (const int32_t *)a->peer_route->data, C, W, T, moe_dispatch_routes(T, a->k), a->k, (uint32_t)pieces, (int)rb, a->zero_fill != 0);
+      (const int32_t *)a->peer_route->data, C, W, T, moe_dispatch_routes(T, a->k), a->k, (uint32_t)pieces, (int)rb,
+      a->zero_fill != 0);
   MOE_CUDA_LAUNCHED(ctx, "dispatch");
   return moe_ok(ctx);
 }
