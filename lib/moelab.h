@@ -5,8 +5,8 @@
  * MOE_CDEF_BEGIN and MOE_CDEF_END go to LuaJIT's ffi.cdef once every "MOE_API " (the export
  * marker) is taken out of them (README.md has the two lines of Lua that do it).
  *
- * Conventions (SQLite's): every call returns an int status (MOE_OK or an error code); the
- * context keeps the message of its last call (moe_errmsg: why it failed, "" after a success);
+ * Conventions (SQLite's): every call that can fail returns an int status (MOE_OK or an error
+ * code); the context keeps the message of its last call (moe_errmsg: why it failed, "" after a success);
  * moe_errstr names a code without a context.  Functions that take tensors run where the tensors
  * are: all tensors of one call must live on one device.  Nothing here exits, aborts or longjmps.
  *

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for the H200, then run the steps named on the command line
-# (default: all), each with a time limit, logging under /tmp/moelab-logs, and print a
+# (default: build programs specs kimi scheduler; the others are the cases below), each with a
+# time limit, logging under /tmp/moelab-logs, and print a
 # short table last.  Used as: source .device/env.sh && bash scenarios/device.sh build programs specs
 set -uo pipefail
 # logs go to a folder that is packed into $OUT/logs.tgz at the end ($OUT brings back 8 files);

@@ -14,7 +14,8 @@
 -- counts the routes only.  The cuBLAS numbers come from build/cublas_baseline (or
 -- $MOE_BUILD_DIR/cublas_baseline), run once per preset; n/a where it or a GPU is absent.
 -- On the CPU the presets keep their E and top-k but run at a tiny H, F and T, and the times are
--- wall clock: only the GPU's are meaningful.  Exits 1 when a check fails, 2 on a bad flag.
+-- wall clock: only the GPU's are meaningful.  Exits 1 when a check fails, 2 on a bad flag or a
+-- configuration the library refuses.
 local moe = require "moelab"
 local cli = require "moelab.cli"
 local json = require "moelab.json"
@@ -390,7 +391,9 @@ p("%-18s %-8s %4s %7s %16s %9s %8s %7s %8s %8s", "", "", "", "", "", "", "", "",
 
 local all_rows, shapes, failed, baseline_errors, baseline_notes = {}, {}, false, {}, {}
 for _, key in ipairs(model_keys) do
-  local shape, rows, cases = run_model(key)
+  -- a failed check is a result (status 1 below); an error here is a configuration the library
+  -- refuses or a run that cannot be made (status 2)
+  local shape, rows, cases = cli.guard(moe.models[key].name, run_model, key)
   collectgarbage()
   shapes[#shapes + 1] = shape
   if not baseline_note then

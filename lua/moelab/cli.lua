@@ -1,6 +1,7 @@
 -- Command-line flags for scenarios: `--name value` or `--name=value`, typed by a spec, with
--- --help.  An unknown flag or a bad value prints the usage and exits with status 2; so does a
--- configuration the library refuses (cli.guard), so that status 1 stays a failed check.
+-- --help.  An unknown flag or a bad value prints the usage and exits with status 2; a
+-- configuration the library refuses (cli.guard) prints its message and exits 2 as well, so that
+-- status 1 stays a failed check.
 local cli = {}
 
 -- spec: list of {name, kind ("integer"|"number"|"string"|"list"|"flag"), default, help}
@@ -68,11 +69,11 @@ end
 
 -- fn(...) for a scenario: an error it raises (a configuration the library refuses, a run that
 -- cannot be made) is printed without a traceback, after `what`, and exits with status 2.
--- MOE_TRACEBACK=1 adds the traceback.
+-- MOE_TRACEBACK=1 adds the traceback (0 or empty does not).
 function cli.guard(what, fn, ...)
-  local res = table.pack(xpcall(fn, function(e)
-    return os.getenv("MOE_TRACEBACK") and debug.traceback(tostring(e), 2) or tostring(e)
-  end, ...))
+  local tb = os.getenv("MOE_TRACEBACK")
+  tb = tb ~= nil and tb ~= "" and tb ~= "0"
+  local res = table.pack(xpcall(fn, function(e) return tb and debug.traceback(tostring(e), 2) or tostring(e) end, ...))
   if not res[1] then cli.fail(string.format("%s: %s", what, res[2])) end
   return table.unpack(res, 2, res.n)
 end

@@ -1,0 +1,35 @@
+-- The exit statuses of scenarios/experts.lua as a user runs it: 0 when its checks pass, 2 on a
+-- configuration the library refuses (not 1, which is a failed check).  (kimi.lua's are in
+-- world_spec.lua.)
+describe("scenarios/experts.lua, its exit status [#cpu]", function()
+  local build = os.getenv("MOE_BUILD_DIR") or "build"
+  local function run(flags, env)
+    local cmd = string.format("%s LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;' "
+      .. "lua scenarios/experts.lua %s 2>&1; echo \"status=$?\"", env or "", build, flags)
+    local f = assert(io.popen(cmd))
+    local out = f:read("a")
+    f:close()
+    return out
+  end
+
+  it("a small run whose checks pass exits 0", function()
+    local out = run("--models kimi_k2 --dists uniform --pads 1 --tokens 8")
+    assert.truthy(out:find("status=0", 1, true), out)
+  end)
+
+  it("a pad the schedule refuses exits 2, naming the preset and the library's message", function()
+    local out = run("--models kimi_k2 --dists uniform --pads 100000000 --tokens 8")
+    assert.truthy(out:find("Kimi K2: ", 1, true), out)
+    assert.truthy(out:find("the default capacity exceeds 2^31 - 2 rows", 1, true), out)
+    assert.truthy(out:find("status=2", 1, true), out)
+    assert.falsy(out:find("stack traceback", 1, true), out)
+  end)
+
+  it("MOE_TRACEBACK=1 adds the traceback to that message, =0 does not", function()
+    local flags = "--models kimi_k2 --dists uniform --pads 100000000 --tokens 8"
+    assert.truthy(run(flags, "MOE_TRACEBACK=1"):find("stack traceback", 1, true))
+    local out = run(flags, "MOE_TRACEBACK=0")
+    assert.falsy(out:find("stack traceback", 1, true), out)
+    assert.truthy(out:find("status=2", 1, true), out)
+  end)
+end)
