@@ -191,7 +191,7 @@ int experts_cpu(moe_ctx *ctx, const moe_experts_args *a) {
   const uint16_t *xs = a->xs->data, *wgu = a->w_gate_up->data, *wd = a->w_down->data;
   uint16_t *ys = a->ys->data;
 
-  if (C == 0 || H == 0) return moe_ok(ctx); /* ys is empty (F may then be up to 2^39) */
+  if (C == 0 || H == 0 || EL == 0) return moe_ok(ctx); /* no row to write (F may then be up to 2^39) */
   /* f32 copies of one expert's weights, converted once per expert, and one row block */
   size_t nfloat = (size_t)(3 * F * H + MLP_ROWS * (2 * H + F));
   float *wf = malloc((nfloat ? nfloat : 1) * sizeof *wf);

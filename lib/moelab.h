@@ -6,9 +6,10 @@
  * marker) is taken out of them (README.md has the two lines of Lua that do it).
  *
  * Conventions (SQLite's): every call that can fail returns an int status (MOE_OK or an error
- * code); the context keeps the message of its last call (moe_errmsg: why it failed, "" after a success);
- * moe_errstr names a code without a context.  Functions that take tensors run where the tensors
- * are: all tensors of one call must live on one device.  Nothing here exits, aborts or longjmps.
+ * code); the context keeps the message of its last call (moe_errmsg: why it failed, "" after a
+ * success); moe_errstr names a code without a context.  Functions that take tensors run where
+ * the tensors are: all tensors of one call must live on one device.  Nothing here exits, aborts
+ * or longjmps.
  *
  * Data conditions found while computing (NaN logits, invalid expert ids, capacity overflow)
  * are not errors of the C API: the stage records them in its stats tensor (where a captured

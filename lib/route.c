@@ -193,7 +193,11 @@ int route_cpu(moe_ctx *ctx, const moe_route_args *a) {
   float *weights = a->weights->data;
 
   if (n == 0) { /* no row: no scratch (e may be up to 2^31 - 1 here) */
-    if (a->stats) ((int32_t *)a->stats->data)[0] = 0, ((int32_t *)a->stats->data)[1] = -1;
+    if (a->stats) {
+      int32_t *st = a->stats->data;
+      st[0] = 0;
+      st[1] = -1;
+    }
     return moe_ok(ctx);
   }
   /* scratch: s and key per expert, group scores, kept groups, the chosen experts or groups */

@@ -318,8 +318,8 @@ static int check_dispatch(moe_ctx *ctx, const char *stage, const moe_world *w, i
   if (a->k < 1) return moe_seterr(ctx, MOE_ERR_ARG, "%s: k must be >= 1, got %d", stage, a->k);
   if (direct) {
     if (T > INT32_MAX / a->k) /* route_row's rows are T * k routes, indexed by an i32 */
-      return moe_seterr(ctx, MOE_ERR_ARG, "%s: T * k = %lld * %d routes a rank do not fit an i32", stage, (long long)T,
-                        a->k);
+      return moe_seterr(ctx, MOE_ERR_ARG, "%s: T * k = %lld * %d routes per rank exceed the i32 range", stage,
+                        (long long)T, a->k);
     const int64_t rr[] = {w->size, T * a->k};
     if ((rc = moe_check_tensor(ctx, stage, "route_row", a->route_row, MOE_I32, 2, rr))) return rc;
   }

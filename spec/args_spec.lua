@@ -50,6 +50,8 @@ local ROWS = {
     "'tensor' (shape [1099511627776, 1099511627776, 0] has more than 2^40 elements" },
   { "zeros: a shape past 2^40 elements", function() moe.zeros({ 2 ^ 21, 2 ^ 20 }) end,
     "'zeros' (shape [2097152, 1048576] has more than 2^40 elements" },
+  { "zeros: a shape whose product wraps 64 bits", function() moe.zeros({ 1 << 24, 1 << 40 }) end,
+    "'zeros' (shape [16777216, 1099511627776] has more than 2^40 elements" },
   { "schedule_plan: an unknown option, named as schedule_plan", function()
     moe.schedule_plan { ids = moe.zeros({ 1, 2, 2 }, { dtype = "i32" }), experts = 4, pads = 2 }
   end, "bad argument #1 to 'schedule_plan' (unknown option 'pads'" },

@@ -42,6 +42,21 @@ describe("graphs [#gpu]", function()
     assert.close(layer.out, layer:reference(layer.input, { routing = "forward" }))
   end)
 
+  it("replay returns the same view of the output each time, a new one if the caller closed it", function()
+    local layer = small_layer()
+    local g = layer:capture()
+    layer.input:randn(8, 1.0)
+    local a = g:replay()
+    assert.are.equal(a, g:replay())
+    do local _ <close> = a end
+    local b = g:replay()
+    assert.are_not.equal(a, b)
+    assert.is_false(b.closed)
+    g:check()
+    assert.tensor_equal(b:to("cpu"), layer.out:to("cpu"))
+    assert.is_true(layer:check(layer.input, { raise = false }).pass)
+  end)
+
   it("capacity overflow inside a graph is reported by graph:check, not hidden", function()
     local layer = small_layer { capacity = 8 }
     local g = layer:capture()

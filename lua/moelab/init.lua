@@ -40,7 +40,8 @@ local function check_shape(fname, shape, level)
   end
   local n = 1 -- the dimensions other than 0 multiplied, as the library bounds them
   for i = 1, #shape do
-    if shape[i] > 0 then n = n * shape[i] end
+    local d = shape[i]
+    if d > 0 then n = d <= 2 ^ 40 / n and n * d or math.huge end -- a float quotient: no wrap
     if n > 2 ^ 40 then
       args.fail(fname, string.format("shape %s has more than 2^40 elements (the dimensions other than 0 multiplied)",
         args.shape_str(shape)), level + 1)

@@ -551,9 +551,9 @@ return function(moe)
 
   -- capture([x]) -> a graph of the whole forward pass over the input buffer x (default: the
   -- layer's own buffer layer.input, which the caller fills).  graph:replay() reruns it on the
-  -- current contents of x, routing included, and returns the output buffer; graph:check()
-  -- reads the stats the last replay left on the device and raises on what the layer's
-  -- policies do not allow (a captured pass cannot raise by itself).
+  -- current contents of x, routing included, and returns a view of the output buffer;
+  -- graph:check() reads the stats the last replay left on the device and raises on what the
+  -- layer's policies do not allow (a captured pass cannot raise by itself).
   local Graph = { __name = "moelab.LayerGraph" }
   Graph.__index = Graph
 
@@ -577,7 +577,9 @@ return function(moe)
   function Graph:replay()
     self.graph:replay()
     self.layer.forwarded, self.layer.routing_given, self.layer.routed = true, false, true -- it routes for itself
-    return self.layer.out:view(0, self.layer.out.shape)
+    -- a view of the output buffer, made again only if the caller closed it (replay allocates nothing)
+    if not self.out or self.out.closed then self.out = self.layer.out:view(0, self.layer.out.shape) end
+    return self.out
   end
 
   function Graph:check()

@@ -10,9 +10,9 @@
 -- makes it must stay up until every rank has joined (NCCL's bootstrap listens in it): with
 -- id_file, rank 0 makes the id and writes the file when there is none (and removes it once the
 -- world is open, or has failed), and the other ranks wait for it (option id_wait or
--- MOE_NCCL_ID_WAIT seconds, default 120).  The exchange methods
--- (allgather_ids, dispatch, combine, exchange) take one value per local rank: a list, or the
--- value itself when the process holds one rank.
+-- MOE_NCCL_ID_WAIT seconds, default 120).  The exchange methods (allgather_ids, dispatch,
+-- combine, exchange) take one value per local rank: a list, or the value itself when the
+-- process holds one rank.
 local args = require "moelab.args"
 
 local ENV = { rank = "MOE_RANK", size = "MOE_WORLD_SIZE", device = "MOE_DEVICE", id = "MOE_NCCL_ID",

@@ -3,7 +3,8 @@
 -- seeds as the simulated layer's rank (so the two compute the same bits); tokens cross GPUs in
 -- the direct exchange (world:exchange: windows read over NVLink).  forward takes one x [T, H]
 -- per local rank and returns one out [T, H] per local rank (a list, or the tensor itself when
--- this process holds one rank).  Every buffer is allocated when the layer is made.
+-- this process holds one rank), each a view of the layer's own buffer, which the next pass
+-- overwrites.  Every buffer is allocated when the layer is made.
 local args = require "moelab.args"
 
 -- shared: helpers of lua/moelab/layer.lua (schedule_stats, dense_reference).
@@ -287,17 +288,29 @@ return function(moe, shared)
     return res
   end
 
+  -- fn(i) with the module's context bound to local rank i's stream, for each local rank in turn
+  -- until fn returns a value; leaves the context unbound, after an error too (as forward does).
+  local function on_each_rank(self, fn)
+    local ok, res = pcall(function()
+      for i = 1, self.nlocal do
+        self.group:bind(i)
+        local v = fn(i)
+        if v ~= nil then return v end
+      end
+    end)
+    local unbound, uerr = pcall(self.group.unbind, self.group)
+    if not ok then error(res, 0) end
+    if not unbound then error(uerr, 0) end
+    return res
+  end
+
   -- What the last forward did on the local ranks: rows, padding, loads, drops (DESIGN.md).
   -- unscored: rows the router could not score (NaN, +inf, all -inf) on the local ranks.
   function WorldLayer:stats()
     local st = shared.schedule_stats(self.schedules, self.local_experts, self.ranks)
     st.unscored = 0
     if self.routed then
-      for i = 1, self.nlocal do
-        self.group:bind(i)
-        st.unscored = st.unscored + self.route_stats[i]:flat()[1]
-      end
-      self.group:unbind()
+      on_each_rank(self, function(i) st.unscored = st.unscored + self.route_stats[i]:flat()[1] end)
     end
     return st
   end
@@ -306,22 +319,16 @@ return function(moe, shared)
   -- nan = 'error', a schedule's overflow or invalid ids), as an eager forward raises it -> the
   -- message, or nil.
   local function policy_error(self)
-    for i = 1, self.nlocal do
-      self.group:bind(i)
+    return on_each_rank(self, function(i)
       local st = self.routed and self.nan == "error" and self.route_stats[i]:flat() or { 0 }
-      local s = self.schedules[i]
-      local ok, err = pcall(s.check, s)
       if st[1] > 0 then
-        self.group:unbind()
         return string.format("layer: route: router logits contained NaN or could not be scored (+inf, all -inf) in "
           .. "%d rows of rank %d (those tokens were routed nowhere)", st[1], self.ranks[i])
       end
-      if not ok then
-        self.group:unbind()
-        return "layer: " .. tostring(err)
-      end
-    end
-    self.group:unbind()
+      local s = self.schedules[i]
+      local ok, err = pcall(s.check, s)
+      if not ok then return "layer: " .. tostring(err) end
+    end)
   end
 
   -- Every rank's expert weights on the CPU, for the reference: the local ranks' copied from
@@ -448,7 +455,9 @@ return function(moe, shared)
   function Graph:replay()
     self.graph:replay()
     self.layer.forwarded, self.layer.routed = true, true -- the captured pass routes for itself
-    return self.layer.out[1]:view(0, self.layer.out[1].shape)
+    -- a view of the output buffer, made again only if the caller closed it (replay allocates nothing)
+    if not self.out or self.out.closed then self.out = self.layer.out[1]:view(0, self.layer.out[1].shape) end
+    return self.out
   end
 
   function Graph:check()

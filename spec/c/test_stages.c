@@ -486,6 +486,10 @@ static void test_empty_extremes(void) {
   moe_experts_args e = {.ys = BF16(NULL, 1, 0), .xs = BF16(NULL, 1, 0), .expert_offsets = I32(((const int32_t[]){0, 1}), 2),
                         .w_gate_up = BF16(NULL, 1, (int64_t)1 << 38, 0), .w_down = BF16(NULL, 1, 0, (int64_t)1 << 37)};
   OK(moe_experts(ctx, &e));
+  /* experts: no expert, F = 2^39 */
+  moe_experts_args e0 = {.ys = BF16(NULL, 1, 1), .xs = BF16(NULL, 1, 1), .expert_offsets = I32(((const int32_t[]){0}), 1),
+                         .w_gate_up = BF16(NULL, 0, big, 1), .w_down = BF16(NULL, 0, 1, big / 2)};
+  OK(moe_experts(ctx, &e0));
   /* logits: no token and no expert of 2^40 columns; 2^40 tokens of no column and no expert */
   OK(moe_logits(ctx, F32(NULL, 0, 0), BF16(NULL, 0, big), BF16(NULL, 0, big)));
   OK(moe_logits(ctx, F32(NULL, big, 0), BF16(NULL, big, 0), BF16(NULL, 0, 0)));
