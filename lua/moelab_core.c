@@ -328,8 +328,10 @@ static Tensor *push_owner(lua_State *L, int idx) {
 /* Pushes a view of the tensor at index bi. */
 static int push_view(lua_State *L, int bi, int64_t offset, int ndim, const int64_t *shape) {
   moe_ctx *ctx = getctx(L);
-  moe_tensor *base = check_tensor(L, bi);
+  check_tensor(L, bi);
   Tensor *u = new_handle(L, 0);
+  /* again after the allocation, whose collection step may have run a finalizer that closed it */
+  moe_tensor *base = check_tensor(L, bi);
   Tensor *o = push_owner(L, bi);
   lua_setiuservalue(L, -2, 1);
   o->views++; /* counted with the link, so that releasing u undoes exactly this */
@@ -346,10 +348,23 @@ static void push_element(lua_State *L, moe_dtype dtype, const void *buf, int64_t
   }
 }
 
-/* Reads the whole tensor into a scratch userdata left on the stack. */
-static void *read_all(lua_State *L, moe_ctx *ctx, moe_tensor *t) {
-  size_t nbytes = moe_tensor_nbytes(t);
+/* What a table built from a tensor needs of it, taken before the tables are allocated (a
+ * collection step there may run a finalizer that closes the tensor). */
+typedef struct Layout {
+  int ndim;
+  int64_t shape[MOE_MAX_DIMS], numel;
+  moe_dtype dtype;
+} Layout;
+
+/* Reads the whole tensor at idx into a scratch userdata left on the stack; *l gets its layout. */
+static void *read_all(lua_State *L, moe_ctx *ctx, int idx, Layout *l) {
+  size_t nbytes = moe_tensor_nbytes(check_tensor(L, idx));
   void *buf = lua_newuserdatauv(L, nbytes ? nbytes : 1, 0);
+  moe_tensor *t = check_tensor(L, idx); /* again: the allocation may have run a finalizer */
+  l->ndim = moe_tensor_ndim(t);
+  for (int i = 0; i < l->ndim; i++) l->shape[i] = moe_tensor_dim(t, i);
+  l->numel = moe_tensor_numel(t);
+  l->dtype = moe_tensor_dtype(t);
   int rc = moe_tensor_read(ctx, t, buf, nbytes);
   if (rc) fail(L, ctx, rc);
   return buf;
@@ -371,10 +386,12 @@ static int t_index(lua_State *L) {
   moe_tensor *t = u->t;
   switch (which) {
   case 1: {
+    int64_t shape[MOE_MAX_DIMS]; /* read before the table is allocated (see Layout) */
     int nd = moe_tensor_ndim(t);
+    for (int i = 0; i < nd; i++) shape[i] = moe_tensor_dim(t, i);
     lua_createtable(L, nd, 0);
     for (int i = 0; i < nd; i++) {
-      lua_pushinteger(L, (lua_Integer)moe_tensor_dim(t, i));
+      lua_pushinteger(L, (lua_Integer)shape[i]);
       lua_rawseti(L, -2, i + 1);
     }
     break;
@@ -412,36 +429,36 @@ static int t_tostring(lua_State *L) {
 
 /* ---- tensor methods ---- */
 
-static void build_table(lua_State *L, moe_tensor *t, const void *buf, int level, int64_t *pos) {
-  int64_t n = moe_tensor_dim(t, level);
-  int last = level + 1 == moe_tensor_ndim(t);
+static void build_table(lua_State *L, const Layout *l, const void *buf, int level, int64_t *pos) {
+  if (level >= l->ndim || level >= MOE_MAX_DIMS) return; /* never: the recursion stops at the last dimension */
+  int64_t n = l->shape[level];
+  int last = level + 1 == l->ndim;
   luaL_checkstack(L, 3, NULL);
   lua_createtable(L, n < INT32_MAX ? (int)n : INT32_MAX, 0);
   for (int64_t i = 0; i < n; i++) {
-    if (last) push_element(L, moe_tensor_dtype(t), buf, (*pos)++);
-    else build_table(L, t, buf, level + 1, pos);
+    if (last) push_element(L, l->dtype, buf, (*pos)++);
+    else build_table(L, l, buf, level + 1, pos);
     lua_rawseti(L, -2, (lua_Integer)i + 1);
   }
 }
 
 static int t_totable(lua_State *L) {
   moe_ctx *ctx = getctx(L);
-  moe_tensor *t = check_tensor(L, 1);
-  const void *buf = read_all(L, ctx, t);
+  Layout l;
+  const void *buf = read_all(L, ctx, 1, &l);
   int64_t pos = 0;
-  if (moe_tensor_ndim(t) == 0) push_element(L, moe_tensor_dtype(t), buf, 0);
-  else build_table(L, t, buf, 0, &pos);
+  if (l.ndim == 0) push_element(L, l.dtype, buf, 0);
+  else build_table(L, &l, buf, 0, &pos);
   return 1;
 }
 
 static int t_flat(lua_State *L) {
   moe_ctx *ctx = getctx(L);
-  moe_tensor *t = check_tensor(L, 1);
-  const void *buf = read_all(L, ctx, t);
-  int64_t n = moe_tensor_numel(t);
-  lua_createtable(L, n < INT32_MAX ? (int)n : INT32_MAX, 0);
-  for (int64_t i = 0; i < n; i++) {
-    push_element(L, moe_tensor_dtype(t), buf, i);
+  Layout l;
+  const void *buf = read_all(L, ctx, 1, &l);
+  lua_createtable(L, l.numel < INT32_MAX ? (int)l.numel : INT32_MAX, 0);
+  for (int64_t i = 0; i < l.numel; i++) {
+    push_element(L, l.dtype, buf, i);
     lua_rawseti(L, -2, (lua_Integer)i + 1);
   }
   return 1;
@@ -478,6 +495,7 @@ static int t_to(lua_State *L) {
   int64_t shape[MOE_MAX_DIMS];
   for (int i = 0; i < nd; i++) shape[i] = moe_tensor_dim(src, i);
   Tensor *u = new_handle(L, 1);
+  src = check_tensor(L, 1); /* again: the allocation may have run a finalizer that closed it */
   int rc = moe_tensor_new(ctx, moe_tensor_dtype(src), nd, shape, dev, &u->t);
   if (!rc) rc = moe_tensor_copy(ctx, u->t, src);
   if (rc) return fail(L, ctx, rc);
@@ -486,8 +504,9 @@ static int t_to(lua_State *L) {
 
 static int t_copy(lua_State *L) {
   moe_ctx *ctx = getctx(L);
-  moe_tensor *dst = check_tensor(L, 1);
-  moe_tensor *src = check_tensor(L, 2);
+  check_tensor(L, 1);
+  check_tensor(L, 2);
+  moe_tensor *dst = check_tensor(L, 1), *src = check_tensor(L, 2); /* as in l_logits */
   int rc = moe_tensor_copy(ctx, dst, src);
   if (rc) return fail(L, ctx, rc);
   lua_settop(L, 1);
@@ -850,6 +869,18 @@ static int world_field(Args *a) {
   return w;
 }
 
+/* Reading the fields ran Lua code (an __index metamethod; a finalizer at an allocation), which
+ * could have closed a tensor already taken from them.  Called after the last field is read and
+ * the last allocation made, just before the library is called: every tensor handle from stack
+ * index `from` on (where the fields' values are left) must still be open. */
+static void args_still_open(lua_State *L, const char *fname, int from) {
+  for (int i = from, top = lua_gettop(L); i <= top; i++) {
+    const Tensor *u = (const Tensor *)luaL_testudata(L, i, TENSOR);
+    if (u && (u->closed || !u->t))
+      arg_error(L, fname, 1, "a moelab.Tensor of the arguments was closed while they were being read");
+  }
+}
+
 /* ---- stages ---- */
 
 static int l_route(lua_State *L) {
@@ -868,6 +899,7 @@ static int l_route(lua_State *L) {
   a.groups = int_field(&A, "groups", OPTIONAL, 1);
   a.topk_groups = int_field(&A, "topk_groups", OPTIONAL, a.groups);
   a.scale = (float)number_field(&A, "scale", 1.0);
+  args_still_open(L, A.fname, 2);
   int rc = moe_route(ctx, &a);
   if (rc) return fail(L, ctx, rc);
   return 0;
@@ -895,6 +927,7 @@ static int schedule_call(lua_State *L, const char *name, int (*run)(moe_ctx *, c
   a.expert_capacity = int_field(&A, "expert_capacity", OPTIONAL, -1);
   a.layout = option_field(&A, "layout", layouts, "'roundrobin' or 'peer_major'") == 0 ? MOE_LAYOUT_ROUNDROBIN
                                                                                      : MOE_LAYOUT_PEER_MAJOR;
+  args_still_open(L, A.fname, 2);
   int rc = run(ctx, &a);
   if (rc) return fail(L, ctx, rc);
   return 0;
@@ -914,6 +947,7 @@ static int l_dispatch(lua_State *L) {
   a.peer_route = tensor_field(&A, "peer_route", REQUIRED);
   a.k = int_field(&A, "k", REQUIRED, 0);
   a.zero_fill = bool_field(&A, "zero_fill");
+  args_still_open(L, A.fname, 2);
   int rc = moe_dispatch(ctx, &a);
   if (rc) return fail(L, ctx, rc);
   return 0;
@@ -929,6 +963,7 @@ static int l_experts(lua_State *L) {
   a.expert_offsets = tensor_field(&A, "expert_offsets", REQUIRED);
   a.w_gate_up = tensor_field(&A, "w_gate_up", REQUIRED);
   a.w_down = tensor_field(&A, "w_down", REQUIRED);
+  args_still_open(L, A.fname, 2);
   int rc = moe_experts(ctx, &a);
   if (rc) return fail(L, ctx, rc);
   return 0;
@@ -936,9 +971,9 @@ static int l_experts(lua_State *L) {
 
 static int l_logits(lua_State *L) {
   moe_ctx *ctx = getctx(L);
-  moe_tensor *out = check_tensor(L, 1);
-  moe_tensor *x = check_tensor(L, 2);
-  moe_tensor *w = check_tensor(L, 3);
+  for (int i = 1; i <= 3; i++) check_tensor(L, i);
+  /* taken once all three are pinned: pinning one into a capture may allocate (see args_still_open) */
+  moe_tensor *out = check_tensor(L, 1), *x = check_tensor(L, 2), *w = check_tensor(L, 3);
   int rc = moe_logits(ctx, out, x, w);
   if (rc) return fail(L, ctx, rc);
   return 0;
@@ -946,9 +981,8 @@ static int l_logits(lua_State *L) {
 
 static int l_sigmoid_gate(lua_State *L) {
   moe_ctx *ctx = getctx(L);
-  moe_tensor *g = check_tensor(L, 1);
-  moe_tensor *x = check_tensor(L, 2);
-  moe_tensor *w = check_tensor(L, 3);
+  for (int i = 1; i <= 3; i++) check_tensor(L, i);
+  moe_tensor *g = check_tensor(L, 1), *x = check_tensor(L, 2), *w = check_tensor(L, 3); /* as in l_logits */
   int rc = moe_sigmoid_gate(ctx, g, x, w);
   if (rc) return fail(L, ctx, rc);
   return 0;
@@ -969,6 +1003,7 @@ static int l_combine(lua_State *L) {
   a.rank = int_field(&A, "rank", REQUIRED, 0);
   a.shared = tensor_field(&A, "shared", OPTIONAL);
   a.shared_gate = tensor_field(&A, "shared_gate", OPTIONAL);
+  args_still_open(L, A.fname, 2);
   int rc = moe_combine(ctx, &a);
   if (rc) return fail(L, ctx, rc);
   return 0;
@@ -990,6 +1025,7 @@ static int l_reference(lua_State *L) {
   a.shared_gate_up = tensor_field(&A, "shared_gate_up", OPTIONAL);
   a.shared_down = tensor_field(&A, "shared_down", OPTIONAL);
   a.shared_gate_w = tensor_field(&A, "shared_gate_w", OPTIONAL);
+  args_still_open(L, A.fname, 2);
   int rc = moe_reference(ctx, &a);
   if (rc) return fail(L, ctx, rc);
   return 0;
@@ -1474,6 +1510,7 @@ static int w_dispatch(lua_State *L) {
   moe_world *w = check_world(L, 1);
   lua_settop(L, 2);
   moe_world_dispatch_args *a = dispatch_args(L, moe_world_local_count(w), 0);
+  args_still_open(L, "dispatch", 3);
   int rc = moe_world_dispatch(ctx, w, a);
   if (rc) return fail(L, ctx, rc);
   return 0;
@@ -1514,6 +1551,7 @@ static int w_combine(lua_State *L) {
   moe_world *w = check_world(L, 1);
   lua_settop(L, 2);
   moe_world_combine_args *a = combine_args(L, moe_world_local_count(w), 0);
+  args_still_open(L, "combine", 3);
   int rc = moe_world_combine(ctx, w, a);
   if (rc) return fail(L, ctx, rc);
   return 0;
@@ -1597,7 +1635,9 @@ static int x_dispatch(lua_State *L) {
   moe_world_exchange *ex = check_exchange(L, 1, &n);
   pin_object(L, 1); /* a graph of this call writes into the windows, whatever x and xs are */
   lua_settop(L, 2);
-  int rc = moe_world_exchange_dispatch(ctx, ex, dispatch_args(L, n, 1));
+  moe_world_dispatch_args *a = dispatch_args(L, n, 1);
+  args_still_open(L, "dispatch", 3);
+  int rc = moe_world_exchange_dispatch(ctx, ex, a);
   if (rc) return fail(L, ctx, rc);
   return 0;
 }
@@ -1608,7 +1648,9 @@ static int x_combine(lua_State *L) {
   moe_world_exchange *ex = check_exchange(L, 1, &n);
   pin_object(L, 1); /* a graph of this call reads the peers' windows, whatever y is */
   lua_settop(L, 2);
-  int rc = moe_world_exchange_combine(ctx, ex, combine_args(L, n, 1));
+  moe_world_combine_args *a = combine_args(L, n, 1);
+  args_still_open(L, "combine", 3);
+  int rc = moe_world_exchange_combine(ctx, ex, a);
   if (rc) return fail(L, ctx, rc);
   return 0;
 }

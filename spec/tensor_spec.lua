@@ -256,3 +256,46 @@ for _, dev in ipairs(ALL_DEVICES) do
     end)
   end)
 end
+
+-- Lua code that runs in the middle of a binding call -- an __index metamethod of an argument
+-- table, a finalizer at an allocation -- may close a tensor the call has already taken: the call
+-- must see it (an error, or the tensor treated as closed), never use freed memory (the sanitizer
+-- run of the suite would report it).
+describe("tensors closed while a call is under way [#cpu]", function()
+  local core = moe.core
+
+  it("a stage whose argument table closes a tensor it gave earlier raises, naming it", function()
+    local ids = core.new("i32", { 4, 2 })
+    local fields = { ids = ids, weights = core.new("f32", { 4, 2 }), logits = core.new("f32", { 4, 8 }), k = 2 }
+    local args = setmetatable({}, { __index = function(_, k)
+      if k == "logits" then local _ <close> = ids end -- after route has taken ids
+      return fields[k]
+    end })
+    local ok, err = pcall(core.route, args)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("a moelab.Tensor of the arguments was closed while they were being read", 1, true),
+      tostring(err))
+  end)
+
+  it("a finalizer that closes the tensor during a method's allocation is seen by the method", function()
+    collectgarbage("setpause", 0) -- a collection step at every allocation
+    local shape = { 4 }
+    for _, method in ipairs { "view", "flat", "totable", "to", "shape" } do
+      for _ = 1, 20 do
+        local t = core.new("f32", { 64 })
+        setmetatable({}, { __gc = function() local _ <close> = t end })
+        local n = 0
+        while not t.closed and n < 100000 do
+          n = n + 1
+          if method == "view" then pcall(t.view, t, 0, shape)
+          elseif method == "to" then pcall(t.to, t, "cpu")
+          elseif method == "shape" then pcall(function() return t.shape end)
+          else pcall(t[method], t) end
+        end
+        assert.is_true(t.closed, method)
+        assert.is_false(pcall(t.view, t, 0, shape))
+      end
+    end
+    collectgarbage("setpause", 200)
+  end)
+end)
