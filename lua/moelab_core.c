@@ -766,7 +766,7 @@ static int l_synchronize(lua_State *L) {
 
 /* ---- stage arguments: one table of named fields at index 1 ----
  * Every value fetched stays on the stack until the call returns, so nothing the C call sees
- * can be collected under it. */
+ * can be collected under it; that none was closed while they were read, args_still_open checks. */
 
 typedef struct Args {
   lua_State *L;
