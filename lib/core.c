@@ -430,6 +430,7 @@ int moe_event_record(moe_ctx *ctx, moe_event *e) {
   if (!e) return moe_seterr(ctx, MOE_ERR_ARG, "event: NULL event");
   if (e->device.kind == MOE_CPU) {
     e->host_ms = host_ms();
+    e->recorded = 1;
     return moe_ok(ctx);
   }
   return cuda_event_record(ctx, e->event);
@@ -440,6 +441,9 @@ int moe_event_elapsed(moe_ctx *ctx, const moe_event *start, const moe_event *sto
   if (start->device.kind != stop->device.kind || start->device.index != stop->device.index)
     return moe_seterr(ctx, MOE_ERR_ARG, "event: start and stop are on different devices");
   if (start->device.kind == MOE_CPU) {
+    /* as cudaEventElapsedTime refuses an event never recorded, rather than a meaningless time */
+    if (!start->recorded || !stop->recorded)
+      return moe_seterr(ctx, MOE_ERR_ARG, "event: %s was never recorded", start->recorded ? "stop" : "start");
     *ms = (float)(stop->host_ms - start->host_ms);
     return moe_ok(ctx);
   }

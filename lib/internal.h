@@ -49,6 +49,7 @@ struct moe_event {
   moe_device device;
   void *event;       /* cudaEvent_t on a GPU */
   double host_ms;    /* monotonic clock on the CPU */
+  int recorded;      /* on the CPU: host_ms holds a reading (a GPU event knows it itself) */
 };
 
 /* CPU threads (lib/parallel.c).  moe_parallel_for runs fn(arg, begin, end) on contiguous pieces of

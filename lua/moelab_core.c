@@ -446,6 +446,12 @@ static int t_totable(lua_State *L) {
   moe_ctx *ctx = getctx(L);
   Layout l;
   const void *buf = read_all(L, ctx, 1, &l);
+  /* the nested tables of an empty tensor hold nothing, but there can be 2^40 of them ([2^20, 2^20, 0]) */
+  double tables = 1, level = 1;
+  for (int i = 0; i + 1 < l.ndim; i++) tables += level *= (double)l.shape[i];
+  if (l.numel == 0 && tables > (double)(1 << 24))
+    return luaL_error(L, "totable: the tensor has no elements, but its shape would make %I nested tables",
+                      (LUAI_UACINT)tables);
   int64_t pos = 0;
   if (l.ndim == 0) push_element(L, l.dtype, buf, 0);
   else build_table(L, &l, buf, 0, &pos);

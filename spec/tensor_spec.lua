@@ -257,6 +257,19 @@ for _, dev in ipairs(ALL_DEVICES) do
   end)
 end
 
+describe("totable of an empty tensor [#cpu]", function()
+  it("gives its nested empty tables, and refuses a shape that would make billions of them", function()
+    local t = moe.core.new("f32", { 2, 3, 0 }):totable()
+    assert.are.equal(2, #t)
+    assert.are.equal(3, #t[2])
+    assert.are.equal(0, #t[2][3])
+    local ok, err = pcall(function() return moe.core.new("f32", { 1 << 20, 1 << 20, 0 }):totable() end)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("has no elements, but its shape would make 1099512676353 nested tables", 1, true),
+      tostring(err))
+  end)
+end)
+
 -- Lua code that runs in the middle of a binding call -- an __index metamethod of an argument
 -- table, a finalizer at an allocation -- may close a tensor the call has already taken: the call
 -- must see it (an error, or the tensor treated as closed), never use freed memory (the sanitizer

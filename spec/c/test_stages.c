@@ -458,6 +458,19 @@ static void test_api(void) {
         ((const int32_t *)moe_tensor_data(ids))[1]);
   ra.scoring = MOE_SCORE_SIGMOID;
   ARG_ERROR(moe_route(ctx, &ra), "route", "scale must be finite and > 0");
+  /* a CPU event never recorded has no time to give, as a GPU one */
+  moe_event *e0 = NULL, *e1 = NULL;
+  float ms = -1;
+  OK(moe_event_new(ctx, (moe_device){MOE_CPU, 0}, &e0));
+  OK(moe_event_new(ctx, (moe_device){MOE_CPU, 0}, &e1));
+  ARG_ERROR(moe_event_elapsed(ctx, e0, e1, &ms), "event", "start was never recorded");
+  OK(moe_event_record(ctx, e0));
+  ARG_ERROR(moe_event_elapsed(ctx, e0, e1, &ms), "event", "stop was never recorded");
+  OK(moe_event_record(ctx, e1));
+  OK(moe_event_elapsed(ctx, e0, e1, &ms));
+  CHECK(ms >= 0, "elapsed %g ms", ms);
+  moe_event_free(e0);
+  moe_event_free(e1);
 }
 
 /* ---- empty tensors with huge other dimensions (up to 2^40 each): nothing to compute, so each
