@@ -288,6 +288,19 @@ static Tensor *check_handle(lua_State *L, int idx) {
 
 static moe_tensor *check_tensor(lua_State *L, int idx) { return check_handle(L, idx)->t; }
 
+/* Taking the arguments may have run Lua code (an __index metamethod of an argument table; a
+ * finalizer at an allocation, pinning into a capture included), which could have closed a tensor
+ * already taken.  Called after the last argument is taken and the last allocation made, just
+ * before the library is called: every tensor handle from stack index `from` on (where the
+ * arguments are, or the fields' values are left) must still be open. */
+static void args_still_open(lua_State *L, const char *fname, int from) {
+  for (int i = from, top = lua_gettop(L); i <= top; i++) {
+    const Tensor *u = (const Tensor *)luaL_testudata(L, i, TENSOR);
+    if (u && (u->closed || !u->t))
+      arg_error(L, fname, 1, "a moelab.Tensor of the arguments was closed while they were being read");
+  }
+}
+
 /* The owner's memory goes with its last handle, owner or view. */
 static void release_owner(Tensor *o) {
   if (o->closed && o->views == 0 && o->pins == 0) {
@@ -510,9 +523,8 @@ static int t_to(lua_State *L) {
 
 static int t_copy(lua_State *L) {
   moe_ctx *ctx = getctx(L);
-  check_tensor(L, 1);
-  check_tensor(L, 2);
-  moe_tensor *dst = check_tensor(L, 1), *src = check_tensor(L, 2); /* as in l_logits */
+  moe_tensor *dst = check_tensor(L, 1), *src = check_tensor(L, 2);
+  args_still_open(L, "copy", 1); /* pinning src into a capture may have run a finalizer */
   int rc = moe_tensor_copy(ctx, dst, src);
   if (rc) return fail(L, ctx, rc);
   lua_settop(L, 1);
@@ -875,18 +887,6 @@ static int world_field(Args *a) {
   return w;
 }
 
-/* Reading the fields ran Lua code (an __index metamethod; a finalizer at an allocation), which
- * could have closed a tensor already taken from them.  Called after the last field is read and
- * the last allocation made, just before the library is called: every tensor handle from stack
- * index `from` on (where the fields' values are left) must still be open. */
-static void args_still_open(lua_State *L, const char *fname, int from) {
-  for (int i = from, top = lua_gettop(L); i <= top; i++) {
-    const Tensor *u = (const Tensor *)luaL_testudata(L, i, TENSOR);
-    if (u && (u->closed || !u->t))
-      arg_error(L, fname, 1, "a moelab.Tensor of the arguments was closed while they were being read");
-  }
-}
-
 /* ---- stages ---- */
 
 static int l_route(lua_State *L) {
@@ -977,9 +977,8 @@ static int l_experts(lua_State *L) {
 
 static int l_logits(lua_State *L) {
   moe_ctx *ctx = getctx(L);
-  for (int i = 1; i <= 3; i++) check_tensor(L, i);
-  /* taken once all three are pinned: pinning one into a capture may allocate (see args_still_open) */
   moe_tensor *out = check_tensor(L, 1), *x = check_tensor(L, 2), *w = check_tensor(L, 3);
+  args_still_open(L, "logits", 1); /* pinning one into a capture may have run a finalizer */
   int rc = moe_logits(ctx, out, x, w);
   if (rc) return fail(L, ctx, rc);
   return 0;
@@ -987,8 +986,8 @@ static int l_logits(lua_State *L) {
 
 static int l_sigmoid_gate(lua_State *L) {
   moe_ctx *ctx = getctx(L);
-  for (int i = 1; i <= 3; i++) check_tensor(L, i);
-  moe_tensor *g = check_tensor(L, 1), *x = check_tensor(L, 2), *w = check_tensor(L, 3); /* as in l_logits */
+  moe_tensor *g = check_tensor(L, 1), *x = check_tensor(L, 2), *w = check_tensor(L, 3);
+  args_still_open(L, "sigmoid_gate", 1); /* as in l_logits */
   int rc = moe_sigmoid_gate(ctx, g, x, w);
   if (rc) return fail(L, ctx, rc);
   return 0;

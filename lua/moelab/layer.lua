@@ -452,6 +452,20 @@ return function(moe)
     return core.from_table(flat, "i32", "cpu"):view(0, { W, self.tokens, self.k })
   end
 
+  -- The start of both layers' check(x, o) (errors at check's caller): its options, a forward
+  -- whose output to compare, and what that pass broke of the layer's policies (policy_error(self)
+  -- -> a message or nil), raised whatever raise says.  -> the options.
+  local function check_begin(self, o, policy_error)
+    o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" }, nil, 3)
+    if not self.forwarded then
+      args.fail("check", "no forward has completed (a capture runs nothing before its first replay): check "
+        .. "compares the last pass's output", 3)
+    end
+    local why = policy_error(self)
+    if why then error(why, 3) end
+    return o
+  end
+
   -- What the layer's policies do not allow in its last pass, as forward raises it in eager use:
   -- router logits with NaN or unscorable rows (nan = 'error'), a schedule's capacity overflow or
   -- invalid ids.  -> the message, or nil.  For a pass that did not check (forward{check = false},
@@ -481,13 +495,7 @@ return function(moe)
   -- what the layer's policies do not allow in that pass (policy_error), as an eager forward would
   -- have: a forward{check = false} leaves that to check, or to stats() to read.
   function Layer:check(x, o)
-    o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
-    if not self.forwarded then
-      args.fail("check", "no forward has completed (a capture runs nothing before its first replay): check "
-        .. "compares the last pass's output")
-    end
-    local why = policy_error(self) -- whatever raise says: this pass broke the layer's policies
-    if why then error(why, 2) end
+    o = check_begin(self, o, policy_error)
     local W, T, H = self.world, self.tokens, self.hidden
     -- the forward's routing (the router's, given, or with the routes no expert took masked); on the
     -- CPU a forward that routed for itself is checked against the reference's own routing, which
@@ -608,6 +616,6 @@ return function(moe)
 
   -- The layer over a real world (lua/moelab/world_layer.lua), with what the two share.
   world_layer = require("moelab.world_layer")(moe, { schedule_stats = schedule_stats, dense_reference = dense_reference,
-    skip_invalid = skip_invalid })
+    skip_invalid = skip_invalid, check_begin = check_begin })
   return new_layer
 end

@@ -7,7 +7,7 @@
 -- overwrites.  Every buffer is allocated when the layer is made.
 local args = require "moelab.args"
 
--- shared: helpers of lua/moelab/layer.lua (schedule_stats, dense_reference).
+-- shared: helpers of lua/moelab/layer.lua (schedule_stats, dense_reference, skip_invalid, check_begin).
 return function(moe, shared)
   local core = moe.core
   local WorldLayer = { __name = "moelab.WorldLayer" }
@@ -409,13 +409,7 @@ return function(moe, shared)
   -- capacity dropped is not known here, so a forward that dropped routes (layer:stats().dropped)
   -- differs from it by those routes.
   function WorldLayer:check(x, o)
-    o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
-    if not self.forwarded then
-      args.fail("check", "no forward has completed (a capture runs nothing before its first replay): check "
-        .. "compares the last pass's output")
-    end
-    local why = policy_error(self) -- whatever raise says: this pass broke the layer's policies
-    if why then error(why, 2) end
+    o = shared.check_begin(self, o, policy_error)
     local T, H = self.tokens, self.hidden
     x = per_rank(self, "check", "x", x, "bf16", { T, H })
     local n = o.sample and math.min(o.sample, T) or T
