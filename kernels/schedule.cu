@@ -733,7 +733,10 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
     return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
                       STAGE ": %lld routes a rank and %lld experts a rank; cuda takes at most 2^31 - 65536 of each",
                       tk_all, el_all);
-  int ran, rc = schedule_cluster_cuda(ctx, a, &ran); // small problems: one cluster, no grid barrier
+  // the smallest problems: every block counts all ids; then small ones: one cluster
+  int ran, rc = schedule_replicated_cuda(ctx, a, &ran);
+  if (ran || rc) return rc;
+  rc = schedule_cluster_cuda(ctx, a, &ran);
   if (ran || rc) return rc;
   cudaStream_t st;
   if ((rc = cuda_ctx_stream(ctx, device, &st))) return rc;

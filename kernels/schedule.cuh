@@ -161,3 +161,109 @@ __device__ __forceinline__ int roundrobin_position4(const int4 *c4, int world4, 
   }
   return pos;
 }
+
+// ---- the small-problem kernels' helpers (schedule_cluster.cu, schedule_replicated.cu) ----
+
+// n / d for 0 <= n < 2^24 and d >= 1, from inv = 1.0f / d: the float quotient, corrected by one.
+__device__ __forceinline__ int div_by(int n, int d, float inv) {
+  int q = __float2int_rz((float)n * inv);
+  q -= q * d > n;
+  q += (q + 1) * d <= n;
+  return q;
+}
+
+// segment_padded for n < 2^24 with 1 / pad precomputed: roundup(n, pad), 0 when empty.
+__device__ __forceinline__ long long padded_size(int n, int pad, float inv_pad) {
+  if (n <= 0) return 0;
+  long long q = __float2int_rz((float)(n - 1) * inv_pad); // (n - 1) / pad, give or take one
+  q -= q * pad > n - 1;
+  q += (q + 1) * pad <= n - 1;
+  return (q + 1) * pad;
+}
+
+// -1 into a[lo, hi) by threads `th` of `nth`: 16-byte stores where aligned.
+__device__ inline void fill_unused(int32_t *a, int lo, int hi, int th, int nth) {
+  if (lo >= hi) return;
+  int head = (int)((16 - ((uintptr_t)(a + lo) & 15)) & 15) / 4;
+  if (head > hi - lo) head = hi - lo;
+  if (th < head) a[lo + th] = -1;
+  const int b0 = lo + head, n4 = (hi - b0) / 4;
+  int4 *a4 = (int4 *)(a + b0);
+  for (int x = th; x < n4; x += nth) a4[x] = make_int4(-1, -1, -1, -1);
+  const int tail = b0 + 4 * n4;
+  if (th < hi - tail) a[tail + th] = -1;
+}
+
+// The segments of el experts by a group of ng warps (1 <= ng <= 16; every lane of them calls it, gw
+// being the warp's index in the group): from raw[e] (n_e before expert_capacity), off[e] =
+// min(base[e], C), lim[e] = routes of e that get a row, off[el] = rows used.  Lane l of warp gw
+// takes the run of experts segment_run gives it; with ng > 1 the warps exchange their sums in
+// tot[ng] and meet at named barrier 1 (no block-wide barrier).  What every lane gets back: the rows
+// needed (before the clamp), and the local and kept routes of its warp's experts (of all el when
+// ng == 1).
+struct Segments {
+  long long need;
+  int local, placed;
+};
+__device__ __forceinline__ void segment_run(int el, int gw, int ng, int *e0, int *e1) {
+  const int per = (el + 32 * ng - 1) / (32 * ng);
+  *e0 = min(el, (gw * 32 + (int)(threadIdx.x & 31)) * per);
+  *e1 = min(el, *e0 + per);
+}
+__device__ inline Segments group_segments(const int *raw, int el, int pad, float inv_pad, int expert_capacity,
+                                          int capacity, int *off, int *lim, int gw, int ng, long long *tot) {
+  const int lane = threadIdx.x & 31;
+  int e0, e1;
+  segment_run(el, gw, ng, &e0, &e1);
+  long long sum = 0;
+  for (int e = e0; e < e1; e++) sum += padded_size(segment_routes(raw[e], expert_capacity), pad, inv_pad);
+  const long long incl = warp_inclusive_scan(sum);
+  long long base = incl - sum, all = __shfl_sync(MOE_FULL_MASK, incl, 31);
+  if (ng > 1) {
+    if (lane == 31) tot[gw] = incl;
+    asm volatile("bar.sync 1, %0;" ::"r"(32 * ng) : "memory");
+    all = 0;
+    for (int w = 0; w < ng; w++) {
+      const long long x = tot[w];
+      base += w < gw ? x : 0;
+      all += x;
+    }
+  }
+  Segments S = {all, 0, 0};
+  for (int e = e0; e < e1; e++) {
+    const int ne = segment_routes(raw[e], expert_capacity), kept = segment_kept(ne, base, capacity);
+    lim[e] = kept;
+    off[e] = (int)(base < capacity ? base : capacity);
+    base += padded_size(ne, pad, inv_pad);
+    S.local += raw[e], S.placed += kept;
+  }
+  if (gw == 0 && lane == 0) off[el] = (int)(all < capacity ? all : capacity);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    S.local += __shfl_xor_sync(MOE_FULL_MASK, S.local, o);
+    S.placed += __shfl_xor_sync(MOE_FULL_MASK, S.placed, o);
+  }
+  return S;
+}
+
+// A warp ranks its run of a list of routes, list[wbase, wbase + 32 S) cut at n, in order: ord[idx]
+// = how many earlier entries of the run share the entry's key, and crow[key] (the warp's own row,
+// zero at the start) ends as the run's count of each key.  key_of(list entry) < 2^nbits.
+template <typename KeyOf>
+__device__ __forceinline__ void warp_rank_run(const int *list, int n, int wbase, int S, int nbits, int *crow, int *ord,
+                                              KeyOf key_of) {
+  const int lane = threadIdx.x & 31;
+  for (int s = 0; s < S; s++) {
+    const int idx = wbase + s * 32 + lane;
+    const bool ok = idx < n;
+    const unsigned act = __ballot_sync(MOE_FULL_MASK, ok);
+    if (!act) break;
+    const int key = ok ? key_of(list[idx]) : 0;
+    const unsigned peers = match_peers((unsigned)key, act, nbits);
+    const int before = ok ? crow[key] : 0, rank = __popc(peers & lanemask_lt());
+    __syncwarp();
+    if (ok && rank == 0) crow[key] = before + __popc(peers);
+    if (ok) ord[idx] = before + rank;
+    __syncwarp();
+  }
+}

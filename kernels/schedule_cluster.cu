@@ -117,23 +117,6 @@ __device__ __forceinline__ void trace_point(const Params &P, int i) {
   }
 }
 
-// n / d for 0 <= n < 2^24 and d >= 1, from inv = 1.0f / d: the float quotient, corrected by one.
-__device__ __forceinline__ int div_by(int n, int d, float inv) {
-  int q = __float2int_rz((float)n * inv);
-  q -= q * d > n;
-  q += (q + 1) * d <= n;
-  return q;
-}
-
-// segment_padded (schedule.cuh) for n < 2^24 with 1 / pad precomputed: roundup(n, pad), 0 when empty.
-__device__ __forceinline__ long long padded_size(int n, int pad, float inv_pad) {
-  if (n <= 0) return 0;
-  long long q = __float2int_rz((float)(n - 1) * inv_pad); // (n - 1) / pad, give or take one
-  q -= q * pad > n - 1;
-  q += (q + 1) * pad <= n - 1;
-  return (q + 1) * pad;
-}
-
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
@@ -155,19 +138,6 @@ __device__ __forceinline__ void st_cluster(int *p, unsigned cta, int v) {
                "st.shared::cluster.u32 [ra], %2;\n\t}" ::"r"((unsigned)__cvta_generic_to_shared(p)),
                "r"(cta), "r"(v)
                : "memory");
-}
-
-// -1 into a[lo, hi) by threads `th` of `nth`: 16-byte stores where aligned.
-__device__ void fill_unused(int32_t *a, int lo, int hi, int th, int nth) {
-  if (lo >= hi) return;
-  int head = (int)((16 - ((uintptr_t)(a + lo) & 15)) & 15) / 4;
-  if (head > hi - lo) head = hi - lo;
-  if (th < head) a[lo + th] = -1;
-  const int b0 = lo + head, n4 = (hi - b0) / 4;
-  int4 *a4 = (int4 *)(a + b0);
-  for (int x = th; x < n4; x += nth) a4[x] = make_int4(-1, -1, -1, -1);
-  const int tail = b0 + 4 * n4;
-  if (th < hi - tail) a[tail + th] = -1;
 }
 
 // kR: slots a thread per source rank (a power of two, >= tk / 1024); kS: slots a thread in all,
@@ -257,23 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_cluster_kernel(const Par
   // 3. rank: warp w takes list[w 32 S, (w + 1) 32 S), S = ceil(n / 1024) a lane
   const int n = misc[2], S = (n + kThreads - 1) / kThreads, wbase = warp * 32 * S;
   int *crow = cnt + warp * L.kp;
-  for (int s = 0; s < S; s++) {
-    const int idx = wbase + s * 32 + lane;
-    const bool ok = idx < n;
-    const unsigned act = __ballot_sync(MOE_FULL_MASK, ok);
-    if (!act) break;
-    int key = 0;
-    if (ok) {
-      const int x = list[idx];
-      key = (x >> 14 & 15) * el + (x >> 18);
-    }
-    const unsigned peers = match_peers((unsigned)key, act, P.nbits);
-    const int before = ok ? crow[key] : 0, rank = __popc(peers & lanemask_lt());
-    __syncwarp();
-    if (ok && rank == 0) crow[key] = before + __popc(peers);
-    if (ok) ord[idx] = before + rank;
-    __syncwarp();
-  }
+  warp_rank_run(list, n, wbase, S, P.nbits, crow, ord, [&](int x) { return (x >> 14 & 15) * el + (x >> 18); });
   __syncthreads();
   for (int k = warp; k < P.keys; k += kWarps) { // over the warps, in order: offsets, and c[e][p]
     const int x = cnt[lane * L.kp + k], y = warp_inclusive_scan(x);
@@ -311,33 +265,14 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_cluster_kernel(const Par
     raw[e] = r;
   }
   __syncthreads();
-  // the segments by warp 0 alone, each lane a run of experts (no block-wide scan)
-  long long need = 0;
-  int local = 0, placed = 0;
+  // the segments by warp 0 alone (no block-wide scan)
+  Segments seg = {0, 0, 0};
   if (warp == 0) {
-    const int per = (el + 31) >> 5, e0 = min(el, lane * per), e1 = min(el, e0 + per);
-    long long sum = 0;
-    for (int e = e0; e < e1; e++) sum += padded_size(segment_routes(raw[e], P.expert_capacity), P.pad, P.inv_pad);
-    const long long incl = warp_inclusive_scan(sum);
-    long long base = incl - sum;
-    for (int e = e0; e < e1; e++) {
-      const int ne = segment_routes(raw[e], P.expert_capacity), kept = segment_kept(ne, base, P.capacity);
-      lim[e] = kept;
-      off[e] = (int)(base < P.capacity ? base : P.capacity);
-      base += padded_size(ne, P.pad, P.inv_pad);
-      local += raw[e], placed += kept;
-    }
-    need = __shfl_sync(MOE_FULL_MASK, incl, 31);
+    seg = group_segments(raw, el, P.pad, P.inv_pad, P.expert_capacity, P.capacity, off, lim, 0, 1, nullptr);
     if (lane == 0) {
-      const int used = (int)(need < P.capacity ? need : P.capacity);
-      off[el] = used;
+      const int used = off[el];
       misc[3] = (used + G - 1) / G;                 // rows a block writes out of its stage
       misc[4] = (P.capacity - used + G - 1) / G;    // unused rows a block fills
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      local += __shfl_xor_sync(MOE_FULL_MASK, local, o);
-      placed += __shfl_xor_sync(MOE_FULL_MASK, placed, o);
     }
   }
   __syncthreads();
@@ -399,9 +334,9 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_cluster_kernel(const Par
       if (e < el) P.counts[e] = lim[e], P.tpe[e] = off[e + 1] - off[e];
     }
     if (t == 0) {
-      P.stats[MOE_STAT_ROWS_NEEDED] = (int)(need < INT_MAX ? need : INT_MAX);
+      P.stats[MOE_STAT_ROWS_NEEDED] = (int)(seg.need < INT_MAX ? seg.need : INT_MAX);
       P.stats[MOE_STAT_ROWS_USED] = off[el];
-      P.stats[MOE_STAT_DROPPED] = local - placed;
+      P.stats[MOE_STAT_DROPPED] = seg.local - seg.placed;
       P.stats[MOE_STAT_INVALID] = inv_all;
       P.stats[MOE_STAT_FIRST_INVALID] = inv_all ? first_all : -1;
     }
@@ -473,8 +408,8 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
   *ran = 0;
   const char *sel = getenv("MOE_SCHEDULE_KERNEL");
   const bool forced = sel && !strcmp(sel, "cluster");
-  if (sel && !forced && strcmp(sel, "grid"))
-    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": MOE_SCHEDULE_KERNEL must be grid or cluster, got \"%s\"", sel);
+  if (sel && !forced && strcmp(sel, "grid") && strcmp(sel, "replicated"))
+    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": MOE_SCHEDULE_KERNEL must be grid, cluster or replicated, got \"%s\"", sel);
   if (sel && !forced) return MOE_OK;
 
   const int device = a->ids->device.index;

@@ -180,6 +180,9 @@ int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a);
 /* Small problems in one thread-block cluster (kernels/schedule_cluster.cu): *ran = 0 when the
  * call is left to the grid kernel of schedule_cuda. */
 int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
+/* The smallest problems, every block counting all ids (kernels/schedule_replicated.cu): *ran = 0
+ * when the call is left to the other two. */
+int schedule_replicated_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
 /* The scheduler this one replaced (one block per (local expert, source rank), scanning that
  * rank's routes twice): roundrobin only, kept as the benchmark baseline and a second opinion. */
 int schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a);

@@ -1,7 +1,7 @@
 /* test_schedule_gpu.c -- the CUDA schedule against the CPU reference, every output bit for bit,
  * on random and adversarial routings of the shapes that matter (DESIGN.md section 2), for both
- * layouts, each through the library's choice of kernel and through both kernels forced
- * (MOE_SCHEDULE_KERNEL=grid, =cluster where the cluster kernel takes the problem); the legacy kernel
+ * layouts, each through the library's choice of kernel and through each kernel forced
+ * (MOE_SCHEDULE_KERNEL=grid, =cluster and =replicated where those take the problem); the legacy kernel
  * (moe_schedule_legacy) as well for roundrobin.  Outputs on the GPU
  * are views into larger buffers prefilled with a sentinel, so an element left unwritten or a
  * write past an output's end (past capacity, say) shows as a mismatch.  A few cases run from a
@@ -48,7 +48,7 @@ static uint64_t next(void) {
 static int below(int n) { return n <= 1 ? 0 : (int)(next() % (uint64_t)n); }
 static int chance(double p) { return (double)(next() >> 11) * (1.0 / 9007199254740992.0) < p; }
 
-/* MOE_SCHEDULE_KERNEL: NULL for the library's choice, "grid" or "cluster" to force one. */
+/* MOE_SCHEDULE_KERNEL: NULL for the library's choice, "grid", "cluster" or "replicated" to force one. */
 static void use_kernel(const char *k) {
   if (k) setenv("MOE_SCHEDULE_KERNEL", k, 1);
   else unsetenv("MOE_SCHEDULE_KERNEL");
@@ -62,6 +62,7 @@ static const char *const cap_names[] = {"ample", "exact", "short", "zero", "rand
 
 typedef struct {
   int w, t, k, experts, rank, pad, expert_capacity, layout;
+  int unaligned;       /* the GPU ids a view one element into a larger tensor (not 16-byte aligned) */
   int mode, cap;       /* ids distribution, capacity relative to the rows needed */
   double masked, invalid;
   uint64_t seed;
@@ -246,9 +247,12 @@ static void run_case(const spec *s) {
   char name[400];
   describe(name, sizeof name, s, capacity);
 
-  const int64_t shape[3] = {s->w, s->t, s->k};
-  moe_tensor *ids_cpu, *ids_gpu;
-  if (moe_tensor_new(ctx, MOE_I32, 3, shape, CPU, &ids_cpu) || moe_tensor_new(ctx, MOE_I32, 3, shape, GPU, &ids_gpu))
+  const int64_t shape[3] = {s->w, s->t, s->k}, padded = routes + 1;
+  moe_tensor *ids_cpu, *ids_gpu, *ids_base = NULL;
+  if (moe_tensor_new(ctx, MOE_I32, 3, shape, CPU, &ids_cpu)) die("tensor_new");
+  if (s->unaligned ? moe_tensor_new(ctx, MOE_I32, 1, &padded, GPU, &ids_base) ||
+                         moe_tensor_view(ctx, ids_base, 1, 3, shape, &ids_gpu)
+                   : moe_tensor_new(ctx, MOE_I32, 3, shape, GPU, &ids_gpu))
     die("tensor_new");
   if (moe_tensor_write(ctx, ids_cpu, host_ids, (size_t)routes * sizeof *host_ids) ||
       moe_tensor_copy(ctx, ids_gpu, ids_cpu))
@@ -262,14 +266,15 @@ static void run_case(const spec *s) {
 
   int ok = 1;
   args_for(&a, &gpu, ids_gpu, s, capacity);
-  /* the library's choice, then each kernel forced: the cluster one refuses problems it does not take */
-  for (int k = 0; k < 3; k++) {
-    static const char *const kernels[] = {NULL, "grid", "cluster"};
-    static const char *const whos[] = {"schedule", "schedule (grid)", "schedule (cluster)"};
+  /* the library's choice, then each kernel forced: the cluster and replicated ones refuse problems
+   * they do not take */
+  for (int k = 0; k < 4; k++) {
+    static const char *const kernels[] = {NULL, "grid", "cluster", "replicated"};
+    static const char *const whos[] = {"schedule", "schedule (grid)", "schedule (cluster)", "schedule (replicated)"};
     use_kernel(kernels[k]);
     outputs_fill(&gpu);
     const int rc = moe_schedule(ctx, &a);
-    if (rc == MOE_ERR_UNSUPPORTED && k == 2) continue;
+    if (rc == MOE_ERR_UNSUPPORTED && k >= 2) continue;
     if (rc) {
       printf("FAIL %s [%s]: %s\n", name, whos[k], moe_errmsg(ctx));
       ok = 0;
@@ -293,6 +298,7 @@ static void run_case(const spec *s) {
   outputs_free(&gpu);
   moe_tensor_free(ids_cpu);
   moe_tensor_free(ids_gpu);
+  moe_tensor_free(ids_base);
   free(host_ids);
 }
 
@@ -531,6 +537,30 @@ static void cluster_cases(void) {
     }
 }
 
+/* The replicated kernel's ground (every block counts all ids: decode sizes, where the library picks
+ * it): odd route counts (no 16-byte rows), ids that are not 16-byte aligned, every route to one
+ * expert, capacity met, exceeded and zero, expert_capacity, large pads, W = 1, E = W. */
+static void replicated_cases(void) {
+  static const struct { int w, t, k, e; } shapes[] = {{4, 512, 8, 384}, {8, 128, 8, 384}, {64, 32, 8, 384},
+                                                      {16, 3, 7, 64},   {1, 300, 6, 96},  {5, 77, 3, 5},
+                                                      {2, 1, 1, 1024},  {32, 9, 5, 4096}};
+  for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
+    for (int layout = 0; layout < 2; layout++)
+      for (int v = 0; v < 4; v++) {
+        spec s = base(shapes[i].w, shapes[i].t, shapes[i].k, shapes[i].e, "replicated");
+        s.layout = layout;
+        s.rank = (int)(i + v) % s.w;
+        s.unaligned = v & 1;
+        s.mode = v == 0 ? TOPK : v == 1 ? ONE_LOCAL : v == 2 ? SKEW : LOPSIDED;
+        if (s.mode == TOPK && s.k > s.experts) s.mode = UNIFORM;
+        s.cap = v == 0 ? CAP_AMPLE : v == 1 ? CAP_EXACT : v == 2 ? CAP_SHORT : CAP_ZERO;
+        s.pad = v == 2 ? 128 : 1 + (int)i;
+        if (v == 3) s.expert_capacity = 2;
+        s.masked = 0.05, s.invalid = v == 2 ? 0.02 : 0;
+        run_case(&s);
+      }
+}
+
 static void random_cases(int n) {
   static const int pads[] = {1, 1, 2, 3, 4, 7, 8, 16, 64, 128, 256};
   for (int c = 0; c < n; c++) {
@@ -585,8 +615,9 @@ static float time_calls(int (*fn)(moe_ctx *, const moe_schedule_args *), const m
   return us[4];
 }
 
-int schedule_cuda_trace(long long *out, int max_blocks);    /* kernels/schedule.cu */
-int schedule_cluster_trace(long long *out, int max_blocks); /* kernels/schedule_cluster.cu */
+int schedule_cuda_trace(long long *out, int max_blocks);       /* kernels/schedule.cu */
+int schedule_cluster_trace(long long *out, int max_blocks);    /* kernels/schedule_cluster.cu */
+int schedule_replicated_trace(long long *out, int max_blocks); /* kernels/schedule_replicated.cu */
 
 static int cmp_ll(const void *a, const void *b) {
   const long long x = *(const long long *)a, y = *(const long long *)b;
@@ -595,25 +626,33 @@ static int cmp_ll(const void *a, const void *b) {
 
 /* --trace: where one call's time goes.  Per phase, the median over blocks of its clock64 cycles
  * (grid kernel: load, rank, barrier, histogram reads, scan, place, route_row + clears; cluster
- * kernel: load, list + rank, cluster barrier, gather, segments, place + fill, barrier + rows); the span by
- * %globaltimer (first entry to last end); beside the per-call time of back-to-back calls. */
-static void print_trace(const char *label, float per_call_us, int cluster) {
+ * kernel: load, list + rank, cluster barrier, gather, segments, place + fill, barrier + rows;
+ * replicated kernel: count, rank + segments, place + fill, stats); the span by %globaltimer
+ * (first entry to last end); beside the per-call time of back-to-back calls. */
+enum { K_GRID, K_CLUSTER, K_REPLICATED };
+static void print_trace(const char *label, float per_call_us, int kernel) {
   enum { MAXB = 1024 };
-  static long long buf[MAXB][10], col[MAXB];
-  const int n = cluster ? schedule_cluster_trace(&buf[0][0], MAXB) : schedule_cuda_trace(&buf[0][0], MAXB);
+  static long long buf[MAXB * 10], col[MAXB];
+  const int n = kernel == K_CLUSTER ? schedule_cluster_trace(buf, MAXB)
+                : kernel == K_GRID  ? schedule_cuda_trace(buf, MAXB)
+                                    : schedule_replicated_trace(buf, MAXB);
   if (n <= 0) die("schedule trace");
-  long long first = buf[0][8], last = buf[0][9];
-  printf("trace %s, %s kernel: %d blocks, %.2f us per call;", label, cluster ? "cluster" : "grid", n, per_call_us);
-  static const char *grid_names[] = {"load", "rank", "barrier", "hist", "scan", "place", "rows+clears"};
-  static const char *cluster_names[] = {"load", "list+rank", "barrier", "gather", "segments", "place+fill", "barrier+rows"};
-  for (int ph = 0; ph < 7; ph++) {
-    for (int b = 0; b < n; b++) col[b] = buf[b][ph + 1] - buf[b][ph];
+  const int phases = kernel == K_REPLICATED ? 4 : 7, width = phases + 3; /* clocks, then two timers */
+  static const char *const names[3][7] = {
+      {"load", "rank", "barrier", "hist", "scan", "place", "rows+clears"},
+      {"load", "list+rank", "barrier", "gather", "segments", "place+fill", "barrier+rows"},
+      {"count", "rank+segments", "place+fill", "stats"}};
+  static const char *const kinds[] = {"grid", "cluster", "replicated"};
+  printf("trace %s, %s kernel: %d blocks, %.2f us per call;", label, kinds[kernel], n, per_call_us);
+  for (int ph = 0; ph < phases; ph++) {
+    for (int b = 0; b < n; b++) col[b] = buf[b * width + ph + 1] - buf[b * width + ph];
     qsort(col, (size_t)n, sizeof *col, cmp_ll);
-    printf(" %s %lld", (cluster ? cluster_names : grid_names)[ph], col[n / 2]);
+    printf(" %s %lld", names[kernel][ph], col[n / 2]);
   }
+  long long first = buf[width - 2], last = buf[width - 1];
   for (int b = 0; b < n; b++) {
-    first = buf[b][8] < first ? buf[b][8] : first;
-    last = buf[b][9] > last ? buf[b][9] : last;
+    first = buf[b * width + width - 2] < first ? buf[b * width + width - 2] : first;
+    last = buf[b * width + width - 1] > last ? buf[b * width + width - 1] : last;
   }
   printf(" cycles (medians); span %.2f us\n", (last - first) / 1000.0);
 }
@@ -634,23 +673,31 @@ static void timing(int w, int t, float target_us) {
   const float ours = time_calls(moe_schedule, &a), legacy = time_calls(moe_schedule_legacy, &a);
   use_kernel("grid");
   const float grid = time_calls(moe_schedule, &a);
-  use_kernel("cluster");
-  float cluster = -1;
-  if (moe_schedule(ctx, &a) == MOE_OK) cluster = time_calls(moe_schedule, &a);
+  float forced[2] = {-1, -1}; /* cluster, replicated: -1 where the kernel does not take the problem */
+  static const char *const forced_names[] = {"cluster", "replicated"};
+  for (int k = 0; k < 2; k++) {
+    use_kernel(forced_names[k]);
+    if (moe_schedule(ctx, &a) == MOE_OK) forced[k] = time_calls(moe_schedule, &a);
+  }
   use_kernel(NULL);
-  char cl[48] = "does not take it";
-  if (cluster >= 0) snprintf(cl, sizeof cl, "%.2f", cluster);
+  char cl[2][48];
+  for (int k = 0; k < 2; k++) {
+    if (forced[k] >= 0) snprintf(cl[k], sizeof cl[k], "%.2f", forced[k]);
+    else snprintf(cl[k], sizeof cl[k], "does not take it");
+  }
   printf("time: schedule, Kimi K2 rank of EP%d (W %d, T %d, K 8, E 384, %d routes): %.2f us per call "
-         "(target <= %.0f us; grid kernel %.2f, cluster kernel %s), legacy %.2f us, %.1fx\n",
-         w, w, t, s.w * s.t * s.k, ours, target_us, grid, cl, legacy, legacy / ours);
+         "(target <= %.0f us; grid kernel %.2f, cluster kernel %s, replicated kernel %s), legacy %.2f us, %.1fx\n",
+         w, w, t, s.w * s.t * s.k, ours, target_us, grid, cl[0], cl[1], legacy, legacy / ours);
   if (getenv("MOE_SCHEDULE_TRACE"))
-    for (int cl = 0; cl < 1 + (cluster > 0); cl++) {
-      use_kernel(cl ? "cluster" : "grid");
+    for (int k = K_GRID; k <= K_REPLICATED; k++) {
+      const float per_call = k == K_GRID ? grid : forced[k - 1];
+      if (per_call < 0) continue;
+      use_kernel(k == K_GRID ? "grid" : forced_names[k - 1]);
       for (int again = 0; again < 2; again++) { /* after other calls, then once more */
         if (moe_schedule(ctx, &a)) die("traced call");
         char label[64];
         snprintf(label, sizeof label, "EP%d T %d%s", w, t, again ? " again" : "");
-        print_trace(label, cl ? cluster : grid, cl);
+        print_trace(label, per_call, k);
       }
       use_kernel(NULL);
     }
@@ -703,13 +750,15 @@ int main(int argc, char **argv) {
   large_expert_cases(); /* 36 */
   long_rank_cases();  /* 6 */
   cluster_cases();    /* 10 */
-  for (int grid = 0; grid < 2; grid++) /* each kernel forced */
+  replicated_cases(); /* 64 */
+  for (int kernel = 0; kernel < 3; kernel++) /* each kernel forced */
     for (int fresh = 1; fresh >= 0; fresh--)
       for (int layout = 0; layout < 2; layout++) {
+        static const char *const kernels[] = {"cluster", "grid", "replicated"};
         spec s = base(8, 1024, 8, 384, "graph");
         s.layout = layout, s.rank = 6, s.pad = 128;
-        use_kernel(grid ? "grid" : "cluster");
-        run_graph_case(&s, fresh); /* 8 */
+        use_kernel(kernels[kernel]);
+        run_graph_case(&s, fresh); /* 12 */
         use_kernel(NULL);
       }
   random_cases(540);
