@@ -19,3 +19,14 @@ __device__ __forceinline__ void grid_barrier(unsigned *bar) {
   }
   __syncthreads();
 }
+
+// The same protocol from thread 0 alone, for a block whose other threads have work to do while
+// it waits (the caller synchronises the block before and after).  The arrival acquires as well as
+// releases, so the last block to arrive -- the one whose addition flips bit 31 -- needs no poll.
+__device__ __forceinline__ void grid_arrive_wait(unsigned *bar) {
+  const unsigned inc = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+  unsigned old, now;
+  asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(bar), "r"(inc) : "memory");
+  now = old + inc;
+  while (((now ^ old) & 0x80000000u) == 0) asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
+}

@@ -80,12 +80,12 @@ constexpr int kTile = 8192;               // routes of one piece in shared memor
 constexpr int kRankWindow = 1024;         // local experts ranked in one pass
 constexpr int kHistWindow = 6144;         // local experts counted in one pass (non-resident phase 1); with
                                           // kTile and kRankWindow the largest layout is 57,468 ints (of 58,112)
-constexpr int kStageC = 4096;             // c[e][q] values of a window staged in shared memory
+constexpr int kStageC = MOE_SCHED_TOT_STRIDE; // c[e][q] values of a window staged in shared memory
 constexpr int kMaxScratchHist = 1 << 18;  // S * E bound: every block reads S * E histogram values
 constexpr int kParitySlot = 96;       // shared int holding the call's parity, after the reductions'
 constexpr int kRed = kParitySlot + 4; // shared ints: block reductions (32 long long, 32 int), the parity
 // c[e][q] totals in the scratch header, two buffers of kStageC (see the kernel's phase 1)
-constexpr int kTotOffset = 64; // ints: after the barrier
+constexpr int kTotOffset = MOE_SCHED_TOT_OFFSET; // ints: after the barrier
 static_assert(MOE_SCRATCH_HEADER >= (int)sizeof(int32_t) * (kTotOffset + 2 * kStageC), "scratch header too small");
 
 struct Params : ScheduleCall {
@@ -735,6 +735,8 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
                       tk_all, el_all);
   // the smallest problems: every block counts all ids; then small ones: one cluster
   int ran, rc = schedule_replicated_cuda(ctx, a, &ran);
+  if (ran || rc) return rc;
+  rc = schedule_bitmap_cuda(ctx, a, &ran);
   if (ran || rc) return rc;
   rc = schedule_cluster_cuda(ctx, a, &ran);
   if (ran || rc) return rc;

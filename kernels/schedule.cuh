@@ -9,6 +9,13 @@
 
 #define MOE_FULL_MASK 0xffffffffu
 
+// The scheduler's part of the scratch header (internal.h, MOE_SCRATCH_HEADER) that the grid
+// kernels share: the barrier word at its start, then two buffers of c[e][q] totals (ints), one
+// per call parity.  Every call of either grid kernel adds into its parity's buffer and zeroes the
+// other one whole, so the two can follow each other in any order.
+#define MOE_SCHED_TOT_OFFSET 64
+#define MOE_SCHED_TOT_STRIDE 4096
+
 // What every scheduler kernel takes from a call (each kernel's parameters extend it): the tensors,
 // the sizes, this rank's first expert lo, and the options.
 struct ScheduleCall {

@@ -408,8 +408,9 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
   *ran = 0;
   const char *sel = getenv("MOE_SCHEDULE_KERNEL");
   const bool forced = sel && !strcmp(sel, "cluster");
-  if (sel && !forced && strcmp(sel, "grid") && strcmp(sel, "replicated"))
-    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": MOE_SCHEDULE_KERNEL must be grid, cluster or replicated, got \"%s\"", sel);
+  if (sel && !forced && strcmp(sel, "grid") && strcmp(sel, "replicated") && strcmp(sel, "bitmap"))
+    return moe_seterr(ctx, MOE_ERR_ARG,
+                      STAGE ": MOE_SCHEDULE_KERNEL must be grid, cluster, replicated or bitmap, got \"%s\"", sel);
   if (sel && !forced) return MOE_OK;
 
   const int device = a->ids->device.index;

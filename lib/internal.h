@@ -183,6 +183,9 @@ int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
 /* The smallest problems, every block counting all ids (kernels/schedule_replicated.cu): *ran = 0
  * when the call is left to the other two. */
 int schedule_replicated_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
+/* Small and mid-sized problems as one grid of bitmap-ranked units (kernels/schedule_bitmap.cu):
+ * *ran = 0 when the call is left to the others. */
+int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
 /* The scheduler this one replaced (one block per (local expert, source rank), scanning that
  * rank's routes twice): roundrobin only, kept as the benchmark baseline and a second opinion. */
 int schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a);

@@ -1,7 +1,7 @@
 /* test_schedule_gpu.c -- the CUDA schedule against the CPU reference, every output bit for bit,
  * on random and adversarial routings of the shapes that matter (DESIGN.md section 2), for both
  * layouts, each through the library's choice of kernel and through each kernel forced
- * (MOE_SCHEDULE_KERNEL=grid, =cluster and =replicated where those take the problem); the legacy kernel
+ * (MOE_SCHEDULE_KERNEL=grid, =cluster, =replicated and =bitmap where those take the problem); the legacy kernel
  * (moe_schedule_legacy) as well for roundrobin.  Outputs on the GPU
  * are views into larger buffers prefilled with a sentinel, so an element left unwritten or a
  * write past an output's end (past capacity, say) shows as a mismatch.  A few cases run from a
@@ -48,7 +48,7 @@ static uint64_t next(void) {
 static int below(int n) { return n <= 1 ? 0 : (int)(next() % (uint64_t)n); }
 static int chance(double p) { return (double)(next() >> 11) * (1.0 / 9007199254740992.0) < p; }
 
-/* MOE_SCHEDULE_KERNEL: NULL for the library's choice, "grid", "cluster" or "replicated" to force one. */
+/* MOE_SCHEDULE_KERNEL: NULL for the library's choice, "grid", "cluster", "replicated" or "bitmap" to force one. */
 static void use_kernel(const char *k) {
   if (k) setenv("MOE_SCHEDULE_KERNEL", k, 1);
   else unsetenv("MOE_SCHEDULE_KERNEL");
@@ -268,9 +268,10 @@ static void run_case(const spec *s) {
   args_for(&a, &gpu, ids_gpu, s, capacity);
   /* the library's choice, then each kernel forced: the cluster and replicated ones refuse problems
    * they do not take */
-  for (int k = 0; k < 4; k++) {
-    static const char *const kernels[] = {NULL, "grid", "cluster", "replicated"};
-    static const char *const whos[] = {"schedule", "schedule (grid)", "schedule (cluster)", "schedule (replicated)"};
+  for (int k = 0; k < 5; k++) {
+    static const char *const kernels[] = {NULL, "grid", "cluster", "replicated", "bitmap"};
+    static const char *const whos[] = {"schedule", "schedule (grid)", "schedule (cluster)", "schedule (replicated)",
+                                       "schedule (bitmap)"};
     use_kernel(kernels[k]);
     outputs_fill(&gpu);
     const int rc = moe_schedule(ctx, &a);
@@ -618,6 +619,7 @@ static float time_calls(int (*fn)(moe_ctx *, const moe_schedule_args *), const m
 int schedule_cuda_trace(long long *out, int max_blocks);       /* kernels/schedule.cu */
 int schedule_cluster_trace(long long *out, int max_blocks);    /* kernels/schedule_cluster.cu */
 int schedule_replicated_trace(long long *out, int max_blocks); /* kernels/schedule_replicated.cu */
+int schedule_bitmap_trace(long long *out, int max_blocks);     /* kernels/schedule_bitmap.cu */
 
 static int cmp_ll(const void *a, const void *b) {
   const long long x = *(const long long *)a, y = *(const long long *)b;
@@ -629,20 +631,22 @@ static int cmp_ll(const void *a, const void *b) {
  * kernel: load, list + rank, cluster barrier, gather, segments, place + fill, barrier + rows;
  * replicated kernel: count, rank + segments, place + fill, stats); the span by %globaltimer
  * (first entry to last end); beside the per-call time of back-to-back calls. */
-enum { K_GRID, K_CLUSTER, K_REPLICATED };
+enum { K_GRID, K_CLUSTER, K_REPLICATED, K_BITMAP };
 static void print_trace(const char *label, float per_call_us, int kernel) {
   enum { MAXB = 1024 };
   static long long buf[MAXB * 10], col[MAXB];
-  const int n = kernel == K_CLUSTER ? schedule_cluster_trace(buf, MAXB)
-                : kernel == K_GRID  ? schedule_cuda_trace(buf, MAXB)
-                                    : schedule_replicated_trace(buf, MAXB);
+  const int n = kernel == K_CLUSTER      ? schedule_cluster_trace(buf, MAXB)
+                : kernel == K_GRID       ? schedule_cuda_trace(buf, MAXB)
+                : kernel == K_REPLICATED ? schedule_replicated_trace(buf, MAXB)
+                                         : schedule_bitmap_trace(buf, MAXB);
   if (n <= 0) die("schedule trace");
   const int phases = kernel == K_REPLICATED ? 4 : 7, width = phases + 3; /* clocks, then two timers */
-  static const char *const names[3][7] = {
+  static const char *const names[4][7] = {
       {"load", "rank", "barrier", "hist", "scan", "place", "rows+clears"},
       {"load", "list+rank", "barrier", "gather", "segments", "place+fill", "barrier+rows"},
-      {"count", "rank+segments", "place+fill", "stats"}};
-  static const char *const kinds[] = {"grid", "cluster", "replicated"};
+      {"count", "rank+segments", "place+fill", "stats"},
+      {"load", "scan", "barrier", "totals", "segments", "place+fill", "stats"}};
+  static const char *const kinds[] = {"grid", "cluster", "replicated", "bitmap"};
   printf("trace %s, %s kernel: %d blocks, %.2f us per call;", label, kinds[kernel], n, per_call_us);
   for (int ph = 0; ph < phases; ph++) {
     for (int b = 0; b < n; b++) col[b] = buf[b * width + ph + 1] - buf[b * width + ph];
@@ -673,23 +677,24 @@ static void timing(int w, int t, float target_us) {
   const float ours = time_calls(moe_schedule, &a), legacy = time_calls(moe_schedule_legacy, &a);
   use_kernel("grid");
   const float grid = time_calls(moe_schedule, &a);
-  float forced[2] = {-1, -1}; /* cluster, replicated: -1 where the kernel does not take the problem */
-  static const char *const forced_names[] = {"cluster", "replicated"};
-  for (int k = 0; k < 2; k++) {
+  float forced[3] = {-1, -1, -1}; /* cluster, replicated, bitmap: -1 where the kernel does not take the problem */
+  static const char *const forced_names[] = {"cluster", "replicated", "bitmap"};
+  for (int k = 0; k < 3; k++) {
     use_kernel(forced_names[k]);
     if (moe_schedule(ctx, &a) == MOE_OK) forced[k] = time_calls(moe_schedule, &a);
   }
   use_kernel(NULL);
-  char cl[2][48];
-  for (int k = 0; k < 2; k++) {
+  char cl[3][48];
+  for (int k = 0; k < 3; k++) {
     if (forced[k] >= 0) snprintf(cl[k], sizeof cl[k], "%.2f", forced[k]);
     else snprintf(cl[k], sizeof cl[k], "does not take it");
   }
   printf("time: schedule, Kimi K2 rank of EP%d (W %d, T %d, K 8, E 384, %d routes): %.2f us per call "
-         "(target <= %.0f us; grid kernel %.2f, cluster kernel %s, replicated kernel %s), legacy %.2f us, %.1fx\n",
-         w, w, t, s.w * s.t * s.k, ours, target_us, grid, cl[0], cl[1], legacy, legacy / ours);
+         "(target <= %.0f us; grid kernel %.2f, cluster kernel %s, replicated kernel %s, bitmap kernel %s), legacy %.2f us, "
+         "%.1fx\n",
+         w, w, t, s.w * s.t * s.k, ours, target_us, grid, cl[0], cl[1], cl[2], legacy, legacy / ours);
   if (getenv("MOE_SCHEDULE_TRACE"))
-    for (int k = K_GRID; k <= K_REPLICATED; k++) {
+    for (int k = K_GRID; k <= K_BITMAP; k++) {
       const float per_call = k == K_GRID ? grid : forced[k - 1];
       if (per_call < 0) continue;
       use_kernel(k == K_GRID ? "grid" : forced_names[k - 1]);
@@ -751,10 +756,10 @@ int main(int argc, char **argv) {
   long_rank_cases();  /* 6 */
   cluster_cases();    /* 10 */
   replicated_cases(); /* 64 */
-  for (int kernel = 0; kernel < 3; kernel++) /* each kernel forced */
+  for (int kernel = 0; kernel < 4; kernel++) /* each kernel forced */
     for (int fresh = 1; fresh >= 0; fresh--)
       for (int layout = 0; layout < 2; layout++) {
-        static const char *const kernels[] = {"cluster", "grid", "replicated"};
+        static const char *const kernels[] = {"cluster", "grid", "replicated", "bitmap"};
         spec s = base(8, 1024, 8, 384, "graph");
         s.layout = layout, s.rank = 6, s.pad = 128;
         use_kernel(kernels[kernel]);

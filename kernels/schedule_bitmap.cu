@@ -1,0 +1,475 @@
+// schedule_bitmap.cu -- the scheduler for small and mid-sized problems (decode, 512 tokens at any
+// EP size), bit for bit the result of schedule_cpu: one cooperative grid, every block's routes in
+// registers, the ordinals ranked with per-expert bitmaps, one exchange of counts between blocks.
+//
+// Why a fourth kernel.  At 512 tokens a call of the other kernels is a chain of ten or more
+// block-wide steps (lists of the local routes, block scans, ballot chains, scans over warps), and
+// their time is the chain's latency, not work (PERF.md).  This one keeps the chain short:
+//
+// Each source rank is cut into bpr units of NP positions (a power of two) in the order of j --
+// "roundrobin": nlt logical threads of Rp slots, position (logical thread, slot); "peer_major": a
+// run of NP routes -- one unit a block.  Then:
+//   1. every thread loads its positions' ids (coalesced: lanes along logical threads); a local
+//      route sets bit `position` in its expert's row of a bitmap in shared memory (atomicOr: the
+//      result does not depend on the order); the others get route_row -1 at once;
+//   2. one pass over the bitmap words: popc, an exclusive scan along each expert's row (shuffles
+//      inside a warp, rows aligned to lane groups), so that a route's ordinal in its unit is the
+//      prefix of its word plus the bits below it in the word -- two shared loads, whatever the
+//      routing; each row's total is the unit's count of that expert, stored in the scratch
+//      (hist[unit][e]) and added into this call's totals c[e][p] (atomics that only sum);
+//   3. the grid barrier (kernels/grid_barrier.cuh's protocol, the word shared with the grid
+//      kernel, so the parity and the totals' buffers alternate the same way whichever kernel
+//      runs); while thread 0 waits, the others form their routes' ordinals;
+//   4. one round of loads: c[e][q] into shared memory (n_e summed as it arrives), the counts of the
+//      units before this one of the same source rank (the ordinal's offset), and, for block 0, all
+//      units' invalid ids; then the segments by a group of warps (schedule.cuh); then each local
+//      route's row -- roundrobin base + sum_q min(c[e][q], j) + #{q < p : c[e][q] > j}, peer_major
+//      base + sum_{q<p} c[e][q] + j -- stored with peer_rank and peer_route; padding rows of the
+//      experts e = b mod G and a share of the unused rows [rows used, C) get -1 from block b;
+//      block 0 writes counts, tokens_per_expert, expert_offsets and stats.
+// Six block-wide barriers and one grid barrier in all.  No atomics decide an order, the host never
+// waits, and nothing is cleared that the call does not clear itself (the totals' other buffer, as
+// the grid kernel does).  Launched as a programmatic dependent, like the others; the shared memory
+// is cleared before griddepcontrol.wait, so that it overlaps the previous kernel's tail.
+#include <limits.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <atomic>
+
+#include "grid_barrier.cuh"
+#include "schedule.cuh"
+
+#define STAGE "schedule"
+
+namespace {
+
+constexpr int kThreads = 512, kWarps = kThreads / 32;
+constexpr int kMaxSlots = 8;         // positions a thread: NP <= 4096
+constexpr int kMaxWords = 8192;      // bitmap words: el * NP / 32
+constexpr int kMaxBlocks = 128;      // G = W * bpr, all resident
+constexpr int kMaxExperts = MOE_SCHED_TOT_STRIDE; // E: the totals c[e][q] of one call
+constexpr int kBatch = 4;            // loads in flight a thread after the barrier
+
+// Offsets (ints) of the shared arrays; the host sizes the launch with the same function.
+struct Smem {
+  int misc, bm, pre, c, raw, pfx, off, lim, total;
+};
+__host__ __device__ inline Smem smem_layout(int words, int el, int ws) {
+  Smem L;
+  L.misc = 0;                // [0] invalid ids, [1] first invalid, [2] parity, [4] all invalid, [5] their first,
+                             // [8..10) rows needed (64-bit), [16..48) the segment warps' sums (64-bit)
+  L.bm = 64;                 // [el][nwp] bitmaps of the unit's local routes, by position
+  L.pre = L.bm + words;      // [el][nwp] set bits in the row before each word
+  L.c = L.pre + words;       // [el][ws] c[e][q], ws = W rounded up to 4 (zeros past W: int4 reads)
+  L.raw = L.c + el * ws;     // n_e before expert_capacity
+  L.pfx = L.raw + el;        // routes of e in this source rank's units before this one
+  L.off = L.pfx + el;        // min(base[e], C), e = 0..el
+  L.lim = L.off + el + 1;    // routes of e that get a row
+  L.total = L.lim + el;
+  return L;
+}
+
+struct Params : ScheduleCall {
+  int trace;        // record the phases' times (MOE_SCHEDULE_TRACE set): a measuring aid
+  unsigned *bar;    // scratch: the grid barrier (grid_barrier.cuh), bit 31 the call's parity
+  int32_t *tot;     // scratch: c[e][q] totals, [2][MOE_SCHED_TOT_STRIDE] by the parity
+  int32_t *hist;    // scratch: [G][hs]: a unit's count of each expert, then its invalid ids and the first
+  int hs;           // el + 2
+  int lgbpr;        // log2 of the units a source rank
+  int np, slots;    // positions a unit (a power of two), ceil(np / kThreads)
+  int lgnlt, lgrp;  // roundrobin: log2 of the logical threads a unit and of the slots a logical thread
+  int nc;           // roundrobin: logical threads that hold routes, min(tk, 1024)
+  int lgnwp;        // log2 of the bitmap words an expert (np / 32, at least 1)
+  int wpt, lglpr;   // words a thread in the scan, log2 of the threads an expert's row
+  int passes;       // ceil(el << lglpr / kThreads)
+  int ws;           // row stride of c[e][q] in shared memory
+  float inv_w, inv_hs, inv_pad; // 1 / W, 1 / hs, 1 / pad: quotients without a division
+  Smem L;
+};
+
+// The last traced call, per block: clock64 at the phase points (entry, loaded, scanned, past the
+// barrier, totals, segments, placed, end), then %globaltimer at entry and end.  Read by
+// schedule_bitmap_trace (the scheduler's GPU test, --trace).
+constexpr int kTracePoints = 8;
+__device__ long long trace_buf[kMaxBlocks][kTracePoints + 2];
+int trace_grid;
+__device__ __forceinline__ void trace_point(const Params &P, int i) {
+  if (!P.trace || threadIdx.x) return;
+  trace_buf[blockIdx.x][i] = clock64();
+  if (i == 0 || i == kTracePoints - 1) {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    trace_buf[blockIdx.x][kTracePoints + (i != 0)] = t;
+  }
+}
+
+// Route index (inside its source rank) of load index y of unit s, and its position in the order
+// of j; -1 where the position holds no route.
+__device__ __forceinline__ int route_of(const Params &P, int s, int y, int *bit) {
+  if (P.roundrobin) {
+    const int m = y >> P.lgnlt, ltl = y & ((1 << P.lgnlt) - 1), lt = (s << P.lgnlt) + ltl;
+    const int i = m * MOE_SCHED_THREADS + lt;
+    *bit = ltl << P.lgrp | m;
+    return lt < P.nc && i < P.tk ? i : -1;
+  }
+  const int i = s * P.np + y;
+  *bit = y;
+  return i < P.tk ? i : -1;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Params P) {
+  extern __shared__ int4 smem4[];
+  int *sm = (int *)smem4;
+  const Smem &L = P.L;
+  int *misc = sm + L.misc, *bm = sm + L.bm, *pre = sm + L.pre, *c = sm + L.c, *raw = sm + L.raw, *pfx = sm + L.pfx;
+  int *off = sm + L.off, *lim = sm + L.lim;
+  const int t = threadIdx.x, lane = t & 31, b = blockIdx.x, G = gridDim.x;
+  const int el = P.el, tk = P.tk, W = P.world;
+  const int p = b >> P.lgbpr, s = b & ((1 << P.lgbpr) - 1);
+
+  // before the previous kernel ends: clear what this call accumulates in shared memory
+  for (int x = t; x < L.pre; x += kThreads) sm[x] = x == 1 || x == 5 ? INT_MAX : 0; // misc (two minima), bitmaps
+  for (int x = L.c + t; x < L.off; x += kThreads) sm[x] = 0;                         // c, raw, pfx
+  __syncthreads();
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  trace_point(P, 0);
+
+  // 1. this thread's positions: ids, bitmaps, route_row -1 for the routes that are not ours
+  if (t == 0) misc[2] = (int)(*(volatile unsigned *)P.bar >> 31); // the call's parity (grid_barrier)
+  const int32_t *ids = P.ids + (size_t)p * tk;
+  int32_t *rrow = P.route_row + (size_t)p * tk;
+  int v[kMaxSlots], idx[kMaxSlots], bit[kMaxSlots];
+#pragma unroll
+  for (int q = 0; q < kMaxSlots; q++) {
+    idx[q] = -1, bit[q] = 0;
+    const int y = q * kThreads + t;
+    if (q < P.slots && y < P.np) idx[q] = route_of(P, s, y, &bit[q]);
+    v[q] = idx[q] >= 0 ? __ldg(ids + idx[q]) : -1;
+  }
+  unsigned loc = 0;
+  int ninv = 0, first = INT_MAX;
+#pragma unroll
+  for (int q = 0; q < kMaxSlots; q++) {
+    if (idx[q] < 0) continue;
+    const unsigned e = (unsigned)v[q] - (unsigned)P.lo;
+    if (e < (unsigned)el) {
+      loc |= 1u << q;
+      v[q] = (int)e;
+      atomicOr((unsigned *)bm + ((int)e << P.lgnwp) + (bit[q] >> 5), 1u << (bit[q] & 31));
+    } else {
+      rrow[idx[q]] = -1;
+      if (v[q] != -1 && (unsigned)v[q] >= (unsigned)P.experts) ninv++, first = min(first, p * tk + idx[q]);
+    }
+  }
+  if (ninv) atomicAdd(&misc[0], ninv), atomicMin(&misc[1], first);
+  __syncthreads();
+  trace_point(P, 1);
+
+  // 2. the rows' prefixes and totals; the unit's counts out
+  const int parity = misc[2];
+  int32_t *hist = P.hist + (size_t)b * P.hs;
+  {
+    const int lpr = 1 << P.lglpr;
+    for (int r = 0; r < P.passes; r++) {
+      const int g = r * kThreads + t, e = g >> P.lglpr, seg = g & (lpr - 1);
+      const bool ok = e < el;
+      const int w0 = (e << P.lgnwp) + seg * P.wpt;
+      int pc[4] = {0, 0, 0, 0}, sum = 0;
+#pragma unroll
+      for (int k = 0; k < 4; k++)
+        if (ok && k < P.wpt) pc[k] = __popc((unsigned)bm[w0 + k]), sum += pc[k];
+      int incl = sum;
+      for (int o = 1; o < lpr; o <<= 1) { // within the row's lanes
+        const int u = __shfl_up_sync(MOE_FULL_MASK, incl, o, lpr);
+        if (seg >= o) incl += u;
+      }
+      if (ok) {
+        int run = incl - sum;
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+          if (k < P.wpt) pre[w0 + k] = run, run += pc[k];
+        if (seg == lpr - 1) {
+          __stcg(hist + e, incl);
+          if (incl) atomicAdd(P.tot + parity * MOE_SCHED_TOT_STRIDE + e * W + p, incl);
+        }
+      }
+    }
+  }
+  if (t == 0) __stcg(hist + el, misc[0]), __stcg(hist + el + 1, misc[1]);
+  __syncthreads();
+  trace_point(P, 2);
+
+  // 3. the grid barrier; meanwhile each route's ordinal inside its unit
+  int jl[kMaxSlots];
+  if (t == 0) grid_arrive_wait(P.bar);
+#pragma unroll
+  for (int q = 0; q < kMaxSlots; q++) {
+    jl[q] = 0;
+    if (loc >> q & 1) {
+      const int w = (v[q] << P.lgnwp) + (bit[q] >> 5);
+      jl[q] = pre[w] + __popc((unsigned)bm[w] & ((1u << (bit[q] & 31)) - 1));
+    }
+  }
+  __syncthreads();
+  trace_point(P, 3);
+  asm volatile("griddepcontrol.launch_dependents;");
+
+  // 4. c[e][q] (and n_e), the counts of this rank's earlier units, block 0 the invalid ids: one
+  // round of loads, then shared atomics (sums)
+  {
+    const int32_t *tot = P.tot + parity * MOE_SCHED_TOT_STRIDE;
+    const int32_t *before = P.hist + (size_t)(p << P.lgbpr) * P.hs;
+    const int ne = P.experts, npre = s * P.hs, ninvs = b == 0 ? G : 0, n = ne + npre + ninvs;
+    for (int x0 = t; x0 < n; x0 += kThreads * kBatch) {
+      int val[kBatch], val2[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; u++) {
+        const int x = x0 + u * kThreads;
+        val[u] = val2[u] = 0;
+        if (x < ne) val[u] = __ldcg(tot + x);
+        else if (x < ne + npre) val[u] = __ldcg(before + (x - ne));
+        else if (x < n) {
+          const int32_t *h = P.hist + (size_t)(x - ne - npre) * P.hs + el;
+          val[u] = __ldcg(h), val2[u] = __ldcg(h + 1);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; u++) {
+        const int x = x0 + u * kThreads;
+        if (x < ne) {
+          const int e = div_by(x, W, P.inv_w), q = x - e * W;
+          c[e * P.ws + q] = val[u];
+          if (val[u]) atomicAdd(&raw[e], val[u]);
+        } else if (x < ne + npre) {
+          const int y = x - ne, e = y - div_by(y, P.hs, P.inv_hs) * P.hs;
+          if (e < el && val[u]) atomicAdd(&pfx[e], val[u]);
+        } else if (x < n && val[u]) {
+          atomicAdd(&misc[4], val[u]);
+          atomicMin(&misc[5], val2[u]);
+        }
+      }
+    }
+    // the next call's totals (this call's stay until the call after next clears them)
+    int4 *next = (int4 *)(P.tot + (parity ^ 1) * MOE_SCHED_TOT_STRIDE);
+    for (int x = b * kThreads + t; x < MOE_SCHED_TOT_STRIDE / 4; x += G * kThreads) next[x] = make_int4(0, 0, 0, 0);
+  }
+  __syncthreads();
+  trace_point(P, 4);
+
+  // 5. the segments, by the last ng warps
+  const int ng = min(kWarps, (el + 31) >> 5), gw = (t >> 5) - (kWarps - ng);
+  if (gw >= 0) {
+    const Segments seg = group_segments(raw, el, P.pad, P.inv_pad, P.expert_capacity, P.capacity, off, lim, gw, ng,
+                                        (long long *)(misc + 16));
+    if (gw == 0 && lane == 0) *(long long *)(misc + 8) = seg.need;
+  }
+  __syncthreads();
+  trace_point(P, 5);
+
+  // 6. place
+#pragma unroll
+  for (int q = 0; q < kMaxSlots; q++) {
+    if (!(loc >> q & 1)) continue;
+    const int e = v[q], j = pfx[e] + jl[q];
+    const int *ce = c + e * P.ws;
+    int pos;
+    if (P.roundrobin) {
+      pos = roundrobin_position4((const int4 *)ce, P.ws >> 2, p, j);
+    } else {
+      pos = j;
+      for (int x = 0; x < p; x++) pos += ce[x];
+    }
+    int row = -1;
+    if (pos < lim[e]) {
+      row = off[e] + pos;
+      P.peer_rank[row] = p;
+      P.peer_route[row] = idx[q];
+    }
+    rrow[idx[q]] = row;
+  }
+  const int used = off[el];
+  for (int x = b; x < el; x += G) { // padding rows of the experts x = b mod G
+    fill_unused(P.peer_rank, off[x] + lim[x], off[x + 1], t, kThreads);
+    fill_unused(P.peer_route, off[x] + lim[x], off[x + 1], t, kThreads);
+  }
+  { // this block's share of the unused rows
+    const int share = (P.capacity - used + G - 1) / G;
+    const int lo_row = used + b * share, hi_row = min(P.capacity, lo_row + share);
+    fill_unused(P.peer_rank, lo_row, hi_row, t, kThreads);
+    fill_unused(P.peer_route, lo_row, hi_row, t, kThreads);
+  }
+  trace_point(P, 6);
+  if (b == 0) {
+    for (int x = t; x <= el; x += kThreads) {
+      P.offsets[x] = off[x];
+      if (x < el) P.counts[x] = lim[x], P.tpe[x] = off[x + 1] - off[x];
+    }
+    if (t < 32) { // the stats; dropped = sum_e n_e - kept by one warp
+      int dropped = 0;
+      for (int x = lane; x < el; x += 32) dropped += raw[x] - lim[x];
+#pragma unroll
+      for (int o = 16; o; o >>= 1) dropped += __shfl_xor_sync(MOE_FULL_MASK, dropped, o);
+      if (lane == 0) {
+        const long long need = *(const long long *)(misc + 8);
+        const int inv = misc[4];
+        P.stats[MOE_STAT_ROWS_NEEDED] = (int)(need < INT_MAX ? need : INT_MAX);
+        P.stats[MOE_STAT_ROWS_USED] = used;
+        P.stats[MOE_STAT_DROPPED] = dropped;
+        P.stats[MOE_STAT_INVALID] = inv;
+        P.stats[MOE_STAT_FIRST_INVALID] = inv ? misc[5] : -1;
+      }
+    }
+  }
+  trace_point(P, 7);
+}
+
+// ---- host ----
+
+constexpr int kDevices = 64;
+std::atomic<int> sm_count[kDevices]; // multiprocessors + 1
+std::atomic<bool> raised[kDevices];  // the kernel's dynamic shared memory limit raised
+
+int ilog2(long long x) { // x a power of two
+  int r = 0;
+  while ((1LL << r) < x) r++;
+  return r;
+}
+long long pow2_at_least(long long x) {
+  long long r = 1;
+  while (r < x) r <<= 1;
+  return r;
+}
+
+} // namespace
+
+// Runs the schedule as one grid of bitmap-ranked units when the problem fits it (and the choice,
+// automatic or MOE_SCHEDULE_KERNEL, is this kernel): *ran = 1 and the call's status.  Otherwise
+// *ran = 0 and MOE_OK, and another kernel takes the call; with MOE_SCHEDULE_KERNEL=bitmap that is
+// an error.
+extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran) {
+  *ran = 0;
+  const char *sel = getenv("MOE_SCHEDULE_KERNEL");
+  const bool forced = sel && !strcmp(sel, "bitmap");
+  if (sel && !forced) return MOE_OK; // schedule_cluster_cuda checks the name
+  const int device = a->ids->device.index;
+  const long long W = a->ids->shape[0], tk = a->ids->shape[1] * a->ids->shape[2];
+  const long long E = a->experts, el = E / W;
+
+  // units: about `blocks` in all (MOE_SCHEDULE_BITMAP_BLOCKS, a measuring aid; default 64), at most
+  // 4,096 positions each
+  const char *nb = getenv("MOE_SCHEDULE_BITMAP_BLOCKS");
+  const long long target = nb && atoi(nb) > 0 ? atoi(nb) : 64;
+  const bool rr = a->layout == MOE_LAYOUT_ROUNDROBIN;
+  const long long nc = tk < MOE_SCHED_THREADS ? tk : MOE_SCHED_THREADS;
+  const long long rp = rr ? pow2_at_least((tk + MOE_SCHED_THREADS - 1) / MOE_SCHED_THREADS) : 1;
+  const long long per_rank = rr ? pow2_at_least(nc) * rp : pow2_at_least(tk); // positions
+  long long bpr = 1;
+  while (W * bpr * 2 <= target && bpr * 2 <= per_rank / (rr ? rp : 1)) bpr *= 2;
+  while (per_rank / bpr > (long long)kThreads * kMaxSlots && W * bpr * 2 <= kMaxBlocks) bpr *= 2;
+  const long long np = per_rank / bpr > 0 ? per_rank / bpr : 1, nwp = np >= 32 ? np / 32 : 1;
+  const long long ws = (W + 3) & ~3LL;
+  const char *why = NULL;
+  if (tk == 0) why = "a rank without routes";
+  else if (el < 1) why = "a rank without experts";
+  else if (W * bpr > kMaxBlocks) why = "more than 128 units";
+  else if (np > (long long)kThreads * kMaxSlots) why = "more than 4,096 positions a unit";
+  else if (E > kMaxExperts) why = "more than 4,096 experts";
+  else if (el * nwp > kMaxWords) why = "more than 8,192 bitmap words";
+  else if (el * ws > 4 * (long long)kMaxExperts) why = "more than 16,384 (source rank, expert) counters";
+  else if (a->capacity > INT_MAX - 65536) why = "a capacity within 2^16 of 2^31"; // 32-bit rows
+  else if (W * tk > INT_MAX - 65536) why = "more than 2^31 - 65536 routes"; // flat indices
+  if (why) {
+    if (forced)
+      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": MOE_SCHEDULE_KERNEL=bitmap, but the bitmap kernel does not take %s",
+                        why);
+    return MOE_OK;
+  }
+  if (!forced) return MOE_OK; // not chosen by default yet: a measuring aid
+
+  Params P = {};
+  static_cast<ScheduleCall &>(P) = schedule_call(a);
+  static const int trace = getenv("MOE_SCHEDULE_TRACE") != NULL;
+  P.trace = trace;
+  P.hs = P.el + 2;
+  P.lgbpr = ilog2(bpr);
+  P.np = (int)np;
+  P.slots = (int)((np + kThreads - 1) / kThreads);
+  P.nc = (int)nc;
+  P.lgrp = ilog2(rp);
+  P.lgnlt = rr ? ilog2(np / rp) : 0;
+  P.lgnwp = ilog2(nwp);
+  P.wpt = nwp > 32 ? (int)(nwp / 32) : 1;
+  P.lglpr = ilog2(nwp / P.wpt);
+  P.passes = (int)(((el << P.lglpr) + kThreads - 1) / kThreads);
+  P.ws = (int)ws;
+  P.inv_w = 1.0f / (float)W;
+  P.inv_hs = 1.0f / (float)P.hs;
+  P.inv_pad = 1.0f / (float)P.pad;
+  P.L = smem_layout((int)(el * nwp), P.el, P.ws);
+  const size_t smem = sizeof(int) * (size_t)P.L.total;
+  const int g = (int)(W * bpr);
+
+  cudaStream_t st;
+  int rc = cuda_ctx_stream(ctx, device, &st);
+  if (rc) return rc;
+  const bool cached = device >= 0 && device < kDevices;
+  int nsm = cached ? sm_count[device].load(std::memory_order_relaxed) - 1 : -1;
+  if (nsm < 0) {
+    int coop = 0;
+    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, device));
+    if (!coop) nsm = 0;
+    if (cached) sm_count[device].store(nsm + 1, std::memory_order_relaxed);
+  }
+  if (g > nsm) { // one block an SM, all resident: the grid barrier
+    if (forced)
+      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+                        STAGE ": MOE_SCHEDULE_KERNEL=bitmap, but cuda:%d cannot hold %d cooperative blocks", device, g);
+    return MOE_OK;
+  }
+  if (!(cached && raised[device].load())) {
+    int optin = 0;
+    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    MOE_CUDA_TRY(ctx, STAGE,
+                 cudaFuncSetAttribute(schedule_bitmap_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+    if (cached) raised[device].store(true);
+  }
+
+  // scratch: the header (barrier, totals), then hist [G][el + 2]
+  const size_t nbytes = MOE_SCRATCH_HEADER + sizeof(int32_t) * (size_t)g * P.hs;
+  void *scratch;
+  int owned;
+  if ((rc = cuda_scratch_get(ctx, device, st, nbytes, &scratch, &owned))) return rc;
+  P.bar = (unsigned *)scratch;
+  P.tot = (int32_t *)scratch + MOE_SCHED_TOT_OFFSET;
+  P.hist = (int32_t *)((char *)scratch + MOE_SCRATCH_HEADER);
+
+  cudaLaunchConfig_t cfg;
+  cudaLaunchAttribute attr[2], coop = {};
+  coop.id = cudaLaunchAttributeCooperative;
+  coop.val.cooperative = 1;
+  schedule_launch_config(&cfg, attr, (unsigned)g, kThreads, smem, st, coop);
+  *ran = 1;
+  trace_grid = g;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, schedule_bitmap_kernel, P);
+  rc = cuda_scratch_done(ctx, st, scratch, owned); // whether or not the launch went (in a capture, a free node)
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return moe_seterr(ctx, MOE_ERR_CUDA, STAGE ": cudaLaunchKernelEx(schedule_bitmap_kernel) failed at %s:%d: %s: %s",
+                      __FILE__, __LINE__, cudaGetErrorName(err), cudaGetErrorString(err));
+  }
+  if (rc) return rc;
+  return moe_ok(ctx);
+}
+
+// The phase times of the last bitmap call made with MOE_SCHEDULE_TRACE set (see trace_buf): copies
+// min(G, max_blocks) rows of 10 and returns their number, or -1.
+extern "C" int schedule_bitmap_trace(long long *out, int max_blocks) {
+  const int n = trace_grid < max_blocks ? trace_grid : max_blocks;
+  if (cudaDeviceSynchronize() != cudaSuccess ||
+      cudaMemcpyFromSymbol(out, trace_buf, sizeof(long long) * (kTracePoints + 2) * n) != cudaSuccess)
+    return -1;
+  return n;
+}
