@@ -62,7 +62,7 @@ __host__ __device__ inline Smem smem_layout(int words, int el, int ws) {
                              // [8..10) rows needed (64-bit), [16..48) the segment warps' sums (64-bit)
   L.bm = 64;                 // [el][nwp] bitmaps of the unit's local routes, by position
   L.pre = L.bm + words;      // [el][nwp] set bits in the row before each word
-  L.c = L.pre + words;       // [el][ws] c[e][q], ws = W rounded up to 4 (zeros past W: int4 reads)
+  L.c = (L.pre + words + 3) & ~3; // [el][ws] c[e][q], ws = W rounded up to 4 (zeros past W: int4 reads)
   L.raw = L.c + el * ws;     // n_e before expert_capacity
   L.pfx = L.raw + el;        // routes of e in this source rank's units before this one
   L.off = L.pfx + el;        // min(base[e], C), e = 0..el
@@ -119,8 +119,16 @@ __device__ __forceinline__ int route_of(const Params &P, int s, int y, int *bit)
   return i < P.tk ? i : -1;
 }
 
-__global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Params P) {
+__global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __grid_constant__ Params Pk) {
   extern __shared__ int4 smem4[];
+  // The parameters are copied into shared memory before griddepcontrol.wait: each launch's are
+  // new to the constant cache, and a miss on every first use of one costs an L2 round trip in the
+  // middle of the chain (PERF.md).
+  __shared__ Params sp;
+  static_assert(sizeof(Params) % 4 == 0 && sizeof(Params) <= 4 * kThreads, "parameters copied an int a thread");
+  if (threadIdx.x < sizeof(Params) / 4) ((int *)&sp)[threadIdx.x] = ((const int *)&Pk)[threadIdx.x];
+  const Params &P = sp;
+  __syncthreads();
   int *sm = (int *)smem4;
   const Smem &L = P.L;
   int *misc = sm + L.misc, *bm = sm + L.bm, *pre = sm + L.pre, *c = sm + L.c, *raw = sm + L.raw, *pfx = sm + L.pfx;
