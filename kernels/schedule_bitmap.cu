@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __gr
 
 constexpr int kDevices = 64;
 std::atomic<int> sm_count[kDevices]; // multiprocessors + 1
-std::atomic<bool> raised[kDevices];  // the kernel's dynamic shared memory limit raised
+std::atomic<int> dyn_room[kDevices]; // dynamic shared memory a block may have (raised to it), bytes + 1
 
 int ilog2(long long x) { // x a power of two
   int r = 0;
@@ -437,12 +437,22 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
                         STAGE ": MOE_SCHEDULE_KERNEL=bitmap, but cuda:%d cannot hold %d cooperative blocks", device, g);
     return MOE_OK;
   }
-  if (!(cached && raised[device].load())) {
+  int room = cached ? dyn_room[device].load(std::memory_order_relaxed) - 1 : -1;
+  if (room < 0) { // the opt-in limit less the static shared memory (the parameters' copy)
     int optin = 0;
+    cudaFuncAttributes fa;
     MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    MOE_CUDA_TRY(ctx, STAGE, cudaFuncGetAttributes(&fa, schedule_bitmap_kernel));
+    room = optin - (int)fa.sharedSizeBytes;
     MOE_CUDA_TRY(ctx, STAGE,
-                 cudaFuncSetAttribute(schedule_bitmap_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
-    if (cached) raised[device].store(true);
+                 cudaFuncSetAttribute(schedule_bitmap_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, room));
+    if (cached) dyn_room[device].store(room + 1, std::memory_order_relaxed);
+  }
+  if (smem > (size_t)room) {
+    if (forced)
+      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+                        STAGE ": MOE_SCHEDULE_KERNEL=bitmap, but %zu bytes of shared memory do not fit a block", smem);
+    return MOE_OK;
   }
 
   // scratch: the header (barrier, totals), then hist [G][el + 2]
