@@ -223,6 +223,7 @@ __device__ inline Segments group_segments(const int *raw, int el, int pad, float
   int e0, e1;
   segment_run(el, gw, ng, &e0, &e1);
   long long sum = 0;
+#pragma unroll 1 // code size: each launch runs this once (PERF.md, instruction-cache misses)
   for (int e = e0; e < e1; e++) sum += padded_size(segment_routes(raw[e], expert_capacity), pad, inv_pad);
   const long long incl = warp_inclusive_scan(sum);
   long long base = incl - sum, all = __shfl_sync(MOE_FULL_MASK, incl, 31);
@@ -230,6 +231,7 @@ __device__ inline Segments group_segments(const int *raw, int el, int pad, float
     if (lane == 31) tot[gw] = incl;
     asm volatile("bar.sync 1, %0;" ::"r"(32 * ng) : "memory");
     all = 0;
+#pragma unroll 1
     for (int w = 0; w < ng; w++) {
       const long long x = tot[w];
       base += w < gw ? x : 0;
@@ -237,6 +239,7 @@ __device__ inline Segments group_segments(const int *raw, int el, int pad, float
     }
   }
   Segments S = {all, 0, 0};
+#pragma unroll 1
   for (int e = e0; e < e1; e++) {
     const int ne = segment_routes(raw[e], expert_capacity), kept = segment_kept(ne, base, capacity);
     lim[e] = kept;

@@ -54,7 +54,7 @@ constexpr int kBatch = 4;            // loads in flight a thread after the barri
 
 // Offsets (ints) of the shared arrays; the host sizes the launch with the same function.
 struct Smem {
-  int misc, bm, pre, c, raw, pfx, off, lim, total;
+  int misc, bm, pre, c, raw, pfx, cpre, off, lim, total;
 };
 __host__ __device__ inline Smem smem_layout(int words, int el, int ws) {
   Smem L;
@@ -65,7 +65,8 @@ __host__ __device__ inline Smem smem_layout(int words, int el, int ws) {
   L.c = (L.pre + words + 3) & ~3; // [el][ws] c[e][q], ws = W rounded up to 4 (zeros past W: int4 reads)
   L.raw = L.c + el * ws;     // n_e before expert_capacity
   L.pfx = L.raw + el;        // routes of e in this source rank's units before this one
-  L.off = L.pfx + el;        // min(base[e], C), e = 0..el
+  L.cpre = L.pfx + el;       // peer_major: sum_{q<p} c[e][q]
+  L.off = L.cpre + el;       // min(base[e], C), e = 0..el
   L.lim = L.off + el + 1;    // routes of e that get a row
   L.total = L.lim + el;
   return L;
@@ -78,7 +79,7 @@ struct Params : ScheduleCall {
   int32_t *hist;    // scratch: [G][hs]: a unit's count of each expert, then its invalid ids and the first
   int hs;           // el + 2
   int lgbpr;        // log2 of the units a source rank
-  int np, slots;    // positions a unit (a power of two), ceil(np / kThreads)
+  int np;           // positions a unit (a power of two)
   int lgnlt, lgrp;  // roundrobin: log2 of the logical threads a unit and of the slots a logical thread
   int nc;           // roundrobin: logical threads that hold routes, min(tk, 1024)
   int lgnwp;        // log2 of the bitmap words an expert (np / 32, at least 1)
@@ -119,6 +120,10 @@ __device__ __forceinline__ int route_of(const Params &P, int s, int y, int *bit)
   return i < P.tk ? i : -1;
 }
 
+// kS: positions a thread (1, 2, 4 or 8), so that the loops over them unroll to what the unit has:
+// code size is time here -- each launch runs its code once, and instruction-cache misses were a
+// third of the stall samples of a version unrolled to 8 everywhere (PERF.md)
+template <int kS>
 __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __grid_constant__ Params Pk) {
   extern __shared__ int4 smem4[];
   // The parameters are copied into shared memory before griddepcontrol.wait: each launch's are
@@ -132,14 +137,14 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __gr
   int *sm = (int *)smem4;
   const Smem &L = P.L;
   int *misc = sm + L.misc, *bm = sm + L.bm, *pre = sm + L.pre, *c = sm + L.c, *raw = sm + L.raw, *pfx = sm + L.pfx;
-  int *off = sm + L.off, *lim = sm + L.lim;
+  int *off = sm + L.off, *lim = sm + L.lim, *cpre = sm + L.cpre;
   const int t = threadIdx.x, lane = t & 31, b = blockIdx.x, G = gridDim.x;
   const int el = P.el, tk = P.tk, W = P.world;
   const int p = b >> P.lgbpr, s = b & ((1 << P.lgbpr) - 1);
 
   // before the previous kernel ends: clear what this call accumulates in shared memory
   for (int x = t; x < L.pre; x += kThreads) sm[x] = x == 1 || x == 5 ? INT_MAX : 0; // misc (two minima), bitmaps
-  for (int x = L.c + t; x < L.off; x += kThreads) sm[x] = 0;                         // c, raw, pfx
+  for (int x = L.c + t; x < L.off; x += kThreads) sm[x] = 0;                         // c, raw, pfx, cpre
   __syncthreads();
   asm volatile("griddepcontrol.wait;" ::: "memory");
   trace_point(P, 0);
@@ -148,18 +153,18 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __gr
   if (t == 0) misc[2] = (int)(*(volatile unsigned *)P.bar >> 31); // the call's parity (grid_barrier)
   const int32_t *ids = P.ids + (size_t)p * tk;
   int32_t *rrow = P.route_row + (size_t)p * tk;
-  int v[kMaxSlots], idx[kMaxSlots], bit[kMaxSlots];
+  int v[kS], idx[kS], bit[kS];
 #pragma unroll
-  for (int q = 0; q < kMaxSlots; q++) {
+  for (int q = 0; q < kS; q++) {
     idx[q] = -1, bit[q] = 0;
     const int y = q * kThreads + t;
-    if (q < P.slots && y < P.np) idx[q] = route_of(P, s, y, &bit[q]);
+    if (y < P.np) idx[q] = route_of(P, s, y, &bit[q]);
     v[q] = idx[q] >= 0 ? __ldg(ids + idx[q]) : -1;
   }
   unsigned loc = 0;
   int ninv = 0, first = INT_MAX;
 #pragma unroll
-  for (int q = 0; q < kMaxSlots; q++) {
+  for (int q = 0; q < kS; q++) {
     if (idx[q] < 0) continue;
     const unsigned e = (unsigned)v[q] - (unsigned)P.lo;
     if (e < (unsigned)el) {
@@ -210,10 +215,10 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __gr
   trace_point(P, 2);
 
   // 3. the grid barrier; meanwhile each route's ordinal inside its unit
-  int jl[kMaxSlots];
+  int jl[kS];
   if (t == 0) grid_arrive_wait(P.bar);
 #pragma unroll
-  for (int q = 0; q < kMaxSlots; q++) {
+  for (int q = 0; q < kS; q++) {
     jl[q] = 0;
     if (loc >> q & 1) {
       const int w = (v[q] << P.lgnwp) + (bit[q] >> 5);
@@ -224,38 +229,35 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __gr
   trace_point(P, 3);
   asm volatile("griddepcontrol.launch_dependents;");
 
-  // 4. c[e][q] (and n_e), the counts of this rank's earlier units, block 0 the invalid ids: one
-  // round of loads, then shared atomics (sums)
+  // 4. c[e][q] (n_e and peer_major's sum_{q<p} c[e][q] summed as they arrive), the counts of this
+  // rank's earlier units, block 0 the invalid ids: one round of loads, then shared atomics (sums)
   {
     const int32_t *tot = P.tot + parity * MOE_SCHED_TOT_STRIDE;
     const int32_t *before = P.hist + (size_t)(p << P.lgbpr) * P.hs;
-    const int ne = P.experts, npre = s * P.hs, ninvs = b == 0 ? G : 0, n = ne + npre + ninvs;
+    const int ne = P.experts, npre = s * P.hs, n = ne + npre + (b == 0 ? 2 * G : 0);
+#pragma unroll 1
     for (int x0 = t; x0 < n; x0 += kThreads * kBatch) {
-      int val[kBatch], val2[kBatch];
+      int val[kBatch];
 #pragma unroll
-      for (int u = 0; u < kBatch; u++) {
-        const int x = x0 + u * kThreads;
-        val[u] = val2[u] = 0;
-        if (x < ne) val[u] = __ldcg(tot + x);
-        else if (x < ne + npre) val[u] = __ldcg(before + (x - ne));
-        else if (x < n) {
-          const int32_t *h = P.hist + (size_t)(x - ne - npre) * P.hs + el;
-          val[u] = __ldcg(h), val2[u] = __ldcg(h + 1);
-        }
+      for (int u = 0; u < kBatch; u++) { // the loads first
+        const int x = x0 + u * kThreads, y = x - ne - npre;
+        const int32_t *from = x < ne ? tot + x : x < ne + npre ? before + (x - ne) : P.hist + (y >> 1) * P.hs + el + (y & 1);
+        val[u] = x < n ? __ldcg(from) : 0;
       }
 #pragma unroll
       for (int u = 0; u < kBatch; u++) {
-        const int x = x0 + u * kThreads;
+        const int x = x0 + u * kThreads, y = x - ne - npre;
         if (x < ne) {
           const int e = div_by(x, W, P.inv_w), q = x - e * W;
           c[e * P.ws + q] = val[u];
           if (val[u]) atomicAdd(&raw[e], val[u]);
+          if (val[u] && q < p) atomicAdd(&cpre[e], val[u]);
         } else if (x < ne + npre) {
-          const int y = x - ne, e = y - div_by(y, P.hs, P.inv_hs) * P.hs;
+          const int e = (x - ne) - div_by(x - ne, P.hs, P.inv_hs) * P.hs;
           if (e < el && val[u]) atomicAdd(&pfx[e], val[u]);
-        } else if (x < n && val[u]) {
-          atomicAdd(&misc[4], val[u]);
-          atomicMin(&misc[5], val2[u]);
+        } else if (x < n) {
+          if (!(y & 1)) atomicAdd(&misc[4], val[u]);
+          else atomicMin(&misc[5], val[u]);
         }
       }
     }
@@ -278,16 +280,20 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __gr
 
   // 6. place
 #pragma unroll
-  for (int q = 0; q < kMaxSlots; q++) {
+  for (int q = 0; q < kS; q++) {
     if (!(loc >> q & 1)) continue;
     const int e = v[q], j = pfx[e] + jl[q];
-    const int *ce = c + e * P.ws;
-    int pos;
+    int pos = cpre[e] + j;
     if (P.roundrobin) {
-      pos = roundrobin_position4((const int4 *)ce, P.ws >> 2, p, j);
-    } else {
-      pos = j;
-      for (int x = 0; x < p; x++) pos += ce[x];
+      const int4 *c4 = (const int4 *)(c + e * P.ws);
+      pos = 0;
+#pragma unroll 2
+      for (int q4 = 0; q4 < P.ws >> 2; q4++) { // zeros past W count nothing
+        const int4 cq = c4[q4];
+        const int q0 = 4 * q4;
+        pos += min(cq.x, j) + (q0 < p && cq.x > j) + min(cq.y, j) + (q0 + 1 < p && cq.y > j);
+        pos += min(cq.z, j) + (q0 + 2 < p && cq.z > j) + min(cq.w, j) + (q0 + 3 < p && cq.w > j);
+      }
     }
     int row = -1;
     if (pos < lim[e]) {
@@ -297,16 +303,16 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __gr
     }
     rrow[idx[q]] = row;
   }
-  const int used = off[el];
-  for (int x = b; x < el; x += G) { // padding rows of the experts x = b mod G
-    fill_unused(P.peer_rank, off[x] + lim[x], off[x + 1], t, kThreads);
-    fill_unused(P.peer_route, off[x] + lim[x], off[x + 1], t, kThreads);
-  }
-  { // this block's share of the unused rows
-    const int share = (P.capacity - used + G - 1) / G;
-    const int lo_row = used + b * share, hi_row = min(P.capacity, lo_row + share);
-    fill_unused(P.peer_rank, lo_row, hi_row, t, kThreads);
-    fill_unused(P.peer_route, lo_row, hi_row, t, kThreads);
+  // -1 into the padding rows of the experts x = b mod G, then into this block's share of the
+  // unused rows [rows used, C): one loop over both
+  const int used = off[el], share = (P.capacity - used + G - 1) / G;
+  const int ulo = min(P.capacity, used + b * share), uhi = min(P.capacity, ulo + share);
+#pragma unroll 1
+  for (int x = b; x <= el + G - 1; x += G) {
+    const int lo_row = x < el ? off[x] + lim[x] : ulo, hi_row = x < el ? off[x + 1] : uhi;
+#pragma unroll 1
+    for (int r = lo_row + t; r < hi_row; r += kThreads) P.peer_rank[r] = P.peer_route[r] = -1;
+    if (x >= el) break;
   }
   trace_point(P, 6);
   if (b == 0) {
@@ -337,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __gr
 
 constexpr int kDevices = 64;
 std::atomic<int> sm_count[kDevices]; // multiprocessors + 1
-std::atomic<int> dyn_room[kDevices]; // dynamic shared memory a block may have (raised to it), bytes + 1
+std::atomic<int> dyn_room[kDevices][4]; // dynamic shared memory a block may have (raised to it), bytes + 1
 
 int ilog2(long long x) { // x a power of two
   int r = 0;
@@ -403,7 +409,11 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   P.hs = P.el + 2;
   P.lgbpr = ilog2(bpr);
   P.np = (int)np;
-  P.slots = (int)((np + kThreads - 1) / kThreads);
+  const int slots = (int)((np + kThreads - 1) / kThreads), lgs = ilog2(slots);
+  void (*kernel)(const Params) = lgs == 0   ? schedule_bitmap_kernel<1>
+                                 : lgs == 1 ? schedule_bitmap_kernel<2>
+                                 : lgs == 2 ? schedule_bitmap_kernel<4>
+                                            : schedule_bitmap_kernel<8>;
   P.nc = (int)nc;
   P.lgrp = ilog2(rp);
   P.lgnlt = rr ? ilog2(np / rp) : 0;
@@ -437,16 +447,15 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
                         STAGE ": MOE_SCHEDULE_KERNEL=bitmap, but cuda:%d cannot hold %d cooperative blocks", device, g);
     return MOE_OK;
   }
-  int room = cached ? dyn_room[device].load(std::memory_order_relaxed) - 1 : -1;
+  int room = cached ? dyn_room[device][lgs].load(std::memory_order_relaxed) - 1 : -1;
   if (room < 0) { // the opt-in limit less the static shared memory (the parameters' copy)
     int optin = 0;
     cudaFuncAttributes fa;
     MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    MOE_CUDA_TRY(ctx, STAGE, cudaFuncGetAttributes(&fa, schedule_bitmap_kernel));
+    MOE_CUDA_TRY(ctx, STAGE, cudaFuncGetAttributes(&fa, kernel));
     room = optin - (int)fa.sharedSizeBytes;
-    MOE_CUDA_TRY(ctx, STAGE,
-                 cudaFuncSetAttribute(schedule_bitmap_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, room));
-    if (cached) dyn_room[device].store(room + 1, std::memory_order_relaxed);
+    MOE_CUDA_TRY(ctx, STAGE, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, room));
+    if (cached) dyn_room[device][lgs].store(room + 1, std::memory_order_relaxed);
   }
   if (smem > (size_t)room) {
     if (forced)
@@ -471,7 +480,7 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   schedule_launch_config(&cfg, attr, (unsigned)g, kThreads, smem, st, coop);
   *ran = 1;
   trace_grid = g;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, schedule_bitmap_kernel, P);
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, P);
   rc = cuda_scratch_done(ctx, st, scratch, owned); // whether or not the launch went (in a capture, a free node)
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
