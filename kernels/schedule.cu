@@ -734,9 +734,9 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
                       STAGE ": %lld routes a rank and %lld experts a rank; cuda takes at most 2^31 - 65536 of each",
                       tk_all, el_all);
   // the smallest problems: every block counts all ids; then small ones: one cluster
-  int ran, rc = schedule_replicated_cuda(ctx, a, &ran);
+  int ran, rc = schedule_bitmap_cuda(ctx, a, &ran);
   if (ran || rc) return rc;
-  rc = schedule_bitmap_cuda(ctx, a, &ran);
+  rc = schedule_replicated_cuda(ctx, a, &ran);
   if (ran || rc) return rc;
   rc = schedule_cluster_cuda(ctx, a, &ran);
   if (ran || rc) return rc;

@@ -45,39 +45,36 @@
 
 namespace {
 
-constexpr int kThreads = 512, kWarps = kThreads / 32;
+constexpr int kThreads = 512;
 constexpr int kMaxSlots = 8;         // positions a thread: NP <= 4096
 constexpr int kMaxWords = 8192;      // bitmap words: el * NP / 32
 constexpr int kMaxBlocks = 128;      // G = W * bpr, all resident
-constexpr int kMaxExperts = MOE_SCHED_TOT_STRIDE; // E: the totals c[e][q] of one call
+constexpr int kMaxPer = 4;           // experts a lane in the segments: el <= 128
 constexpr int kBatch = 4;            // loads in flight a thread after the barrier
 
 // Offsets (ints) of the shared arrays; the host sizes the launch with the same function.
 struct Smem {
-  int misc, bm, pre, c, raw, pfx, cpre, off, lim, total;
+  int misc, bm, pre, c, raw, pfx, cpre, total;
 };
-__host__ __device__ inline Smem smem_layout(int words, int el, int ws) {
+__host__ __device__ inline Smem smem_layout(int words, int el, int wp) {
   Smem L;
-  L.misc = 0;                // [0] invalid ids, [1] first invalid, [2] parity, [4] all invalid, [5] their first,
-                             // [8..10) rows needed (64-bit), [16..48) the segment warps' sums (64-bit)
-  L.bm = 64;                 // [el][nwp] bitmaps of the unit's local routes, by position
-  L.pre = L.bm + words;      // [el][nwp] set bits in the row before each word
-  L.c = (L.pre + words + 3) & ~3; // [el][ws] c[e][q], ws = W rounded up to 4 (zeros past W: int4 reads)
-  L.raw = L.c + el * ws;     // n_e before expert_capacity
-  L.pfx = L.raw + el;        // routes of e in this source rank's units before this one
-  L.cpre = L.pfx + el;       // peer_major: sum_{q<p} c[e][q]
-  L.off = L.cpre + el;       // min(base[e], C), e = 0..el
-  L.lim = L.off + el + 1;    // routes of e that get a row
-  L.total = L.lim + el;
+  L.misc = 0;                     // [0] invalid ids, [1] first invalid, [2] parity, [4] all invalid, [5] their first
+  L.bm = 8;                       // [el][nwp] bitmaps of the unit's local routes, by position
+  L.pre = L.bm + words;           // [el][nwp] set bits in the row before each word
+  L.c = (L.pre + words + 3) & ~3; // [el][wp] c[e][q], zeros past W (int4 reads)
+  L.raw = L.c + el * wp;          // n_e before expert_capacity
+  L.pfx = L.raw + el;             // routes of e in this source rank's units before this one
+  L.cpre = L.pfx + el;            // peer_major: sum_{q<p} c[e][q]
+  L.total = L.cpre + el;
   return L;
 }
 
 struct Params : ScheduleCall {
   int trace;        // record the phases' times (MOE_SCHEDULE_TRACE set): a measuring aid
   unsigned *bar;    // scratch: the grid barrier (grid_barrier.cuh), bit 31 the call's parity
-  int32_t *tot;     // scratch: c[e][q] totals, [2][MOE_SCHED_TOT_STRIDE] by the parity
+  int32_t *tot;     // scratch: c[e][q] totals, [2][MOE_SCHED_TOT_STRIDE] by the parity, [el][wp] each
   int32_t *hist;    // scratch: [G][hs]: a unit's count of each expert, then its invalid ids and the first
-  int hs;           // el + 2
+  int lghs;         // log2 hs, hs >= el + 2
   int lgbpr;        // log2 of the units a source rank
   int np;           // positions a unit (a power of two)
   int lgnlt, lgrp;  // roundrobin: log2 of the logical threads a unit and of the slots a logical thread
@@ -85,15 +82,16 @@ struct Params : ScheduleCall {
   int lgnwp;        // log2 of the bitmap words an expert (np / 32, at least 1)
   int wpt, lglpr;   // words a thread in the scan, log2 of the threads an expert's row
   int passes;       // ceil(el << lglpr / kThreads)
-  int ws;           // row stride of c[e][q] in shared memory
-  float inv_w, inv_hs, inv_pad; // 1 / W, 1 / hs, 1 / pad: quotients without a division
+  int lgwp;         // log2 wp: W rounded up to a power of two, at least 4 (the row stride of c[e][q])
+  int lgper;        // log2 of the experts a lane in the segments
+  float inv_pad;    // 1 / pad: quotients without a division
   Smem L;
 };
 
 // The last traced call, per block: clock64 at the phase points (entry, loaded, scanned, past the
-// barrier, totals, segments, placed, end), then %globaltimer at entry and end.  Read by
+// barrier, totals, placed, end), then %globaltimer at entry and end.  Read by
 // schedule_bitmap_trace (the scheduler's GPU test, --trace).
-constexpr int kTracePoints = 8;
+constexpr int kTracePoints = 7;
 __device__ long long trace_buf[kMaxBlocks][kTracePoints + 2];
 int trace_grid;
 __device__ __forceinline__ void trace_point(const Params &P, int i) {
@@ -120,31 +118,64 @@ __device__ __forceinline__ int route_of(const Params &P, int s, int y, int *bit)
   return i < P.tk ? i : -1;
 }
 
+// The segments as one warp sees them, every warp alike (no barrier after them): lane l holds
+// experts [l per, l per + per), per = 2^lgper <= kMaxPer; off = min(base, C), lim = routes that
+// get a row; rows needed and used.  32-bit: the host bounds the padded total below 2^31.
+struct WarpSegments {
+  int off[kMaxPer], lim[kMaxPer], need, used;
+};
+__device__ __forceinline__ WarpSegments warp_segments(const Params &P, const int *raw) {
+  const int lane = threadIdx.x & 31, per = 1 << P.lgper;
+  WarpSegments S;
+  int n[kMaxPer], sz[kMaxPer], sum = 0;
+#pragma unroll
+  for (int k = 0; k < kMaxPer; k++) {
+    const int e = lane * per + k;
+    n[k] = k < per && e < P.el ? segment_routes(raw[e], P.expert_capacity) : 0;
+    sz[k] = (int)padded_size(n[k], P.pad, P.inv_pad);
+    sum += sz[k];
+  }
+  const int incl = warp_inclusive_scan(sum);
+  int base = incl - sum;
+  S.need = __shfl_sync(MOE_FULL_MASK, incl, 31);
+  S.used = min(S.need, P.capacity);
+#pragma unroll
+  for (int k = 0; k < kMaxPer; k++) {
+    S.off[k] = min(base, P.capacity);
+    S.lim[k] = segment_kept(n[k], base, P.capacity);
+    base += sz[k];
+  }
+  return S;
+}
+// Expert e's off and lim from the lane that holds them (every lane of the warp calls it).
+__device__ __forceinline__ void segment_of(const WarpSegments &S, int lgper, int e, int *off, int *lim) {
+  const int src = e >> lgper, k = e & ((1 << lgper) - 1);
+  *off = __shfl_sync(MOE_FULL_MASK, S.off[0], src);
+  *lim = __shfl_sync(MOE_FULL_MASK, S.lim[0], src);
+#pragma unroll
+  for (int kk = 1; kk < kMaxPer; kk++) {
+    const int o = __shfl_sync(MOE_FULL_MASK, S.off[kk], src), l = __shfl_sync(MOE_FULL_MASK, S.lim[kk], src);
+    if (k == kk) *off = o, *lim = l;
+  }
+}
+
 // kS: positions a thread (1, 2, 4 or 8), so that the loops over them unroll to what the unit has:
-// code size is time here -- each launch runs its code once, and instruction-cache misses were a
-// third of the stall samples of a version unrolled to 8 everywhere (PERF.md)
+// code size is time here -- each launch runs its code once, and an early version unrolled to 8
+// everywhere (8,700 instructions) spent a third of its stall samples on instruction fetch (PERF.md)
 template <int kS>
-__global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __grid_constant__ Params Pk) {
+__global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Params P) {
   extern __shared__ int4 smem4[];
-  // The parameters are copied into shared memory before griddepcontrol.wait: each launch's are
-  // new to the constant cache, and a miss on every first use of one costs an L2 round trip in the
-  // middle of the chain (PERF.md).
-  __shared__ Params sp;
-  static_assert(sizeof(Params) % 4 == 0 && sizeof(Params) <= 4 * kThreads, "parameters copied an int a thread");
-  if (threadIdx.x < sizeof(Params) / 4) ((int *)&sp)[threadIdx.x] = ((const int *)&Pk)[threadIdx.x];
-  const Params &P = sp;
-  __syncthreads();
   int *sm = (int *)smem4;
   const Smem &L = P.L;
   int *misc = sm + L.misc, *bm = sm + L.bm, *pre = sm + L.pre, *c = sm + L.c, *raw = sm + L.raw, *pfx = sm + L.pfx;
-  int *off = sm + L.off, *lim = sm + L.lim, *cpre = sm + L.cpre;
+  int *cpre = sm + L.cpre;
   const int t = threadIdx.x, lane = t & 31, b = blockIdx.x, G = gridDim.x;
   const int el = P.el, tk = P.tk, W = P.world;
   const int p = b >> P.lgbpr, s = b & ((1 << P.lgbpr) - 1);
 
   // before the previous kernel ends: clear what this call accumulates in shared memory
   for (int x = t; x < L.pre; x += kThreads) sm[x] = x == 1 || x == 5 ? INT_MAX : 0; // misc (two minima), bitmaps
-  for (int x = L.c + t; x < L.off; x += kThreads) sm[x] = 0;                         // c, raw, pfx, cpre
+  for (int x = L.c + t; x < L.total; x += kThreads) sm[x] = 0;                       // c, raw, pfx, cpre
   __syncthreads();
   asm volatile("griddepcontrol.wait;" ::: "memory");
   trace_point(P, 0);
@@ -182,9 +213,10 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __gr
 
   // 2. the rows' prefixes and totals; the unit's counts out
   const int parity = misc[2];
-  int32_t *hist = P.hist + (size_t)b * P.hs;
+  int32_t *hist = P.hist + ((size_t)b << P.lghs);
   {
     const int lpr = 1 << P.lglpr;
+#pragma unroll 1
     for (int r = 0; r < P.passes; r++) {
       const int g = r * kThreads + t, e = g >> P.lglpr, seg = g & (lpr - 1);
       const bool ok = e < el;
@@ -194,6 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __gr
       for (int k = 0; k < 4; k++)
         if (ok && k < P.wpt) pc[k] = __popc((unsigned)bm[w0 + k]), sum += pc[k];
       int incl = sum;
+#pragma unroll 1
       for (int o = 1; o < lpr; o <<= 1) { // within the row's lanes
         const int u = __shfl_up_sync(MOE_FULL_MASK, incl, o, lpr);
         if (seg >= o) incl += u;
@@ -205,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __gr
           if (k < P.wpt) pre[w0 + k] = run, run += pc[k];
         if (seg == lpr - 1) {
           __stcg(hist + e, incl);
-          if (incl) atomicAdd(P.tot + parity * MOE_SCHED_TOT_STRIDE + e * W + p, incl);
+          if (incl) atomicAdd(P.tot + parity * MOE_SCHED_TOT_STRIDE + (e << P.lgwp) + p, incl);
         }
       }
     }
@@ -229,31 +262,32 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __gr
   trace_point(P, 3);
   asm volatile("griddepcontrol.launch_dependents;");
 
-  // 4. c[e][q] (n_e and peer_major's sum_{q<p} c[e][q] summed as they arrive), the counts of this
-  // rank's earlier units, block 0 the invalid ids: one round of loads, then shared atomics (sums)
+  // 4. one round of loads -- c[e][q] (n_e and peer_major's sum_{q<p} c[e][q] summed as they
+  // arrive), the counts of this rank's earlier units, for block 0 every unit's invalid ids -- then
+  // shared atomics (sums, so their order is immaterial)
   {
     const int32_t *tot = P.tot + parity * MOE_SCHED_TOT_STRIDE;
-    const int32_t *before = P.hist + (size_t)(p << P.lgbpr) * P.hs;
-    const int ne = P.experts, npre = s * P.hs, n = ne + npre + (b == 0 ? 2 * G : 0);
+    const int32_t *before = P.hist + ((size_t)(p << P.lgbpr) << P.lghs);
+    const int nt = el << P.lgwp, npre = s << P.lghs, n = nt + npre + (b == 0 ? 2 * G : 0);
 #pragma unroll 1
     for (int x0 = t; x0 < n; x0 += kThreads * kBatch) {
       int val[kBatch];
 #pragma unroll
       for (int u = 0; u < kBatch; u++) { // the loads first
-        const int x = x0 + u * kThreads, y = x - ne - npre;
-        const int32_t *from = x < ne ? tot + x : x < ne + npre ? before + (x - ne) : P.hist + (y >> 1) * P.hs + el + (y & 1);
+        const int x = x0 + u * kThreads, y = x - nt - npre;
+        const int32_t *from = x < nt ? tot + x : x < nt + npre ? before + (x - nt) : P.hist + ((y >> 1) << P.lghs) + el + (y & 1);
         val[u] = x < n ? __ldcg(from) : 0;
       }
 #pragma unroll
       for (int u = 0; u < kBatch; u++) {
-        const int x = x0 + u * kThreads, y = x - ne - npre;
-        if (x < ne) {
-          const int e = div_by(x, W, P.inv_w), q = x - e * W;
-          c[e * P.ws + q] = val[u];
+        const int x = x0 + u * kThreads, y = x - nt - npre;
+        if (x < nt) {
+          const int e = x >> P.lgwp, q = x & ((1 << P.lgwp) - 1);
+          c[x] = val[u];
           if (val[u]) atomicAdd(&raw[e], val[u]);
           if (val[u] && q < p) atomicAdd(&cpre[e], val[u]);
-        } else if (x < ne + npre) {
-          const int e = (x - ne) - div_by(x - ne, P.hs, P.inv_hs) * P.hs;
+        } else if (x < nt + npre) {
+          const int e = (x - nt) & ((1 << P.lghs) - 1);
           if (e < el && val[u]) atomicAdd(&pfx[e], val[u]);
         } else if (x < n) {
           if (!(y & 1)) atomicAdd(&misc[4], val[u]);
@@ -268,82 +302,105 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const __gr
   __syncthreads();
   trace_point(P, 4);
 
-  // 5. the segments, by the last ng warps
-  const int ng = min(kWarps, (el + 31) >> 5), gw = (t >> 5) - (kWarps - ng);
-  if (gw >= 0) {
-    const Segments seg = group_segments(raw, el, P.pad, P.inv_pad, P.expert_capacity, P.capacity, off, lim, gw, ng,
-                                        (long long *)(misc + 16));
-    if (gw == 0 && lane == 0) *(long long *)(misc + 8) = seg.need;
-  }
-  __syncthreads();
-  trace_point(P, 5);
-
-  // 6. place
+  // 5. the segments, in every warp; then place
+  const WarpSegments S = warp_segments(P, raw);
 #pragma unroll
   for (int q = 0; q < kS; q++) {
-    if (!(loc >> q & 1)) continue;
-    const int e = v[q], j = pfx[e] + jl[q];
+    const bool mine = loc >> q & 1;
+    const int e = mine ? v[q] : 0, j = mine ? pfx[e] + jl[q] : 0;
+    int off, lim;
+    segment_of(S, P.lgper, e, &off, &lim);
     int pos = cpre[e] + j;
     if (P.roundrobin) {
-      const int4 *c4 = (const int4 *)(c + e * P.ws);
-      pos = 0;
+      const unsigned want = __ballot_sync(MOE_FULL_MASK, mine);
+      if (W >= 32 && __popc(want) <= 4) {
+        // few routes and many ranks: the warp's lanes take the ranks, one route after another
+#pragma unroll 1
+        for (unsigned m = want; m; m &= m - 1) {
+          const int src = __ffs(m) - 1;
+          const int ee = __shfl_sync(MOE_FULL_MASK, e, src), jj = __shfl_sync(MOE_FULL_MASK, j, src);
+          int f = 0;
+#pragma unroll 1
+          for (int qq = lane; qq < W; qq += 32) {
+            const int cq = c[(ee << P.lgwp) + qq];
+            f += min(cq, jj) + (qq < p && cq > jj);
+          }
+#pragma unroll
+          for (int o = 16; o; o >>= 1) f += __shfl_xor_sync(MOE_FULL_MASK, f, o);
+          if (lane == src) pos = f;
+        }
+      } else if (mine) { // a route a lane
+        const int4 *c4 = (const int4 *)(c + (e << P.lgwp));
+        pos = 0;
 #pragma unroll 2
-      for (int q4 = 0; q4 < P.ws >> 2; q4++) { // zeros past W count nothing
-        const int4 cq = c4[q4];
-        const int q0 = 4 * q4;
-        pos += min(cq.x, j) + (q0 < p && cq.x > j) + min(cq.y, j) + (q0 + 1 < p && cq.y > j);
-        pos += min(cq.z, j) + (q0 + 2 < p && cq.z > j) + min(cq.w, j) + (q0 + 3 < p && cq.w > j);
+        for (int q4 = 0; q4 < (W + 3) >> 2; q4++) { // zeros past W count nothing
+          const int4 cq = c4[q4];
+          const int q0 = 4 * q4;
+          pos += min(cq.x, j) + (q0 < p && cq.x > j) + min(cq.y, j) + (q0 + 1 < p && cq.y > j);
+          pos += min(cq.z, j) + (q0 + 2 < p && cq.z > j) + min(cq.w, j) + (q0 + 3 < p && cq.w > j);
+        }
       }
     }
+    if (!mine) continue;
     int row = -1;
-    if (pos < lim[e]) {
-      row = off[e] + pos;
+    if (pos < lim) {
+      row = off + pos;
       P.peer_rank[row] = p;
       P.peer_route[row] = idx[q];
     }
     rrow[idx[q]] = row;
   }
-  // -1 into the padding rows of the experts x = b mod G, then into this block's share of the
-  // unused rows [rows used, C): one loop over both
-  const int used = off[el], share = (P.capacity - used + G - 1) / G;
-  const int ulo = min(P.capacity, used + b * share), uhi = min(P.capacity, ulo + share);
+  // -1 into the padding rows of the experts x = b mod G, and into this block's share of the
+  // unused rows [rows used, C)
 #pragma unroll 1
-  for (int x = b; x <= el + G - 1; x += G) {
-    const int lo_row = x < el ? off[x] + lim[x] : ulo, hi_row = x < el ? off[x + 1] : uhi;
+  for (int x = b; x < el; x += G) {
+    int o0, l0, o1, l1;
+    segment_of(S, P.lgper, x, &o0, &l0);
+    segment_of(S, P.lgper, x + 1 < el ? x + 1 : x, &o1, &l1);
+    const int hi = x + 1 < el ? o1 : S.used;
 #pragma unroll 1
-    for (int r = lo_row + t; r < hi_row; r += kThreads) P.peer_rank[r] = P.peer_route[r] = -1;
-    if (x >= el) break;
+    for (int r = o0 + l0 + t; r < hi; r += kThreads) P.peer_rank[r] = P.peer_route[r] = -1;
+  }
+  {
+    const int share = (P.capacity - S.used + G - 1) / G;
+    const int lo = min(P.capacity, S.used + b * share), hi = min(P.capacity, lo + share);
+    fill_unused(P.peer_rank, lo, hi, t, kThreads);
+    fill_unused(P.peer_route, lo, hi, t, kThreads);
+  }
+  trace_point(P, 5);
+  if (b == 0 && t < 32) { // counts, tokens_per_expert, expert_offsets, stats: warp 0 holds them all
+    const int per = 1 << P.lgper;
+    int dropped = 0, next_off = __shfl_down_sync(MOE_FULL_MASK, S.off[0], 1);
+#pragma unroll
+    for (int k = 0; k < kMaxPer; k++) {
+      const int e = lane * per + k;
+      if (k >= per || e >= el) continue;
+      const int hi = k + 1 < per ? S.off[k + 1 < kMaxPer ? k + 1 : k] : lane < 31 ? next_off : S.used;
+      P.offsets[e] = S.off[k];
+      P.counts[e] = S.lim[k];
+      P.tpe[e] = (e + 1 < el ? hi : S.used) - S.off[k];
+      dropped += raw[e] - S.lim[k];
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) dropped += __shfl_xor_sync(MOE_FULL_MASK, dropped, o);
+    if (lane == 0) {
+      const int inv = misc[4];
+      P.offsets[el] = S.used;
+      P.stats[MOE_STAT_ROWS_NEEDED] = S.need;
+      P.stats[MOE_STAT_ROWS_USED] = S.used;
+      P.stats[MOE_STAT_DROPPED] = dropped;
+      P.stats[MOE_STAT_INVALID] = inv;
+      P.stats[MOE_STAT_FIRST_INVALID] = inv ? misc[5] : -1;
+    }
   }
   trace_point(P, 6);
-  if (b == 0) {
-    for (int x = t; x <= el; x += kThreads) {
-      P.offsets[x] = off[x];
-      if (x < el) P.counts[x] = lim[x], P.tpe[x] = off[x + 1] - off[x];
-    }
-    if (t < 32) { // the stats; dropped = sum_e n_e - kept by one warp
-      int dropped = 0;
-      for (int x = lane; x < el; x += 32) dropped += raw[x] - lim[x];
-#pragma unroll
-      for (int o = 16; o; o >>= 1) dropped += __shfl_xor_sync(MOE_FULL_MASK, dropped, o);
-      if (lane == 0) {
-        const long long need = *(const long long *)(misc + 8);
-        const int inv = misc[4];
-        P.stats[MOE_STAT_ROWS_NEEDED] = (int)(need < INT_MAX ? need : INT_MAX);
-        P.stats[MOE_STAT_ROWS_USED] = used;
-        P.stats[MOE_STAT_DROPPED] = dropped;
-        P.stats[MOE_STAT_INVALID] = inv;
-        P.stats[MOE_STAT_FIRST_INVALID] = inv ? misc[5] : -1;
-      }
-    }
-  }
-  trace_point(P, 7);
 }
 
 // ---- host ----
 
 constexpr int kDevices = 64;
 std::atomic<int> sm_count[kDevices]; // multiprocessors + 1
-std::atomic<int> dyn_room[kDevices][4]; // dynamic shared memory a block may have (raised to it), bytes + 1
+std::atomic<bool> raised[kDevices][4]; // an instance's dynamic shared memory limit raised (past 48 KiB)
 
 int ilog2(long long x) { // x a power of two
   int r = 0;
@@ -371,42 +428,42 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   const long long W = a->ids->shape[0], tk = a->ids->shape[1] * a->ids->shape[2];
   const long long E = a->experts, el = E / W;
 
-  // units: about `blocks` in all (MOE_SCHEDULE_BITMAP_BLOCKS, a measuring aid; default 64), at most
-  // 4,096 positions each
+  // units: about `blocks` in all (MOE_SCHEDULE_BITMAP_BLOCKS, a measuring aid; by default 64 up to
+  // EP8, else 128: PERF.md), at most 4,096 positions each
   const char *nb = getenv("MOE_SCHEDULE_BITMAP_BLOCKS");
-  const long long target = nb && atoi(nb) > 0 ? atoi(nb) : 64;
+  const long long target = nb && atoi(nb) > 0 ? atoi(nb) : W <= 8 ? 64 : 128;
   const bool rr = a->layout == MOE_LAYOUT_ROUNDROBIN;
   const long long nc = tk < MOE_SCHED_THREADS ? tk : MOE_SCHED_THREADS;
   const long long rp = rr ? pow2_at_least((tk + MOE_SCHED_THREADS - 1) / MOE_SCHED_THREADS) : 1;
   const long long per_rank = rr ? pow2_at_least(nc) * rp : pow2_at_least(tk); // positions
   long long bpr = 1;
-  while (W * bpr * 2 <= target && bpr * 2 <= per_rank / (rr ? rp : 1)) bpr *= 2;
+  while (W * bpr * 2 <= target && bpr * 2 <= per_rank / rp) bpr *= 2;
   while (per_rank / bpr > (long long)kThreads * kMaxSlots && W * bpr * 2 <= kMaxBlocks) bpr *= 2;
-  const long long np = per_rank / bpr > 0 ? per_rank / bpr : 1, nwp = np >= 32 ? np / 32 : 1;
-  const long long ws = (W + 3) & ~3LL;
+  const long long np = per_rank / bpr, nwp = np >= 32 ? np / 32 : 1;
+  const long long wp = W < 4 ? 4 : pow2_at_least(W), hs = pow2_at_least(el + 2);
   const char *why = NULL;
   if (tk == 0) why = "a rank without routes";
   else if (el < 1) why = "a rank without experts";
+  else if (el > 32 * kMaxPer) why = "more than 128 experts a rank";
   else if (W * bpr > kMaxBlocks) why = "more than 128 units";
   else if (np > (long long)kThreads * kMaxSlots) why = "more than 4,096 positions a unit";
-  else if (E > kMaxExperts) why = "more than 4,096 experts";
+  else if (el * wp > MOE_SCHED_TOT_STRIDE) why = "more than 4,096 (expert, source rank) totals";
   else if (el * nwp > kMaxWords) why = "more than 8,192 bitmap words";
-  else if (el * ws > 4 * (long long)kMaxExperts) why = "more than 16,384 (source rank, expert) counters";
   else if (a->capacity > INT_MAX - 65536) why = "a capacity within 2^16 of 2^31"; // 32-bit rows
-  else if (W * tk > INT_MAX - 65536) why = "more than 2^31 - 65536 routes"; // flat indices
+  else if (W * tk + el * (long long)(a->pad - 1) > INT_MAX - 65536) why = "more than 2^31 - 65536 rows or routes";
   if (why) {
     if (forced)
       return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": MOE_SCHEDULE_KERNEL=bitmap, but the bitmap kernel does not take %s",
                         why);
     return MOE_OK;
   }
-  if (!forced) return MOE_OK; // not chosen by default yet: a measuring aid
+  if (!forced && !getenv("MOE_SCHEDULE_BITMAP_AUTO")) return MOE_OK; // not chosen by default yet: a measuring aid
 
   Params P = {};
   static_cast<ScheduleCall &>(P) = schedule_call(a);
   static const int trace = getenv("MOE_SCHEDULE_TRACE") != NULL;
   P.trace = trace;
-  P.hs = P.el + 2;
+  P.lghs = ilog2(hs);
   P.lgbpr = ilog2(bpr);
   P.np = (int)np;
   const int slots = (int)((np + kThreads - 1) / kThreads), lgs = ilog2(slots);
@@ -421,11 +478,10 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   P.wpt = nwp > 32 ? (int)(nwp / 32) : 1;
   P.lglpr = ilog2(nwp / P.wpt);
   P.passes = (int)(((el << P.lglpr) + kThreads - 1) / kThreads);
-  P.ws = (int)ws;
-  P.inv_w = 1.0f / (float)W;
-  P.inv_hs = 1.0f / (float)P.hs;
+  P.lgwp = ilog2(wp);
+  P.lgper = ilog2(pow2_at_least((el + 31) / 32));
   P.inv_pad = 1.0f / (float)P.pad;
-  P.L = smem_layout((int)(el * nwp), P.el, P.ws);
+  P.L = smem_layout((int)(el * nwp), P.el, (int)wp);
   const size_t smem = sizeof(int) * (size_t)P.L.total;
   const int g = (int)(W * bpr);
 
@@ -447,25 +503,15 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
                         STAGE ": MOE_SCHEDULE_KERNEL=bitmap, but cuda:%d cannot hold %d cooperative blocks", device, g);
     return MOE_OK;
   }
-  int room = cached ? dyn_room[device][lgs].load(std::memory_order_relaxed) - 1 : -1;
-  if (room < 0) { // the opt-in limit less the static shared memory (the parameters' copy)
+  if (smem > 48 * 1024 && !(cached && raised[device][lgs].load())) {
     int optin = 0;
-    cudaFuncAttributes fa;
     MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    MOE_CUDA_TRY(ctx, STAGE, cudaFuncGetAttributes(&fa, kernel));
-    room = optin - (int)fa.sharedSizeBytes;
-    MOE_CUDA_TRY(ctx, STAGE, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, room));
-    if (cached) dyn_room[device][lgs].store(room + 1, std::memory_order_relaxed);
-  }
-  if (smem > (size_t)room) {
-    if (forced)
-      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
-                        STAGE ": MOE_SCHEDULE_KERNEL=bitmap, but %zu bytes of shared memory do not fit a block", smem);
-    return MOE_OK;
+    MOE_CUDA_TRY(ctx, STAGE, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+    if (cached) raised[device][lgs].store(true);
   }
 
-  // scratch: the header (barrier, totals), then hist [G][el + 2]
-  const size_t nbytes = MOE_SCRATCH_HEADER + sizeof(int32_t) * (size_t)g * P.hs;
+  // scratch: the header (barrier, totals), then hist [G][hs]
+  const size_t nbytes = MOE_SCRATCH_HEADER + sizeof(int32_t) * (size_t)g * hs;
   void *scratch;
   int owned;
   if ((rc = cuda_scratch_get(ctx, device, st, nbytes, &scratch, &owned))) return rc;
@@ -492,7 +538,7 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
 }
 
 // The phase times of the last bitmap call made with MOE_SCHEDULE_TRACE set (see trace_buf): copies
-// min(G, max_blocks) rows of 10 and returns their number, or -1.
+// min(G, max_blocks) rows of 9 and returns their number, or -1.
 extern "C" int schedule_bitmap_trace(long long *out, int max_blocks) {
   const int n = trace_grid < max_blocks ? trace_grid : max_blocks;
   if (cudaDeviceSynchronize() != cudaSuccess ||

@@ -635,7 +635,8 @@ static int cmp_ll(const void *a, const void *b) {
 /* --trace: where one call's time goes.  Per phase, the median over blocks of its clock64 cycles
  * (grid kernel: load, rank, barrier, histogram reads, scan, place, route_row + clears; cluster
  * kernel: load, list + rank, cluster barrier, gather, segments, place + fill, barrier + rows;
- * replicated kernel: count, rank + segments, place + fill, stats); the span by %globaltimer
+ * replicated kernel: count, rank + segments, place + fill, stats; bitmap kernel: load, scan,
+ * barrier, totals, segments + place + fill, stats); the span by %globaltimer
  * (first entry to last end); beside the per-call time in a graph of 200 calls. */
 enum { K_GRID, K_CLUSTER, K_REPLICATED, K_BITMAP };
 static void print_trace(const char *label, float per_call_us, int kernel) {
@@ -646,12 +647,12 @@ static void print_trace(const char *label, float per_call_us, int kernel) {
                 : kernel == K_REPLICATED ? schedule_replicated_trace(buf, MAXB)
                                          : schedule_bitmap_trace(buf, MAXB);
   if (n <= 0) die("schedule trace");
-  const int phases = kernel == K_REPLICATED ? 4 : 7, width = phases + 3; /* clocks, then two timers */
+  const int phases = kernel == K_REPLICATED ? 4 : kernel == K_BITMAP ? 6 : 7, width = phases + 3; /* clocks, then two timers */
   static const char *const names[4][7] = {
       {"load", "rank", "barrier", "hist", "scan", "place", "rows+clears"},
       {"load", "list+rank", "barrier", "gather", "segments", "place+fill", "barrier+rows"},
       {"count", "rank+segments", "place+fill", "stats"},
-      {"load", "scan", "barrier", "totals", "segments", "place+fill", "stats"}};
+      {"load", "scan", "barrier", "totals", "segments+place+fill", "stats"}};
   static const char *const kinds[] = {"grid", "cluster", "replicated", "bitmap"};
   printf("trace %s, %s kernel: %d blocks, %.2f us per call;", label, kinds[kernel], n, per_call_us);
   for (int ph = 0; ph < phases; ph++) {
