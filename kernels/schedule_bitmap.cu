@@ -54,18 +54,21 @@ constexpr int kBatch = 4;            // loads in flight a thread after the barri
 
 // Offsets (ints) of the shared arrays; the host sizes the launch with the same function.
 struct Smem {
-  int misc, bm, pre, c, raw, pfx, cpre, total;
+  int misc, bm, pre, c, raw, pfx, cpre, la, li, total;
 };
-__host__ __device__ inline Smem smem_layout(int words, int el, int wp) {
+__host__ __device__ inline Smem smem_layout(int words, int el, int wp, int np) {
   Smem L;
-  L.misc = 0;                     // [0] invalid ids, [1] first invalid, [2] parity, [4] all invalid, [5] their first
+  L.misc = 0;                     // [0] invalid ids, [1] first invalid, [2] parity, [3] local routes,
+                                  // [4] all invalid, [5] their first
   L.bm = 8;                       // [el][nwp] bitmaps of the unit's local routes, by position
   L.pre = L.bm + words;           // [el][nwp] set bits in the row before each word
   L.c = (L.pre + words + 3) & ~3; // [el][wp] c[e][q], zeros past W (int4 reads)
   L.raw = L.c + el * wp;          // n_e before expert_capacity
   L.pfx = L.raw + el;             // routes of e in this source rank's units before this one
   L.cpre = L.pfx + el;            // peer_major: sum_{q<p} c[e][q]
-  L.total = L.cpre + el;
+  L.la = L.cpre + el;             // the unit's local routes, in no order: e << 12 | ordinal in the unit
+  L.li = L.la + np;               // and their route index
+  L.total = L.li + np;
   return L;
 }
 
@@ -84,6 +87,7 @@ struct Params : ScheduleCall {
   int passes;       // ceil(el << lglpr / kThreads)
   int lgwp;         // log2 wp: W rounded up to a power of two, at least 4 (the row stride of c[e][q])
   int lgper;        // log2 of the experts a lane in the segments
+  int lgtpr;        // log2 of the threads that place a route (roundrobin: an int4 of c[e][q] each)
   float inv_pad;    // 1 / pad: quotients without a division
   Smem L;
 };
@@ -131,7 +135,9 @@ __device__ __forceinline__ WarpSegments warp_segments(const Params &P, const int
 #pragma unroll
   for (int k = 0; k < kMaxPer; k++) {
     const int e = lane * per + k;
-    n[k] = k < per && e < P.el ? segment_routes(raw[e], P.expert_capacity) : 0;
+    n[k] = sz[k] = 0;
+    if (k >= per) continue; // the same for every lane
+    n[k] = e < P.el ? segment_routes(raw[e], P.expert_capacity) : 0;
     sz[k] = (int)padded_size(n[k], P.pad, P.inv_pad);
     sum += sz[k];
   }
@@ -154,6 +160,7 @@ __device__ __forceinline__ void segment_of(const WarpSegments &S, int lgper, int
   *lim = __shfl_sync(MOE_FULL_MASK, S.lim[0], src);
 #pragma unroll
   for (int kk = 1; kk < kMaxPer; kk++) {
+    if (kk >> lgper) break; // the same for every lane
     const int o = __shfl_sync(MOE_FULL_MASK, S.off[kk], src), l = __shfl_sync(MOE_FULL_MASK, S.lim[kk], src);
     if (k == kk) *off = o, *lim = l;
   }
@@ -175,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Para
 
   // before the previous kernel ends: clear what this call accumulates in shared memory
   for (int x = t; x < L.pre; x += kThreads) sm[x] = x == 1 || x == 5 ? INT_MAX : 0; // misc (two minima), bitmaps
-  for (int x = L.c + t; x < L.total; x += kThreads) sm[x] = 0;                       // c, raw, pfx, cpre
+  for (int x = L.c + t; x < L.la; x += kThreads) sm[x] = 0;                          // c, raw, pfx, cpre
   __syncthreads();
   asm volatile("griddepcontrol.wait;" ::: "memory");
   trace_point(P, 0);
@@ -247,15 +254,18 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Para
   __syncthreads();
   trace_point(P, 2);
 
-  // 3. the grid barrier; meanwhile each route's ordinal inside its unit
-  int jl[kS];
+  // 3. the grid barrier; meanwhile each local route's ordinal inside its unit, and the route into
+  // the list the placing threads take from (in no order: an entry carries all it needs)
   if (t == 0) grid_arrive_wait(P.bar);
+  int *la = sm + L.la, *li = sm + L.li;
 #pragma unroll
   for (int q = 0; q < kS; q++) {
-    jl[q] = 0;
     if (loc >> q & 1) {
       const int w = (v[q] << P.lgnwp) + (bit[q] >> 5);
-      jl[q] = pre[w] + __popc((unsigned)bm[w] & ((1u << (bit[q] & 31)) - 1));
+      const int jl = pre[w] + __popc((unsigned)bm[w] & ((1u << (bit[q] & 31)) - 1));
+      const int k = atomicAdd(&misc[3], 1);
+      la[k] = v[q] << 12 | jl;
+      li[k] = idx[q];
     }
   }
   __syncthreads();
@@ -302,53 +312,44 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Para
   __syncthreads();
   trace_point(P, 4);
 
-  // 5. the segments, in every warp; then place
+  // 5. the segments, in every warp; then place: tpr threads a route (lanes over the source ranks,
+  // an int4 of c[e][q] each), as many routes at a time as the block has threads
   const WarpSegments S = warp_segments(P, raw);
-#pragma unroll
-  for (int q = 0; q < kS; q++) {
-    const bool mine = loc >> q & 1;
-    const int e = mine ? v[q] : 0, j = mine ? pfx[e] + jl[q] : 0;
-    int off, lim;
-    segment_of(S, P.lgper, e, &off, &lim);
-    int pos = cpre[e] + j;
-    if (P.roundrobin) {
-      const unsigned want = __ballot_sync(MOE_FULL_MASK, mine);
-      if (W >= 32 && __popc(want) <= 4) {
-        // few routes and many ranks: the warp's lanes take the ranks, one route after another
+  {
+    const int nl = misc[3], lgtpr = P.roundrobin ? P.lgtpr : 0, tpr = 1 << lgtpr, sub = t & (tpr - 1);
 #pragma unroll 1
-        for (unsigned m = want; m; m &= m - 1) {
-          const int src = __ffs(m) - 1;
-          const int ee = __shfl_sync(MOE_FULL_MASK, e, src), jj = __shfl_sync(MOE_FULL_MASK, j, src);
-          int f = 0;
-#pragma unroll 1
-          for (int qq = lane; qq < W; qq += 32) {
-            const int cq = c[(ee << P.lgwp) + qq];
-            f += min(cq, jj) + (qq < p && cq > jj);
-          }
-#pragma unroll
-          for (int o = 16; o; o >>= 1) f += __shfl_xor_sync(MOE_FULL_MASK, f, o);
-          if (lane == src) pos = f;
-        }
-      } else if (mine) { // a route a lane
+    for (int r0 = 0; r0 < nl; r0 += kThreads >> lgtpr) {
+      const int r = r0 + (t >> lgtpr);
+      const bool mine = r < nl;
+      const int x = mine ? la[r] : 0, e = x >> 12, j = pfx[e] + (x & 4095);
+      int pos = 0;
+      if (P.roundrobin) {
         const int4 *c4 = (const int4 *)(c + (e << P.lgwp));
-        pos = 0;
-#pragma unroll 2
-        for (int q4 = 0; q4 < (W + 3) >> 2; q4++) { // zeros past W count nothing
+#pragma unroll 1
+        for (int q4 = sub; q4 < (W + 3) >> 2; q4 += tpr) { // zeros past W count nothing
           const int4 cq = c4[q4];
           const int q0 = 4 * q4;
           pos += min(cq.x, j) + (q0 < p && cq.x > j) + min(cq.y, j) + (q0 + 1 < p && cq.y > j);
           pos += min(cq.z, j) + (q0 + 2 < p && cq.z > j) + min(cq.w, j) + (q0 + 3 < p && cq.w > j);
         }
+#pragma unroll 1
+        for (int o = 1; o < tpr; o <<= 1) pos += __shfl_xor_sync(MOE_FULL_MASK, pos, o);
+      } else {
+        pos = cpre[e] + j;
+      }
+      int off, lim;
+      segment_of(S, P.lgper, e, &off, &lim);
+      if (mine && sub == 0) {
+        const int i = li[r];
+        int row = -1;
+        if (pos < lim) {
+          row = off + pos;
+          P.peer_rank[row] = p;
+          P.peer_route[row] = i;
+        }
+        rrow[i] = row;
       }
     }
-    if (!mine) continue;
-    int row = -1;
-    if (pos < lim) {
-      row = off + pos;
-      P.peer_rank[row] = p;
-      P.peer_route[row] = idx[q];
-    }
-    rrow[idx[q]] = row;
   }
   // -1 into the padding rows of the experts x = b mod G, and into this block's share of the
   // unused rows [rows used, C)
@@ -480,8 +481,10 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   P.passes = (int)(((el << P.lglpr) + kThreads - 1) / kThreads);
   P.lgwp = ilog2(wp);
   P.lgper = ilog2(pow2_at_least((el + 31) / 32));
+  P.lgtpr = ilog2(pow2_at_least((W + 3) / 4));
+  if (P.lgtpr > 5) P.lgtpr = 5;
   P.inv_pad = 1.0f / (float)P.pad;
-  P.L = smem_layout((int)(el * nwp), P.el, (int)wp);
+  P.L = smem_layout((int)(el * nwp), P.el, (int)wp, (int)np);
   const size_t smem = sizeof(int) * (size_t)P.L.total;
   const int g = (int)(W * bpr);
 
