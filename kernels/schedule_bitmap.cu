@@ -50,6 +50,7 @@ constexpr int kMaxSlots = 8;         // positions a thread: NP <= 4096
 constexpr int kMaxWords = 8192;      // bitmap words: el * NP / 32
 constexpr int kMaxBlocks = 128;      // G = W * bpr, all resident
 constexpr int kMaxPer = 4;           // experts a lane in the segments: el <= 128
+constexpr int kMaxWpt = 8;           // bitmap words a thread in the scan
 constexpr int kBatch = 4;            // loads in flight a thread after the barrier
 
 // Offsets (ints) of the shared arrays; the host sizes the launch with the same function.
@@ -81,7 +82,9 @@ struct Params : ScheduleCall {
   int lgbpr;        // log2 of the units a source rank
   int np;           // positions a unit (a power of two)
   int lgnlt, lgrp;  // roundrobin: log2 of the logical threads a unit and of the slots a logical thread
-  int nc;           // roundrobin: logical threads that hold routes, min(tk, 1024)
+  int ltmask;       // roundrobin: logical threads a unit less one; peer_major all ones
+  int mstride;      // roundrobin: 1024 (route = slot 1024 + logical thread); peer_major 0
+  int nc;           // roundrobin: logical threads that hold routes, min(tk, 1024); peer_major INT_MAX
   int lgnwp;        // log2 of the bitmap words an expert (np / 32, at least 1)
   int wpt, lglpr;   // words a thread in the scan, log2 of the threads an expert's row
   int passes;       // ceil(el << lglpr / kThreads)
@@ -108,18 +111,14 @@ __device__ __forceinline__ void trace_point(const Params &P, int i) {
   }
 }
 
-// Route index (inside its source rank) of load index y of unit s, and its position in the order
-// of j; -1 where the position holds no route.
-__device__ __forceinline__ int route_of(const Params &P, int s, int y, int *bit) {
-  if (P.roundrobin) {
-    const int m = y >> P.lgnlt, ltl = y & ((1 << P.lgnlt) - 1), lt = (s << P.lgnlt) + ltl;
-    const int i = m * MOE_SCHED_THREADS + lt;
-    *bit = ltl << P.lgrp | m;
-    return lt < P.nc && i < P.tk ? i : -1;
-  }
-  const int i = s * P.np + y;
-  *bit = y;
-  return i < P.tk ? i : -1;
+// Route index (inside its source rank) of load index y of this unit, and its position in the order
+// of j; -1 where the position holds no route.  One formula for both layouts, without a branch:
+// roundrobin i = (y >> lgnlt) 1024 + lt, lt = s nlt + (y & (nlt - 1)), position (lt - s nlt) Rp +
+// (y >> lgnlt); peer_major i = s NP + y, position y (lgnlt 31, stride 0, lt_end unbounded).
+__device__ __forceinline__ int route_of(const Params &P, int lt0, int y, int *bit) {
+  const int m = y >> P.lgnlt, ltl = y & P.ltmask, lt = lt0 + ltl, i = m * P.mstride + lt;
+  *bit = ltl << P.lgrp | m;
+  return lt < P.nc && i < P.tk ? i : -1;
 }
 
 // The segments as one warp sees them, every warp alike (no barrier after them): lane l holds
@@ -192,27 +191,26 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Para
   const int32_t *ids = P.ids + (size_t)p * tk;
   int32_t *rrow = P.route_row + (size_t)p * tk;
   int v[kS], idx[kS], bit[kS];
+  const int lt0 = P.roundrobin ? s << P.lgnlt : s * P.np; // the unit's first logical thread, or route
 #pragma unroll
   for (int q = 0; q < kS; q++) {
-    idx[q] = -1, bit[q] = 0;
     const int y = q * kThreads + t;
-    if (y < P.np) idx[q] = route_of(P, s, y, &bit[q]);
+    idx[q] = y < P.np ? route_of(P, lt0, y, &bit[q]) : -1;
     v[q] = idx[q] >= 0 ? __ldg(ids + idx[q]) : -1;
   }
   unsigned loc = 0;
   int ninv = 0, first = INT_MAX;
 #pragma unroll
-  for (int q = 0; q < kS; q++) {
-    if (idx[q] < 0) continue;
+  for (int q = 0; q < kS; q++) { // predicated, not branched: each branch costs a convergence point
     const unsigned e = (unsigned)v[q] - (unsigned)P.lo;
-    if (e < (unsigned)el) {
-      loc |= 1u << q;
-      v[q] = (int)e;
-      atomicOr((unsigned *)bm + ((int)e << P.lgnwp) + (bit[q] >> 5), 1u << (bit[q] & 31));
-    } else {
-      rrow[idx[q]] = -1;
-      if (v[q] != -1 && (unsigned)v[q] >= (unsigned)P.experts) ninv++, first = min(first, p * tk + idx[q]);
-    }
+    const bool has = idx[q] >= 0, mine = has && e < (unsigned)el;
+    const bool bad = has && !mine && v[q] != -1 && (unsigned)v[q] >= (unsigned)P.experts;
+    loc |= (unsigned)mine << q;
+    if (mine) atomicOr((unsigned *)bm + ((int)e << P.lgnwp) + (bit[q] >> 5), 1u << (bit[q] & 31));
+    if (has && !mine) rrow[idx[q]] = -1;
+    ninv += bad;
+    first = bad ? min(first, p * tk + idx[q]) : first;
+    v[q] = (int)e;
   }
   if (ninv) atomicAdd(&misc[0], ninv), atomicMin(&misc[1], first);
   __syncthreads();
@@ -228,10 +226,12 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Para
       const int g = r * kThreads + t, e = g >> P.lglpr, seg = g & (lpr - 1);
       const bool ok = e < el;
       const int w0 = (e << P.lgnwp) + seg * P.wpt;
-      int pc[4] = {0, 0, 0, 0}, sum = 0;
+      int pc[kMaxWpt], sum = 0;
 #pragma unroll
-      for (int k = 0; k < 4; k++)
-        if (ok && k < P.wpt) pc[k] = __popc((unsigned)bm[w0 + k]), sum += pc[k];
+      for (int k = 0; k < kMaxWpt; k++) {
+        pc[k] = ok && k < P.wpt ? __popc((unsigned)bm[w0 + k]) : 0;
+        sum += pc[k];
+      }
       int incl = sum;
 #pragma unroll 1
       for (int o = 1; o < lpr; o <<= 1) { // within the row's lanes
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Para
       if (ok) {
         int run = incl - sum;
 #pragma unroll
-        for (int k = 0; k < 4; k++)
+        for (int k = 0; k < kMaxWpt; k++)
           if (k < P.wpt) pre[w0 + k] = run, run += pc[k];
         if (seg == lpr - 1) {
           __stcg(hist + e, incl);
@@ -351,16 +351,18 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Para
       }
     }
   }
-  // -1 into the padding rows of the experts x = b mod G, and into this block's share of the
-  // unused rows [rows used, C)
+  // -1 into the padding rows of the experts e = b mod G (none where pad is 1): the lanes that hold
+  // them, each warp a sixteenth of the rows
+  if (P.pad > 1) {
+    const int per = 1 << P.lgper, nxt = __shfl_down_sync(MOE_FULL_MASK, S.off[0], 1), warp = t >> 5;
+#pragma unroll
+    for (int k = 0; k < kMaxPer; k++) {
+      const int e = lane * per + k;
+      if (k >= per || e >= el || e % G != b) continue;
+      const int hi = e + 1 == el ? S.used : k + 1 < per ? S.off[k + 1 < kMaxPer ? k + 1 : k] : nxt;
 #pragma unroll 1
-  for (int x = b; x < el; x += G) {
-    int o0, l0, o1, l1;
-    segment_of(S, P.lgper, x, &o0, &l0);
-    segment_of(S, P.lgper, x + 1 < el ? x + 1 : x, &o1, &l1);
-    const int hi = x + 1 < el ? o1 : S.used;
-#pragma unroll 1
-    for (int r = o0 + l0 + t; r < hi; r += kThreads) P.peer_rank[r] = P.peer_route[r] = -1;
+      for (int r = S.off[k] + S.lim[k] + warp; r < hi; r += kThreads / 32) P.peer_rank[r] = P.peer_route[r] = -1;
+    }
   }
   {
     const int share = (P.capacity - S.used + G - 1) / G;
@@ -472,11 +474,16 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
                                  : lgs == 1 ? schedule_bitmap_kernel<2>
                                  : lgs == 2 ? schedule_bitmap_kernel<4>
                                             : schedule_bitmap_kernel<8>;
-  P.nc = (int)nc;
+  P.nc = rr ? (int)nc : INT_MAX;
   P.lgrp = ilog2(rp);
-  P.lgnlt = rr ? ilog2(np / rp) : 0;
+  P.lgnlt = rr ? ilog2(np / rp) : 31;
+  P.ltmask = rr ? (int)(np / rp) - 1 : -1;
+  P.mstride = rr ? MOE_SCHED_THREADS : 0;
   P.lgnwp = ilog2(nwp);
-  P.wpt = nwp > 32 ? (int)(nwp / 32) : 1;
+  // words a thread: one pass over the bitmap where 8 words a thread allow it (lanes of a row <= 32)
+  long long wpt = nwp > 32 ? nwp / 32 : 1;
+  while (wpt < kMaxWpt && wpt < nwp && el * (nwp / wpt) > kThreads) wpt *= 2;
+  P.wpt = (int)wpt;
   P.lglpr = ilog2(nwp / P.wpt);
   P.passes = (int)(((el << P.lglpr) + kThreads - 1) / kThreads);
   P.lgwp = ilog2(wp);
