@@ -10,9 +10,12 @@
 // chunk is a run of that order -- a power-of-two group of columns for roundrobin, a run of rows
 // for peer_major -- and each source rank is cut into S chunks: W * S units, about one per SM.
 //
-// Small problems go to a one-cluster kernel first (kernels/schedule_cluster.cu; schedule_cuda asks
-// schedule_cluster_cuda, which declines the rest).  Everything else: one cooperative kernel, one
-// block per unit, in two phases around a grid barrier:
+// schedule_cuda asks the other kernels first, each declining what it does not take: the bitmap
+// kernel (kernels/schedule_bitmap.cu: up to 4,096 routes a block and 128 experts a rank, which
+// covers decode, 512 tokens and Kimi K2's shape), then for more experts a rank the replicated and
+// one-cluster kernels (kernels/schedule_replicated.cu, kernels/schedule_cluster.cu) at small
+// sizes.  Everything else: one cooperative kernel, one block per unit, in two phases around a grid
+// barrier:
 //
 //   1. The block loads its chunk into shared memory in column-major order (rows padded to an odd
 //      length, so the transposing store and the ordered reads are free of bank conflicts),

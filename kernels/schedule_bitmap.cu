@@ -1,10 +1,12 @@
-// schedule_bitmap.cu -- the scheduler for small and mid-sized problems (decode, 512 tokens at any
-// EP size), bit for bit the result of schedule_cpu: one cooperative grid, every block's routes in
-// registers, the ordinals ranked with per-expert bitmaps, one exchange of counts between blocks.
+// schedule_bitmap.cu -- the scheduler for everything up to 4,096 routes a block and 128 experts a
+// rank (decode, 512 tokens at any EP size, Kimi K2's 7,168 tokens at EP8), bit for bit the result of
+// schedule_cpu: one cooperative grid, every block's routes in registers, their ordinals ranked with
+// per-expert bitmaps, one exchange of counts between blocks.
 //
-// Why a fourth kernel.  At 512 tokens a call of the other kernels is a chain of ten or more
-// block-wide steps (lists of the local routes, block scans, ballot chains, scans over warps), and
-// their time is the chain's latency, not work (PERF.md).  This one keeps the chain short:
+// Why a fourth kernel.  At 512 tokens a call of the grid and cluster kernels is a chain of ten or
+// more block-wide steps (lists of the local routes, block scans, ballot chains, scans over warps),
+// each a few hundred cycles of latency, and their code runs once per launch.  This one keeps the
+// chain and the code short:
 //
 // Each source rank is cut into bpr units of NP positions (a power of two) in the order of j --
 // "roundrobin": nlt logical threads of Rp slots, position (logical thread, slot); "peer_major": a
@@ -19,18 +21,21 @@
 //      (hist[unit][e]) and added into this call's totals c[e][p] (atomics that only sum);
 //   3. the grid barrier (kernels/grid_barrier.cuh's protocol, the word shared with the grid
 //      kernel, so the parity and the totals' buffers alternate the same way whichever kernel
-//      runs); while thread 0 waits, the others form their routes' ordinals;
+//      runs); while thread 0 waits, the others form their routes' ordinals and list the routes;
 //   4. one round of loads: c[e][q] into shared memory (n_e summed as it arrives), the counts of the
 //      units before this one of the same source rank (the ordinal's offset), and, for block 0, all
-//      units' invalid ids; then the segments by a group of warps (schedule.cuh); then each local
-//      route's row -- roundrobin base + sum_q min(c[e][q], j) + #{q < p : c[e][q] > j}, peer_major
-//      base + sum_{q<p} c[e][q] + j -- stored with peer_rank and peer_route; padding rows of the
-//      experts e = b mod G and a share of the unused rows [rows used, C) get -1 from block b;
-//      block 0 writes counts, tokens_per_expert, expert_offsets and stats.
-// Six block-wide barriers and one grid barrier in all.  No atomics decide an order, the host never
-// waits, and nothing is cleared that the call does not clear itself (the totals' other buffer, as
-// the grid kernel does).  Launched as a programmatic dependent, like the others; the shared memory
-// is cleared before griddepcontrol.wait, so that it overlaps the previous kernel's tail.
+//      units' invalid ids;
+//   5. the segments in every warp (a lane holds up to four experts' offsets in registers: no
+//      barrier after them); each listed route's row -- roundrobin base + sum_q min(c[e][q], j) +
+//      #{q < p : c[e][q] > j}, summed by up to 32 lanes a route, peer_major base + sum_{q<p}
+//      c[e][q] + j -- stored with peer_rank and peer_route; padding rows of the experts e = b mod
+//      G and a share of the unused rows [rows used, C) get -1 from block b; warp 0 of block 0
+//      writes counts, tokens_per_expert, expert_offsets and stats.
+// Four block-wide barriers and one grid barrier after griddepcontrol.wait.  No atomics decide an
+// order, the host never waits, and nothing is cleared that the call does not clear itself (the
+// totals' other buffer, as the grid kernel does).  Launched as a programmatic dependent, like the
+// others; the shared memory is cleared before griddepcontrol.wait, so that it overlaps the
+// previous kernel's tail.
 #include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -431,10 +436,11 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   const long long W = a->ids->shape[0], tk = a->ids->shape[1] * a->ids->shape[2];
   const long long E = a->experts, el = E / W;
 
-  // units: about `blocks` in all (MOE_SCHEDULE_BITMAP_BLOCKS, a measuring aid; by default 64 up to
-  // EP8, else 128: PERF.md), at most 4,096 positions each
+  // units: about `target` in all, at most 4,096 positions each.  Measured at 512 tokens (PERF.md):
+  // fewer blocks make the exchange cheaper, more make each block's chain shorter; 8 W blocks up to
+  // EP8, 128 above.  MOE_SCHEDULE_BITMAP_BLOCKS overrides the target (a measuring aid).
   const char *nb = getenv("MOE_SCHEDULE_BITMAP_BLOCKS");
-  const long long target = nb && atoi(nb) > 0 ? atoi(nb) : W <= 8 ? 64 : 128;
+  const long long target = nb && atoi(nb) > 0 ? atoi(nb) : W <= 8 ? 8 * W : kMaxBlocks;
   const bool rr = a->layout == MOE_LAYOUT_ROUNDROBIN;
   const long long nc = tk < MOE_SCHED_THREADS ? tk : MOE_SCHED_THREADS;
   const long long rp = rr ? pow2_at_least((tk + MOE_SCHED_THREADS - 1) / MOE_SCHED_THREADS) : 1;
@@ -460,7 +466,6 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
                         why);
     return MOE_OK;
   }
-  if (!forced && !getenv("MOE_SCHEDULE_BITMAP_AUTO")) return MOE_OK; // not chosen by default yet: a measuring aid
 
   Params P = {};
   static_cast<ScheduleCall &>(P) = schedule_call(a);

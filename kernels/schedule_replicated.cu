@@ -32,7 +32,8 @@
 //      expert_offsets and stats.
 // Three block-wide barriers in all.  Every block reads all W T K ids, so the time grows with them:
 // schedule_replicated_cuda takes the problem by default only where that measured faster than
-// exchanging counts (PERF.md).  No atomics decide an order (shared atomics only count), and the
+// exchanging counts (PERF.md), and where the bitmap kernel, asked first, declines it (more than 128
+// experts a rank).  No atomics decide an order (shared atomics only count), and the
 // host never waits.  Launched as a programmatic dependent, like the other two.
 #include <limits.h>
 #include <stdint.h>

@@ -539,7 +539,7 @@ static void cluster_cases(void) {
 }
 
 /* The replicated kernel's ground (every block counts all ids: decode sizes, where the library picks
- * it): odd route counts (no 16-byte rows), ids that are not 16-byte aligned, every route to one
+ * it past 128 experts a rank): odd route counts (no 16-byte rows), ids that are not 16-byte aligned, every route to one
  * expert, capacity met, exceeded and zero, expert_capacity, large pads, W = 1, E = W. */
 static void replicated_cases(void) {
   static const struct { int w, t, k, e; } shapes[] = {{4, 512, 8, 384}, {8, 128, 8, 384}, {64, 32, 8, 384},
@@ -557,6 +557,34 @@ static void replicated_cases(void) {
         s.cap = v == 0 ? CAP_AMPLE : v == 1 ? CAP_EXACT : v == 2 ? CAP_SHORT : CAP_ZERO;
         s.pad = v == 2 ? 128 : 1 + (int)i;
         if (v == 3) s.expert_capacity = 2;
+        s.masked = 0.05, s.invalid = v == 2 ? 0.02 : 0;
+        run_case(&s);
+      }
+}
+
+/* The bitmap kernel's ground (one grid of units of up to 4,096 positions, up to 128 experts a
+ * rank, where the library picks it): each unit size (1, 2, 4 and 8 positions a thread), worlds
+ * that are not powers of two (the totals' rows padded), 100 and 128 ranks (up to 32 lanes a
+ * route's position), 128 experts a rank, logical threads with a partial last slot (K = 6, T K not
+ * a multiple of 1024), one route a rank; every route to one local expert (all positions listed),
+ * capacity met, exceeded and zero, expert_capacity, a large pad, invalid and masked ids. */
+static void bitmap_cases(void) {
+  static const struct { int w, t, k, e; } shapes[] = {{6, 512, 8, 384},  {12, 256, 8, 384}, {100, 16, 8, 400},
+                                                      {128, 8, 4, 128},  {8, 512, 6, 384},  {4, 1023, 3, 512},
+                                                      {2, 2048, 8, 256}, {8, 4096, 8, 256}, {16, 1, 1, 16},
+                                                      {64, 512, 8, 384}};
+  for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
+    for (int layout = 0; layout < 2; layout++)
+      for (int v = 0; v < 4; v++) {
+        spec s = base(shapes[i].w, shapes[i].t, shapes[i].k, shapes[i].e, "bitmap");
+        s.layout = layout;
+        s.rank = (int)(3 * i + v) % s.w;
+        s.unaligned = v & 1;
+        s.mode = v == 0 ? TOPK : v == 1 ? ONE_LOCAL : v == 2 ? SKEW : LOPSIDED;
+        if (s.mode == TOPK && s.k > s.experts) s.mode = UNIFORM;
+        s.cap = v == 0 ? CAP_AMPLE : v == 1 ? CAP_EXACT : v == 2 ? CAP_SHORT : CAP_ZERO;
+        s.pad = v == 2 ? 128 : 1 + (int)(i % 3);
+        if (v == 3) s.expert_capacity = 3;
         s.masked = 0.05, s.invalid = v == 2 ? 0.02 : 0;
         run_case(&s);
       }
@@ -763,6 +791,7 @@ int main(int argc, char **argv) {
   long_rank_cases();  /* 6 */
   cluster_cases();    /* 10 */
   replicated_cases(); /* 64 */
+  bitmap_cases();     /* 80 */
   for (int kernel = 0; kernel < 4; kernel++) /* each kernel forced */
     for (int fresh = 1; fresh >= 0; fresh--)
       for (int layout = 0; layout < 2; layout++) {
