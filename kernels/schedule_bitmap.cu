@@ -119,7 +119,7 @@ __device__ __forceinline__ void trace_point(const Params &P, int i) {
 // Route index (inside its source rank) of load index y of this unit, and its position in the order
 // of j; -1 where the position holds no route.  One formula for both layouts, without a branch:
 // roundrobin i = (y >> lgnlt) 1024 + lt, lt = s nlt + (y & (nlt - 1)), position (lt - s nlt) Rp +
-// (y >> lgnlt); peer_major i = s NP + y, position y (lgnlt 31, stride 0, lt_end unbounded).
+// (y >> lgnlt); peer_major i = s NP + y, position y (lgnlt 31, mstride 0, nc unbounded).
 __device__ __forceinline__ int route_of(const Params &P, int lt0, int y, int *bit) {
   const int m = y >> P.lgnlt, ltl = y & P.ltmask, lt = lt0 + ltl, i = m * P.mstride + lt;
   *bit = ltl << P.lgrp | m;
@@ -452,7 +452,6 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   const long long wp = W < 4 ? 4 : pow2_at_least(W), hs = pow2_at_least(el + 2);
   const char *why = NULL;
   if (tk == 0) why = "a rank without routes";
-  else if (el < 1) why = "a rank without experts";
   else if (el > 32 * kMaxPer) why = "more than 128 experts a rank";
   else if (W * bpr > kMaxBlocks) why = "more than 128 units";
   else if (np > (long long)kThreads * kMaxSlots) why = "more than 4,096 positions a unit";
