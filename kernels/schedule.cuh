@@ -201,43 +201,33 @@ __device__ inline void fill_unused(int32_t *a, int lo, int hi, int th, int nth) 
   if (th < hi - tail) a[tail + th] = -1;
 }
 
-// The segments of el experts by a group of ng warps (1 <= ng <= 16; every lane of them calls it, gw
-// being the warp's index in the group): from raw[e] (n_e before expert_capacity), off[e] =
-// min(base[e], C), lim[e] = routes of e that get a row, off[el] = rows used.  Lane l of warp gw
-// takes the run of experts segment_run gives it; with ng > 1 the warps exchange their sums in
-// tot[ng] and meet at named barrier 1 (no block-wide barrier).  What every lane gets back: the rows
-// needed (before the clamp), and the local and kept routes of its warp's experts (of all el when
-// ng == 1).
+// The segments of el experts by one warp (every lane calls it): from raw[e] (n_e before
+// expert_capacity), off[e] = min(base[e], C), lim[e] = routes of e that get a row, off[el] = rows
+// used.  Lane l takes the run of experts segment_run(el, 0, 1) gives it.  What every lane gets
+// back: the rows needed (before the clamp), and the local and kept routes of all el experts.
+// (A version split over a group of warps met at a named barrier; compute-sanitizer's racecheck
+// reported hazards across the block-wide barrier that followed it, PERF.md.)
 struct Segments {
   long long need;
   int local, placed;
 };
+// Lane l of warp gw in a group of ng takes experts [e0, e1): a run of ceil(el / (32 ng)).
 __device__ __forceinline__ void segment_run(int el, int gw, int ng, int *e0, int *e1) {
   const int per = (el + 32 * ng - 1) / (32 * ng);
   *e0 = min(el, (gw * 32 + (int)(threadIdx.x & 31)) * per);
   *e1 = min(el, *e0 + per);
 }
 __device__ inline Segments group_segments(const int *raw, int el, int pad, float inv_pad, int expert_capacity,
-                                          int capacity, int *off, int *lim, int gw, int ng, long long *tot) {
+                                          int capacity, int *off, int *lim) {
   const int lane = threadIdx.x & 31;
   int e0, e1;
-  segment_run(el, gw, ng, &e0, &e1);
+  segment_run(el, 0, 1, &e0, &e1);
   long long sum = 0;
 #pragma unroll 1 // code size: each launch runs this once (PERF.md, instruction-cache misses)
   for (int e = e0; e < e1; e++) sum += padded_size(segment_routes(raw[e], expert_capacity), pad, inv_pad);
   const long long incl = warp_inclusive_scan(sum);
-  long long base = incl - sum, all = __shfl_sync(MOE_FULL_MASK, incl, 31);
-  if (ng > 1) {
-    if (lane == 31) tot[gw] = incl;
-    asm volatile("bar.sync 1, %0;" ::"r"(32 * ng) : "memory");
-    all = 0;
-#pragma unroll 1
-    for (int w = 0; w < ng; w++) {
-      const long long x = tot[w];
-      base += w < gw ? x : 0;
-      all += x;
-    }
-  }
+  long long base = incl - sum;
+  const long long all = __shfl_sync(MOE_FULL_MASK, incl, 31);
   Segments S = {all, 0, 0};
 #pragma unroll 1
   for (int e = e0; e < e1; e++) {
@@ -247,7 +237,7 @@ __device__ inline Segments group_segments(const int *raw, int el, int pad, float
     base += padded_size(ne, pad, inv_pad);
     S.local += raw[e], S.placed += kept;
   }
-  if (gw == 0 && lane == 0) off[el] = (int)(all < capacity ? all : capacity);
+  if (lane == 0) off[el] = (int)(all < capacity ? all : capacity);
 #pragma unroll
   for (int o = 16; o; o >>= 1) {
     S.local += __shfl_xor_sync(MOE_FULL_MASK, S.local, o);

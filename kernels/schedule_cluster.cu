@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_cluster_kernel(const Par
   // the segments by warp 0 alone (no block-wide scan)
   Segments seg = {0, 0, 0};
   if (warp == 0) {
-    seg = group_segments(raw, el, P.pad, P.inv_pad, P.expert_capacity, P.capacity, off, lim, 0, 1, nullptr);
+    seg = group_segments(raw, el, P.pad, P.inv_pad, P.expert_capacity, P.capacity, off, lim);
     if (lane == 0) {
       const int used = off[el];
       misc[3] = (used + G - 1) / G;                 // rows a block writes out of its stage

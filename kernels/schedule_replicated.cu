@@ -22,15 +22,15 @@
 //      index (a group of four is looked at only when its minimum or maximum is out of range);
 //   2. rank: a warp groups its threads' equal local experts with log2(EL) ballots (a thread's rank
 //      among the earlier lanes, and the warp's count of each expert in its own row); then the last
-//      ceil(EL / 32) warps fold row W into row p and form n_e and the segments (off, lim), meeting
-//      at a named barrier, not the block's;
+//      ceil(EL / 32) warps fold row W into row p and form n_e, and after a block-wide barrier the
+//      last warp forms the segments (off, lim);
 //   3. place: j = c[W][e] + the counts of earlier warps + the rank in the warp; roundrobin position
 //      sum_q min(c[e][q], j) + #{q < p : c[e][q] > j}, peer_major sum_{q<p} c[e][q] + j; under the
 //      kept count the route gets row off[e] + position (peer_rank and peer_route stored there),
 //      past it route_row -1.  Padding rows of the experts e = b mod G and a share of the unused
 //      rows [rows used, C) get -1 from block b; block 0 writes counts, tokens_per_expert,
 //      expert_offsets and stats.
-// Three block-wide barriers in all.  Every block reads all W T K ids, so the time grows with them:
+// Four block-wide barriers in all.  Every block reads all W T K ids, so the time grows with them:
 // schedule_replicated_cuda takes the problem by default only where that measured faster than
 // exchanging counts (PERF.md), and where the bitmap kernel, asked first, declines it (more than 128
 // experts a rank).  No atomics decide an order (shared atomics only count), and the
@@ -63,8 +63,7 @@ struct Smem {
 __host__ __device__ inline Smem smem_layout(int world, int el) {
   Smem L;
   const int cs = el | 1;            // odd row stride: a warp's counting atomics spread over the banks
-  L.misc = 0;                       // [0] invalid ids, [1] first invalid, [4..6) rows needed (64-bit),
-                                    // [32..64) the segment warps' sums (64-bit)
+  L.misc = 0;                       // [0] invalid ids, [1] first invalid, [4..6) rows needed (64-bit)
   L.c = 64;                         // c[q][e], [world + 1][cs]
   L.raw = L.c + (world + 1) * cs;   // n_e before expert_capacity
   L.off = L.raw + el;               // min(base[e], C), e = 0..el
@@ -210,9 +209,8 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_replicated_kernel(const 
   __syncthreads();
   trace_point(P, 1);
 
-  // 2. rank within the warp; then the last ng warps fold row W into row p and form n_e and the
-  // segments, a lane an expert where EL <= 512 (group_segments: a lane takes the same run of
-  // experts there, so it reads only the raw[] it wrote)
+  // 2. rank within the warp; then the last ng warps fold row W into row p and form n_e, and after
+  // a block-wide barrier the last warp forms the segments
   const unsigned act = __ballot_sync(MOE_FULL_MASK, loc);
   int rank = 0;
   if (act) {
@@ -232,9 +230,11 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_replicated_kernel(const 
       raw[x] = r0 + r1 + r2 + r3;
       c[p * cs + x] += c[W * cs + x];
     }
-    const Segments seg = group_segments(raw, el, P.pad, P.inv_pad, P.expert_capacity, P.capacity, off, lim, gw, ng,
-                                        (long long *)(misc + 32));
-    if (gw == 0 && lane == 0) *(long long *)(misc + 4) = seg.need;
+  }
+  __syncthreads();
+  if (warp == kWarps - 1) {
+    const Segments seg = group_segments(raw, el, P.pad, P.inv_pad, P.expert_capacity, P.capacity, off, lim);
+    if (lane == 0) *(long long *)(misc + 4) = seg.need;
   }
   __syncthreads();
   trace_point(P, 2);
