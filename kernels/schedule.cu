@@ -736,7 +736,8 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
     return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
                       STAGE ": %lld routes a rank and %lld experts a rank; cuda takes at most 2^31 - 65536 of each",
                       tk_all, el_all);
-  // the smallest problems: every block counts all ids; then small ones: one cluster
+  // the bitmap kernel where it takes the problem; past 128 experts a rank the replicated and the
+  // one-cluster kernels at small sizes
   int ran, rc = schedule_bitmap_cuda(ctx, a, &ran);
   if (ran || rc) return rc;
   rc = schedule_replicated_cuda(ctx, a, &ran);

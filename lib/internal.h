@@ -181,7 +181,7 @@ int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a);
  * call is left to the grid kernel of schedule_cuda. */
 int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
 /* The smallest problems, every block counting all ids (kernels/schedule_replicated.cu): *ran = 0
- * when the call is left to the other two. */
+ * when the call is left to the others. */
 int schedule_replicated_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
 /* Small and mid-sized problems as one grid of bitmap-ranked units (kernels/schedule_bitmap.cu):
  * *ran = 0 when the call is left to the others. */

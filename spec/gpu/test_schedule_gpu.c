@@ -1,8 +1,8 @@
 /* test_schedule_gpu.c -- the CUDA schedule against the CPU reference, every output bit for bit,
  * on random and adversarial routings of the shapes that matter (DESIGN.md section 2), for both
  * layouts, each through the library's choice of kernel and through each kernel forced
- * (MOE_SCHEDULE_KERNEL=grid, =cluster, =replicated and =bitmap where those take the problem); the legacy kernel
- * (moe_schedule_legacy) as well for roundrobin.  Outputs on the GPU
+ * (MOE_SCHEDULE_KERNEL=grid, =cluster, =replicated and =bitmap where those take the problem); the
+ * legacy kernel (moe_schedule_legacy) as well for roundrobin.  Outputs on the GPU
  * are views into larger buffers prefilled with a sentinel, so an element left unwritten or a
  * write past an output's end (past capacity, say) shows as a mismatch.  A few cases run from a
  * captured CUDA graph, replayed on changed routings.  Then the kernels are timed.
@@ -266,8 +266,8 @@ static void run_case(const spec *s) {
 
   int ok = 1;
   args_for(&a, &gpu, ids_gpu, s, capacity);
-  /* the library's choice, then each kernel forced: the cluster and replicated ones refuse problems
-   * they do not take */
+  /* the library's choice, then each kernel forced: the cluster, replicated and bitmap ones refuse
+   * problems they do not take */
   for (int k = 0; k < 5; k++) {
     static const char *const kernels[] = {NULL, "grid", "cluster", "replicated", "bitmap"};
     static const char *const whos[] = {"schedule", "schedule (grid)", "schedule (cluster)", "schedule (replicated)",
@@ -539,8 +539,9 @@ static void cluster_cases(void) {
 }
 
 /* The replicated kernel's ground (every block counts all ids: decode sizes, where the library picks
- * it past 128 experts a rank): odd route counts (no 16-byte rows), ids that are not 16-byte aligned, every route to one
- * expert, capacity met, exceeded and zero, expert_capacity, large pads, W = 1, E = W. */
+ * it past 128 experts a rank): odd route counts (no 16-byte rows), ids that are not 16-byte
+ * aligned, every route to one expert, capacity met, exceeded and zero, expert_capacity, large
+ * pads, W = 1, E = W. */
 static void replicated_cases(void) {
   static const struct { int w, t, k, e; } shapes[] = {{4, 512, 8, 384}, {8, 128, 8, 384}, {64, 32, 8, 384},
                                                       {16, 3, 7, 64},   {1, 300, 6, 96},  {5, 77, 3, 5},
