@@ -28,5 +28,6 @@ __device__ __forceinline__ void grid_arrive_wait(unsigned *bar) {
   unsigned old, now;
   asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(bar), "r"(inc) : "memory");
   now = old + inc;
-  while (((now ^ old) & 0x80000000u) == 0) asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
+  while (((now ^ old) & 0x80000000u) == 0)
+    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
 }

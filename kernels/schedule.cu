@@ -871,13 +871,7 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   return moe_ok(ctx);
 }
 
-// The phase times of the last call made with MOE_SCHEDULE_TRACE set (see trace_buf): copies
-// min(grid, max_blocks, 1024) rows of 8 and returns their number, or -1.
+// The phase times of the last call made with MOE_SCHEDULE_TRACE set: trace_buf's rows (copy_trace).
 extern "C" int schedule_cuda_trace(long long *out, int max_blocks) {
-  int n = trace_grid < max_blocks ? trace_grid : max_blocks;
-  if (n > kTraceBlocks) n = kTraceBlocks;
-  if (cudaDeviceSynchronize() != cudaSuccess ||
-      cudaMemcpyFromSymbol(out, trace_buf, sizeof(long long) * (kTracePoints + 2) * n) != cudaSuccess)
-    return -1;
-  return n;
+  return copy_trace(out, trace_buf, trace_grid, max_blocks);
 }

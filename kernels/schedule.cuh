@@ -169,6 +169,18 @@ __device__ __forceinline__ int roundrobin_position4(const int4 *c4, int world4, 
   return pos;
 }
 
+// The last traced call's rows of a kernel's trace buffer (each kernel's own __device__ array of
+// [blocks][phase points + 2 timers], MOE_SCHEDULE_TRACE set) for the scheduler's GPU test
+// (--trace): copies min(grid, max_blocks, the buffer's rows) rows and returns their number, or -1.
+template <typename Rows> static inline int copy_trace(long long *out, const Rows &buf, int grid, int max_blocks) {
+  const int rows = (int)(sizeof(Rows) / sizeof(buf[0]));
+  int n = grid < max_blocks ? grid : max_blocks;
+  if (n > rows) n = rows;
+  if (cudaDeviceSynchronize() != cudaSuccess) return -1;
+  if (cudaMemcpyFromSymbol(out, buf, sizeof(buf[0]) * (size_t)n) != cudaSuccess) return -1;
+  return n;
+}
+
 // ---- the small-problem kernels' helpers (schedule_cluster.cu, schedule_replicated.cu) ----
 
 // n / d for 0 <= n < 2^24 and d >= 1, from inv = 1.0f / d: the float quotient, corrected by one.

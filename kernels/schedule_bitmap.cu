@@ -290,7 +290,9 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Para
 #pragma unroll
       for (int u = 0; u < kBatch; u++) { // the loads first
         const int x = x0 + u * kThreads, y = x - nt - npre;
-        const int32_t *from = x < nt ? tot + x : x < nt + npre ? before + (x - nt) : P.hist + ((y >> 1) << P.lghs) + el + (y & 1);
+        const int32_t *from = x < nt          ? tot + x
+                              : x < nt + npre ? before + (x - nt)
+                                              : P.hist + ((y >> 1) << P.lghs) + el + (y & 1); // unit y / 2's invalid ids
         val[u] = x < n ? __ldcg(from) : 0;
       }
 #pragma unroll
@@ -439,8 +441,8 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   // units: about `target` in all, at most 4,096 positions each.  Measured at 512 tokens (PERF.md):
   // fewer blocks make the exchange cheaper, more make each block's chain shorter; 8 W blocks up to
   // EP8, 128 above.  MOE_SCHEDULE_BITMAP_BLOCKS overrides the target (a measuring aid).
-  const char *nb = getenv("MOE_SCHEDULE_BITMAP_BLOCKS");
-  const long long target = nb && atoi(nb) > 0 ? atoi(nb) : W <= 8 ? 8 * W : kMaxBlocks;
+  static const int blocks = getenv("MOE_SCHEDULE_BITMAP_BLOCKS") ? atoi(getenv("MOE_SCHEDULE_BITMAP_BLOCKS")) : 0;
+  const long long target = blocks > 0 ? blocks : W <= 8 ? 8 * W : kMaxBlocks;
   const bool rr = a->layout == MOE_LAYOUT_ROUNDROBIN;
   const long long nc = tk < MOE_SCHED_THREADS ? tk : MOE_SCHED_THREADS;
   const long long rp = rr ? pow2_at_least((tk + MOE_SCHED_THREADS - 1) / MOE_SCHED_THREADS) : 1;
@@ -461,8 +463,8 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   else if (W * tk + el * (long long)(a->pad - 1) > INT_MAX - 65536) why = "more than 2^31 - 65536 rows or routes";
   if (why) {
     if (forced)
-      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": MOE_SCHEDULE_KERNEL=bitmap, but the bitmap kernel does not take %s",
-                        why);
+      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+                        STAGE ": MOE_SCHEDULE_KERNEL=bitmap, but the bitmap kernel does not take %s", why);
     return MOE_OK;
   }
 
@@ -551,12 +553,7 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   return moe_ok(ctx);
 }
 
-// The phase times of the last bitmap call made with MOE_SCHEDULE_TRACE set (see trace_buf): copies
-// min(G, max_blocks) rows of 9 and returns their number, or -1.
+// The phase times of the last bitmap call made with MOE_SCHEDULE_TRACE set: trace_buf's rows (copy_trace).
 extern "C" int schedule_bitmap_trace(long long *out, int max_blocks) {
-  const int n = trace_grid < max_blocks ? trace_grid : max_blocks;
-  if (cudaDeviceSynchronize() != cudaSuccess ||
-      cudaMemcpyFromSymbol(out, trace_buf, sizeof(long long) * (kTracePoints + 2) * n) != cudaSuccess)
-    return -1;
-  return n;
+  return copy_trace(out, trace_buf, trace_grid, max_blocks);
 }

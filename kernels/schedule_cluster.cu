@@ -508,12 +508,7 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
   return moe_ok(ctx);
 }
 
-// The phase times of the last cluster call made with MOE_SCHEDULE_TRACE set (see trace_buf): copies
-// min(G, max_blocks) rows of 10 and returns their number, or -1.
+// The phase times of the last cluster call made with MOE_SCHEDULE_TRACE set: trace_buf's rows (copy_trace).
 extern "C" int schedule_cluster_trace(long long *out, int max_blocks) {
-  const int n = trace_grid < max_blocks ? trace_grid : max_blocks;
-  if (cudaDeviceSynchronize() != cudaSuccess ||
-      cudaMemcpyFromSymbol(out, trace_buf, sizeof(long long) * (kTracePoints + 2) * n) != cudaSuccess)
-    return -1;
-  return n;
+  return copy_trace(out, trace_buf, trace_grid, max_blocks);
 }

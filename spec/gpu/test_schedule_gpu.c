@@ -538,29 +538,39 @@ static void cluster_cases(void) {
     }
 }
 
+/* Four variants of each shape, both layouts: top-k routing with ample capacity; every route to one
+ * local expert at capacity exactly met; skewed routing with pad 128, capacity short and invalid ids;
+ * lopsided routing with zero capacity and expert_capacity = ecap.  Ids unaligned in two of the four,
+ * 5% masked; pad 1 + i mod pad_cycle otherwise, rank (rank_step i + v) mod W. */
+typedef struct {
+  int w, t, k, e;
+} case_shape;
+static void ground_cases(const char *label, const case_shape *shapes, int n, int rank_step, int pad_cycle, int ecap) {
+  for (int i = 0; i < n; i++)
+    for (int layout = 0; layout < 2; layout++)
+      for (int v = 0; v < 4; v++) {
+        spec s = base(shapes[i].w, shapes[i].t, shapes[i].k, shapes[i].e, label);
+        s.layout = layout;
+        s.rank = (rank_step * i + v) % s.w;
+        s.unaligned = v & 1;
+        s.mode = v == 0 ? TOPK : v == 1 ? ONE_LOCAL : v == 2 ? SKEW : LOPSIDED;
+        if (s.mode == TOPK && s.k > s.experts) s.mode = UNIFORM;
+        s.cap = v == 0 ? CAP_AMPLE : v == 1 ? CAP_EXACT : v == 2 ? CAP_SHORT : CAP_ZERO;
+        s.pad = v == 2 ? 128 : 1 + i % pad_cycle;
+        if (v == 3) s.expert_capacity = ecap;
+        s.masked = 0.05, s.invalid = v == 2 ? 0.02 : 0;
+        run_case(&s);
+      }
+}
+
 /* The replicated kernel's ground (every block counts all ids: decode sizes, where the library picks
  * it past 128 experts a rank): odd route counts (no 16-byte rows), ids that are not 16-byte
  * aligned, every route to one expert, capacity met, exceeded and zero, expert_capacity, large
  * pads, W = 1, E = W. */
 static void replicated_cases(void) {
-  static const struct { int w, t, k, e; } shapes[] = {{4, 512, 8, 384}, {8, 128, 8, 384}, {64, 32, 8, 384},
-                                                      {16, 3, 7, 64},   {1, 300, 6, 96},  {5, 77, 3, 5},
-                                                      {2, 1, 1, 1024},  {32, 9, 5, 4096}};
-  for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
-    for (int layout = 0; layout < 2; layout++)
-      for (int v = 0; v < 4; v++) {
-        spec s = base(shapes[i].w, shapes[i].t, shapes[i].k, shapes[i].e, "replicated");
-        s.layout = layout;
-        s.rank = (int)(i + v) % s.w;
-        s.unaligned = v & 1;
-        s.mode = v == 0 ? TOPK : v == 1 ? ONE_LOCAL : v == 2 ? SKEW : LOPSIDED;
-        if (s.mode == TOPK && s.k > s.experts) s.mode = UNIFORM;
-        s.cap = v == 0 ? CAP_AMPLE : v == 1 ? CAP_EXACT : v == 2 ? CAP_SHORT : CAP_ZERO;
-        s.pad = v == 2 ? 128 : 1 + (int)i;
-        if (v == 3) s.expert_capacity = 2;
-        s.masked = 0.05, s.invalid = v == 2 ? 0.02 : 0;
-        run_case(&s);
-      }
+  static const case_shape shapes[] = {{4, 512, 8, 384}, {8, 128, 8, 384}, {64, 32, 8, 384}, {16, 3, 7, 64},
+                                 {1, 300, 6, 96},  {5, 77, 3, 5},    {2, 1, 1, 1024},  {32, 9, 5, 4096}};
+  ground_cases("replicated", shapes, (int)(sizeof shapes / sizeof *shapes), 1, 8, 2);
 }
 
 /* The bitmap kernel's ground (one grid of units of up to 4,096 positions, up to 128 experts a
@@ -570,25 +580,10 @@ static void replicated_cases(void) {
  * a multiple of 1024), one route a rank; every route to one local expert (all positions listed),
  * capacity met, exceeded and zero, expert_capacity, a large pad, invalid and masked ids. */
 static void bitmap_cases(void) {
-  static const struct { int w, t, k, e; } shapes[] = {{6, 512, 8, 384},  {12, 256, 8, 384}, {100, 16, 8, 400},
-                                                      {128, 8, 4, 128},  {8, 512, 6, 384},  {4, 1023, 3, 512},
-                                                      {2, 2048, 8, 256}, {8, 4096, 8, 256}, {16, 1, 1, 16},
-                                                      {64, 512, 8, 384}};
-  for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
-    for (int layout = 0; layout < 2; layout++)
-      for (int v = 0; v < 4; v++) {
-        spec s = base(shapes[i].w, shapes[i].t, shapes[i].k, shapes[i].e, "bitmap");
-        s.layout = layout;
-        s.rank = (int)(3 * i + v) % s.w;
-        s.unaligned = v & 1;
-        s.mode = v == 0 ? TOPK : v == 1 ? ONE_LOCAL : v == 2 ? SKEW : LOPSIDED;
-        if (s.mode == TOPK && s.k > s.experts) s.mode = UNIFORM;
-        s.cap = v == 0 ? CAP_AMPLE : v == 1 ? CAP_EXACT : v == 2 ? CAP_SHORT : CAP_ZERO;
-        s.pad = v == 2 ? 128 : 1 + (int)(i % 3);
-        if (v == 3) s.expert_capacity = 3;
-        s.masked = 0.05, s.invalid = v == 2 ? 0.02 : 0;
-        run_case(&s);
-      }
+  static const case_shape shapes[] = {{6, 512, 8, 384}, {12, 256, 8, 384}, {100, 16, 8, 400},  {128, 8, 4, 128},
+                                 {8, 512, 6, 384}, {4, 1023, 3, 512}, {2, 2048, 8, 256},  {8, 4096, 8, 256},
+                                 {16, 1, 1, 16},   {64, 512, 8, 384}};
+  ground_cases("bitmap", shapes, (int)(sizeof shapes / sizeof *shapes), 3, 3, 3);
 }
 
 static void random_cases(int n) {
@@ -676,7 +671,8 @@ static void print_trace(const char *label, float per_call_us, int kernel) {
                 : kernel == K_REPLICATED ? schedule_replicated_trace(buf, MAXB)
                                          : schedule_bitmap_trace(buf, MAXB);
   if (n <= 0) die("schedule trace");
-  const int phases = kernel == K_REPLICATED ? 4 : kernel == K_BITMAP ? 6 : 7, width = phases + 3; /* clocks, then two timers */
+  const int phases = kernel == K_REPLICATED ? 4 : kernel == K_BITMAP ? 6 : 7;
+  const int width = phases + 3; /* clocks, then two timers */
   static const char *const names[4][7] = {
       {"load", "rank", "barrier", "hist", "scan", "place", "rows+clears"},
       {"load", "list+rank", "barrier", "gather", "segments", "place+fill", "barrier+rows"},
@@ -726,8 +722,8 @@ static void timing(int w, int t, float target_us) {
     else snprintf(cl[k], sizeof cl[k], "does not take it");
   }
   printf("time: schedule, Kimi K2 rank of EP%d (W %d, T %d, K 8, E 384, %d routes): %.2f us per call "
-         "(target <= %.0f us; grid kernel %.2f, cluster kernel %s, replicated kernel %s, bitmap kernel %s), legacy %.2f us, "
-         "%.1fx\n",
+         "(target <= %.0f us; grid kernel %.2f, cluster kernel %s, replicated kernel %s, bitmap kernel %s), "
+         "legacy %.2f us, %.1fx\n",
          w, w, t, s.w * s.t * s.k, ours, target_us, grid, cl[0], cl[1], cl[2], legacy, legacy / ours);
   if (getenv("MOE_SCHEDULE_TRACE"))
     for (int k = K_GRID; k <= K_BITMAP; k++) {
