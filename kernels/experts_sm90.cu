@@ -137,14 +137,12 @@ template <bool MAX> __device__ int block_scan(int v, int *ws, int *total) {
 }
 
 // meta = pairs [EL + 1], solos [EL + 1] (exclusive prefixes of each expert's pairs of row tiles
-// and of its row tiles left over, see decode), lo [EL], hi [EL], the wave gate's two counters
-// (gate_up, down), zeroed here, and tails [EL + 1].  With tail set (CM = 2 only), an expert has
-// only full pairs and, for the rows after them, one transposed tail (decode_tail); no solos.
-__global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const int *offsets, int EL, int C, int cm,
-                                                                int tail) {
+// and of its row tiles left over, see decode), lo [EL], hi [EL], then the wave gate's two
+// counters (gate_up, down), zeroed here.
+__global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const int *offsets, int EL, int C, int cm) {
   __shared__ int ws[32];
-  int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL, *waves = hi + EL, *tails = waves + 2;
-  int carry_m = 0, carry_p = 0, carry_s = 0, carry_t = 0;
+  int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL, *waves = hi + EL;
+  int carry_m = 0, carry_p = 0, carry_s = 0;
   for (int base = 0; base < EL; base += MAP_THREADS) {
     const int e = base + (int)threadIdx.x;
     const int own = e < EL ? clamp_row(offsets[e], C) : 0;
@@ -154,18 +152,14 @@ __global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const 
     carry_m = max(carry_m, tot);
     const int end = max(m, next);                                // m_{e+1}
     const int tiles = (end - m + BM - 1) / BM;
-    // tail: full pairs only, the rest (1 .. 2 BM - 1 rows) one transposed tail
-    const int np = e >= EL ? 0 : tail ? (end - m) / (2 * BM) : cm == 2 ? tiles / 2 : 0;
-    const int ns = e < EL && !tail ? tiles - 2 * np : 0, nt = e < EL && tail && end - m > 2 * BM * np;
+    const int np = e < EL && cm == 2 ? tiles / 2 : 0, ns = e < EL ? tiles - 2 * np : 0;
     const int first_p = carry_p + block_scan<false>(np, ws, &tot) - np;
     carry_p += tot;
     const int first_s = carry_s + block_scan<false>(ns, ws, &tot) - ns;
     carry_s += tot;
-    const int first_t = carry_t + block_scan<false>(nt, ws, &tot) - nt;
-    carry_t += tot;
-    if (e < EL) pairs[e] = first_p, solos[e] = first_s, lo[e] = m, hi[e] = end, tails[e] = first_t;
+    if (e < EL) pairs[e] = first_p, solos[e] = first_s, lo[e] = m, hi[e] = end;
   }
-  if (threadIdx.x == 0) pairs[EL] = carry_p, solos[EL] = carry_s, waves[0] = 0, waves[1] = 0, tails[EL] = carry_t;
+  if (threadIdx.x == 0) pairs[EL] = carry_p, solos[EL] = carry_s, waves[0] = 0, waves[1] = 0;
 }
 
 struct Work {
@@ -216,35 +210,6 @@ __device__ __forceinline__ Work decode(int v, const int *__restrict__ meta, int 
     w.n = min(col * CM + rank, NT);
   }
   w.rows = min(__ldg(hi + a) - w.row0, BM);
-  return w;
-}
-
-// Tail unit v (one per expert with a tail and column tile) -> this CTA's tile of the transposed
-// tail kernel.  An expert's rows after its full pairs, rem of them (1 .. 2 BM - 1), are split
-// between the two CTAs of the cluster in whole groups of TR_ROWS, the first CTA taking
-// ceil(rem / 2) rounded up (at most BM) and the second the rest, which may be none: the tokens
-// are wgmma's N here, so each CTA's time follows its own rows.  The two share the column tile's
-// weights (each loads one half and multicasts it).  Expert-major, so the column tiles of one
-// tail, which share its token rows, run together.
-constexpr int TR_ROWS = 32;
-__device__ __forceinline__ Work decode_tail(int v, const int *__restrict__ meta, int EL, int NT, int rank) {
-  const int *pairs = meta, *lo = pairs + 2 * EL + 2, *hi = lo + EL, *tails = hi + EL + 2;
-  int a = 0, b = EL - 1;
-  while (a < b) { // the last expert whose first unit is <= v; it has a tail as v < units
-    const int mid = (a + b + 1) >> 1;
-    if (__ldg(tails + mid) * NT <= v) a = mid;
-    else b = mid - 1;
-  }
-  const int p0 = __ldg(lo + a) + 2 * BM * (__ldg(pairs + a + 1) - __ldg(pairs + a));
-  const int rem = __ldg(hi + a) - p0;
-  const int n0 = min(BM, ((rem + 1) / 2 + TR_ROWS - 1) / TR_ROWS * TR_ROWS);
-  Work w;
-  w.e = a;
-  w.n = v - __ldg(tails + a) * NT;
-  w.solo = 0;
-  w.row0 = p0 + (rank ? n0 : 0);
-  w.rows = rank ? rem - n0 : n0; // the second CTA's may be <= 0: it only shares its weights
-  if (!rank && rem < n0) w.rows = rem;
   return w;
 }
 
@@ -439,96 +404,6 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // few ulp of f32, far under the bf16 rounding that follows; e^-g = inf gives -0 as there.
 __device__ __forceinline__ float swiglu(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
 
-// The transposed tile's products: D[64 x NV] (+)= W[64 x 16] . X[NV x 16]^T, weight rows as M and
-// tokens as N, into d[OFF ..] (NV / 2 registers).
-template <int OFF>
-__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\t"
-      "setp.ne.b32 p, %18, 0;\n\t"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-      "}, %16, %17, p, 1, 1, 0, 0;\n\t}\n"
-      : "+f"(d[OFF + 0]), "+f"(d[OFF + 1]), "+f"(d[OFF + 2]), "+f"(d[OFF + 3]), "+f"(d[OFF + 4]), "+f"(d[OFF + 5]), "+f"(d[OFF + 6]), "+f"(d[OFF + 7]),
-        "+f"(d[OFF + 8]), "+f"(d[OFF + 9]), "+f"(d[OFF + 10]), "+f"(d[OFF + 11]), "+f"(d[OFF + 12]), "+f"(d[OFF + 13]), "+f"(d[OFF + 14]), "+f"(d[OFF + 15])
-      : "l"(da), "l"(db), "r"(scale_d)
-      : "memory");
-}
-template <int OFF>
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\t"
-      "setp.ne.b32 p, %34, 0;\n\t"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, %32, %33, p, 1, 1, 0, 0;\n\t}\n"
-      : "+f"(d[OFF + 0]), "+f"(d[OFF + 1]), "+f"(d[OFF + 2]), "+f"(d[OFF + 3]), "+f"(d[OFF + 4]), "+f"(d[OFF + 5]), "+f"(d[OFF + 6]), "+f"(d[OFF + 7]),
-        "+f"(d[OFF + 8]), "+f"(d[OFF + 9]), "+f"(d[OFF + 10]), "+f"(d[OFF + 11]), "+f"(d[OFF + 12]), "+f"(d[OFF + 13]), "+f"(d[OFF + 14]), "+f"(d[OFF + 15]),
-        "+f"(d[OFF + 16]), "+f"(d[OFF + 17]), "+f"(d[OFF + 18]), "+f"(d[OFF + 19]), "+f"(d[OFF + 20]), "+f"(d[OFF + 21]), "+f"(d[OFF + 22]), "+f"(d[OFF + 23]),
-        "+f"(d[OFF + 24]), "+f"(d[OFF + 25]), "+f"(d[OFF + 26]), "+f"(d[OFF + 27]), "+f"(d[OFF + 28]), "+f"(d[OFF + 29]), "+f"(d[OFF + 30]), "+f"(d[OFF + 31])
-      : "l"(da), "l"(db), "r"(scale_d)
-      : "memory");
-}
-template <int OFF>
-__device__ __forceinline__ void wgmma_m64n96k16(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\t"
-      "setp.ne.b32 p, %50, 0;\n\t"
-      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
-      "}, %48, %49, p, 1, 1, 0, 0;\n\t}\n"
-      : "+f"(d[OFF + 0]), "+f"(d[OFF + 1]), "+f"(d[OFF + 2]), "+f"(d[OFF + 3]), "+f"(d[OFF + 4]), "+f"(d[OFF + 5]), "+f"(d[OFF + 6]), "+f"(d[OFF + 7]),
-        "+f"(d[OFF + 8]), "+f"(d[OFF + 9]), "+f"(d[OFF + 10]), "+f"(d[OFF + 11]), "+f"(d[OFF + 12]), "+f"(d[OFF + 13]), "+f"(d[OFF + 14]), "+f"(d[OFF + 15]),
-        "+f"(d[OFF + 16]), "+f"(d[OFF + 17]), "+f"(d[OFF + 18]), "+f"(d[OFF + 19]), "+f"(d[OFF + 20]), "+f"(d[OFF + 21]), "+f"(d[OFF + 22]), "+f"(d[OFF + 23]),
-        "+f"(d[OFF + 24]), "+f"(d[OFF + 25]), "+f"(d[OFF + 26]), "+f"(d[OFF + 27]), "+f"(d[OFF + 28]), "+f"(d[OFF + 29]), "+f"(d[OFF + 30]), "+f"(d[OFF + 31]),
-        "+f"(d[OFF + 32]), "+f"(d[OFF + 33]), "+f"(d[OFF + 34]), "+f"(d[OFF + 35]), "+f"(d[OFF + 36]), "+f"(d[OFF + 37]), "+f"(d[OFF + 38]), "+f"(d[OFF + 39]),
-        "+f"(d[OFF + 40]), "+f"(d[OFF + 41]), "+f"(d[OFF + 42]), "+f"(d[OFF + 43]), "+f"(d[OFF + 44]), "+f"(d[OFF + 45]), "+f"(d[OFF + 46]), "+f"(d[OFF + 47])
-      : "l"(da), "l"(db), "r"(scale_d)
-      : "memory");
-}
-template <int OFF>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\t"
-      "setp.ne.b32 p, %66, 0;\n\t"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, 0;\n\t}\n"
-      : "+f"(d[OFF + 0]), "+f"(d[OFF + 1]), "+f"(d[OFF + 2]), "+f"(d[OFF + 3]), "+f"(d[OFF + 4]), "+f"(d[OFF + 5]), "+f"(d[OFF + 6]), "+f"(d[OFF + 7]),
-        "+f"(d[OFF + 8]), "+f"(d[OFF + 9]), "+f"(d[OFF + 10]), "+f"(d[OFF + 11]), "+f"(d[OFF + 12]), "+f"(d[OFF + 13]), "+f"(d[OFF + 14]), "+f"(d[OFF + 15]),
-        "+f"(d[OFF + 16]), "+f"(d[OFF + 17]), "+f"(d[OFF + 18]), "+f"(d[OFF + 19]), "+f"(d[OFF + 20]), "+f"(d[OFF + 21]), "+f"(d[OFF + 22]), "+f"(d[OFF + 23]),
-        "+f"(d[OFF + 24]), "+f"(d[OFF + 25]), "+f"(d[OFF + 26]), "+f"(d[OFF + 27]), "+f"(d[OFF + 28]), "+f"(d[OFF + 29]), "+f"(d[OFF + 30]), "+f"(d[OFF + 31]),
-        "+f"(d[OFF + 32]), "+f"(d[OFF + 33]), "+f"(d[OFF + 34]), "+f"(d[OFF + 35]), "+f"(d[OFF + 36]), "+f"(d[OFF + 37]), "+f"(d[OFF + 38]), "+f"(d[OFF + 39]),
-        "+f"(d[OFF + 40]), "+f"(d[OFF + 41]), "+f"(d[OFF + 42]), "+f"(d[OFF + 43]), "+f"(d[OFF + 44]), "+f"(d[OFF + 45]), "+f"(d[OFF + 46]), "+f"(d[OFF + 47]),
-        "+f"(d[OFF + 48]), "+f"(d[OFF + 49]), "+f"(d[OFF + 50]), "+f"(d[OFF + 51]), "+f"(d[OFF + 52]), "+f"(d[OFF + 53]), "+f"(d[OFF + 54]), "+f"(d[OFF + 55]),
-        "+f"(d[OFF + 56]), "+f"(d[OFF + 57]), "+f"(d[OFF + 58]), "+f"(d[OFF + 59]), "+f"(d[OFF + 60]), "+f"(d[OFF + 61]), "+f"(d[OFF + 62]), "+f"(d[OFF + 63])
-      : "l"(da), "l"(db), "r"(scale_d)
-      : "memory");
-}
-template <int NV, int OFF>
-__device__ __forceinline__ void wgmma_tr(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-  if (NV == 32) wgmma_m64n32k16<OFF>(d, da, db, scale_d);
-  else if (NV == 64) wgmma_m64n64k16<OFF>(d, da, db, scale_d);
-  else if (NV == 96) wgmma_m64n96k16<OFF>(d, da, db, scale_d);
-  else wgmma_m64n128k16<OFF>(d, da, db, scale_d);
-}
-
-// Four 8 x 8 bf16 matrices to shared memory, transposed: lane l's register j holds row l / 4,
-// columns 2 (l % 4) and + 1 of matrix j, which land in memory row 2 (l % 4) (+ 1) of that matrix at
-// column l / 4; lanes 8 j .. 8 j + 7 give the addresses of matrix j's memory rows.
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
-               "r"(r2), "r"(r3)
-               : "memory");
-}
-
-
 // Accumulator layout of wgmma m64nNk16 (f32): warp q of the warpgroup owns rows 16q..16q+15;
 // register i of lane l holds row 16q + l/4 + 8 ((i/2) % 2), column 8 (i/4) + 2 (l%4) + (i%2).
 // The consumer's 64 x 128 staging tile (256-byte rows) keeps 16-byte chunk c of row r at chunk
@@ -571,125 +446,24 @@ __device__ __forceinline__ void epilogue(float (&d)[128], uint32_t stg, uint16_t
     }
   }
 }
-
-// The transposed tile's epilogue: d holds D[weight row m][token n] (m64nNV, register i of lane l
-// of warp q: m = 16 q + l / 4 + 8 ((i / 2) % 2), n = 8 (i / 4) + 2 (l % 4) + (i % 2)), each 8 x 8
-// block of it one stmatrix fragment; stored transposed, a token per 128-byte row of the staging
-// tile (64 outputs), chunk c of row r at c ^ (r & 7), then 16-byte stores along the output row.
-// gate_up: d[i] gate, d[64 + i] up of the same output; down: d[0 ..] the warpgroup's first 64
-// outputs, d[64 ..] the next 64 (two passes).
-template <int MODE, int NV>
-__device__ __forceinline__ void epilogue_tr(float (&d)[128], uint32_t stg, uint16_t *__restrict__ out, int N, int row0,
-                                            int rows, int col0, int bar_id, int t) {
-  const int lane = t & 31, q = t >> 5;
-  const int mat = lane >> 3, ri = lane & 7; // the matrix and memory row this lane addresses
-  constexpr int PASSES = MODE == GATE_UP ? 1 : 2;
-#pragma unroll
-  for (int p = 0; p < PASSES; p++) {
-    named_bar_sync(bar_id, 128); // the staging tile's previous readers are done
-#pragma unroll
-    for (int j2 = 0; j2 < NV / 16; j2++) { // tokens 16 j2 .. 16 j2 + 15: matrices (h, jn) = (j & 1, 2 j2 + j / 2)
-      uint32_t r[4];
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        const int i = 4 * (2 * j2 + (j >> 1)) + 2 * (j & 1);
-        float v0, v1;
-        if (MODE == GATE_UP) {
-          v0 = swiglu(d[i], d[64 + i]);
-          v1 = swiglu(d[i + 1], d[65 + i]);
-        } else {
-          v0 = d[64 * p + i];
-          v1 = d[64 * p + i + 1];
-        }
-        r[j] = pack_bf16(v0, v1);
-      }
-      const int n = 16 * j2 + 8 * (mat >> 1) + ri, c = 2 * q + (mat & 1);
-      stmatrix_x4_trans(stg + (uint32_t)(n * 128 + ((c ^ (n & 7)) << 4)), r[0], r[1], r[2], r[3]);
-    }
-    named_bar_sync(bar_id, 128);
-    for (int idx = t; idx < rows * 8; idx += 128) {
-      const int r = idx >> 3, ch = idx & 7;
-      const uint4 v = ld_shared_v4(stg + (uint32_t)(r * 128 + ((ch ^ (r & 7)) << 4)));
-      const int col = col0 + p * 64 + ch * 8;
-      if (col < N) *reinterpret_cast<uint4 *>(out + (long long)(row0 + r) * N + col) = v;
-    }
-  }
-}
 #endif // sm_90a
-
-#if defined(MOE_SM90A)
-// A warp hands slot s back to the producer of every CTA of the cluster once its wgmma group that
-// read the slot has retired.
-template <int CM> __device__ __forceinline__ void release_slot(uint32_t empty, int lane) {
-  if (lane == 0) {
-    if (CM == 1) mbar_arrive_local(empty);
-    else
-      for (int c = 0; c < CM; c++) mbar_arrive_cluster(empty, (uint32_t)c);
-  }
-}
-
-// One transposed tile of a consumer warpgroup: its 128 weight rows of the stage's B (gate_up: 64
-// gate rows and the 64 up rows of the same outputs; down: 128 outputs) as wgmma's M, in two
-// accumulators of 64, times the tile's NV token rows of A as N.  NV is the CTA's rows rounded up
-// to 32, so a short tile costs its rows' share of the tensor-core time.
-template <int MODE, int CM, int NV>
-__device__ __forceinline__ void tr_tile(float (&d)[128], int &s, uint32_t &ph, uint32_t ring, uint32_t bars,
-                                        uint32_t stg, int cw, int t, int KT, uint16_t *__restrict__ out, int N,
-                                        int row0, int rows, int col0) {
-  const int lane = t & 31;
-  const uint32_t wb = ring + A_BYTES;
-  const uint32_t m0 = MODE == GATE_UP ? 64 * cw : 128 * cw, m1 = MODE == GATE_UP ? 128 + 64 * cw : 128 * cw + 64;
-  const uint64_t dw0 = smem_desc(wb + m0 * BK * 2), dw1 = smem_desc(wb + m1 * BK * 2), dx = smem_desc(ring);
-  int prev = 0;
-  for (int kb = 0; kb < KT; kb++) {
-    mbar_wait(bars + 8u * (uint32_t)s, ph);
-    const uint64_t off = (uint64_t)(s * (STAGE_BYTES >> 4));
-    wgmma_fence();
-    fence_acc(d);
-#pragma unroll
-    for (int k = 0; k < BK / 16; k++) {
-      wgmma_tr<NV, 0>(d, dw0 + off + 2 * k, dx + off + 2 * k, kb > 0 || k > 0);
-      wgmma_tr<NV, 64>(d, dw1 + off + 2 * k, dx + off + 2 * k, kb > 0 || k > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<1>(); // the group of the previous k block has retired: its slot is free
-    fence_acc(d);
-    if (kb > 0) release_slot<CM>(bars + 8u * (uint32_t)(STAGES + prev), lane);
-    prev = s;
-    if (++s == STAGES) s = 0, ph ^= 1u;
-  }
-  wgmma_wait<0>();
-  fence_acc(d);
-  release_slot<CM>(bars + 8u * (uint32_t)(STAGES + prev), lane);
-  epilogue_tr<MODE, NV>(d, stg, out, N, row0, rows, col0, 1 + cw, t);
-}
-#endif
 
 // ---- the GEMM ----
 //
 // out [C, N] for the tiles of the work list:
 //   tma_a   A [C, K]: xs (gate_up, K = H) or h (down, K = F), box {64, 128}
-//   tma_a_half  the same in boxes {64, 64}: a solo unit's halves, one from each CTA (CM = 2);
-//           TAIL: in boxes {64, TR_ROWS}, as many as the CTA's rows need
+//   tma_a_half  the same in boxes {64, 64}: a solo unit's halves, one from each CTA (CM = 2)
 //   tma_b   W as [b_rows, K]: w_gate_up [EL * 2F, H] or w_down [EL * H, F], box {64, 128}
 //   N       output columns: F (h) or H (ys); F: the up rows' offset inside an expert (gate_up)
 //   waves   this pass's wave gate counter (units whose copies are all issued, summed over the
 //           CTAs), or null: no gate
-//   early   let the kernel launched after this one start as this one's CTAs finish (the tail
-//           kernel, a programmatic dependent that touches none of this one's rows)
-// TAIL = false: the pairs and solos of the work list (decode); TAIL = true (CM = 2): the
-// transposed tails (decode_tail), launched after the pairs as their programmatic dependent.
-// Two instantiations, so that neither path's code is compiled into the other (PERF.md: in one
-// kernel, the transposed path slowed the row tiles' by 1.5-2%).
-template <int MODE, int CM, bool TAIL>
+template <int MODE, int CM>
 __global__ void __launch_bounds__(THREADS, 1)
     sm90_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_a_half,
                      const __grid_constant__ CUtensorMap tma_b,
                      uint16_t *__restrict__ out, const int *__restrict__ meta, int EL, int NT, int KT, int N, int F,
-                     int b_rows, int *waves, int early) {
+                     int b_rows, int *waves) {
 #if defined(MOE_SM90A)
-  static_assert(!TAIL || CM == 2, "the tails are split between the two CTAs of a cluster");
-  if (!TAIL && early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   extern __shared__ unsigned char smem_raw[];
   // The same offsets in every CTA (no static shared memory), which multicast relies on.
   const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -720,8 +494,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     __syncthreads();
   }
 
-  const int units = TAIL ? __ldg(meta + 5 * EL + 4) * NT // tails
-                        : __ldg(meta + EL) * NT + __ldg(meta + 2 * EL + 1) * ((NT + CM - 1) / CM); // pairs, solos
+  const int units = __ldg(meta + EL) * NT + __ldg(meta + 2 * EL + 1) * ((NT + CM - 1) / CM); // pairs, solos
 
   if (wg == 0) {
     setmaxnreg_dec<PRODUCER_REGS>();
@@ -736,7 +509,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       int wave = 0;
       for (int v = cid; v < units; v += ncl, wave++) {
         if (gate && wave > 0) gate = wave_wait(waves, wave * ncl * CM - slack);
-        const Work w = TAIL ? decode_tail(v, meta, EL, NT, rank) : decode<CM>(v, meta, EL, NT, rank);
+        const Work w = decode<CM>(v, meta, EL, NT, rank);
         int b0, b1;
         if (MODE == GATE_UP) b0 = w.e * 2 * F + w.n * (BN / 2), b1 = b0 + F; // gate rows, up rows
         else b0 = w.e * N + w.n * BN, b1 = b0 + BN / 2;
@@ -745,20 +518,13 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int kb = 0; kb < KT; kb++) {
           mbar_wait(empty_bar(s), ph ^ 1u); // every consumer warp of the cluster is done with slot s
           const uint32_t sa = ring + (uint32_t)(s * STAGE_BYTES), sb = sa + A_BYTES;
-          if (TAIL) { // the rows in boxes of TR_ROWS, as many as the consumers read
-            const int na = w.rows > 0 ? (w.rows + TR_ROWS - 1) / TR_ROWS : 0;
-            mbar_expect_tx(full_bar(s), (uint32_t)(na * TR_ROWS * BK * 2 + 2 * B_HALF));
-            for (int j = 0; j < na; j++)
-              tma_load(sa + (uint32_t)(j * TR_ROWS * BK * 2), &tma_a_half, kb * BK, w.row0 + TR_ROWS * j, full_bar(s));
-          } else {
-            mbar_expect_tx(full_bar(s), STAGE_BYTES);
-            if (CM > 1 && w.solo) // both CTAs on this row tile: each loads half its rows for both
-              tma_load_multicast(sa + (uint32_t)(rank * A_BYTES / 2), &tma_a_half, kb * BK, w.row0 + rank * (BM / 2),
-                                 full_bar(s), (uint16_t)((1u << CM) - 1u));
-            else
-              tma_load(sa, &tma_a, kb * BK, w.row0, full_bar(s));
-          }
-          if (!TAIL && (CM == 1 || w.solo)) {
+          mbar_expect_tx(full_bar(s), STAGE_BYTES);
+          if (CM > 1 && w.solo) // both CTAs on this row tile: each loads half its rows for both
+            tma_load_multicast(sa + (uint32_t)(rank * A_BYTES / 2), &tma_a_half, kb * BK, w.row0 + rank * (BM / 2),
+                               full_bar(s), (uint16_t)((1u << CM) - 1u));
+          else
+            tma_load(sa, &tma_a, kb * BK, w.row0, full_bar(s));
+          if (CM == 1 || w.solo) {
             tma_load(sb, &tma_b, kb * BK, b0, full_bar(s));
             tma_load(sb + B_HALF, &tma_b, kb * BK, b1, full_bar(s));
           } else {
@@ -776,30 +542,21 @@ __global__ void __launch_bounds__(THREADS, 1)
     const uint32_t stg = staging + (uint32_t)(cw * STG_BYTES);
     const uint64_t da0 = smem_desc(ring + (uint32_t)(cw * 64 * BK * 2)); // this warpgroup's 64 rows of A
     const uint64_t db0 = smem_desc(ring + A_BYTES);
-    auto release = [&](int s) { release_slot<CM>(empty_bar(s), lane); };
+    // A warp hands slot s back to the producer of every CTA of the cluster once its wgmma
+    // group that read the slot has retired.
+    auto release = [&](int s) {
+      if (lane == 0) {
+        if (CM == 1) mbar_arrive_local(empty_bar(s));
+        else
+          for (int c = 0; c < CM; c++) mbar_arrive_cluster(empty_bar(s), (uint32_t)c);
+      }
+    };
     float d[128];
 #pragma unroll
     for (int i = 0; i < 128; i++) d[i] = 0.f;
     int s = 0;
     uint32_t ph = 0;
     for (int v = cid; v < units; v += ncl) {
-      if (TAIL) {
-        const Work w = decode_tail(v, meta, EL, NT, rank);
-        // uniform over the warpgroup, as wgmma requires
-        const int nv = __shfl_sync(0xffffffffu, w.rows > 0 && w.n < NT ? (w.rows + TR_ROWS - 1) / TR_ROWS : 0, 0);
-        const int col0 = MODE == GATE_UP ? w.n * (BN / 2) + 64 * cw : w.n * BN + 128 * cw;
-        if (nv == 4) tr_tile<MODE, CM, 128>(d, s, ph, ring, bars, stg, cw, t, KT, out, N, w.row0, w.rows, col0);
-        else if (nv == 3) tr_tile<MODE, CM, 96>(d, s, ph, ring, bars, stg, cw, t, KT, out, N, w.row0, w.rows, col0);
-        else if (nv == 2) tr_tile<MODE, CM, 64>(d, s, ph, ring, bars, stg, cw, t, KT, out, N, w.row0, w.rows, col0);
-        else if (nv == 1) tr_tile<MODE, CM, 32>(d, s, ph, ring, bars, stg, cw, t, KT, out, N, w.row0, w.rows, col0);
-        else
-          for (int kb = 0; kb < KT; kb++) { // no rows: keep the ring in step (as below)
-            mbar_wait(full_bar(s), ph);
-            release(s);
-            if (++s == STAGES) s = 0, ph ^= 1u;
-          }
-        continue;
-      }
       const Work w = decode<CM>(v, meta, EL, NT, rank);
       const int my_rows = w.rows - cw * 64; // rows of the expert among this warpgroup's 64
       // uniform over the warpgroup, as wgmma requires
@@ -835,8 +592,6 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
   }
-  // The tail kernel ends after the pairs' kernel, so that what waits for it waits for both.
-  if (TAIL) asm volatile("griddepcontrol.wait;" ::: "memory");
   // No CTA leaves while its peer may still arrive on its barriers.
   if (CM > 1) {
     __syncwarp();
@@ -890,7 +645,7 @@ bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 // memory and the real kernel has none; an image for another architecture fails the query.
 bool sm90a_built() {
   cudaFuncAttributes fa;
-  if (cudaFuncGetAttributes(&fa, sm90_gemm_kernel<GATE_UP, 1, false>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&fa, sm90_gemm_kernel<GATE_UP, 1>) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
@@ -899,13 +654,13 @@ bool sm90a_built() {
 
 // Clusters (CM > 1) or CTAs (CM = 1) that fit on the device at once: the persistent grid.
 // Cached per device and kernel; 0 when none fit.
-template <int MODE, int CM, bool TAIL> int resident_groups(int dev) {
+template <int MODE, int CM> int resident_groups(int dev) {
   static std::atomic<int> cache[64];
   if (dev >= 0 && dev < 64) {
     const int c = cache[dev].load(std::memory_order_relaxed);
     if (c > 0) return c - 1;
   }
-  auto kernel = sm90_gemm_kernel<MODE, CM, TAIL>;
+  auto kernel = sm90_gemm_kernel<MODE, CM>;
   int n = 0;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -938,35 +693,24 @@ template <int MODE, int CM, bool TAIL> int resident_groups(int dev) {
   return n;
 }
 
-// TAIL: launched as a programmatic dependent of the kernel before it (the pairs' kernel, which
-// lets it start as its CTAs finish: early).
-template <int MODE, int CM, bool TAIL>
+template <int MODE, int CM>
 cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, const CUtensorMap &ta_half,
-                        const CUtensorMap &tb, uint16_t *out, const int *meta, int EL, int NT, int KT, int N, int F,
-                        int b_rows, int *waves, int early) {
-  auto kernel = sm90_gemm_kernel<MODE, CM, TAIL>;
+                        const CUtensorMap &tb, uint16_t *out,
+                        const int *meta, int EL, int NT, int KT, int N, int F, int b_rows, int *waves) {
+  auto kernel = sm90_gemm_kernel<MODE, CM>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   if (err != cudaSuccess) return err;
   cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[2];
-  unsigned n = 0;
-  if (CM > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = CM, attr[n].val.clusterDim.y = 1, attr[n].val.clusterDim.z = 1;
-    n++;
-  }
-  if (TAIL) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n].val.programmaticStreamSerializationAllowed = 1;
-    n++;
-  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CM, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
   cfg.gridDim = dim3((unsigned)(groups * CM), 1, 1);
   cfg.blockDim = dim3(THREADS, 1, 1);
   cfg.dynamicSmemBytes = SMEM_BYTES;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = n;
-  err = cudaLaunchKernelEx(&cfg, kernel, ta, ta_half, tb, out, meta, EL, NT, KT, N, F, b_rows, waves, early);
+  cfg.numAttrs = CM > 1 ? 1 : 0;
+  err = cudaLaunchKernelEx(&cfg, kernel, ta, ta_half, tb, out, meta, EL, NT, KT, N, F, b_rows, waves);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
@@ -975,40 +719,26 @@ int unsupported(moe_ctx *ctx, const char *why) {
   return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts (sm90): %s", why);
 }
 
-// tail (CM = 2 only): the pairs' kernel takes the full pairs and the tail kernel each expert's
-// rows after them; else the pairs' kernel takes everything (pairs and solos).
 template <int CM>
 int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_xs, const CUtensorMap &t_wgu,
-        const CUtensorMap &t_wdn, bool tail) {
+        const CUtensorMap &t_wdn) {
   static const char *stage = "experts";
   const long long C = a->xs->shape[0], H = a->xs->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
   const long long tmax = (C + BM - 1) / BM + (EL < C ? EL : C); // row tiles, whatever the offsets
   const int nt_gu = (int)((F + BN / 2 - 1) / (BN / 2)), nt_dn = (int)((H + BN - 1) / BN);
   // grids: all that fit at once, no more than the most units a pass can have
-  const int fit_gu = resident_groups<GATE_UP, CM, false>(dev), fit_dn = resident_groups<DOWN, CM, false>(dev);
+  const int fit_gu = resident_groups<GATE_UP, CM>(dev), fit_dn = resident_groups<DOWN, CM>(dev);
   if (fit_gu <= 0 || fit_dn <= 0) return unsupported(ctx, "no CTA of the kernel fits on the device");
   const int g_gu = (int)(tmax * nt_gu < fit_gu ? tmax * nt_gu : fit_gu);
   const int g_dn = (int)(tmax * nt_dn < fit_dn ? tmax * nt_dn : fit_dn);
-  // the tail kernels' grids: at most one tail an expert, and none on an empty expert
-  const long long tails = EL < C ? EL : C;
-  int gt_gu = 0, gt_dn = 0;
-  if constexpr (CM == 2) {
-    if (tail) {
-      const int fu = resident_groups<GATE_UP, CM, true>(dev), fd = resident_groups<DOWN, CM, true>(dev);
-      if (fu <= 0 || fd <= 0) return unsupported(ctx, "no CTA of the tail kernel fits on the device");
-      gt_gu = (int)(tails * nt_gu < fu ? tails * nt_gu : fu);
-      gt_dn = (int)(tails * nt_dn < fd ? tails * nt_dn : fd);
-    }
-  }
 
   cudaStream_t stream;
   int rc = cuda_ctx_stream(ctx, dev, &stream);
   if (rc) return rc;
 
-  // scratch: meta = pairs [EL + 1], solos [EL + 1], lo [EL], hi [EL], waves [2], tails [EL + 1] ints,
-  // then h [C, F] bf16
-  const size_t meta_bytes = ((size_t)(5 * EL + 5) * sizeof(int) + 255) & ~(size_t)255;
+  // scratch: meta = pairs [EL + 1], solos [EL + 1], lo [EL], hi [EL], waves [2] ints, then h [C, F] bf16
+  const size_t meta_bytes = ((size_t)(4 * EL + 4) * sizeof(int) + 255) & ~(size_t)255;
   const size_t h_bytes = (size_t)C * (size_t)F * 2;
   void *scratch = NULL;
   cudaError_t err = cudaMallocAsync(&scratch, meta_bytes + h_bytes, stream);
@@ -1030,44 +760,27 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
 
   const char *what = "map launch";
   // A in boxes of half a tile's rows, for a solo unit's multicast: pairs only (CM = 1 is passed
-  // the full maps, which it never reads as halves); the tail kernels' in boxes of TR_ROWS
-  CUtensorMap t_h, t_h_half, t_xs_half = t_xs, t_h_tr, t_xs_tr;
+  // the full maps, which it never reads as halves)
+  CUtensorMap t_h, t_h_half, t_xs_half = t_xs;
   bool maps = encode_2d(&t_h, h, C, F);
   t_h_half = t_h;
   if (maps && CM > 1) maps = encode_2d(&t_h_half, h, C, F, BM / 2) && encode_2d(&t_xs_half, a->xs->data, C, H, BM / 2);
-  if (maps && tail) maps = encode_2d(&t_h_tr, h, C, F, TR_ROWS) && encode_2d(&t_xs_tr, a->xs->data, C, H, TR_ROWS);
   if (!maps) {
     what = "cuTensorMapEncodeTiled(h or the half-row boxes)";
     err = cudaErrorInvalidValue;
   } else {
-    sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->expert_offsets->data, (int)EL, (int)C, CM,
-                                                   tail);
+    sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->expert_offsets->data, (int)EL, (int)C, CM);
     err = cudaGetLastError();
   }
-  int *waves = gate ? meta + 4 * EL + 2 : nullptr;
   if (err == cudaSuccess) {
     what = "gate_up launch";
-    err = launch_gemm<GATE_UP, CM, false>(stream, g_gu, t_xs, t_xs_half, t_wgu, h, meta, (int)EL, nt_gu, (int)(H / BK),
-                                          (int)F, (int)F, (int)(EL * 2 * F), waves, tail);
-  }
-  if constexpr (CM == 2) {
-    if (err == cudaSuccess && tail) {
-      what = "gate_up tail launch";
-      err = launch_gemm<GATE_UP, CM, true>(stream, gt_gu, t_xs, t_xs_tr, t_wgu, h, meta, (int)EL, nt_gu,
-                                           (int)(H / BK), (int)F, (int)F, (int)(EL * 2 * F), nullptr, 0);
-    }
+    err = launch_gemm<GATE_UP, CM>(stream, g_gu, t_xs, t_xs_half, t_wgu, h, meta, (int)EL, nt_gu, (int)(H / BK),
+                                   (int)F, (int)F, (int)(EL * 2 * F), gate ? meta + 4 * EL + 2 : nullptr);
   }
   if (err == cudaSuccess) {
     what = "down launch";
-    err = launch_gemm<DOWN, CM, false>(stream, g_dn, t_h, t_h_half, t_wdn, ys, meta, (int)EL, nt_dn, (int)(F / BK),
-                                       (int)H, (int)F, (int)(EL * H), waves ? waves + 1 : nullptr, tail);
-  }
-  if constexpr (CM == 2) {
-    if (err == cudaSuccess && tail) {
-      what = "down tail launch";
-      err = launch_gemm<DOWN, CM, true>(stream, gt_dn, t_h, t_h_tr, t_wdn, ys, meta, (int)EL, nt_dn, (int)(F / BK),
-                                        (int)H, (int)F, (int)(EL * H), nullptr, 0);
-    }
+    err = launch_gemm<DOWN, CM>(stream, g_dn, t_h, t_h_half, t_wdn, ys, meta, (int)EL, nt_dn, (int)(F / BK),
+                                (int)H, (int)F, (int)(EL * H), gate ? meta + 4 * EL + 3 : nullptr);
   }
   // Given back after the launches on the same stream, so the kernels are done with it first;
   // on a failed launch it is given back all the same.
@@ -1141,16 +854,12 @@ extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   // Clusters of two at every size: the pair halves the B traffic from L2 (647 vs 603 TFLOP/s at
   // the Kimi K2 shape on the H200), and with 129-255 rows an expert one CTA a tile read the
   // weights twice from DRAM (48 experts of 160 or 192 rows: 2.13-2.15 ms against 1.45); at 1-48
-  // rows the pair is 0.4-6% ahead, at 96-128 1-2% behind (PERF.md).  The transposed tails
-  // where the experts average two row tiles or more, as the wave gate: there an expert's last,
-  // short pair is a tenth of its work (Kimi K2: 171 of 1,195 rows).  MOE_EXPERTS_KERNEL=sm90x1,
-  // sm90x2 (pairs and solos, no tails) or sm90t (pairs and tails at every size) forces one;
-  // otherwise a device that cannot place a cluster of two gets one CTA a tile.
+  // rows the pair is 0.4-6% ahead, at 96-128 1-2% behind (PERF.md).  MOE_EXPERTS_KERNEL=sm90x1
+  // or sm90x2 forces one of the two; otherwise a device that cannot place a cluster of two gets
+  // one CTA a tile.
   const char *sel = getenv("MOE_EXPERTS_KERNEL");
-  if (sel && strcmp(sel, "sm90x1") == 0) return run<1>(ctx, a, dev, t_xs, t_wgu, t_wdn, false);
-  const bool forced = sel && (strcmp(sel, "sm90x2") == 0 || strcmp(sel, "sm90t") == 0);
-  const bool tail = sel && strcmp(sel, "sm90x2") == 0 ? false : (sel && strcmp(sel, "sm90t") == 0) || C >= 2 * BM * EL;
-  const int rc = run<2>(ctx, a, dev, t_xs, t_wgu, t_wdn, tail);
-  if (rc != MOE_ERR_UNSUPPORTED || forced) return rc;
-  return run<1>(ctx, a, dev, t_xs, t_wgu, t_wdn, false);
+  if (sel && strcmp(sel, "sm90x1") == 0) return run<1>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  const int rc = run<2>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  if (rc != MOE_ERR_UNSUPPORTED || (sel && strcmp(sel, "sm90x2") == 0)) return rc;
+  return run<1>(ctx, a, dev, t_xs, t_wgu, t_wdn);
 }

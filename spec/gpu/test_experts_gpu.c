@@ -6,8 +6,7 @@
  *
  * Every check runs once per kernel, chosen through MOE_EXPERTS_KERNEL: "mma" (the mma.sync
  * kernel), "sm90x1" (TMA + wgmma, one CTA per tile), "sm90x2" (the same in clusters of two with
- * multicast), "sm90t" (the pairs, and every expert's rows after them in the transposed tail
- * kernel) and the automatic choice.  Shapes the Hopper kernel does not take (H or F not a multiple of 64, F = 0,
+ * multicast) and the automatic choice.  Shapes the Hopper kernel does not take (H or F not a multiple of 64, F = 0,
  * misaligned views) must be refused with MOE_ERR_UNSUPPORTED and leave ys untouched; off a
  * compute capability 9.0 device its runs are reported skipped.
  * Prints one PASS/FAIL line per check; exits 77 without a GPU, 1 on any failure.  --no-bench skips
@@ -52,8 +51,7 @@ typedef struct {
   const char *name, *env;
   int hopper; /* takes only the shapes sm90_supported accepts, on compute capability 9.0 */
 } kernel;
-static const kernel KERNELS[] = {
-    {"mma", "mma", 0}, {"sm90x1", "sm90x1", 1}, {"sm90x2", "sm90x2", 1}, {"sm90t", "sm90t", 1}, {"auto", NULL, 0}};
+static const kernel KERNELS[] = {{"mma", "mma", 0}, {"sm90x1", "sm90x1", 1}, {"sm90x2", "sm90x2", 1}, {"auto", NULL, 0}};
 enum { NKERNELS = sizeof KERNELS / sizeof *KERNELS };
 static int no_hopper; /* set once the Hopper kernel said the device is not compute capability 9.0 */
 
