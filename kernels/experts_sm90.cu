@@ -78,6 +78,7 @@
 #include <string.h>
 
 #include "common.cuh"
+#include "wgmma_tr.cuh"
 
 namespace {
 
@@ -94,6 +95,14 @@ constexpr int STG_BYTES = 64 * 256;     // a consumer's staging tile: 64 rows x 
 constexpr int SMEM_USED = STAGES * STAGE_BYTES + 2 * STG_BYTES + 2 * STAGES * 8;
 constexpr int SMEM_BYTES = SMEM_USED + 1024; // slack to align the ring to the 1024-byte swizzle atom
 constexpr int MAP_THREADS = 1024;
+// The weights-as-M kernel (WT): a CTA's tile is 256 weight rows (B, as above) x up to NV_MAX
+// tokens (A), the tokens as wgmma's N.  Its A slot holds NV_MAX rows; its staging tiles hold 32
+// tokens at a time, so that four stages still fit.
+constexpr int NV_MAX = 176;
+constexpr int A_W_BYTES = NV_MAX * BK * 2;             // 22 KiB
+constexpr int STAGE_W_BYTES = A_W_BYTES + 2 * B_HALF;  // 54 KiB
+constexpr int STG_W_BYTES = 32 * 128;                  // a consumer's staging: 32 tokens x 64 bf16 outputs
+constexpr int SMEM_W_BYTES = STAGES * STAGE_W_BYTES + 2 * STG_W_BYTES + 2 * STAGES * 8 + 1024;
 [[maybe_unused]] constexpr int WAVE_SLACK = 16;             // CTAs a wave may start without
 [[maybe_unused]] constexpr unsigned WAVE_WAIT_NS = 200000; // a tile takes ~30-80 us at Kimi K2
 [[maybe_unused]] constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232; // 128 * (40 + 2 * 232) <= 64 Ki registers
@@ -102,7 +111,9 @@ enum { GATE_UP = 0, DOWN = 1 };
 
 static_assert(STAGE_BYTES % 1024 == 0 && A_BYTES % 1024 == 0 && B_HALF % 1024 == 0,
               "every TMA destination and wgmma operand starts on a 1024-byte swizzle atom");
-static_assert(SMEM_BYTES <= 232448, "fits the 227 KiB a Hopper block may opt in to");
+static_assert(SMEM_BYTES <= 232448 && SMEM_W_BYTES <= 232448, "fits the 227 KiB a Hopper block may opt in to");
+static_assert(STAGE_W_BYTES % 1024 == 0 && A_W_BYTES % 1024 == 0, "the WT ring on 1024-byte swizzle atoms too");
+template <bool WT> constexpr int smem_bytes() { return WT ? SMEM_W_BYTES : SMEM_BYTES; }
 
 // ---- the work list, shared by the map kernel (its prefix) and the GEMM (its decoding) ----
 
@@ -137,12 +148,14 @@ template <bool MAX> __device__ int block_scan(int v, int *ws, int *total) {
 }
 
 // meta = pairs [EL + 1], solos [EL + 1] (exclusive prefixes of each expert's pairs of row tiles
-// and of its row tiles left over, see decode), lo [EL], hi [EL], then the wave gate's two
-// counters (gate_up, down), zeroed here.
-__global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const int *offsets, int EL, int C, int cm) {
+// and of its row tiles left over, see decode), lo [EL], hi [EL], the wave gate's two counters
+// (gate_up, down), zeroed here, and wunits [EL + 1].  With wt set (the weights-as-M kernel, CM
+// = 2), no pairs and no solos: an expert's rows are wunits units of at most 2 NV_MAX (decode_w).
+__global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const int *offsets, int EL, int C, int cm,
+                                                                int wt) {
   __shared__ int ws[32];
-  int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL, *waves = hi + EL;
-  int carry_m = 0, carry_p = 0, carry_s = 0;
+  int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL, *waves = hi + EL, *wunits = waves + 2;
+  int carry_m = 0, carry_p = 0, carry_s = 0, carry_w = 0;
   for (int base = 0; base < EL; base += MAP_THREADS) {
     const int e = base + (int)threadIdx.x;
     const int own = e < EL ? clamp_row(offsets[e], C) : 0;
@@ -152,14 +165,17 @@ __global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const 
     carry_m = max(carry_m, tot);
     const int end = max(m, next);                                // m_{e+1}
     const int tiles = (end - m + BM - 1) / BM;
-    const int np = e < EL && cm == 2 ? tiles / 2 : 0, ns = e < EL ? tiles - 2 * np : 0;
+    const int np = e < EL && !wt && cm == 2 ? tiles / 2 : 0, ns = e < EL && !wt ? tiles - 2 * np : 0;
+    const int nw = e < EL && wt ? (end - m + 2 * NV_MAX - 1) / (2 * NV_MAX) : 0;
     const int first_p = carry_p + block_scan<false>(np, ws, &tot) - np;
     carry_p += tot;
     const int first_s = carry_s + block_scan<false>(ns, ws, &tot) - ns;
     carry_s += tot;
-    if (e < EL) pairs[e] = first_p, solos[e] = first_s, lo[e] = m, hi[e] = end;
+    const int first_w = carry_w + block_scan<false>(nw, ws, &tot) - nw;
+    carry_w += tot;
+    if (e < EL) pairs[e] = first_p, solos[e] = first_s, lo[e] = m, hi[e] = end, wunits[e] = first_w;
   }
-  if (threadIdx.x == 0) pairs[EL] = carry_p, solos[EL] = carry_s, waves[0] = 0, waves[1] = 0;
+  if (threadIdx.x == 0) pairs[EL] = carry_p, solos[EL] = carry_s, waves[0] = 0, waves[1] = 0, wunits[EL] = carry_w;
 }
 
 struct Work {
@@ -210,6 +226,34 @@ __device__ __forceinline__ Work decode(int v, const int *__restrict__ meta, int 
     w.n = min(col * CM + rank, NT);
   }
   w.rows = min(__ldg(hi + a) - w.row0, BM);
+  return w;
+}
+
+// Unit v of the weights-as-M kernel -> this CTA's tile.  An expert of r rows has u = ceil(r / (2
+// NV_MAX)) units per column tile, each of 2 nv rows (nv = ceil(r / 2u) rounded up to 8), the
+// first nv to the cluster's first CTA, the rest to the second (fewer, or none, in the expert's
+// last unit).  The two share the column tile's 256 weight rows (each loads one half and
+// multicasts it); the tokens are wgmma's N, so a CTA's time follows its own rows rounded up to 8,
+// not to a whole tile.  Inside an expert the unit varies fastest, so the units that read the same
+// weights run together.
+__device__ __forceinline__ Work decode_w(int v, const int *__restrict__ meta, int EL, int NT, int rank) {
+  const int *lo = meta + 2 * EL + 2, *hi = lo + EL, *wunits = hi + EL + 2;
+  int a = 0, b = EL - 1;
+  while (a < b) { // the last expert whose first unit is <= v; it is not empty as v < units
+    const int mid = (a + b + 1) >> 1;
+    if (__ldg(wunits + mid) * NT <= v) a = mid;
+    else b = mid - 1;
+  }
+  const int u = __ldg(wunits + a + 1) - __ldg(wunits + a), local = v - __ldg(wunits + a) * NT;
+  const int l0 = __ldg(lo + a), r = __ldg(hi + a) - l0;
+  const int nv = ((r + 2 * u - 1) / (2 * u) + 7) & ~7;
+  const int j = local % u;
+  Work w;
+  w.e = a;
+  w.n = local / u;
+  w.solo = 0;
+  w.row0 = l0 + (2 * j + rank) * nv;
+  w.rows = min(nv, l0 + r - w.row0); // <= 0: this CTA only shares its half of the weights
   return w;
 }
 
@@ -355,9 +399,9 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 }
 // Keeps the compiler from moving accesses of the accumulators across the asynchronous wgmma
 // and its wait: each register is "rewritten" here, in program order with the asm around it.
-__device__ __forceinline__ void fence_acc(float (&d)[128]) {
+template <int ACC> __device__ __forceinline__ void fence_acc(float (&d)[ACC]) {
 #pragma unroll
-  for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < ACC; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // D[64 x 256] (+)= A[64 x 16] . B[256 x 16]^T, both K-major in shared memory; scale_d = 0 overwrites D.
@@ -404,6 +448,20 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // few ulp of f32, far under the bf16 rounding that follows; e^-g = inf gives -0 as there.
 __device__ __forceinline__ float swiglu(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
 
+// Four 8 x 8 bf16 matrices to shared memory, transposed: lane l's register j holds row l / 4,
+// columns 2 (l % 4) and + 1 of matrix j, which land in memory row 2 (l % 4) (+ 1) of that matrix at
+// column l / 4; lanes 8 j .. 8 j + 7 give the addresses of matrix j's memory rows.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+// Two of them: lanes 0 .. 15 give the addresses.
+__device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, uint32_t r0, uint32_t r1) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(addr), "r"(r0), "r"(r1) : "memory");
+}
+
+
 // Accumulator layout of wgmma m64nNk16 (f32): warp q of the warpgroup owns rows 16q..16q+15;
 // register i of lane l holds row 16q + l/4 + 8 ((i/2) % 2), column 8 (i/4) + 2 (l%4) + (i%2).
 // The consumer's 64 x 128 staging tile (256-byte rows) keeps 16-byte chunk c of row r at chunk
@@ -446,29 +504,141 @@ __device__ __forceinline__ void epilogue(float (&d)[128], uint32_t stg, uint16_t
     }
   }
 }
+
+// The weights-as-M tile's epilogue.  d holds two accumulators of NV / 2 registers, D[weight row
+// m][token n] each (m64nNV: register i of lane l of warp q holds m = 16 q + l / 4 + 8 ((i / 2) %
+// 2), n = 8 (i / 4) + 2 (l % 4) + (i % 2)); gate_up: d[i] the gate, d[NV / 2 + i] the up of the
+// same output; down: the warpgroup's first 64 outputs, then the next 64 (two passes).  Each 8 x 8
+// block is one stmatrix fragment, stored transposed: a token per 128-byte row of the staging tile
+// (64 outputs, chunk c of row r at c ^ (r & 7)), 32 tokens at a time, then 16-byte stores along
+// the output row.
+template <int MODE, int NV>
+__device__ __forceinline__ void w_epilogue(float (&d)[NV], uint32_t stg, uint16_t *__restrict__ out, int N, int row0,
+                                           int rows, int col0, int bar_id, int t) {
+  constexpr int H2 = NV / 2;
+  const int lane = t & 31, q = t >> 5;
+  const int mat = lane >> 3, ri = lane & 7; // the matrix and memory row this lane addresses
+  constexpr int PASSES = MODE == GATE_UP ? 1 : 2;
+#pragma unroll
+  for (int p = 0; p < PASSES; p++) {
+#pragma unroll
+    for (int c0 = 0; c0 < NV; c0 += 32) {
+      if (c0 >= rows) break; // uniform: rows is the warpgroup's
+      named_bar_sync(bar_id, 128); // the staging tile's previous readers are done
+#pragma unroll
+      for (int jn = c0 / 8; jn < (c0 + 32 < NV ? c0 + 32 : NV) / 8; jn += 2) { // token blocks jn (and jn + 1)
+        uint32_t r[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) { // matrix j: m-half j & 1 of token block jn + j / 2
+          const int i = 4 * (jn + (j >> 1)) + 2 * (j & 1);
+          if (i >= H2) { r[j] = 0; continue; }
+          float v0, v1;
+          if (MODE == GATE_UP) {
+            v0 = swiglu(d[i], d[H2 + i]);
+            v1 = swiglu(d[i + 1], d[H2 + i + 1]);
+          } else {
+            v0 = d[H2 * p + i];
+            v1 = d[H2 * p + i + 1];
+          }
+          r[j] = pack_bf16(v0, v1);
+        }
+        const int n = 8 * (jn + (mat >> 1)) + ri - c0, c = 2 * q + (mat & 1);
+        const uint32_t addr = stg + (uint32_t)(n * 128 + ((c ^ (n & 7)) << 4));
+        if (8 * (jn + 1) < NV) stmatrix_x4_trans(addr, r[0], r[1], r[2], r[3]);
+        else stmatrix_x2_trans(addr, r[0], r[1]); // the last block of 8 tokens alone
+      }
+      named_bar_sync(bar_id, 128);
+      const int here = min(32, rows - c0);
+      for (int idx = t; idx < here * 8; idx += 128) {
+        const int r = idx >> 3, ch = idx & 7;
+        const uint4 v = ld_shared_v4(stg + (uint32_t)(r * 128 + ((ch ^ (r & 7)) << 4)));
+        const int col = col0 + p * 64 + ch * 8;
+        if (col < N) *reinterpret_cast<uint4 *>(out + (long long)(row0 + c0 + r) * N + col) = v;
+      }
+    }
+  }
+}
 #endif // sm_90a
+
+#if defined(MOE_SM90A)
+// A warp hands slot s back to the producer of every CTA of the cluster once its wgmma group that
+// read the slot has retired.
+template <int CM> __device__ __forceinline__ void release_slot(uint32_t empty, int lane) {
+  if (lane == 0) {
+    if (CM == 1) mbar_arrive_local(empty);
+    else
+      for (int c = 0; c < CM; c++) mbar_arrive_cluster(empty, (uint32_t)c);
+  }
+}
+
+// One weights-as-M tile of a consumer warpgroup: its 128 weight rows of the stage's B (gate_up: 64
+// gate rows and the 64 up rows of the same outputs; down: 128 outputs) as wgmma's M, in two
+// accumulators, times the CTA's NV token rows (its rows rounded up to 8) of A as N.
+template <int MODE, int NV>
+__device__ __forceinline__ void w_tile(int &s, uint32_t &ph, uint32_t ring, uint32_t bars, uint32_t stg, int cw, int t,
+                                       int KT, uint16_t *__restrict__ out, int N, int row0, int rows, int col0) {
+  constexpr int H2 = NV / 2;
+  float d[NV];
+#pragma unroll
+  for (int i = 0; i < NV; i++) d[i] = 0.f;
+  const int lane = t & 31;
+  const uint32_t wb = ring + A_W_BYTES;
+  const uint32_t m0 = MODE == GATE_UP ? 64 * cw : 128 * cw, m1 = MODE == GATE_UP ? 128 + 64 * cw : 128 * cw + 64;
+  const uint64_t dw0 = smem_desc(wb + m0 * BK * 2), dw1 = smem_desc(wb + m1 * BK * 2), dx = smem_desc(ring);
+  int prev = 0;
+  for (int kb = 0; kb < KT; kb++) {
+    mbar_wait(bars + 8u * (uint32_t)s, ph);
+    const uint64_t off = (uint64_t)(s * (STAGE_W_BYTES >> 4));
+    wgmma_fence();
+    fence_acc(d);
+#pragma unroll
+    for (int k = 0; k < BK / 16; k++) {
+      wgmma_n<NV, 0>(d, dw0 + off + 2 * k, dx + off + 2 * k, kb > 0 || k > 0);
+      wgmma_n<NV, H2>(d, dw1 + off + 2 * k, dx + off + 2 * k, kb > 0 || k > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<1>(); // the group of the previous k block has retired: its slot is free
+    fence_acc(d);
+    if (kb > 0) release_slot<2>(bars + 8u * (uint32_t)(STAGES + prev), lane);
+    prev = s;
+    if (++s == STAGES) s = 0, ph ^= 1u;
+  }
+  wgmma_wait<0>();
+  fence_acc(d);
+  release_slot<2>(bars + 8u * (uint32_t)(STAGES + prev), lane);
+  w_epilogue<MODE, NV>(d, stg, out, N, row0, rows, col0, 1 + cw, t);
+}
+#endif
 
 // ---- the GEMM ----
 //
 // out [C, N] for the tiles of the work list:
 //   tma_a   A [C, K]: xs (gate_up, K = H) or h (down, K = F), box {64, 128}
-//   tma_a_half  the same in boxes {64, 64}: a solo unit's halves, one from each CTA (CM = 2)
+//   tma_a_half  the same in boxes {64, 64}: a solo unit's halves, one from each CTA (CM = 2);
+//           WT: in boxes {64, 32}
+//   tma_a8  WT: the same in boxes {64, 8} (a CTA's rows in boxes of 128, 32 and 8 rows)
 //   tma_b   W as [b_rows, K]: w_gate_up [EL * 2F, H] or w_down [EL * H, F], box {64, 128}
 //   N       output columns: F (h) or H (ys); F: the up rows' offset inside an expert (gate_up)
 //   waves   this pass's wave gate counter (units whose copies are all issued, summed over the
 //           CTAs), or null: no gate
-template <int MODE, int CM>
+// WT = false: the row tiles of the work list (decode); WT = true (CM = 2): weights-as-M tiles
+// (decode_w).  Two instantiations, so that neither path's code is compiled into the other
+// (PERF.md: in one kernel, a transposed path slowed the row tiles' by 1.5-2%).
+template <int MODE, int CM, bool WT>
 __global__ void __launch_bounds__(THREADS, 1)
     sm90_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_a_half,
-                     const __grid_constant__ CUtensorMap tma_b,
+                     const __grid_constant__ CUtensorMap tma_a8, const __grid_constant__ CUtensorMap tma_b,
                      uint16_t *__restrict__ out, const int *__restrict__ meta, int EL, int NT, int KT, int N, int F,
                      int b_rows, int *waves) {
 #if defined(MOE_SM90A)
+  static_assert(!WT || CM == 2, "a weights-as-M unit is split between the two CTAs of a cluster");
+  constexpr int STAGE = WT ? STAGE_W_BYTES : STAGE_BYTES, A_SLOT = WT ? A_W_BYTES : A_BYTES;
+  constexpr int STG = WT ? STG_W_BYTES : STG_BYTES;
   extern __shared__ unsigned char smem_raw[];
   // The same offsets in every CTA (no static shared memory), which multicast relies on.
   const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t staging = ring + STAGES * STAGE_BYTES;
-  const uint32_t bars = staging + 2 * STG_BYTES; // full[STAGES], then empty[STAGES]
+  const uint32_t staging = ring + STAGES * STAGE;
+  const uint32_t bars = staging + 2 * STG; // full[STAGES], then empty[STAGES]
   auto full_bar = [&](int s) { return bars + 8u * (uint32_t)s; };
   auto empty_bar = [&](int s) { return bars + 8u * (uint32_t)(STAGES + s); };
 
@@ -494,13 +664,15 @@ __global__ void __launch_bounds__(THREADS, 1)
     __syncthreads();
   }
 
-  const int units = __ldg(meta + EL) * NT + __ldg(meta + 2 * EL + 1) * ((NT + CM - 1) / CM); // pairs, solos
+  const int units = WT ? __ldg(meta + 5 * EL + 4) * NT // weights-as-M units
+                        : __ldg(meta + EL) * NT + __ldg(meta + 2 * EL + 1) * ((NT + CM - 1) / CM); // pairs, solos
 
   if (wg == 0) {
     setmaxnreg_dec<PRODUCER_REGS>();
     if (threadIdx.x == 0) {
       prefetch_tmap(&tma_a);
       if (CM > 1) prefetch_tmap(&tma_a_half);
+      if (WT) prefetch_tmap(&tma_a8);
       prefetch_tmap(&tma_b);
       int s = 0;
       uint32_t ph = 0;
@@ -509,7 +681,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       int wave = 0;
       for (int v = cid; v < units; v += ncl, wave++) {
         if (gate && wave > 0) gate = wave_wait(waves, wave * ncl * CM - slack);
-        const Work w = decode<CM>(v, meta, EL, NT, rank);
+        const Work w = WT ? decode_w(v, meta, EL, NT, rank) : decode<CM>(v, meta, EL, NT, rank);
         int b0, b1;
         if (MODE == GATE_UP) b0 = w.e * 2 * F + w.n * (BN / 2), b1 = b0 + F; // gate rows, up rows
         else b0 = w.e * N + w.n * BN, b1 = b0 + BN / 2;
@@ -517,14 +689,24 @@ __global__ void __launch_bounds__(THREADS, 1)
         b0 = min(b0, b_rows - 1), b1 = min(b1, b_rows - 1);
         for (int kb = 0; kb < KT; kb++) {
           mbar_wait(empty_bar(s), ph ^ 1u); // every consumer warp of the cluster is done with slot s
-          const uint32_t sa = ring + (uint32_t)(s * STAGE_BYTES), sb = sa + A_BYTES;
-          mbar_expect_tx(full_bar(s), STAGE_BYTES);
-          if (CM > 1 && w.solo) // both CTAs on this row tile: each loads half its rows for both
-            tma_load_multicast(sa + (uint32_t)(rank * A_BYTES / 2), &tma_a_half, kb * BK, w.row0 + rank * (BM / 2),
-                               full_bar(s), (uint16_t)((1u << CM) - 1u));
-          else
-            tma_load(sa, &tma_a, kb * BK, w.row0, full_bar(s));
-          if (CM == 1 || w.solo) {
+          const uint32_t sa = ring + (uint32_t)(s * STAGE), sb = sa + A_SLOT;
+          if (WT) { // the rows the consumers read, rounded up to 8, in boxes of 128, 32 and 8
+            const int n8 = w.rows > 0 ? (w.rows + 7) & ~7 : 0;
+            mbar_expect_tx(full_bar(s), (uint32_t)(n8 * BK * 2 + 2 * B_HALF));
+            int r = 0;
+            for (; r + 128 <= n8; r += 128) tma_load(sa + (uint32_t)(r * BK * 2), &tma_a, kb * BK, w.row0 + r, full_bar(s));
+            for (; r + 32 <= n8; r += 32)
+              tma_load(sa + (uint32_t)(r * BK * 2), &tma_a_half, kb * BK, w.row0 + r, full_bar(s));
+            for (; r < n8; r += 8) tma_load(sa + (uint32_t)(r * BK * 2), &tma_a8, kb * BK, w.row0 + r, full_bar(s));
+          } else {
+            mbar_expect_tx(full_bar(s), STAGE_BYTES);
+            if (CM > 1 && w.solo) // both CTAs on this row tile: each loads half its rows for both
+              tma_load_multicast(sa + (uint32_t)(rank * A_BYTES / 2), &tma_a_half, kb * BK, w.row0 + rank * (BM / 2),
+                                 full_bar(s), (uint16_t)((1u << CM) - 1u));
+            else
+              tma_load(sa, &tma_a, kb * BK, w.row0, full_bar(s));
+          }
+          if (!WT && (CM == 1 || w.solo)) {
             tma_load(sb, &tma_b, kb * BK, b0, full_bar(s));
             tma_load(sb + B_HALF, &tma_b, kb * BK, b1, full_bar(s));
           } else {
@@ -539,24 +721,38 @@ __global__ void __launch_bounds__(THREADS, 1)
   } else {
     setmaxnreg_inc<CONSUMER_REGS>();
     const int cw = wg - 1, t = (int)threadIdx.x & 127, lane = t & 31;
-    const uint32_t stg = staging + (uint32_t)(cw * STG_BYTES);
+    const uint32_t stg = staging + (uint32_t)(cw * STG);
     const uint64_t da0 = smem_desc(ring + (uint32_t)(cw * 64 * BK * 2)); // this warpgroup's 64 rows of A
     const uint64_t db0 = smem_desc(ring + A_BYTES);
-    // A warp hands slot s back to the producer of every CTA of the cluster once its wgmma
-    // group that read the slot has retired.
-    auto release = [&](int s) {
-      if (lane == 0) {
-        if (CM == 1) mbar_arrive_local(empty_bar(s));
-        else
-          for (int c = 0; c < CM; c++) mbar_arrive_cluster(empty_bar(s), (uint32_t)c);
-      }
-    };
+    auto release = [&](int s) { release_slot<CM>(empty_bar(s), lane); };
     float d[128];
 #pragma unroll
     for (int i = 0; i < 128; i++) d[i] = 0.f;
     int s = 0;
     uint32_t ph = 0;
     for (int v = cid; v < units; v += ncl) {
+      if constexpr (WT) {
+        const Work w = decode_w(v, meta, EL, NT, rank);
+        // uniform over the warpgroup, as wgmma requires
+        const int nv = __shfl_sync(0xffffffffu, w.rows > 0 ? (w.rows + 7) & ~7 : 0, 0);
+        const int col0 = MODE == GATE_UP ? w.n * (BN / 2) + 64 * cw : w.n * BN + 128 * cw;
+        switch (nv) {
+#define MOE_W_TILE(n) \
+  case n: w_tile<MODE, n>(s, ph, ring, bars, stg, cw, t, KT, out, N, w.row0, w.rows, col0); break;
+          MOE_W_TILE(8) MOE_W_TILE(16) MOE_W_TILE(24) MOE_W_TILE(32) MOE_W_TILE(40) MOE_W_TILE(48)
+          MOE_W_TILE(56) MOE_W_TILE(64) MOE_W_TILE(72) MOE_W_TILE(80) MOE_W_TILE(88) MOE_W_TILE(96)
+          MOE_W_TILE(104) MOE_W_TILE(112) MOE_W_TILE(120) MOE_W_TILE(128) MOE_W_TILE(136) MOE_W_TILE(144)
+          MOE_W_TILE(152) MOE_W_TILE(160) MOE_W_TILE(168) MOE_W_TILE(176)
+#undef MOE_W_TILE
+        default: // no rows: keep the ring in step (as below)
+          for (int kb = 0; kb < KT; kb++) {
+            mbar_wait(full_bar(s), ph);
+            release(s);
+            if (++s == STAGES) s = 0, ph ^= 1u;
+          }
+        }
+        continue;
+      }
       const Work w = decode<CM>(v, meta, EL, NT, rank);
       const int my_rows = w.rows - cw * 64; // rows of the expert among this warpgroup's 64
       // uniform over the warpgroup, as wgmma requires
@@ -645,7 +841,7 @@ bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 // memory and the real kernel has none; an image for another architecture fails the query.
 bool sm90a_built() {
   cudaFuncAttributes fa;
-  if (cudaFuncGetAttributes(&fa, sm90_gemm_kernel<GATE_UP, 1>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&fa, sm90_gemm_kernel<GATE_UP, 1, false>) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
@@ -654,22 +850,23 @@ bool sm90a_built() {
 
 // Clusters (CM > 1) or CTAs (CM = 1) that fit on the device at once: the persistent grid.
 // Cached per device and kernel; 0 when none fit.
-template <int MODE, int CM> int resident_groups(int dev) {
+template <int MODE, int CM, bool WT> int resident_groups(int dev) {
   static std::atomic<int> cache[64];
   if (dev >= 0 && dev < 64) {
     const int c = cache[dev].load(std::memory_order_relaxed);
     if (c > 0) return c - 1;
   }
-  auto kernel = sm90_gemm_kernel<MODE, CM>;
+  auto kernel = sm90_gemm_kernel<MODE, CM, WT>;
+  constexpr int smem = smem_bytes<WT>();
   int n = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) != cudaSuccess) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
   if (CM == 1) {
     int sms = 0, per_sm = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, SMEM_BYTES) != cudaSuccess) {
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem) != cudaSuccess) {
       (void)cudaGetLastError();
       return 0;
     }
@@ -681,7 +878,7 @@ template <int MODE, int CM> int resident_groups(int dev) {
     attr[0].val.clusterDim.x = CM, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
     cfg.gridDim = dim3(CM * 64, 1, 1);
     cfg.blockDim = dim3(THREADS, 1, 1);
-    cfg.dynamicSmemBytes = SMEM_BYTES;
+    cfg.dynamicSmemBytes = smem;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
@@ -693,12 +890,13 @@ template <int MODE, int CM> int resident_groups(int dev) {
   return n;
 }
 
-template <int MODE, int CM>
+template <int MODE, int CM, bool WT>
 cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, const CUtensorMap &ta_half,
-                        const CUtensorMap &tb, uint16_t *out,
-                        const int *meta, int EL, int NT, int KT, int N, int F, int b_rows, int *waves) {
-  auto kernel = sm90_gemm_kernel<MODE, CM>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+                        const CUtensorMap &ta8, const CUtensorMap &tb, uint16_t *out, const int *meta, int EL, int NT,
+                        int KT, int N, int F, int b_rows, int *waves) {
+  auto kernel = sm90_gemm_kernel<MODE, CM, WT>;
+  constexpr int smem = smem_bytes<WT>();
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
@@ -706,11 +904,11 @@ cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, 
   attr[0].val.clusterDim.x = CM, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
   cfg.gridDim = dim3((unsigned)(groups * CM), 1, 1);
   cfg.blockDim = dim3(THREADS, 1, 1);
-  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = CM > 1 ? 1 : 0;
-  err = cudaLaunchKernelEx(&cfg, kernel, ta, ta_half, tb, out, meta, EL, NT, KT, N, F, b_rows, waves);
+  err = cudaLaunchKernelEx(&cfg, kernel, ta, ta_half, ta8, tb, out, meta, EL, NT, KT, N, F, b_rows, waves);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
@@ -719,16 +917,19 @@ int unsupported(moe_ctx *ctx, const char *why) {
   return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts (sm90): %s", why);
 }
 
-template <int CM>
+// WT (CM = 2 only): the weights-as-M kernel (decode_w); else the row tiles (decode).
+template <int CM, bool WT>
 int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_xs, const CUtensorMap &t_wgu,
         const CUtensorMap &t_wdn) {
   static const char *stage = "experts";
   const long long C = a->xs->shape[0], H = a->xs->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
-  const long long tmax = (C + BM - 1) / BM + (EL < C ? EL : C); // row tiles, whatever the offsets
+  // units per column tile, whatever the offsets: row tiles, or WT units (at most ceil(rows / (2
+  // NV_MAX)) an expert, and none on an empty one)
+  const long long tmax = WT ? C / (2 * NV_MAX) + (EL < C ? EL : C) : (C + BM - 1) / BM + (EL < C ? EL : C);
   const int nt_gu = (int)((F + BN / 2 - 1) / (BN / 2)), nt_dn = (int)((H + BN - 1) / BN);
   // grids: all that fit at once, no more than the most units a pass can have
-  const int fit_gu = resident_groups<GATE_UP, CM>(dev), fit_dn = resident_groups<DOWN, CM>(dev);
+  const int fit_gu = resident_groups<GATE_UP, CM, WT>(dev), fit_dn = resident_groups<DOWN, CM, WT>(dev);
   if (fit_gu <= 0 || fit_dn <= 0) return unsupported(ctx, "no CTA of the kernel fits on the device");
   const int g_gu = (int)(tmax * nt_gu < fit_gu ? tmax * nt_gu : fit_gu);
   const int g_dn = (int)(tmax * nt_dn < fit_dn ? tmax * nt_dn : fit_dn);
@@ -737,8 +938,9 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   int rc = cuda_ctx_stream(ctx, dev, &stream);
   if (rc) return rc;
 
-  // scratch: meta = pairs [EL + 1], solos [EL + 1], lo [EL], hi [EL], waves [2] ints, then h [C, F] bf16
-  const size_t meta_bytes = ((size_t)(4 * EL + 4) * sizeof(int) + 255) & ~(size_t)255;
+  // scratch: meta = pairs [EL + 1], solos [EL + 1], lo [EL], hi [EL], waves [2], wunits [EL + 1] ints,
+  // then h [C, F] bf16
+  const size_t meta_bytes = ((size_t)(5 * EL + 5) * sizeof(int) + 255) & ~(size_t)255;
   const size_t h_bytes = (size_t)C * (size_t)F * 2;
   void *scratch = NULL;
   cudaError_t err = cudaMallocAsync(&scratch, meta_bytes + h_bytes, stream);
@@ -760,27 +962,31 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
 
   const char *what = "map launch";
   // A in boxes of half a tile's rows, for a solo unit's multicast: pairs only (CM = 1 is passed
-  // the full maps, which it never reads as halves)
-  CUtensorMap t_h, t_h_half, t_xs_half = t_xs;
+  // the full maps, which it never reads as halves); WT: in boxes of 32 and of 8 rows
+  CUtensorMap t_h, t_h_half, t_xs_half = t_xs, t_h8, t_xs8 = t_xs;
   bool maps = encode_2d(&t_h, h, C, F);
-  t_h_half = t_h;
-  if (maps && CM > 1) maps = encode_2d(&t_h_half, h, C, F, BM / 2) && encode_2d(&t_xs_half, a->xs->data, C, H, BM / 2);
+  t_h_half = t_h8 = t_h;
+  const int half = WT ? 32 : BM / 2;
+  if (maps && CM > 1) maps = encode_2d(&t_h_half, h, C, F, half) && encode_2d(&t_xs_half, a->xs->data, C, H, half);
+  if (maps && WT) maps = encode_2d(&t_h8, h, C, F, 8) && encode_2d(&t_xs8, a->xs->data, C, H, 8);
   if (!maps) {
-    what = "cuTensorMapEncodeTiled(h or the half-row boxes)";
+    what = "cuTensorMapEncodeTiled(h or the smaller boxes)";
     err = cudaErrorInvalidValue;
   } else {
-    sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->expert_offsets->data, (int)EL, (int)C, CM);
+    sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->expert_offsets->data, (int)EL, (int)C, CM,
+                                                   WT);
     err = cudaGetLastError();
   }
+  int *waves = gate ? meta + 4 * EL + 2 : nullptr;
   if (err == cudaSuccess) {
     what = "gate_up launch";
-    err = launch_gemm<GATE_UP, CM>(stream, g_gu, t_xs, t_xs_half, t_wgu, h, meta, (int)EL, nt_gu, (int)(H / BK),
-                                   (int)F, (int)F, (int)(EL * 2 * F), gate ? meta + 4 * EL + 2 : nullptr);
+    err = launch_gemm<GATE_UP, CM, WT>(stream, g_gu, t_xs, t_xs_half, t_xs8, t_wgu, h, meta, (int)EL, nt_gu,
+                                       (int)(H / BK), (int)F, (int)F, (int)(EL * 2 * F), waves);
   }
   if (err == cudaSuccess) {
     what = "down launch";
-    err = launch_gemm<DOWN, CM>(stream, g_dn, t_h, t_h_half, t_wdn, ys, meta, (int)EL, nt_dn, (int)(F / BK),
-                                (int)H, (int)F, (int)(EL * H), gate ? meta + 4 * EL + 3 : nullptr);
+    err = launch_gemm<DOWN, CM, WT>(stream, g_dn, t_h, t_h_half, t_h8, t_wdn, ys, meta, (int)EL, nt_dn, (int)(F / BK),
+                                    (int)H, (int)F, (int)(EL * H), waves ? waves + 1 : nullptr);
   }
   // Given back after the launches on the same stream, so the kernels are done with it first;
   // on a failed launch it is given back all the same.
@@ -854,12 +1060,13 @@ extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   // Clusters of two at every size: the pair halves the B traffic from L2 (647 vs 603 TFLOP/s at
   // the Kimi K2 shape on the H200), and with 129-255 rows an expert one CTA a tile read the
   // weights twice from DRAM (48 experts of 160 or 192 rows: 2.13-2.15 ms against 1.45); at 1-48
-  // rows the pair is 0.4-6% ahead, at 96-128 1-2% behind (PERF.md).  MOE_EXPERTS_KERNEL=sm90x1
-  // or sm90x2 forces one of the two; otherwise a device that cannot place a cluster of two gets
-  // one CTA a tile.
+  // rows the pair is 0.4-6% ahead, at 96-128 1-2% behind (PERF.md).  MOE_EXPERTS_KERNEL=sm90x1,
+  // sm90x2 or sm90w (the weights-as-M tiles) forces one; otherwise a device that cannot place a
+  // cluster of two gets one CTA a tile.
   const char *sel = getenv("MOE_EXPERTS_KERNEL");
-  if (sel && strcmp(sel, "sm90x1") == 0) return run<1>(ctx, a, dev, t_xs, t_wgu, t_wdn);
-  const int rc = run<2>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  if (sel && strcmp(sel, "sm90x1") == 0) return run<1, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  if (sel && strcmp(sel, "sm90w") == 0) return run<2, true>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  const int rc = run<2, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
   if (rc != MOE_ERR_UNSUPPORTED || (sel && strcmp(sel, "sm90x2") == 0)) return rc;
-  return run<1>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  return run<1, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
 }

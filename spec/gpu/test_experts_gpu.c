@@ -6,7 +6,8 @@
  *
  * Every check runs once per kernel, chosen through MOE_EXPERTS_KERNEL: "mma" (the mma.sync
  * kernel), "sm90x1" (TMA + wgmma, one CTA per tile), "sm90x2" (the same in clusters of two with
- * multicast) and the automatic choice.  Shapes the Hopper kernel does not take (H or F not a multiple of 64, F = 0,
+ * multicast), "sm90w" (the weights-as-M tiles: weight rows as wgmma's M, tokens as its N) and the
+ * automatic choice.  Shapes the Hopper kernel does not take (H or F not a multiple of 64, F = 0,
  * misaligned views) must be refused with MOE_ERR_UNSUPPORTED and leave ys untouched; off a
  * compute capability 9.0 device its runs are reported skipped.
  * Prints one PASS/FAIL line per check; exits 77 without a GPU, 1 on any failure.  --no-bench skips
@@ -51,7 +52,8 @@ typedef struct {
   const char *name, *env;
   int hopper; /* takes only the shapes sm90_supported accepts, on compute capability 9.0 */
 } kernel;
-static const kernel KERNELS[] = {{"mma", "mma", 0}, {"sm90x1", "sm90x1", 1}, {"sm90x2", "sm90x2", 1}, {"auto", NULL, 0}};
+static const kernel KERNELS[] = {
+    {"mma", "mma", 0}, {"sm90x1", "sm90x1", 1}, {"sm90x2", "sm90x2", 1}, {"sm90w", "sm90w", 1}, {"auto", NULL, 0}};
 enum { NKERNELS = sizeof KERNELS / sizeof *KERNELS };
 static int no_hopper; /* set once the Hopper kernel said the device is not compute capability 9.0 */
 
