@@ -6,7 +6,8 @@
 //
 //   map      one block turns expert_offsets (read on the device) into, per expert, its rows
 //            [lo, hi) -- the clamped running maximum experts_cpu reads -- and the prefixes of its
-//            pairs of row tiles and of its row tiles left over (the work list, below).
+//            pairs of row tiles and of its row tiles left over (the work list, below), or of
+//            its weights-as-M units (WT, below).
 //   gate_up  h [C, F] = bf16(silu(xs . W_gate^T) * (xs . W_up^T)).  A tile's B operand is 128
 //            gate rows f0.. and the 128 up rows F + f0.., so the gate and the up accumulator of
 //            an output element sit in the same thread and SwiGLU is applied in the epilogue.
@@ -36,6 +37,18 @@
 // idles through a tile its partner has and it has not (as a pair, such a tile cost a whole
 // pair's time).  CM = 2 is the default at every size; CM = 1 (one CTA a tile) stays as a
 // variant to measure against (PERF.md).
+//
+// The weights-as-M tiles (WT, MOE_EXPERTS_KERNEL=sm90w; the default where the experts average two
+// row tiles or more): the same frame, clusters of two and B multicast, with the operands' roles
+// swapped.  A consumer warpgroup's 128 weight rows of the B tile (gate_up: 64 gate rows and the 64
+// up rows of the same outputs) are wgmma's M, in two accumulators, and the CTA's tokens its N,
+// which can be any multiple of 8 up to NV_MAX = 176: so an expert of r rows is cut into u =
+// ceil(r / 352) units of two CTAs x nv = ceil(r / 2u) rows (rounded up to 8), and pays for about
+// its rows instead of whole 128-row tiles (Kimi K2's 1,195 rows: 8 x 152 = 1,216 row slots where
+// the row tiles take 1,280 and run the last pair, 171 rows, at a full pair's time).  wgmma
+// m64nNk16 for each N (wgmma_tr.cuh), the tokens loaded in boxes of 128, 32 and 8 rows, the
+// epilogue through stmatrix .trans, 32 tokens at a time.  A second instantiation of the kernel
+// (WT = true), so that neither path's code is compiled into the other's.
 //
 // Work list (the function decode): per expert, in order, its pairs x column tiles, then its row
 // tile left over (CM = 1: all of them) x groups of CM column tiles.  Inside each, GROUP_TILES row
@@ -1060,13 +1073,16 @@ extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   // Clusters of two at every size: the pair halves the B traffic from L2 (647 vs 603 TFLOP/s at
   // the Kimi K2 shape on the H200), and with 129-255 rows an expert one CTA a tile read the
   // weights twice from DRAM (48 experts of 160 or 192 rows: 2.13-2.15 ms against 1.45); at 1-48
-  // rows the pair is 0.4-6% ahead, at 96-128 1-2% behind (PERF.md).  MOE_EXPERTS_KERNEL=sm90x1,
-  // sm90x2 or sm90w (the weights-as-M tiles) forces one; otherwise a device that cannot place a
-  // cluster of two gets one CTA a tile.
+  // rows the pair is 0.4-6% ahead, at 96-128 1-2% behind (PERF.md).  Where the experts average two
+  // row tiles or more, the weights-as-M tiles (PERF.md: Kimi K2 5.35 J a pass against 5.75, 662
+  // TFLOP/s under the power cap against 641); below, as in decode, the row tiles (8 rows an
+  // expert: 1.000 ms against 1.055).  MOE_EXPERTS_KERNEL=sm90x1, sm90x2 or sm90w forces one;
+  // otherwise a device that cannot place a cluster of two gets one CTA a tile.
   const char *sel = getenv("MOE_EXPERTS_KERNEL");
   if (sel && strcmp(sel, "sm90x1") == 0) return run<1, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
-  if (sel && strcmp(sel, "sm90w") == 0) return run<2, true>(ctx, a, dev, t_xs, t_wgu, t_wdn);
-  const int rc = run<2, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
-  if (rc != MOE_ERR_UNSUPPORTED || (sel && strcmp(sel, "sm90x2") == 0)) return rc;
+  const bool forced = sel && (strcmp(sel, "sm90x2") == 0 || strcmp(sel, "sm90w") == 0);
+  const bool wt = forced ? strcmp(sel, "sm90w") == 0 : C >= 2 * BM * EL;
+  const int rc = wt ? run<2, true>(ctx, a, dev, t_xs, t_wgu, t_wdn) : run<2, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
+  if (rc != MOE_ERR_UNSUPPORTED || forced) return rc;
   return run<1, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
 }
