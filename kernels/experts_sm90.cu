@@ -247,8 +247,11 @@ __device__ __forceinline__ Work decode(int v, const int *__restrict__ meta, int 
 // first nv to the cluster's first CTA, the rest to the second (fewer, or none, in the expert's
 // last unit).  The two share the column tile's 256 weight rows (each loads one half and
 // multicasts it); the tokens are wgmma's N, so a CTA's time follows its own rows rounded up to 8,
-// not to a whole tile.  Inside an expert the unit varies fastest, so the units that read the same
-// weights run together.
+// not to a whole tile.  Inside an expert, bands of W_BAND units (~2,000 rows, as the row tiles'
+// bands) x the column tiles, the unit varying fastest: the units in flight together read the same
+// weights, and a band's token rows stay in L2 while its column tiles go by (one band for all of
+// a large expert's units read the tokens again from DRAM for every column tile: PERF.md).
+constexpr int W_BAND = 6;
 __device__ __forceinline__ Work decode_w(int v, const int *__restrict__ meta, int EL, int NT, int rank) {
   const int *lo = meta + 2 * EL + 2, *hi = lo + EL, *wunits = hi + EL + 2;
   int a = 0, b = EL - 1;
@@ -260,10 +263,11 @@ __device__ __forceinline__ Work decode_w(int v, const int *__restrict__ meta, in
   const int u = __ldg(wunits + a + 1) - __ldg(wunits + a), local = v - __ldg(wunits + a) * NT;
   const int l0 = __ldg(lo + a), r = __ldg(hi + a) - l0;
   const int nv = ((r + 2 * u - 1) / (2 * u) + 7) & ~7;
-  const int j = local % u;
+  int j, n;
+  raster(local, u, NT, W_BAND, &j, &n);
   Work w;
   w.e = a;
-  w.n = local / u;
+  w.n = n;
   w.solo = 0;
   w.row0 = l0 + (2 * j + rank) * nv;
   w.rows = min(nv, l0 + r - w.row0); // <= 0: this CTA only shares its half of the weights
