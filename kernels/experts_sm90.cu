@@ -47,7 +47,7 @@
 // its rows instead of whole 128-row tiles (Kimi K2's 1,195 rows: 8 x 152 = 1,216 row slots where
 // the row tiles take 1,280 and run the last pair, 171 rows, at a full pair's time).  wgmma
 // m64nNk16 for each N (wgmma_tr.cuh), the tokens loaded in boxes of 128, 32 and 8 rows, the
-// epilogue through stmatrix .trans, 32 tokens at a time.  A second instantiation of the kernel
+// epilogue through stmatrix .trans, each warp on its own outputs, 32 tokens at a time.  A second instantiation of the kernel
 // (WT = true), so that neither path's code is compiled into the other's.
 //
 // Work list (the function decode): per expert, in order, its pairs x column tiles, then its row
@@ -109,12 +109,12 @@ constexpr int SMEM_USED = STAGES * STAGE_BYTES + 2 * STG_BYTES + 2 * STAGES * 8;
 constexpr int SMEM_BYTES = SMEM_USED + 1024; // slack to align the ring to the 1024-byte swizzle atom
 constexpr int MAP_THREADS = 1024;
 // The weights-as-M kernel (WT): a CTA's tile is 256 weight rows (B, as above) x up to NV_MAX
-// tokens (A), the tokens as wgmma's N.  Its A slot holds NV_MAX rows; its staging tiles hold 32
-// tokens at a time, so that four stages still fit.
+// tokens (A), the tokens as wgmma's N.  Its A slot holds NV_MAX rows; its staging holds 32 tokens
+// at a time, so that four stages still fit.
 constexpr int NV_MAX = 176;
 constexpr int A_W_BYTES = NV_MAX * BK * 2;             // 22 KiB
 constexpr int STAGE_W_BYTES = A_W_BYTES + 2 * B_HALF;  // 54 KiB
-constexpr int STG_W_BYTES = 32 * 128;                  // a consumer's staging: 32 tokens x 64 bf16 outputs
+constexpr int STG_W_BYTES = 4 * 32 * 32;               // a consumer's staging: per warp 32 tokens x 16 bf16 outputs
 constexpr int SMEM_W_BYTES = STAGES * STAGE_W_BYTES + 2 * STG_W_BYTES + 2 * STAGES * 8 + 1024;
 [[maybe_unused]] constexpr int WAVE_SLACK = 16;             // CTAs a wave may start without
 [[maybe_unused]] constexpr unsigned WAVE_WAIT_NS = 200000; // a tile takes ~30-80 us at Kimi K2
@@ -525,30 +525,35 @@ __device__ __forceinline__ void epilogue(float (&d)[128], uint32_t stg, uint16_t
 // The weights-as-M tile's epilogue.  d holds two accumulators of NV / 2 registers, D[weight row
 // m][token n] each (m64nNV: register i of lane l of warp q holds m = 16 q + l / 4 + 8 ((i / 2) %
 // 2), n = 8 (i / 4) + 2 (l % 4) + (i % 2)); gate_up: d[i] the gate, d[NV / 2 + i] the up of the
-// same output; down: the warpgroup's first 64 outputs, then the next 64 (two passes).  Each 8 x 8
-// block is one stmatrix fragment, stored transposed: a token per 128-byte row of the staging tile
-// (64 outputs, chunk c of row r at c ^ (r & 7)), 32 tokens at a time, then 16-byte stores along
-// the output row.
+// same output; down: the warpgroup's first 64 outputs, then the next 64 (two passes).  Each warp
+// writes only its own 16 outputs, through its own 1 KiB of staging, so no barrier but the warp's
+// own is needed: each 8 x 8 block is one stmatrix fragment, stored transposed (a token per
+// 32-byte row, its two 16-byte halves swapped every 4 rows so that no two of a fragment's rows
+// meet in a bank), 32 tokens at a time, then 16-byte stores, two to a token's 32 bytes.
 template <int MODE, int NV>
 __device__ __forceinline__ void w_epilogue(float (&d)[NV], uint32_t stg, uint16_t *__restrict__ out, int N, int row0,
-                                           int rows, int col0, int bar_id, int t) {
+                                           int rows, int col0, int t) {
   constexpr int H2 = NV / 2;
   const int lane = t & 31, q = t >> 5;
   const int mat = lane >> 3, ri = lane & 7; // the matrix and memory row this lane addresses
+  const uint32_t wst = stg + (uint32_t)(q * 1024);
   constexpr int PASSES = MODE == GATE_UP ? 1 : 2;
 #pragma unroll
   for (int p = 0; p < PASSES; p++) {
 #pragma unroll
     for (int c0 = 0; c0 < NV; c0 += 32) {
       if (c0 >= rows) break; // uniform: rows is the warpgroup's
-      named_bar_sync(bar_id, 128); // the staging tile's previous readers are done
+      __syncwarp();          // the warp's previous reads of its staging are done
 #pragma unroll
       for (int jn = c0 / 8; jn < (c0 + 32 < NV ? c0 + 32 : NV) / 8; jn += 2) { // token blocks jn (and jn + 1)
         uint32_t r[4];
 #pragma unroll
         for (int j = 0; j < 4; j++) { // matrix j: m-half j & 1 of token block jn + j / 2
           const int i = 4 * (jn + (j >> 1)) + 2 * (j & 1);
-          if (i >= H2) { r[j] = 0; continue; }
+          if (i >= H2) {
+            r[j] = 0;
+            continue;
+          }
           float v0, v1;
           if (MODE == GATE_UP) {
             v0 = swiglu(d[i], d[H2 + i]);
@@ -559,18 +564,18 @@ __device__ __forceinline__ void w_epilogue(float (&d)[NV], uint32_t stg, uint16_
           }
           r[j] = pack_bf16(v0, v1);
         }
-        const int n = 8 * (jn + (mat >> 1)) + ri - c0, c = 2 * q + (mat & 1);
-        const uint32_t addr = stg + (uint32_t)(n * 128 + ((c ^ (n & 7)) << 4));
+        const int n = 8 * (jn + (mat >> 1)) + ri - c0, h = mat & 1;
+        const uint32_t addr = wst + (uint32_t)(n * 32 + ((h ^ ((n >> 2) & 1)) << 4));
         if (8 * (jn + 1) < NV) stmatrix_x4_trans(addr, r[0], r[1], r[2], r[3]);
         else stmatrix_x2_trans(addr, r[0], r[1]); // the last block of 8 tokens alone
       }
-      named_bar_sync(bar_id, 128);
+      __syncwarp();
       const int here = min(32, rows - c0);
-      for (int idx = t; idx < here * 8; idx += 128) {
-        const int r = idx >> 3, ch = idx & 7;
-        const uint4 v = ld_shared_v4(stg + (uint32_t)(r * 128 + ((ch ^ (r & 7)) << 4)));
-        const int col = col0 + p * 64 + ch * 8;
-        if (col < N) *reinterpret_cast<uint4 *>(out + (long long)(row0 + c0 + r) * N + col) = v;
+      for (int idx = lane; idx < here * 2; idx += 32) {
+        const int n = idx >> 1, h = idx & 1;
+        const uint4 v = ld_shared_v4(wst + (uint32_t)(n * 32 + ((h ^ ((n >> 2) & 1)) << 4)));
+        const int col = col0 + p * 64 + 16 * q + 8 * h;
+        if (col < N) *reinterpret_cast<uint4 *>(out + (long long)(row0 + c0 + n) * N + col) = v;
       }
     }
   }
@@ -623,7 +628,7 @@ __device__ __forceinline__ void w_tile(int &s, uint32_t &ph, uint32_t ring, uint
   wgmma_wait<0>();
   fence_acc(d);
   release_slot<2>(bars + 8u * (uint32_t)(STAGES + prev), lane);
-  w_epilogue<MODE, NV>(d, stg, out, N, row0, rows, col0, 1 + cw, t);
+  w_epilogue<MODE, NV>(d, stg, out, N, row0, rows, col0, t);
 }
 #endif
 
@@ -1078,14 +1083,16 @@ extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   // the Kimi K2 shape on the H200), and with 129-255 rows an expert one CTA a tile read the
   // weights twice from DRAM (48 experts of 160 or 192 rows: 2.13-2.15 ms against 1.45); at 1-48
   // rows the pair is 0.4-6% ahead, at 96-128 1-2% behind (PERF.md).  Where the experts average two
-  // row tiles or more, the weights-as-M tiles (PERF.md: Kimi K2 5.35 J a pass against 5.75, 662
-  // TFLOP/s under the power cap against 641); below, as in decode, the row tiles (8 rows an
-  // expert: 1.000 ms against 1.055).  MOE_EXPERTS_KERNEL=sm90x1, sm90x2 or sm90w forces one;
-  // otherwise a device that cannot place a cluster of two gets one CTA a tile.
+  // row tiles or more and F >= 1536, the weights-as-M tiles (PERF.md: Kimi K2 5.35 J a pass
+  // against 5.75, 653-662 TFLOP/s under the power cap against 627-641); else the row tiles: in
+  // decode (8 rows an expert: 1.000 ms against 1.055) and at F = 1024 (Qwen3.5-397B, whose down
+  // pass has 16 k blocks: 3.3% behind on average over experts.lua's 12 configurations).
+  // MOE_EXPERTS_KERNEL=sm90x1, sm90x2 or sm90w forces one; otherwise a device that cannot place
+  // a cluster of two gets one CTA a tile.
   const char *sel = getenv("MOE_EXPERTS_KERNEL");
   if (sel && strcmp(sel, "sm90x1") == 0) return run<1, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
   const bool forced = sel && (strcmp(sel, "sm90x2") == 0 || strcmp(sel, "sm90w") == 0);
-  const bool wt = forced ? strcmp(sel, "sm90w") == 0 : C >= 2 * BM * EL;
+  const bool wt = forced ? strcmp(sel, "sm90w") == 0 : C >= 2 * BM * EL && F >= 1536;
   const int rc = wt ? run<2, true>(ctx, a, dev, t_xs, t_wgu, t_wdn) : run<2, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
   if (rc != MOE_ERR_UNSUPPORTED || forced) return rc;
   return run<1, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);

@@ -15,7 +15,8 @@
  * kernel alone (for a profiler: scenarios/device.sh's profile-experts step).  MOE_EXPERTS_PASSES=N
  * times N passes instead of the default and prints each in time order (the H200 here lowers its
  * clocks under its power cap after a few tens of ms of this load: PERF.md); MOE_EXPERTS_ROWS=N gives
- * the Kimi K2 shape's 48 experts N rows each instead of 57,344 rows in all. */
+ * the Kimi K2 shape's 48 experts N rows each instead of 57,344 rows in all; MOE_EXPERTS_CHECK=<kernel>
+ * runs the checks through that kernel alone. */
 #define _POSIX_C_SOURCE 200809L /* setenv, unsetenv */
 #include <math.h>
 #include <string.h>
@@ -56,6 +57,13 @@ static const kernel KERNELS[] = {
     {"mma", "mma", 0}, {"sm90x1", "sm90x1", 1}, {"sm90x2", "sm90x2", 1}, {"sm90w", "sm90w", 1}, {"auto", NULL, 0}};
 enum { NKERNELS = sizeof KERNELS / sizeof *KERNELS };
 static int no_hopper; /* set once the Hopper kernel said the device is not compute capability 9.0 */
+
+/* MOE_EXPERTS_CHECK=<kernel>: the checks run through that kernel alone (for compute-sanitizer,
+ * where every kernel would take too long). */
+static int checked(const kernel *k) {
+  const char *only = getenv("MOE_EXPERTS_CHECK");
+  return !only || strcmp(only, k->name) == 0;
+}
 
 static void use_kernel(const kernel *k) {
   if (k->env) setenv("MOE_EXPERTS_KERNEL", k->env, 1);
@@ -173,7 +181,7 @@ static void run_case(const ecase *c, uint64_t seed) {
   moe_experts_args g = {.ys = ys, .xs = xs, .expert_offsets = off, .w_gate_up = wgu, .w_down = wd};
   for (int ki = 0; ki < NKERNELS; ki++) {
     const kernel *k = &KERNELS[ki];
-    if (k->hopper && no_hopper) continue;
+    if ((k->hopper && no_hopper) || !checked(k)) continue;
     char name[256];
     snprintf(name, sizeof name, "%s] [%s", c->name, k->name);
     if (c->inplace) TRY(moe_tensor_copy(ctx, xs, xs0_c));
@@ -288,7 +296,7 @@ static void test_graph(void) {
   moe_experts_args r = {.ys = ys_c, .xs = xs_c, .expert_offsets = off_c, .w_gate_up = wgu_c, .w_down = wd_c};
   for (int ki = 0; ki < NKERNELS; ki++) {
     const kernel *k = &KERNELS[ki];
-    if (k->hopper && no_hopper) continue;
+    if ((k->hopper && no_hopper) || !checked(k)) continue;
     use_kernel(k); /* read when the stage is captured */
     moe_graph *graph = NULL;
     for (int pass = 0; pass < 2; pass++) {
@@ -361,7 +369,7 @@ static void test_concurrent(void) {
   }
   for (int ki = 0; ki < NKERNELS; ki++) {
     const kernel *k = &KERNELS[ki];
-    if (k->hopper && no_hopper) continue;
+    if ((k->hopper && no_hopper) || !checked(k)) continue;
     use_kernel(k);
     uint16_t *first[2] = {NULL, NULL};
     int same[2] = {1, 1}, failed = 0;
