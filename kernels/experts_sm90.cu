@@ -39,16 +39,17 @@
 // variant to measure against (PERF.md).
 //
 // The weights-as-M tiles (WT, MOE_EXPERTS_KERNEL=sm90w; the default where the experts average two
-// row tiles or more): the same frame, clusters of two and B multicast, with the operands' roles
-// swapped.  A consumer warpgroup's 128 weight rows of the B tile (gate_up: 64 gate rows and the 64
-// up rows of the same outputs) are wgmma's M, in two accumulators, and the CTA's tokens its N,
-// which can be any multiple of 8 up to NV_MAX = 176: so an expert of r rows is cut into u =
-// ceil(r / 352) units of two CTAs x nv = ceil(r / 2u) rows (rounded up to 8), and pays for about
-// its rows instead of whole 128-row tiles (Kimi K2's 1,195 rows: 8 x 152 = 1,216 row slots where
-// the row tiles take 1,280 and run the last pair, 171 rows, at a full pair's time).  wgmma
-// m64nNk16 for each N (wgmma_tr.cuh), the tokens loaded in boxes of 128, 32 and 8 rows, the
-// epilogue through stmatrix .trans, each warp on its own outputs, 32 tokens at a time.  A second instantiation of the kernel
-// (WT = true), so that neither path's code is compiled into the other's.
+// row tiles or more and F >= 1536): the same frame, clusters of two and B multicast, with the
+// operands' roles swapped.  A consumer warpgroup's 128 weight rows of the B tile (gate_up: 64
+// gate rows and the 64 up rows of the same outputs) are wgmma's M, in two accumulators, and the
+// CTA's tokens its N, which can be any multiple of 8 up to NV_MAX = 176: so an expert of r rows
+// is cut into u = ceil(r / 352) units of two CTAs x nv = ceil(r / 2u) rows (rounded up to 8),
+// and pays for about its rows instead of whole 128-row tiles (Kimi K2's 1,195 rows: 8 x 152 =
+// 1,216 row slots, where the row tiles take 1,280 and run the last pair, 171 rows, at a whole
+// pair's time).  wgmma m64nNk16 for each N (wgmma_tr.cuh), the tokens loaded in boxes of 128, 32
+// and 8 rows, the epilogue through stmatrix .trans, each warp on its own outputs, 32 tokens at a
+// time.  A second instantiation of the kernel (WT = true), so that neither path's code is
+// compiled into the other's.
 //
 // Work list (the function decode): per expert, in order, its pairs x column tiles, then its row
 // tile left over (CM = 1: all of them) x groups of CM column tiles.  Inside each, GROUP_TILES row
@@ -167,7 +168,8 @@ template <bool MAX> __device__ int block_scan(int v, int *ws, int *total) {
 __global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const int *offsets, int EL, int C, int cm,
                                                                 int wt) {
   __shared__ int ws[32];
-  int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL, *waves = hi + EL, *wunits = waves + 2;
+  int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL, *waves = hi + EL;
+  int *wunits = waves + 2;
   int carry_m = 0, carry_p = 0, carry_s = 0, carry_w = 0;
   for (int base = 0; base < EL; base += MAP_THREADS) {
     const int e = base + (int)threadIdx.x;
@@ -475,9 +477,9 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, ui
 }
 // Two of them: lanes 0 .. 15 give the addresses.
 __device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, uint32_t r0, uint32_t r1) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(addr), "r"(r0), "r"(r1) : "memory");
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(addr), "r"(r0), "r"(r1)
+               : "memory");
 }
-
 
 // Accumulator layout of wgmma m64nNk16 (f32): warp q of the warpgroup owns rows 16q..16q+15;
 // register i of lane l holds row 16q + l/4 + 8 ((i/2) % 2), column 8 (i/4) + 2 (l%4) + (i%2).
@@ -716,7 +718,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             const int n8 = w.rows > 0 ? (w.rows + 7) & ~7 : 0;
             mbar_expect_tx(full_bar(s), (uint32_t)(n8 * BK * 2 + 2 * B_HALF));
             int r = 0;
-            for (; r + 128 <= n8; r += 128) tma_load(sa + (uint32_t)(r * BK * 2), &tma_a, kb * BK, w.row0 + r, full_bar(s));
+            for (; r + 128 <= n8; r += 128)
+              tma_load(sa + (uint32_t)(r * BK * 2), &tma_a, kb * BK, w.row0 + r, full_bar(s));
             for (; r + 32 <= n8; r += 32)
               tma_load(sa + (uint32_t)(r * BK * 2), &tma_a_half, kb * BK, w.row0 + r, full_bar(s));
             for (; r < n8; r += 8) tma_load(sa + (uint32_t)(r * BK * 2), &tma_a8, kb * BK, w.row0 + r, full_bar(s));
