@@ -43,9 +43,10 @@ for s in $steps; do
         ncu -i "$f.ncu-rep" --page raw --csv >"$f-raw.csv" 2>&1
         ncu_pages "$f"
       done ;;
-    profile-experts) # ncu on the experts GEMM at the Kimi shape, MOE_EXPERTS_BENCH's kernel (default sm90x2):
+    profile-experts) # ncu on the experts GEMM at the Kimi shape, MOE_EXPERTS_BENCH's kernel (default
+      # sm90w, the one the library takes there):
       # its gate_up and down launches of the third timed run
-      k=${MOE_EXPERTS_BENCH:-sm90x2}
+      k=${MOE_EXPERTS_BENCH:-sm90w}
       f="$out/experts-$k"
       run "ncu-experts-$k" 300 env MOE_EXPERTS_BENCH="$k" ncu -f -o "$f" --clock-control none --import-source yes --set full \
         -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/gpu_tests/test_experts_gpu --bench-only
@@ -57,7 +58,7 @@ for s in $steps; do
       smi=$!
       for i in $(seq "${SPREAD_RUNS:-4}"); do
         echo "run $i $(date +%H:%M:%S.%N)" >>"$out/smi.csv"
-        run "spread-$i" 120 env MOE_EXPERTS_BENCH="${MOE_EXPERTS_BENCH:-sm90x2}" \
+        run "spread-$i" 120 env MOE_EXPERTS_BENCH="${MOE_EXPERTS_BENCH:-sm90w}" \
           MOE_EXPERTS_PASSES="${MOE_EXPERTS_PASSES:-30}" build/gpu_tests/test_experts_gpu --bench-only
       done
       # cuBLAS beside it, the same rows (Kimi K2, 48 experts of 1,194-1,195) and the same pass count
@@ -69,7 +70,7 @@ for s in $steps; do
       nvidia-smi -q -d POWER,CLOCK,PERFORMANCE >"$out/smi-q.txt" 2>&1
       kill "$smi" ;;
     dram-experts) # DRAM and L2 bytes of the experts GEMM's launches (gate_up, down) at the Kimi shape
-      k=${MOE_EXPERTS_BENCH:-sm90x2}
+      k=${MOE_EXPERTS_BENCH:-sm90w}
       m=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct
       run "dram-experts-$k" 200 env MOE_EXPERTS_BENCH="$k" ncu --clock-control none --metrics "$m" \
         -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/gpu_tests/test_experts_gpu --bench-only ;;
