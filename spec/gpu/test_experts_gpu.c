@@ -143,6 +143,7 @@ typedef struct {
   const int32_t *offsets; /* EL + 1 */
   int inplace;            /* ys is xs */
   int misalign;           /* xs and ys are views at odd element offsets: the element-load path */
+  int nan_tail;           /* xs's rows past the last offset (the capacity tail) are NaN */
 } ecase;
 
 static void run_case(const ecase *c, uint64_t seed) {
@@ -159,6 +160,12 @@ static void run_case(const ecase *c, uint64_t seed) {
     xs = NEW(MOE_BF16, GPU, C, H);
     TRY(moe_tensor_randn(ctx, xs, seed, 1.0f));
     ys = c->inplace ? xs : NEW(MOE_BF16, GPU, C, H);
+  }
+  const int64_t last = c->offsets[EL] < 0 ? 0 : c->offsets[EL] > C ? C : c->offsets[EL];
+  if (c->nan_tail && last < C) { /* the kernels load whole boxes of rows, some past an expert's end */
+    moe_tensor *tail = view(xs, last * H, 2, SHAPE(C - last, H));
+    TRY(moe_tensor_fill(ctx, tail, NAN));
+    moe_tensor_free(tail);
   }
   moe_tensor *wgu = NEW(MOE_BF16, GPU, EL, 2 * F, H), *wd = NEW(MOE_BF16, GPU, EL, H, F);
   moe_tensor *off = NEW(MOE_I32, GPU, EL + 1);
@@ -256,27 +263,30 @@ static void test_cases(void) {
   offsets_of(o_huge, (const int[]){0, 2100, 0, 5}, EL4, 1);
 
   const ecase cases[] = {
-      {"sizes [0, 2, 13, 1], H 256, F 128", 32, 256, 128, EL4, o1, 0, 0},
-      {"one expert holds all rows, 2 tiles + 44", 320, 256, 128, EL4, o2, 0, 0},
-      {"all experts empty", 64, 256, 128, EL4, o3, 0, 0},
-      {"odd tails: H 264, F 136, sizes [129, 1, 127, 255]", 600, 264, 136, EL4, o4, 0, 0},
-      {"pad 128: sizes [5, 0, 130, 77]", 640, 256, 128, EL4, o5, 0, 0},
-      {"H 100, F 36 (element loads)", 80, 100, 36, 3, o6, 0, 0},
-      {"misaligned views (element loads)", 32, 256, 128, EL4, o1, 0, 1},
-      {"bad offsets [-5, 40, 10, 90, 1000]", 64, 256, 128, EL4, bad, 0, 0},
-      {"offsets [7, 7, 30, 20, 45]", 64, 128, 64, EL4, late, 0, 0},
-      {"in place (ys is xs), rows past the last offset keep xs", 40, 256, 128, EL4, o1, 1, 0},
-      {"in place, offsets past C clamped", 320, 256, 128, EL4, o4, 1, 0},
-      {"1500 experts", many[ELM] + 17, 64, 32, ELM, many, 0, 0},
-      {"F 0: rows are zeros", 16, 64, 0, 2, o_zero, 0, 0},
-      {"H 7168, F 2048, 512 rows", 520, 7168, 2048, 2, o_big, 0, 0},
+      {"sizes [0, 2, 13, 1], H 256, F 128", 32, 256, 128, EL4, o1, 0, 0, 0},
+      {"one expert holds all rows, 2 tiles + 44", 320, 256, 128, EL4, o2, 0, 0, 0},
+      {"all experts empty", 64, 256, 128, EL4, o3, 0, 0, 0},
+      {"odd tails: H 264, F 136, sizes [129, 1, 127, 255]", 600, 264, 136, EL4, o4, 0, 0, 0},
+      {"pad 128: sizes [5, 0, 130, 77]", 640, 256, 128, EL4, o5, 0, 0, 0},
+      {"H 100, F 36 (element loads)", 80, 100, 36, 3, o6, 0, 0, 0},
+      {"misaligned views (element loads)", 32, 256, 128, EL4, o1, 0, 1, 0},
+      {"bad offsets [-5, 40, 10, 90, 1000]", 64, 256, 128, EL4, bad, 0, 0, 0},
+      {"offsets [7, 7, 30, 20, 45]", 64, 128, 64, EL4, late, 0, 0, 0},
+      {"in place (ys is xs), rows past the last offset keep xs", 40, 256, 128, EL4, o1, 1, 0, 0},
+      {"in place, offsets past C clamped", 320, 256, 128, EL4, o4, 1, 0, 0},
+      {"1500 experts", many[ELM] + 17, 64, 32, ELM, many, 0, 0, 0},
+      {"F 0: rows are zeros", 16, 64, 0, 2, o_zero, 0, 0, 0},
+      {"H 7168, F 2048, 512 rows", 520, 7168, 2048, 2, o_big, 0, 0, 0},
       /* column tiles past F (gate_up: F % 128 = 64) and past H (down: H % 256 = 64), experts of
        * one row tile (solo units of the cluster pair; at H 256, F 128 above, with one column tile
        * per pass, the second CTA of each has none), tiles starting mid-way */
-      {"tails: H 320, F 192, sizes [129, 1, 127, 255]", 600, 320, 192, EL4, o4, 0, 0},
-      {"one expert of 2100 rows, H 256, F 128", 2200, 256, 128, EL4, o_huge, 0, 0},
-      {"1500 experts, H 64, F 64", many[ELM] + 17, 64, 64, ELM, many, 0, 0},
-      {"in place, H 320, F 192", 600, 320, 192, EL4, o4, 1, 0},
+      {"tails: H 320, F 192, sizes [129, 1, 127, 255]", 600, 320, 192, EL4, o4, 0, 0, 0},
+      {"one expert of 2100 rows, H 256, F 128", 2200, 256, 128, EL4, o_huge, 0, 0, 0},
+      {"1500 experts, H 64, F 64", many[ELM] + 17, 64, 64, ELM, many, 0, 0, 0},
+      {"in place, H 320, F 192", 600, 320, 192, EL4, o4, 1, 0, 0},
+      /* the capacity tail NaN: the valid rows stay finite and right, the tail's ys rows unwritten */
+      {"capacity tail of NaN, sizes [0, 2, 13, 1] + 40 rows, H 256, F 128", 56, 256, 128, EL4, o1, 0, 0, 1},
+      {"capacity tail of NaN, sizes [200, 312] + 60 rows, H 7168, F 2048", 572, 7168, 2048, 2, o_big, 0, 0, 1},
   };
   for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) run_case(&cases[i], 1000 + 17 * i);
 }
