@@ -112,6 +112,8 @@ end
 local function check_experts(dev, c)
   local C, H, F, EL = c.C, c.H, c.F, #c.offsets - 1
   local xs = moe.randn({ C, H }, { seed = c.seed, dtype = "bf16", device = dev })
+  -- the capacity tail (rows past the last offset) NaN: no computed row may see it
+  if c.nan_tail then xs:view(c.offsets[EL + 1] * H, { C - c.offsets[EL + 1], H }):fill(0 / 0) end
   local wgu = moe.randn({ EL, 2 * F, H }, { seed = c.seed + 1, std = 0.5, dtype = "bf16", device = dev })
   local wd = moe.randn({ EL, H, F }, { seed = c.seed + 2, std = 0.5, dtype = "bf16", device = dev })
   local off = S.tensor(c.offsets, "i32", { EL + 1 }, dev)
@@ -279,6 +281,10 @@ for _, dev in ipairs(ALL_DEVICES) do
     end)
     it("with one expert over many rows (blocks of rows and a remainder)", function()
       check_experts(dev, { C = 40, H = 24, F = 12, offsets = { 0, 37 }, seed = 50 })
+    end)
+    it("with the capacity tail NaN: the valid rows stay finite and right, the tail untouched", function()
+      check_experts(dev, { C = 20, H = 12, F = 6, offsets = { 0, 3, 3, 11, 13 }, seed = 60, nan_tail = true })
+      check_experts(dev, { C = 40, H = 64, F = 64, offsets = { 0, 5, 30 }, seed = 70, nan_tail = true })
     end)
     it("is exact on inputs whose products are exact", function()
       -- x = 1 everywhere, gate rows 0 (silu(0) = 0) except one: h is silu(g) * u in closed form
