@@ -97,7 +97,14 @@ for s in $steps; do
         # NCCL's own start-up asks cudaFuncGetAttributes of kernels built for other chips (error
         # 209, inside ncclCommInitAll): API errors are not reported for the world program
         api=; case $p in *world*) api="--report-api-errors no" ;; esac
-        run "$s-$(basename "$p")" 300 compute-sanitizer --tool "$s" $api --error-exitcode 1 "$p" $flag
+        case $p in
+          *experts*) # one kernel a run (MOE_EXPERTS_CHECK), so that each fits its limit
+            for k in mma sm90x1 sm90x2 sm90w auto; do
+              run "$s-$(basename "$p")-$k" 300 env MOE_EXPERTS_CHECK=$k compute-sanitizer --tool "$s" --error-exitcode 1 \
+                "$p" $flag
+            done ;;
+          *) run "$s-$(basename "$p")" 300 compute-sanitizer --tool "$s" $api --error-exitcode 1 "$p" $flag ;;
+        esac
       done ;;
     *) echo "unknown step $s" ;;
   esac
