@@ -373,7 +373,7 @@ int experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
 
   // On compute capability 9.0 the TMA/wgmma kernel goes first and this one is the fallback.
   // MOE_EXPERTS_KERNEL=mma forces this kernel (the cross-check), =sm90 forces the Hopper one
-  // (=sm90x1 or sm90x2 one of its two variants) and reports why when it cannot run.
+  // (=sm90x1, sm90x2 or sm90w one of its variants) and reports why when it cannot run.
   const char *sel = getenv("MOE_EXPERTS_KERNEL");
   const bool force_mma = sel && strcmp(sel, "mma") == 0, force_sm90 = sel && strncmp(sel, "sm90", 4) == 0;
   if (!force_mma) {

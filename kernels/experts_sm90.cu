@@ -35,8 +35,8 @@
 // CTAs on that row tile and two column tiles, each loading its own B and half of the shared A
 // rows (multicast to both: tma_a_half, boxes of 64 rows), still in lock step, so that neither
 // idles through a tile its partner has and it has not (as a pair, such a tile cost a whole
-// pair's time).  CM = 2 is the default at every size; CM = 1 (one CTA a tile) stays as a
-// variant to measure against (PERF.md).
+// pair's time).  CM = 2 is the default wherever the row tiles run; CM = 1 (one CTA a tile)
+// stays as a variant to measure against (PERF.md).
 //
 // The weights-as-M tiles (WT, MOE_EXPERTS_KERNEL=sm90w; the default where the experts average two
 // row tiles or more and F >= 1536): the same frame, clusters of two and B multicast, with the
