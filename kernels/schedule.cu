@@ -137,13 +137,7 @@ __device__ long long trace_buf[kTraceBlocks][kTracePoints + 2];
 int trace_grid;
 
 __device__ __forceinline__ void trace_point(const Params &P, int i) {
-  if (!P.trace || threadIdx.x || blockIdx.x >= kTraceBlocks) return;
-  trace_buf[blockIdx.x][i] = clock64();
-  long long t;
-  if (i == 0 || i == kTracePoints - 1) {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    trace_buf[blockIdx.x][kTracePoints + (i != 0)] = t;
-  }
+  trace_record<false>(trace_buf, P.trace, i);
 }
 
 struct Unit {
@@ -584,16 +578,6 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
 
 // ---- host ----
 
-int pow2_ceil(int x) {
-  int p = 1;
-  while (p < x) p <<= 1;
-  return p;
-}
-int log2_exact(int x) {
-  int l = 0;
-  while ((1 << l) < x) l++;
-  return l;
-}
 
 // Per device: SM count, and blocks of schedule_kernel per SM for a few shared-memory sizes.
 constexpr int kDevices = 64, kOccSlots = 8;
@@ -777,8 +761,8 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
       cw = 1;
       P.chunks = 1;
     } else {
-      cw = pow2_ceil(cdiv(P.nc, per_rank));
-      const int coalesced = pow2_ceil(P.nc) < 32 ? pow2_ceil(P.nc) : 32;
+      cw = (int)pow2_ceil(cdiv(P.nc, per_rank));
+      const int coalesced = P.nc < 32 ? (int)pow2_ceil(P.nc) : 32;
       if (cw < coalesced) cw = coalesced;
       P.chunks = cdiv(P.nc, cw);
     }

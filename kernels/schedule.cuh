@@ -169,6 +169,34 @@ __device__ __forceinline__ int roundrobin_position4(const int4 *c4, int world4, 
   return pos;
 }
 
+// Thread 0 of block b records phase point i in row b of a kernel's trace buffer (rows of POINTS
+// clock64 readings, then %globaltimer at the first and the last point), when tracing is on.
+// FITS: the launcher never makes more blocks than the buffer has rows, so no block checks (the
+// bitmap and one-cluster kernels, whose code size is their time: PERF.md).
+template <bool FITS, int ROWS, int COLS>
+__device__ __forceinline__ void trace_record(long long (&buf)[ROWS][COLS], int on, int i) {
+  constexpr int POINTS = COLS - 2;
+  if (!on || threadIdx.x || (!FITS && blockIdx.x >= ROWS)) return;
+  buf[blockIdx.x][i] = clock64();
+  if (i == 0 || i == POINTS - 1) {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    buf[blockIdx.x][POINTS + (i != 0)] = t;
+  }
+}
+
+// Host: the least power of two >= x, and the log2 of a power of two.
+static inline long long pow2_ceil(long long x) {
+  long long p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+static inline int log2_exact(long long x) {
+  int l = 0;
+  while ((1LL << l) < x) l++;
+  return l;
+}
+
 // The last traced call's rows of a kernel's trace buffer (each kernel's own __device__ array of
 // [blocks][phase points + 2 timers], MOE_SCHEDULE_TRACE set) for the scheduler's GPU test
 // (--trace): copies min(grid, max_blocks, the buffer's rows) rows and returns their number, or -1.

@@ -107,13 +107,7 @@ constexpr int kTracePoints = 7;
 __device__ long long trace_buf[kMaxBlocks][kTracePoints + 2];
 int trace_grid;
 __device__ __forceinline__ void trace_point(const Params &P, int i) {
-  if (!P.trace || threadIdx.x) return;
-  trace_buf[blockIdx.x][i] = clock64();
-  if (i == 0 || i == kTracePoints - 1) {
-    long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    trace_buf[blockIdx.x][kTracePoints + (i != 0)] = t;
-  }
+  trace_record<true>(trace_buf, P.trace, i);
 }
 
 // Route index (inside its source rank) of load index y of this unit, and its position in the order
@@ -412,17 +406,6 @@ constexpr int kDevices = 64;
 std::atomic<int> sm_count[kDevices]; // multiprocessors + 1
 std::atomic<bool> raised[kDevices][4]; // an instance's dynamic shared memory limit raised (past 48 KiB)
 
-int ilog2(long long x) { // x a power of two
-  int r = 0;
-  while ((1LL << r) < x) r++;
-  return r;
-}
-long long pow2_at_least(long long x) {
-  long long r = 1;
-  while (r < x) r <<= 1;
-  return r;
-}
-
 } // namespace
 
 // Runs the schedule as one grid of bitmap-ranked units when the problem fits it (and the choice,
@@ -445,13 +428,13 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   const long long target = blocks > 0 ? blocks : W <= 8 ? 8 * W : kMaxBlocks;
   const bool rr = a->layout == MOE_LAYOUT_ROUNDROBIN;
   const long long nc = tk < MOE_SCHED_THREADS ? tk : MOE_SCHED_THREADS;
-  const long long rp = rr ? pow2_at_least((tk + MOE_SCHED_THREADS - 1) / MOE_SCHED_THREADS) : 1;
-  const long long per_rank = rr ? pow2_at_least(nc) * rp : pow2_at_least(tk); // positions
+  const long long rp = rr ? pow2_ceil((tk + MOE_SCHED_THREADS - 1) / MOE_SCHED_THREADS) : 1;
+  const long long per_rank = rr ? pow2_ceil(nc) * rp : pow2_ceil(tk); // positions
   long long bpr = 1;
   while (W * bpr * 2 <= target && bpr * 2 <= per_rank / rp) bpr *= 2;
   while (per_rank / bpr > (long long)kThreads * kMaxSlots && W * bpr * 2 <= kMaxBlocks) bpr *= 2;
   const long long np = per_rank / bpr, nwp = np >= 32 ? np / 32 : 1;
-  const long long wp = W < 4 ? 4 : pow2_at_least(W), hs = pow2_at_least(el + 2);
+  const long long wp = W < 4 ? 4 : pow2_ceil(W), hs = pow2_ceil(el + 2);
   const char *why = NULL;
   if (tk == 0) why = "a rank without routes";
   else if (el > 32 * kMaxPer) why = "more than 128 experts a rank";
@@ -472,29 +455,29 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   static_cast<ScheduleCall &>(P) = schedule_call(a);
   static const int trace = getenv("MOE_SCHEDULE_TRACE") != NULL;
   P.trace = trace;
-  P.lghs = ilog2(hs);
-  P.lgbpr = ilog2(bpr);
+  P.lghs = log2_exact(hs);
+  P.lgbpr = log2_exact(bpr);
   P.np = (int)np;
-  const int slots = (int)((np + kThreads - 1) / kThreads), lgs = ilog2(slots);
+  const int slots = (int)((np + kThreads - 1) / kThreads), lgs = log2_exact(slots);
   void (*kernel)(const Params) = lgs == 0   ? schedule_bitmap_kernel<1>
                                  : lgs == 1 ? schedule_bitmap_kernel<2>
                                  : lgs == 2 ? schedule_bitmap_kernel<4>
                                             : schedule_bitmap_kernel<8>;
   P.nc = rr ? (int)nc : INT_MAX;
-  P.lgrp = ilog2(rp);
-  P.lgnlt = rr ? ilog2(np / rp) : 31;
+  P.lgrp = log2_exact(rp);
+  P.lgnlt = rr ? log2_exact(np / rp) : 31;
   P.ltmask = rr ? (int)(np / rp) - 1 : -1;
   P.mstride = rr ? MOE_SCHED_THREADS : 0;
-  P.lgnwp = ilog2(nwp);
+  P.lgnwp = log2_exact(nwp);
   // words a thread: one pass over the bitmap where 8 words a thread allow it (lanes of a row <= 32)
   long long wpt = nwp > 32 ? nwp / 32 : 1;
   while (wpt < kMaxWpt && wpt < nwp && el * (nwp / wpt) > kThreads) wpt *= 2;
   P.wpt = (int)wpt;
-  P.lglpr = ilog2(nwp / P.wpt);
+  P.lglpr = log2_exact(nwp / P.wpt);
   P.passes = (int)(((el << P.lglpr) + kThreads - 1) / kThreads);
-  P.lgwp = ilog2(wp);
-  P.lgper = ilog2(pow2_at_least((el + 31) / 32));
-  P.lgtpr = ilog2(pow2_at_least((W + 3) / 4));
+  P.lgwp = log2_exact(wp);
+  P.lgper = log2_exact(pow2_ceil((el + 31) / 32));
+  P.lgtpr = log2_exact(pow2_ceil((W + 3) / 4));
   if (P.lgtpr > 5) P.lgtpr = 5;
   P.inv_pad = 1.0f / (float)P.pad;
   P.L = smem_layout((int)(el * nwp), P.el, (int)wp, (int)np);

@@ -110,13 +110,7 @@ constexpr int kTracePoints = 8;
 __device__ long long trace_buf[kMaxCluster][kTracePoints + 2];
 int trace_grid;
 __device__ __forceinline__ void trace_point(const Params &P, int i) {
-  if (!P.trace || threadIdx.x) return;
-  trace_buf[blockIdx.x][i] = clock64();
-  if (i == 0 || i == kTracePoints - 1) {
-    long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    trace_buf[blockIdx.x][kTracePoints + (i != 0)] = t;
-  }
+  trace_record<true>(trace_buf, P.trace, i);
 }
 
 __device__ __forceinline__ void cluster_arrive() {

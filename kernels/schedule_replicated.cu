@@ -92,13 +92,7 @@ constexpr int kTraceBlocks = 1024, kTracePoints = 5;
 __device__ long long trace_buf[kTraceBlocks][kTracePoints + 2];
 int trace_grid;
 __device__ __forceinline__ void trace_point(const Params &P, int i) {
-  if (!P.trace || threadIdx.x || blockIdx.x >= kTraceBlocks) return;
-  trace_buf[blockIdx.x][i] = clock64();
-  if (i == 0 || i == kTracePoints - 1) {
-    long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    trace_buf[blockIdx.x][kTracePoints + (i != 0)] = t;
-  }
+  trace_record<false>(trace_buf, P.trace, i);
 }
 
 // One id v into the count: a local route adds one to row[e] (its source rank's row of c, or row W).
