@@ -578,7 +578,6 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
 
 // ---- host ----
 
-
 // Per device: SM count, and blocks of schedule_kernel per SM for a few shared-memory sizes.
 constexpr int kDevices = 64, kOccSlots = 8;
 std::atomic<int> sm_count_cache[kDevices];

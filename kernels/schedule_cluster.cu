@@ -41,10 +41,10 @@
 // E <= 4,096 (c[e][q] of all ranks in every block's shared memory), C < 2^31 - 2^16 (its row
 // arithmetic is 32-bit), and the device can place a cluster of G blocks.  By default (where the
 // bitmap kernel, asked first, declines: more than 128 experts a rank) it runs where it measured
-// ahead of the grid kernel: at most 8
-// ids a thread and at most 512 local routes a block under uniform routing, tk rpb / W (512 tokens
-// of top-8: EP8, EP16, EP32; not EP4, whose four blocks each rank 1,024 local routes, nor EP64,
-// whose sixteen each load 64 KB of ids; 128 and 256 tokens at every EP size from 4 to 64).
+// ahead of the grid kernel: at most 8 ids a thread and at most 512 local routes a block under
+// uniform routing, tk rpb / W (512 tokens of top-8: EP8, EP16, EP32; not EP4, whose four blocks
+// each rank 1,024 local routes, nor EP64, whose sixteen each load 64 KB of ids; 128 and 256
+// tokens at every EP size from 4 to 64).
 // MOE_SCHEDULE_KERNEL=grid or =cluster forces one of the two (a measuring aid, and how the GPU
 // test runs both on every case).
 #include <limits.h>

@@ -32,9 +32,9 @@
 //      expert_offsets and stats.
 // Four block-wide barriers in all.  Every block reads all W T K ids, so the time grows with them:
 // schedule_replicated_cuda takes the problem by default only where that measured faster than
-// exchanging counts (PERF.md), and where the bitmap kernel, asked first, declines it (more than 128
-// experts a rank).  No atomics decide an order (shared atomics only count), and the
-// host never waits.  Launched as a programmatic dependent, like the other two.
+// exchanging counts (PERF.md), and where the bitmap kernel, asked first, declines it (more than
+// 128 experts a rank).  No atomics decide an order (shared atomics only count), and the host never
+// waits.  Launched as a programmatic dependent, like the other two.
 #include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -372,7 +372,8 @@ extern "C" int schedule_replicated_cuda(moe_ctx *ctx, const moe_schedule_args *a
   return moe_ok(ctx);
 }
 
-// The phase times of the last replicated call made with MOE_SCHEDULE_TRACE set: trace_buf's rows (copy_trace).
+// The phase times of the last replicated call made with MOE_SCHEDULE_TRACE set: trace_buf's rows
+// (copy_trace).
 extern "C" int schedule_replicated_trace(long long *out, int max_blocks) {
   return copy_trace(out, trace_buf, trace_grid, max_blocks);
 }
