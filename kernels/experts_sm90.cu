@@ -112,14 +112,25 @@ constexpr int MAP_THREADS = 1024;
 // The weights-as-M kernel (WT): a CTA's tile is 256 weight rows (B, as above) x up to NV_MAX
 // tokens (A), the tokens as wgmma's N.  Its A slot holds NV_MAX rows; its staging holds 32 tokens
 // at a time, so that four stages still fit.
-constexpr int NV_MAX = 176;
-constexpr int A_W_BYTES = NV_MAX * BK * 2;             // 22 KiB
-constexpr int STAGE_W_BYTES = A_W_BYTES + 2 * B_HALF;  // 54 KiB
+#ifndef MOE_W_NV_MAX
+#define MOE_W_NV_MAX 200
+#endif
+#ifndef MOE_W_STAGES
+#define MOE_W_STAGES 3
+#endif
+constexpr int NV_MAX = MOE_W_NV_MAX;
+constexpr int STAGES_W = MOE_W_STAGES;
+constexpr int A_W_BYTES = NV_MAX * BK * 2;             // 25 KiB
+constexpr int STAGE_W_BYTES = A_W_BYTES + 2 * B_HALF;  // 57 KiB
 constexpr int STG_W_BYTES = 4 * 32 * 32;               // a consumer's staging: per warp 32 tokens x 16 bf16 outputs
-constexpr int SMEM_W_BYTES = STAGES * STAGE_W_BYTES + 2 * STG_W_BYTES + 2 * STAGES * 8 + 1024;
+constexpr int SMEM_W_BYTES = STAGES_W * STAGE_W_BYTES + 2 * STG_W_BYTES + 2 * STAGES_W * 8 + 1024;
 [[maybe_unused]] constexpr int WAVE_SLACK = 16;             // CTAs a wave may start without
 [[maybe_unused]] constexpr unsigned WAVE_WAIT_NS = 200000; // a tile takes ~30-80 us at Kimi K2
-[[maybe_unused]] constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232; // 128 * (40 + 2 * 232) <= 64 Ki registers
+#ifndef MOE_W_PRODUCER_REGS
+#define MOE_W_PRODUCER_REGS 40
+#define MOE_W_CONSUMER_REGS 232
+#endif
+[[maybe_unused]] constexpr int PRODUCER_REGS = MOE_W_PRODUCER_REGS, CONSUMER_REGS = MOE_W_CONSUMER_REGS; // 128 * (40 + 2 * 232) <= 64 Ki registers
 
 enum { GATE_UP = 0, DOWN = 1 };
 
@@ -586,15 +597,19 @@ __device__ __forceinline__ void w_tile(int &s, uint32_t &ph, uint32_t ring, uint
       wgmma_n<NV, H2>(d, dw1 + off + 2 * k, dx + off + 2 * k, kb > 0 || k > 0);
     }
     wgmma_commit();
-    wgmma_wait<1>(); // the group of the previous k block has retired: its slot is free
+    // With four stages, the group of the previous k block retired: its slot is free.  With three,
+    // this k block's own (the other warpgroup's group keeps the tensor cores busy meanwhile), so
+    // that the producer still has two slots to fill ahead.
+    wgmma_wait<(STAGES_W > 3)>();
     fence_acc(d);
-    if (kb > 0) release_slot<2>(bars + 8u * (uint32_t)(STAGES + prev), lane);
+    if (STAGES_W > 3 && kb > 0) release_slot<2>(bars + 8u * (uint32_t)(STAGES_W + prev), lane);
+    if (STAGES_W <= 3) release_slot<2>(bars + 8u * (uint32_t)(STAGES_W + s), lane);
     prev = s;
-    if (++s == STAGES) s = 0, ph ^= 1u;
+    if (++s == STAGES_W) s = 0, ph ^= 1u;
   }
   wgmma_wait<0>();
   fence_acc(d);
-  release_slot<2>(bars + 8u * (uint32_t)(STAGES + prev), lane);
+  if (STAGES_W > 3) release_slot<2>(bars + 8u * (uint32_t)(STAGES_W + prev), lane);
   w_epilogue<MODE, NV>(d, stg, out, N, row0, rows, col0, t);
 }
 #endif
@@ -622,14 +637,14 @@ __global__ void __launch_bounds__(THREADS, 1)
 #if defined(MOE_SM90A)
   static_assert(!WT || CM == 2, "a weights-as-M unit is split between the two CTAs of a cluster");
   constexpr int STAGE = WT ? STAGE_W_BYTES : STAGE_BYTES, A_SLOT = WT ? A_W_BYTES : A_BYTES;
-  constexpr int STG = WT ? STG_W_BYTES : STG_BYTES;
+  constexpr int STG = WT ? STG_W_BYTES : STG_BYTES, NST = WT ? STAGES_W : STAGES;
   extern __shared__ unsigned char smem_raw[];
   // The same offsets in every CTA (no static shared memory), which multicast relies on.
   const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t staging = ring + STAGES * STAGE;
-  const uint32_t bars = staging + 2 * STG; // full[STAGES], then empty[STAGES]
+  const uint32_t staging = ring + NST * STAGE;
+  const uint32_t bars = staging + 2 * STG; // full[NST], then empty[NST]
   auto full_bar = [&](int s) { return bars + 8u * (uint32_t)s; };
-  auto empty_bar = [&](int s) { return bars + 8u * (uint32_t)(STAGES + s); };
+  auto empty_bar = [&](int s) { return bars + 8u * (uint32_t)(NST + s); };
 
   // warp-uniform by construction (a shuffle from lane 0), which ptxas needs to see to keep the
   // wgmma of the consumer branch asynchronous
@@ -639,7 +654,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int ncl = CM > 1 ? (int)cluster_count_x() : (int)gridDim.x;
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; s++) {
+    for (int s = 0; s < NST; s++) {
       mbar_init(full_bar(s), 1);           // the local producer's arrive.expect_tx (+ the bytes)
       mbar_init(empty_bar(s), 8 * CM);     // one arrival per consumer warp of every CTA of the cluster
     }
@@ -703,7 +718,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             tma_load_multicast(sb + (uint32_t)(rank * B_HALF), &tma_b, kb * BK, rank ? b1 : b0, full_bar(s),
                                (uint16_t)((1u << CM) - 1u));
           }
-          if (++s == STAGES) s = 0, ph ^= 1u;
+          if (++s == NST) s = 0, ph ^= 1u;
         }
         if (waves) atomicAdd(waves, 1);
       }
@@ -733,12 +748,15 @@ __global__ void __launch_bounds__(THREADS, 1)
           MOE_W_TILE(56) MOE_W_TILE(64) MOE_W_TILE(72) MOE_W_TILE(80) MOE_W_TILE(88) MOE_W_TILE(96)
           MOE_W_TILE(104) MOE_W_TILE(112) MOE_W_TILE(120) MOE_W_TILE(128) MOE_W_TILE(136) MOE_W_TILE(144)
           MOE_W_TILE(152) MOE_W_TILE(160) MOE_W_TILE(168) MOE_W_TILE(176)
+#if MOE_W_NV_MAX > 176
+          MOE_W_TILE(184) MOE_W_TILE(192) MOE_W_TILE(200)
+#endif
 #undef MOE_W_TILE
         default: // no rows: keep the ring in step (as below)
           for (int kb = 0; kb < KT; kb++) {
             mbar_wait(full_bar(s), ph);
             release(s);
-            if (++s == STAGES) s = 0, ph ^= 1u;
+            if (++s == NST) s = 0, ph ^= 1u;
           }
         }
         continue;
@@ -762,7 +780,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           fence_acc(d);
           if (kb > 0) release(prev);
           prev = s;
-          if (++s == STAGES) s = 0, ph ^= 1u;
+          if (++s == NST) s = 0, ph ^= 1u;
         }
         wgmma_wait<0>();
         fence_acc(d);
@@ -774,7 +792,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int kb = 0; kb < KT; kb++) {
           mbar_wait(full_bar(s), ph);
           release(s);
-          if (++s == STAGES) s = 0, ph ^= 1u;
+          if (++s == NST) s = 0, ph ^= 1u;
         }
       }
     }
