@@ -39,16 +39,20 @@
 // stays as a variant to measure against (PERF.md).
 //
 // The weights-as-M tiles (WT, MOE_EXPERTS_KERNEL=sm90w; the default where the experts average two
-// row tiles or more and F >= 1536): the same frame, clusters of two and B multicast, with the
-// operands' roles swapped.  A consumer warpgroup's 128 weight rows of the B tile (gate_up: 64
-// gate rows and the 64 up rows of the same outputs) are wgmma's M, in two accumulators, and the
-// CTA's tokens its N, which can be any multiple of 8 up to NV_MAX = 176: so an expert of r rows
-// is cut into u = ceil(r / 352) units of two CTAs x nv = ceil(r / 2u) rows (rounded up to 8),
-// and pays for about its rows instead of whole 128-row tiles (Kimi K2's 1,195 rows: 8 x 152 =
-// 1,216 row slots, where the row tiles take 1,280 and run the last pair, 171 rows, at a whole
-// pair's time).  wgmma m64nNk16 for each N (wgmma_tr.cuh), the tokens loaded in boxes of 128, 32
-// and 8 rows, the epilogue through stmatrix .trans, each warp on its own outputs, 32 tokens at a
-// time.  A second instantiation of the kernel (WT = true), so that neither path's code is
+// row tiles or more): the same frame, clusters of two and B multicast, with the operands' roles
+// swapped.  A consumer warpgroup's 128 weight rows of the B tile (gate_up: 64 gate rows and the
+// 64 up rows of the same outputs) are wgmma's M, in two accumulators, and the CTA's tokens its
+// N, which can be any multiple of 8 up to NV_MAX = 200: so an expert of r rows is cut into u =
+// ceil(r / 400) units of two CTAs x nv = ceil(r / 2u) rows (rounded up to 8), and pays for about
+// its rows instead of whole 128-row tiles (Kimi K2's 1,195 rows: 6 x 200 = 1,200 row slots, where
+// the row tiles take 1,280 and run the last pair, 171 rows, at a whole pair's time).  wgmma
+// m64nNk16 for each N (wgmma_tr.cuh), the tokens loaded in boxes of 128, 32 and 8 rows, the
+// epilogue through stmatrix .trans, each warp on its own outputs, 32 tokens at a time, which go
+// out as bulk tensor stores that overlap the next unit's MMAs (w_epilogue).  A stage
+// of 200 tokens and 256 weight rows is 57 KiB, so the ring has 3 stages, and a consumer hands a
+// slot back once its own group that read it has retired (the other warpgroup's group keeps the
+// tensor cores busy meanwhile), which leaves the producer two slots ahead as the row tiles' 4
+// stages do.  A second instantiation of the kernel (WT = true), so that neither path's code is
 // compiled into the other's.
 //
 // Work list (the function decode): per expert, in order, its pairs x column tiles, then its row
@@ -110,8 +114,9 @@ constexpr int SMEM_USED = STAGES * STAGE_BYTES + 2 * STG_BYTES + 2 * STAGES * 8;
 constexpr int SMEM_BYTES = SMEM_USED + 1024; // slack to align the ring to the 1024-byte swizzle atom
 constexpr int MAP_THREADS = 1024;
 // The weights-as-M kernel (WT): a CTA's tile is 256 weight rows (B, as above) x up to NV_MAX
-// tokens (A), the tokens as wgmma's N.  Its A slot holds NV_MAX rows; its staging holds 32 tokens
-// at a time, so that four stages still fit.
+// tokens (A), the tokens as wgmma's N.  Its A slot holds NV_MAX rows; its staging 32 tokens at a
+// time.  NV_MAX and the stages can be set at build time to measure against (-DMOE_W_NV_MAX=176
+// -DMOE_W_STAGES=4 is the previous configuration: PERF.md).
 #ifndef MOE_W_NV_MAX
 #define MOE_W_NV_MAX 200
 #endif
@@ -122,15 +127,19 @@ constexpr int NV_MAX = MOE_W_NV_MAX;
 constexpr int STAGES_W = MOE_W_STAGES;
 constexpr int A_W_BYTES = NV_MAX * BK * 2;             // 25 KiB
 constexpr int STAGE_W_BYTES = A_W_BYTES + 2 * B_HALF;  // 57 KiB
-constexpr int STG_W_BYTES = 4 * 32 * 32;               // a consumer's staging: per warp 32 tokens x 16 bf16 outputs
+// A consumer's staging: per warp STG_SLOTS slots of 32 tokens x 16 bf16 outputs, which the
+// bulk tensor stores read while the warp goes on (MOE_W_TMA_STORE=0: one slot, plain stores).
+#ifndef MOE_W_TMA_STORE
+#define MOE_W_TMA_STORE 1
+#endif
+constexpr int STG_SLOTS = MOE_W_TMA_STORE ? 4 : 1;
+constexpr int STG_W_BYTES = 4 * STG_SLOTS * 32 * 32;
 constexpr int SMEM_W_BYTES = STAGES_W * STAGE_W_BYTES + 2 * STG_W_BYTES + 2 * STAGES_W * 8 + 1024;
+static_assert(NV_MAX % 8 == 0 && NV_MAX >= 8 && NV_MAX <= 200 && STAGES_W >= 3,
+              "a CTA's N is a multiple of 8 up to the widest wgmma the WT switch has; 3 stages or more");
 [[maybe_unused]] constexpr int WAVE_SLACK = 16;             // CTAs a wave may start without
 [[maybe_unused]] constexpr unsigned WAVE_WAIT_NS = 200000; // a tile takes ~30-80 us at Kimi K2
-#ifndef MOE_W_PRODUCER_REGS
-#define MOE_W_PRODUCER_REGS 40
-#define MOE_W_CONSUMER_REGS 232
-#endif
-[[maybe_unused]] constexpr int PRODUCER_REGS = MOE_W_PRODUCER_REGS, CONSUMER_REGS = MOE_W_CONSUMER_REGS; // 128 * (40 + 2 * 232) <= 64 Ki registers
+[[maybe_unused]] constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232; // 128 * (40 + 2 * 232) <= 64 Ki registers
 
 enum { GATE_UP = 0, DOWN = 1 };
 
@@ -388,6 +397,22 @@ __device__ __forceinline__ void tma_load_multicast(uint32_t dst, const CUtensorM
                "l"(reinterpret_cast<uint64_t>(m)), "r"(k), "r"(row), "r"(bar), "h"(mask)
                : "memory");
 }
+// The box {16 columns, 32 rows} at (col, row) of the 2D map from shared memory at src (32-byte
+// swizzle), in this thread's current bulk async-group.
+__device__ __forceinline__ void tma_store(const CUtensorMap *m, int col, int row, uint32_t src) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(m)),
+               "r"(col), "r"(row), "r"(src)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until at most N of this thread's bulk groups still read their shared memory.
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// This thread's shared-memory writes, seen by the async proxy (the bulk stores) after it.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
@@ -504,24 +529,32 @@ __device__ __forceinline__ void epilogue(float (&d)[128], uint32_t stg, uint16_t
 // m][token n] each (m64nNV: register i of lane l of warp q holds m = 16 q + l / 4 + 8 ((i / 2) %
 // 2), n = 8 (i / 4) + 2 (l % 4) + (i % 2)); gate_up: d[i] the gate, d[NV / 2 + i] the up of the
 // same output; down: the warpgroup's first 64 outputs, then the next 64 (two passes).  Each warp
-// writes only its own 16 outputs, through its own 1 KiB of staging, so no barrier but the warp's
+// writes only its own 16 outputs, through its own slots of staging, so no barrier but the warp's
 // own is needed: each 8 x 8 block is one stmatrix fragment, stored transposed (a token per
-// 32-byte row, its two 16-byte halves swapped every 4 rows so that no two of a fragment's rows
-// meet in a bank), 32 tokens at a time, then 16-byte stores, two to a token's 32 bytes.
+// 32-byte row, its two 16-byte halves swapped every 4 rows: the bulk copy's 32-byte swizzle, and
+// no two of a fragment's rows meet in a bank), 32 tokens a slot.  A slot of 32 tokens goes out as
+// one bulk tensor store (tmo: box {16, 32}) that lane 0 issues and the warp does not wait for, so
+// the stores overlap the next unit's MMAs; the slot is written again STG_SLOTS slots later, once
+// that store has read it.  An expert's last, shorter slot goes out in 16-byte stores, as a box
+// would write rows that are not this CTA's.  sc counts the warp's slots across units.
 template <int MODE, int NV>
-__device__ __forceinline__ void w_epilogue(float (&d)[NV], uint32_t stg, uint16_t *__restrict__ out, int N, int row0,
-                                           int rows, int col0, int t) {
+__device__ __forceinline__ void w_epilogue(float (&d)[NV], uint32_t stg, const CUtensorMap *tmo,
+                                           uint16_t *__restrict__ out, int N, int row0, int rows, int col0, int t,
+                                           uint32_t &sc) {
   constexpr int H2 = NV / 2;
   const int lane = t & 31, q = t >> 5;
   const int mat = lane >> 3, ri = lane & 7; // the matrix and memory row this lane addresses
-  const uint32_t wst = stg + (uint32_t)(q * 1024);
+  const uint32_t wst0 = stg + (uint32_t)(q * STG_SLOTS * 1024);
   constexpr int PASSES = MODE == GATE_UP ? 1 : 2;
 #pragma unroll
   for (int p = 0; p < PASSES; p++) {
 #pragma unroll
     for (int c0 = 0; c0 < NV; c0 += 32) {
       if (c0 >= rows) break; // uniform: rows is the warpgroup's
-      __syncwarp();          // the warp's previous reads of its staging are done
+      const uint32_t wst = wst0 + (sc % STG_SLOTS) * 1024u;
+      sc++;
+      if (MOE_W_TMA_STORE && lane == 0) bulk_wait_read<STG_SLOTS - 1>(); // the slot's last store has read it
+      __syncwarp(); // ... and the warp's own last reads of it are done
 #pragma unroll
       for (int jn = c0 / 8; jn < (c0 + 32 < NV ? c0 + 32 : NV) / 8; jn += 2) { // token blocks jn (and jn + 1)
         uint32_t r[4];
@@ -547,13 +580,23 @@ __device__ __forceinline__ void w_epilogue(float (&d)[NV], uint32_t stg, uint16_
         if (8 * (jn + 1) < NV) stmatrix_x4_trans(addr, r[0], r[1], r[2], r[3]);
         else stmatrix_x2_trans(addr, r[0], r[1]); // the last block of 8 tokens alone
       }
-      __syncwarp();
       const int here = min(32, rows - c0);
-      for (int idx = lane; idx < here * 2; idx += 32) {
-        const int n = idx >> 1, h = idx & 1;
-        const uint4 v = ld_shared_v4(wst + (uint32_t)(n * 32 + ((h ^ ((n >> 2) & 1)) << 4)));
-        const int col = col0 + p * 64 + 16 * q + 8 * h;
-        if (col < N) *reinterpret_cast<uint4 *>(out + (long long)(row0 + c0 + n) * N + col) = v;
+      const int col = col0 + p * 64 + 16 * q;
+      if (MOE_W_TMA_STORE && here == 32) {
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) {
+          if (col < N) tma_store(tmo, col, row0 + c0, wst);
+          bulk_commit();
+        }
+      } else {
+        __syncwarp();
+        for (int idx = lane; idx < here * 2; idx += 32) {
+          const int n = idx >> 1, h = idx & 1;
+          const uint4 v = ld_shared_v4(wst + (uint32_t)(n * 32 + ((h ^ ((n >> 2) & 1)) << 4)));
+          if (col < N) *reinterpret_cast<uint4 *>(out + (long long)(row0 + c0 + n) * N + col + 8 * h) = v;
+        }
+        if (MOE_W_TMA_STORE && lane == 0) bulk_commit(); // an empty group: one group a slot
       }
     }
   }
@@ -576,7 +619,8 @@ template <int CM> __device__ __forceinline__ void release_slot(uint32_t empty, i
 // accumulators, times the CTA's NV token rows (its rows rounded up to 8) of A as N.
 template <int MODE, int NV>
 __device__ __forceinline__ void w_tile(int &s, uint32_t &ph, uint32_t ring, uint32_t bars, uint32_t stg, int cw, int t,
-                                       int KT, uint16_t *__restrict__ out, int N, int row0, int rows, int col0) {
+                                       int KT, const CUtensorMap *tmo, uint16_t *__restrict__ out, int N, int row0,
+                                       int rows, int col0, uint32_t &sc) {
   constexpr int H2 = NV / 2;
   float d[NV];
 #pragma unroll
@@ -610,7 +654,7 @@ __device__ __forceinline__ void w_tile(int &s, uint32_t &ph, uint32_t ring, uint
   wgmma_wait<0>();
   fence_acc(d);
   if (STAGES_W > 3) release_slot<2>(bars + 8u * (uint32_t)(STAGES_W + prev), lane);
-  w_epilogue<MODE, NV>(d, stg, out, N, row0, rows, col0, t);
+  w_epilogue<MODE, NV>(d, stg, tmo, out, N, row0, rows, col0, t, sc);
 }
 #endif
 
@@ -622,6 +666,7 @@ __device__ __forceinline__ void w_tile(int &s, uint32_t &ph, uint32_t ring, uint
 //           WT: in boxes {64, 32}
 //   tma_a8  WT: the same in boxes {64, 8} (a CTA's rows in boxes of 128, 32 and 8 rows)
 //   tma_b   W as [b_rows, K]: w_gate_up [EL * 2F, H] or w_down [EL * H, F], box {64, 128}
+//   tma_out WT: out [C, N] in boxes {16, 32}, 32-byte swizzle (w_epilogue's bulk stores)
 //   N       output columns: F (h) or H (ys); F: the up rows' offset inside an expert (gate_up)
 //   waves   this pass's wave gate counter (units whose copies are all issued, summed over the
 //           CTAs), or null: no gate
@@ -632,7 +677,7 @@ template <int MODE, int CM, bool WT>
 __global__ void __launch_bounds__(THREADS, 1)
     sm90_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_a_half,
                      const __grid_constant__ CUtensorMap tma_a8, const __grid_constant__ CUtensorMap tma_b,
-                     uint16_t *__restrict__ out, const int *__restrict__ meta, int EL, int NT, int KT, int N, int F,
+                     const __grid_constant__ CUtensorMap tma_out, uint16_t *__restrict__ out, const int *__restrict__ meta, int EL, int NT, int KT, int N, int F,
                      int b_rows, int *waves) {
 #if defined(MOE_SM90A)
   static_assert(!WT || CM == 2, "a weights-as-M unit is split between the two CTAs of a cluster");
@@ -734,6 +779,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
     for (int i = 0; i < 128; i++) d[i] = 0.f;
     int s = 0;
+    uint32_t sc = 0; // WT: the warp's staging slots so far (w_epilogue)
     uint32_t ph = 0;
     for (int v = cid; v < units; v += ncl) {
       if constexpr (WT) {
@@ -743,7 +789,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int col0 = MODE == GATE_UP ? w.n * (BN / 2) + 64 * cw : w.n * BN + 128 * cw;
         switch (nv) {
 #define MOE_W_TILE(n) \
-  case n: w_tile<MODE, n>(s, ph, ring, bars, stg, cw, t, KT, out, N, w.row0, w.rows, col0); break;
+  case n: w_tile<MODE, n>(s, ph, ring, bars, stg, cw, t, KT, &tma_out, out, N, w.row0, w.rows, col0, sc); break;
           MOE_W_TILE(8) MOE_W_TILE(16) MOE_W_TILE(24) MOE_W_TILE(32) MOE_W_TILE(40) MOE_W_TILE(48)
           MOE_W_TILE(56) MOE_W_TILE(64) MOE_W_TILE(72) MOE_W_TILE(80) MOE_W_TILE(88) MOE_W_TILE(96)
           MOE_W_TILE(104) MOE_W_TILE(112) MOE_W_TILE(120) MOE_W_TILE(128) MOE_W_TILE(136) MOE_W_TILE(144)
@@ -797,6 +843,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
   }
+  // WT: every bulk store of a consumer warp is complete before its CTA leaves.  Here, after the
+  // roles' branches: at the end of the consumers' branch ptxas ran out of registers for the
+  // accumulators (6.7 KB of spills and serialised wgmma, CUDA 13.0).
+  if (WT && MOE_W_TMA_STORE && wg > 0 && (threadIdx.x & 31) == 0) bulk_wait_all();
   // No CTA leaves while its peer may still arrive on its barriers.
   if (CM > 1) {
     __syncwarp();
@@ -830,17 +880,19 @@ encode_tiled_fn encode_tiled() {
   return fn;
 }
 
-// A row-major bf16 [rows, k] matrix as a 2D tensor map with a {64, box_rows} box, 128B swizzle.
-// (The half-row boxes of run() describe the same tensors as maps that succeeded with 128 rows.)
-bool encode_2d(CUtensorMap *m, const void *base, long long rows, long long k, int box_rows = BM) {
+// A row-major bf16 [rows, k] matrix as a 2D tensor map with a {box_k, box_rows} box, 128B
+// swizzle (a WT output map: {16, 32}, 32B).  (The smaller boxes of run() describe the same
+// tensors as maps that succeeded with 128 rows.)
+bool encode_2d(CUtensorMap *m, const void *base, long long rows, long long k, int box_rows = BM, int box_k = BK,
+               CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   encode_tiled_fn fn = encode_tiled();
   if (!fn) return false;
   const cuuint64_t dim[2] = {(cuuint64_t)k, (cuuint64_t)rows};
   const cuuint64_t stride[1] = {(cuuint64_t)k * 2};
-  const cuuint32_t box[2] = {BK, (cuuint32_t)box_rows};
+  const cuuint32_t box[2] = {(cuuint32_t)box_k, (cuuint32_t)box_rows};
   const cuuint32_t estride[2] = {1, 1};
   return fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dim, stride, box, estride,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -901,7 +953,7 @@ template <int MODE, int CM, bool WT> int resident_groups(int dev) {
 
 template <int MODE, int CM, bool WT>
 cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, const CUtensorMap &ta_half,
-                        const CUtensorMap &ta8, const CUtensorMap &tb, uint16_t *out, const int *meta, int EL, int NT,
+                        const CUtensorMap &ta8, const CUtensorMap &tb, const CUtensorMap &tout, uint16_t *out, const int *meta, int EL, int NT,
                         int KT, int N, int F, int b_rows, int *waves) {
   auto kernel = sm90_gemm_kernel<MODE, CM, WT>;
   constexpr int smem = smem_bytes<WT>();
@@ -917,7 +969,7 @@ cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, 
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = CM > 1 ? 1 : 0;
-  err = cudaLaunchKernelEx(&cfg, kernel, ta, ta_half, ta8, tb, out, meta, EL, NT, KT, N, F, b_rows, waves);
+  err = cudaLaunchKernelEx(&cfg, kernel, ta, ta_half, ta8, tb, tout, out, meta, EL, NT, KT, N, F, b_rows, waves);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
@@ -972,14 +1024,18 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   const char *what = "map launch";
   // A in boxes of half a tile's rows, for a solo unit's multicast: pairs only (CM = 1 is passed
   // the full maps, which it never reads as halves); WT: in boxes of 32 and of 8 rows
-  CUtensorMap t_h, t_h_half, t_xs_half = t_xs, t_h8, t_xs8 = t_xs;
+  // the outputs h and ys in the WT epilogue's boxes (the row tiles are passed h's map, unread)
+  CUtensorMap t_h, t_h_half, t_xs_half = t_xs, t_h8, t_xs8 = t_xs, t_h_out, t_ys_out;
   bool maps = encode_2d(&t_h, h, C, F);
-  t_h_half = t_h8 = t_h;
+  t_h_half = t_h8 = t_h_out = t_ys_out = t_h;
   const int half = WT ? 32 : BM / 2;
   if (maps && CM > 1) maps = encode_2d(&t_h_half, h, C, F, half) && encode_2d(&t_xs_half, a->xs->data, C, H, half);
   if (maps && WT) maps = encode_2d(&t_h8, h, C, F, 8) && encode_2d(&t_xs8, a->xs->data, C, H, 8);
+  if (maps && WT)
+    maps = encode_2d(&t_h_out, h, C, F, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B) &&
+           encode_2d(&t_ys_out, ys, C, H, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B);
   if (!maps) {
-    what = "cuTensorMapEncodeTiled(h or the smaller boxes)";
+    what = "cuTensorMapEncodeTiled(h, or the smaller boxes)";
     err = cudaErrorInvalidValue;
   } else {
     sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->expert_offsets->data, (int)EL, (int)C, CM,
@@ -989,12 +1045,12 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   int *waves = gate ? meta + 4 * EL + 2 : nullptr;
   if (err == cudaSuccess) {
     what = "gate_up launch";
-    err = launch_gemm<GATE_UP, CM, WT>(stream, g_gu, t_xs, t_xs_half, t_xs8, t_wgu, h, meta, (int)EL, nt_gu,
+    err = launch_gemm<GATE_UP, CM, WT>(stream, g_gu, t_xs, t_xs_half, t_xs8, t_wgu, t_h_out, h, meta, (int)EL, nt_gu,
                                        (int)(H / BK), (int)F, (int)F, (int)(EL * 2 * F), waves);
   }
   if (err == cudaSuccess) {
     what = "down launch";
-    err = launch_gemm<DOWN, CM, WT>(stream, g_dn, t_h, t_h_half, t_h8, t_wdn, ys, meta, (int)EL, nt_dn, (int)(F / BK),
+    err = launch_gemm<DOWN, CM, WT>(stream, g_dn, t_h, t_h_half, t_h8, t_wdn, t_ys_out, ys, meta, (int)EL, nt_dn, (int)(F / BK),
                                     (int)H, (int)F, (int)(EL * H), waves ? waves + 1 : nullptr);
   }
   // Given back after the launches on the same stream, so the kernels are done with it first;
@@ -1070,16 +1126,16 @@ extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   // the Kimi K2 shape on the H200), and with 129-255 rows an expert one CTA a tile read the
   // weights twice from DRAM (48 experts of 160 or 192 rows: 2.13-2.15 ms against 1.45); at 1-48
   // rows the pair is 0.4-6% ahead, at 96-128 1-2% behind (PERF.md).  Where the experts average two
-  // row tiles or more and F >= 1536, the weights-as-M tiles (PERF.md: Kimi K2 5.35 J a pass
-  // against 5.75, 653-662 TFLOP/s under the power cap against 627-641); else the row tiles: in
-  // decode (8 rows an expert: 1.000 ms against 1.055) and at F = 1024 (Qwen3.5-397B, whose down
-  // pass has 16 k blocks: 3.3% behind on average over experts.lua's 12 configurations).
+  // row tiles or more, the weights-as-M tiles (PERF.md: Kimi K2 674-678 TFLOP/s under the power
+  // cap against 628 for the row tiles; over experts.lua's 72 configurations, both forced in one
+  // call, ahead on average in every preset, Qwen3.5-397B's F = 1024 included: 611.6 against
+  // 604.4); else the row tiles, as in decode (8 rows an expert: 1.000 ms against 1.055).
   // MOE_EXPERTS_KERNEL=sm90x1, sm90x2 or sm90w forces one; otherwise a device that cannot place
   // a cluster of two gets one CTA a tile.
   const char *sel = getenv("MOE_EXPERTS_KERNEL");
   if (sel && strcmp(sel, "sm90x1") == 0) return run<1, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
   const bool forced = sel && (strcmp(sel, "sm90x2") == 0 || strcmp(sel, "sm90w") == 0);
-  const bool wt = forced ? strcmp(sel, "sm90w") == 0 : C >= 2 * BM * EL && F >= 1536;
+  const bool wt = forced ? strcmp(sel, "sm90w") == 0 : C >= 2 * BM * EL;
   const int rc = wt ? run<2, true>(ctx, a, dev, t_xs, t_wgu, t_wdn) : run<2, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);
   if (rc != MOE_ERR_UNSUPPORTED || forced) return rc;
   return run<1, false>(ctx, a, dev, t_xs, t_wgu, t_wdn);

@@ -261,6 +261,10 @@ static void test_cases(void) {
   /* one expert of 17 row tiles (more than a raster band of 16, an odd count for the cluster pairs) */
   int32_t o_huge[EL4 + 1];
   offsets_of(o_huge, (const int[]){0, 2100, 0, 5}, EL4, 1);
+  /* the weights-as-M tiles' widest N: 400 rows are one unit of 2 x 200, 383 of 192 + 191, 361 of
+   * 184 + 177, 1195 three units of 200 with 195 in the last CTA */
+  int32_t o_wide[EL4 + 1];
+  offsets_of(o_wide, (const int[]){400, 383, 361, 1195}, EL4, 1);
 
   const ecase cases[] = {
       {"sizes [0, 2, 13, 1], H 256, F 128", 32, 256, 128, EL4, o1, 0, 0, 0},
@@ -284,6 +288,8 @@ static void test_cases(void) {
       {"one expert of 2100 rows, H 256, F 128", 2200, 256, 128, EL4, o_huge, 0, 0, 0},
       {"1500 experts, H 64, F 64", many[ELM] + 17, 64, 64, ELM, many, 0, 0, 0},
       {"in place, H 320, F 192", 600, 320, 192, EL4, o4, 1, 0, 0},
+      {"sizes [400, 383, 361, 1195], H 256, F 128", 2339, 256, 128, EL4, o_wide, 0, 0, 0},
+      {"sizes [400, 383, 361, 1195] + 61 rows of NaN, H 320, F 192", 2400, 320, 192, EL4, o_wide, 0, 0, 1},
       /* the capacity tail NaN: the valid rows stay finite and right, the tail's ys rows unwritten */
       {"capacity tail of NaN, sizes [0, 2, 13, 1] + 40 rows, H 256, F 128", 56, 256, 128, EL4, o1, 0, 0, 1},
       {"capacity tail of NaN, sizes [200, 312] + 60 rows, H 7168, F 2048", 572, 7168, 2048, 2, o_big, 0, 0, 1},
