@@ -677,8 +677,8 @@ template <int MODE, int CM, bool WT>
 __global__ void __launch_bounds__(THREADS, 1)
     sm90_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_a_half,
                      const __grid_constant__ CUtensorMap tma_a8, const __grid_constant__ CUtensorMap tma_b,
-                     const __grid_constant__ CUtensorMap tma_out, uint16_t *__restrict__ out, const int *__restrict__ meta, int EL, int NT, int KT, int N, int F,
-                     int b_rows, int *waves) {
+                     const __grid_constant__ CUtensorMap tma_out, uint16_t *__restrict__ out,
+                     const int *__restrict__ meta, int EL, int NT, int KT, int N, int F, int b_rows, int *waves) {
 #if defined(MOE_SM90A)
   static_assert(!WT || CM == 2, "a weights-as-M unit is split between the two CTAs of a cluster");
   constexpr int STAGE = WT ? STAGE_W_BYTES : STAGE_BYTES, A_SLOT = WT ? A_W_BYTES : A_BYTES;
@@ -953,8 +953,8 @@ template <int MODE, int CM, bool WT> int resident_groups(int dev) {
 
 template <int MODE, int CM, bool WT>
 cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, const CUtensorMap &ta_half,
-                        const CUtensorMap &ta8, const CUtensorMap &tb, const CUtensorMap &tout, uint16_t *out, const int *meta, int EL, int NT,
-                        int KT, int N, int F, int b_rows, int *waves) {
+                        const CUtensorMap &ta8, const CUtensorMap &tb, const CUtensorMap &tout, uint16_t *out,
+                        const int *meta, int EL, int NT, int KT, int N, int F, int b_rows, int *waves) {
   auto kernel = sm90_gemm_kernel<MODE, CM, WT>;
   constexpr int smem = smem_bytes<WT>();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -1050,8 +1050,8 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   }
   if (err == cudaSuccess) {
     what = "down launch";
-    err = launch_gemm<DOWN, CM, WT>(stream, g_dn, t_h, t_h_half, t_h8, t_wdn, t_ys_out, ys, meta, (int)EL, nt_dn, (int)(F / BK),
-                                    (int)H, (int)F, (int)(EL * H), waves ? waves + 1 : nullptr);
+    err = launch_gemm<DOWN, CM, WT>(stream, g_dn, t_h, t_h_half, t_h8, t_wdn, t_ys_out, ys, meta, (int)EL, nt_dn,
+                                    (int)(F / BK), (int)H, (int)F, (int)(EL * H), waves ? waves + 1 : nullptr);
   }
   // Given back after the launches on the same stream, so the kernels are done with it first;
   // on a failed launch it is given back all the same.
@@ -1126,10 +1126,12 @@ extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   // the Kimi K2 shape on the H200), and with 129-255 rows an expert one CTA a tile read the
   // weights twice from DRAM (48 experts of 160 or 192 rows: 2.13-2.15 ms against 1.45); at 1-48
   // rows the pair is 0.4-6% ahead, at 96-128 1-2% behind (PERF.md).  Where the experts average two
-  // row tiles or more, the weights-as-M tiles (PERF.md: Kimi K2 674-678 TFLOP/s under the power
-  // cap against 628 for the row tiles; over experts.lua's 72 configurations, both forced in one
-  // call, ahead on average in every preset, Qwen3.5-397B's F = 1024 included: 611.6 against
-  // 604.4); else the row tiles, as in decode (8 rows an expert: 1.000 ms against 1.055).
+  // row tiles or more, the weights-as-M tiles (PERF.md: Kimi K2 under the power cap 674-698
+  // TFLOP/s against 628-642 for the row tiles in the same calls; over experts.lua's 72
+  // configurations, both forced in one call, ahead on average in every preset, Qwen3.5-397B's F =
+  // 1024 included: 611.6 against 604.4; at exactly 256 rows an expert, two full row tiles, the row
+  // tiles are 5% ahead); else the row tiles, as in decode (8 rows an expert: 1.000 ms against
+  // 1.055).
   // MOE_EXPERTS_KERNEL=sm90x1, sm90x2 or sm90w forces one; otherwise a device that cannot place
   // a cluster of two gets one CTA a tile.
   const char *sel = getenv("MOE_EXPERTS_KERNEL");
