@@ -169,6 +169,18 @@ __device__ __forceinline__ int roundrobin_position4(const int4 *c4, int world4, 
   return pos;
 }
 
+// Route i of peer p at position pos of its expert's rows [off, off + lim): its row, whose
+// peer_rank and peer_route it writes, or -1 past lim (dropped: over the capacity).  The bitmap
+// and legacy kernels' place step; the replicated kernel keeps its own lines, as through this
+// helper the compiler reloads a parameter in its place loop (PTX compared).
+__device__ __forceinline__ int place_route(const ScheduleCall &P, int p, int i, int pos, int off, int lim) {
+  if (pos >= lim) return -1;
+  const int row = off + pos;
+  P.peer_rank[row] = p;
+  P.peer_route[row] = i;
+  return row;
+}
+
 // Thread 0 of block b records phase point i in row b of a kernel's trace buffer (rows of POINTS
 // clock64 readings, then %globaltimer at the first and the last point), when tracing is on.
 // FITS: the launcher never makes more blocks than the buffer has rows, so no block checks (the

@@ -342,13 +342,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Para
       segment_of(S, P.lgper, e, &off, &lim);
       if (mine && sub == 0) {
         const int i = li[r];
-        int row = -1;
-        if (pos < lim) {
-          row = off + pos;
-          P.peer_rank[row] = p;
-          P.peer_route[row] = i;
-        }
-        rrow[i] = row;
+        rrow[i] = place_route(P, p, i, pos, off, lim);
       }
     }
   }

@@ -95,13 +95,7 @@ __global__ void __launch_bounds__(kThreads) legacy_place(const LegacyParams P) {
   for (int i = tid; i < P.tk; i += kThreads)
     if ((unsigned)__ldg(ids + i) - lo == (unsigned)e) {
       const int pos = staged ? roundrobin_position<false>(cs, W, p, j) : roundrobin_position<true>(ce, W, p, j);
-      int row = -1;
-      if (pos < kept) {
-        row = off + pos;
-        P.peer_rank[row] = p;
-        P.peer_route[row] = i;
-      }
-      rrow[i] = row;
+      rrow[i] = place_route(P, p, i, pos, off, kept);
       j++;
     }
   // routes of rank p that are not this rank's (masked and invalid ones included)
