@@ -3,7 +3,7 @@
 //
 // As many blocks as fit on the GPU at once, each taking every gridDim.x-th token of the source
 // rank; each summing thread owns a slice of H in registers (f32, 8 elements per 16-byte load of
-// bf16).  The operations and their order are combine_cpu's: acc starts at +0, then
+// bf16).  The operations and their order are moeI_combine_cpu's: acc starts at +0, then
 // acc = acc + w * y for k ascending (a separately rounded multiply and add: __fmul_rn /
 // __fadd_rn, which no compiler flag fuses), then acc + g * shared, then one rounding to bf16 with
 // the CPU's own f32_to_bf16.  So the GPU gives the CPU's bits, with no atomics and the same
@@ -88,7 +88,7 @@ combine_kernel(const __grid_constant__ Owners own, const Args a) {
   const int64_t per_token = passes * groups;
   const int64_t n = (a.T - blockIdx.x + G - 1) / G * per_token;
 
-  // the sources of step i's routes into half b: NULL where combine_cpu skips the route
+  // the sources of step i's routes into half b: NULL where moeI_combine_cpu skips the route
   auto look_up = [&](int64_t i, int b) {
     const int64_t t = blockIdx.x + i / per_token * G, k0 = i % groups * KC;
     const int kn = (int)(K - k0 < KC ? K - k0 : KC);
@@ -184,7 +184,7 @@ int launch_one(moe_ctx *ctx, cudaStream_t s, const Owners &own, const Args &a, i
   const unsigned grid = (unsigned)(a.T < resident ? a.T : resident);
   combine_kernel<VEC, NV, F32_OUT><<<grid, (unsigned)threads, 0, s>>>(own, a);
   MOE_CUDA_LAUNCHED(ctx, "combine");
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 template <int VEC, int NV>
@@ -194,17 +194,17 @@ int launch(moe_ctx *ctx, cudaStream_t s, const Owners &own, const Args &a, int f
   threads = (threads + 31) / 32 * 32;
   threads = threads < 32 ? 32 : threads > 480 ? 480 : threads;
   threads += 32; // the look-up warp
-  if (a.T > INT32_MAX) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "combine: %lld tokens are too many for cuda", (long long)a.T);
+  if (a.T > INT32_MAX) return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "combine: %lld tokens are too many for cuda", (long long)a.T);
   return f32_out ? launch_one<VEC, NV, true>(ctx, s, own, a, (int)threads)
                  : launch_one<VEC, NV, false>(ctx, s, own, a, (int)threads);
 }
 
 } // namespace
 
-int combine_cuda(moe_ctx *ctx, const moe_combine_args *a) {
+int moeI_combine_cuda(moe_ctx *ctx, const moe_combine_args *a) {
   const int W = a->world;
   if (W > MAX_WORLD)
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "combine: world must be at most %d on cuda, got %d", MAX_WORLD, W);
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "combine: world must be at most %d on cuda, got %d", MAX_WORLD, W);
   Args g;
   g.out = a->out->data;
   g.w = (const float *)a->weights->data;
@@ -217,7 +217,7 @@ int combine_cuda(moe_ctx *ctx, const moe_combine_args *a) {
   g.E = a->experts;
   g.EL = a->experts / W;
   g.rank = a->rank;
-  if (!g.T || !g.H) return moe_ok(ctx);
+  if (!g.T || !g.H) return moeI_ok(ctx);
 
   Owners own;
   memset(&own, 0, sizeof own);
@@ -231,7 +231,7 @@ int combine_cuda(moe_ctx *ctx, const moe_combine_args *a) {
   }
 
   cudaStream_t s;
-  int rc = cuda_ctx_stream(ctx, a->out->device.index, &s);
+  int rc = moeI_cuda_ctx_stream(ctx, a->out->device.index, &s);
   if (rc) return rc;
   const int f32_out = a->out->dtype == MOE_F32;
   return vec ? launch<8, 4>(ctx, s, own, g, f32_out) : launch<1, 8>(ctx, s, own, g, f32_out);

@@ -16,7 +16,7 @@
     cudaError_t err_ = (call);                                                                    \
     if (err_ != cudaSuccess) {                                                                    \
       (void)cudaGetLastError();                                                                   \
-      return moe_seterr((ctx), MOE_ERR_CUDA, "%s: %s failed at %s:%d: %s: %s", (stage), #call,     \
+      return moeI_seterr((ctx), MOE_ERR_CUDA, "%s: %s failed at %s:%d: %s: %s", (stage), #call,     \
                         __FILE__, __LINE__, cudaGetErrorName(err_), cudaGetErrorString(err_));    \
     }                                                                                             \
   } while (0)
@@ -26,6 +26,6 @@
 
 // The stream the context's stages run on, created on first use (non-blocking, so that a
 // graph can be captured from it); sets the device of the calling thread.
-int cuda_ctx_stream(moe_ctx *ctx, int device, cudaStream_t *out);
+int moeI_cuda_ctx_stream(moe_ctx *ctx, int device, cudaStream_t *out);
 
 static inline int cdiv(long long a, long long b) { return (int)((a + b - 1) / b); }

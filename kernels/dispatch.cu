@@ -18,7 +18,7 @@ constexpr int THREADS = 256;
 constexpr int UNROLL = 4;  // pieces in flight per thread
 constexpr int MAX_RB = 64; // rows per block at most
 
-// Row r's source as a token index p * T + q / k, or -1 where dispatch_cpu sees no route:
+// Row r's source as a token index p * T + q / k, or -1 where moeI_dispatch_cpu sees no route:
 // peer values are data written on the device, so anything outside x is an empty row.
 __device__ __forceinline__ int64_t source_of(const int32_t *__restrict__ peer_rank,
                                              const int32_t *__restrict__ peer_route, int64_t r, int64_t W, int64_t T,
@@ -69,33 +69,33 @@ int launch(moe_ctx *ctx, cudaStream_t s, const moe_dispatch_args *a) {
   const int64_t W = a->x->shape[0], T = a->x->shape[1], H = a->x->shape[2], C = a->xs->shape[0];
   const int64_t pieces = H * 2 / (int64_t)sizeof(V);
   if (pieces * MAX_RB >= ((int64_t)1 << 31))
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "dispatch: rows of %lld elements are too long for cuda", (long long)H);
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "dispatch: rows of %lld elements are too long for cuda", (long long)H);
   // enough rows per block for several passes of THREADS * UNROLL pieces
   int64_t rb = (4 * THREADS * UNROLL + pieces - 1) / pieces;
   rb = rb < 1 ? 1 : rb > MAX_RB ? MAX_RB : rb;
   const int64_t blocks = (C + rb - 1) / rb;
-  if (blocks > INT32_MAX) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "dispatch: %lld rows are too many for cuda", (long long)C);
+  if (blocks > INT32_MAX) return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "dispatch: %lld rows are too many for cuda", (long long)C);
   dispatch_kernel<V><<<(unsigned)blocks, THREADS, 0, s>>>(
       (V *)a->xs->data, (const V *)a->x->data, (const int32_t *)a->peer_rank->data,
-      (const int32_t *)a->peer_route->data, C, W, T, moe_dispatch_routes(T, a->k), a->k, (uint32_t)pieces, (int)rb,
+      (const int32_t *)a->peer_route->data, C, W, T, moeI_dispatch_routes(T, a->k), a->k, (uint32_t)pieces, (int)rb,
       a->zero_fill != 0);
   MOE_CUDA_LAUNCHED(ctx, "dispatch");
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 } // namespace
 
-int dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a) {
+int moeI_dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a) {
   const int64_t H = a->x->shape[2], C = a->xs->shape[0];
   const uintptr_t px = (uintptr_t)a->x->data, pxs = (uintptr_t)a->xs->data;
   const size_t xbytes = moe_tensor_nbytes(a->x), xsbytes = moe_tensor_nbytes(a->xs);
   // The CPU copies row after row (memmove), so xs over x has an order there; on the GPU the
   // rows are copied at once and such a call would race.
   if (xbytes && xsbytes && px < pxs + xsbytes && pxs < px + xbytes)
-    return moe_seterr(ctx, MOE_ERR_ARG, "dispatch: xs and x share memory, which cuda does not allow");
-  if (!C || !H) return moe_ok(ctx);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "dispatch: xs and x share memory, which cuda does not allow");
+  if (!C || !H) return moeI_ok(ctx);
   cudaStream_t s;
-  int rc = cuda_ctx_stream(ctx, a->xs->device.index, &s);
+  int rc = moeI_cuda_ctx_stream(ctx, a->xs->device.index, &s);
   if (rc) return rc;
   const size_t row = (size_t)H * 2;
   if (row % 16 == 0 && px % 16 == 0 && pxs % 16 == 0) return launch<uint4>(ctx, s, a);

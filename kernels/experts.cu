@@ -20,7 +20,7 @@
 // experts_sm90.cu runs instead; this one is its fallback and cross-check.
 //
 // Rows: expert e owns [m_e, m_{e+1}) with m the running maximum of the offsets clamped to
-// [0, C], exactly as experts_cpu reads them, so bad offsets neither stray out of bounds nor
+// [0, C], exactly as moeI_experts_cpu reads them, so bad offsets neither stray out of bounds nor
 // write a row twice.  Rows outside every segment are neither read nor written, so ys may be
 // xs itself (the down pass reads only h).
 //
@@ -354,22 +354,22 @@ bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 // The Hopper kernel (kernels/experts_sm90.cu): MOE_ERR_UNSUPPORTED, with nothing done, when the
 // device or the shapes do not suit it.
-extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a);
+extern "C" int moeI_experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a);
 
-int experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
+int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   static const char *stage = "experts";
   const long long C = a->xs->shape[0], H = a->xs->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
   // Rows, columns and tile indices are ints on the device; one tile row past C must fit too.
   const long long lim = 1ll << 30;
   if (C >= lim || H >= lim || F >= lim || EL >= lim)
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
                       "experts: the CUDA kernels take C, H, F and EL below 2^30, got C = %lld, H = %lld, F = %lld, EL = %lld",
                       C, H, F, EL);
   cudaStream_t stream;
-  int rc = cuda_ctx_stream(ctx, a->xs->device.index, &stream);
+  int rc = moeI_cuda_ctx_stream(ctx, a->xs->device.index, &stream);
   if (rc) return rc;
-  if (C == 0 || H == 0 || EL == 0) return moe_ok(ctx); // no row of ys to write
+  if (C == 0 || H == 0 || EL == 0) return moeI_ok(ctx); // no row of ys to write
 
   // On compute capability 9.0 the TMA/wgmma kernel goes first and this one is the fallback.
   // MOE_EXPERTS_KERNEL=mma forces this kernel (the cross-check), =sm90 forces the Hopper one
@@ -381,7 +381,7 @@ int experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
     MOE_CUDA_TRY(ctx, stage, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a->xs->device.index));
     MOE_CUDA_TRY(ctx, stage, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, a->xs->device.index));
     if (force_sm90 || (major == 9 && minor == 0)) {
-      rc = experts_sm90_cuda(ctx, a);
+      rc = moeI_experts_sm90_cuda(ctx, a);
       if (rc != MOE_ERR_UNSUPPORTED || force_sm90) return rc;
     }
   }
@@ -389,7 +389,7 @@ int experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   const long long tmax = (C + BM - 1) / BM + (EL < C ? EL : C);
   const long long ntn_gu = (F + BN / 2 - 1) / (BN / 2), ntn_dn = (H + BN - 1) / BN;
   if (tmax * (ntn_gu > ntn_dn ? ntn_gu : ntn_dn) > INT_MAX)
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts: C = %lld, H = %lld, F = %lld need more than 2^31 blocks",
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts: C = %lld, H = %lld, F = %lld need more than 2^31 blocks",
                       C, H, F);
 
   // scratch: map [tmax] int4, start [EL + 1], lo [EL], hi [EL] ints, then h [C, F] bf16
@@ -399,12 +399,12 @@ int experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   cudaError_t err = cudaMallocAsync(&scratch, map_bytes + h_bytes, stream);
   if (err == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError(); // not sticky: leave no stale error for the next launch check
-    return moe_seterr(ctx, MOE_ERR_NOMEM, "experts: cannot allocate %zu bytes of device scratch on cuda:%d",
+    return moeI_seterr(ctx, MOE_ERR_NOMEM, "experts: cannot allocate %zu bytes of device scratch on cuda:%d",
                       map_bytes + h_bytes, a->xs->device.index);
   }
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    return moe_seterr(ctx, MOE_ERR_CUDA, "%s: cudaMallocAsync(scratch, %zu bytes) failed at %s:%d: %s: %s", stage,
+    return moeI_seterr(ctx, MOE_ERR_CUDA, "%s: cudaMallocAsync(scratch, %zu bytes) failed at %s:%d: %s: %s", stage,
                       map_bytes + h_bytes, __FILE__, __LINE__, cudaGetErrorName(err), cudaGetErrorString(err));
   }
   int4 *map = (int4 *)scratch;
@@ -425,7 +425,7 @@ int experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
     err = vec ? launch_gemm<GATE_UP, true>(stream, h, xs, wgu, map, (int)tmax, (int)ntn_gu, (int)H, (int)F, 2 * F * H)
               : launch_gemm<GATE_UP, false>(stream, h, xs, wgu, map, (int)tmax, (int)ntn_gu, (int)H, (int)F, 2 * F * H);
   }
-  // F = 0 leaves h empty: the down pass sums nothing and writes zeros, as experts_cpu does.
+  // F = 0 leaves h empty: the down pass sums nothing and writes zeros, as moeI_experts_cpu does.
   if (err == cudaSuccess) {
     what = "down launch";
     err = vec ? launch_gemm<DOWN, true>(stream, ys, h, wdn, map, (int)tmax, (int)ntn_dn, (int)F, (int)H, H * F)
@@ -437,8 +437,8 @@ int experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   if (err == cudaSuccess && ferr != cudaSuccess) what = "cudaFreeAsync(scratch)", err = ferr;
   if (err != cudaSuccess) {
     (void)cudaGetLastError(); // reported here, not again by the next stage's launch check
-    return moe_seterr(ctx, MOE_ERR_CUDA, "%s: %s failed at %s:%d: %s: %s", stage, what, __FILE__, __LINE__,
+    return moeI_seterr(ctx, MOE_ERR_CUDA, "%s: %s failed at %s:%d: %s: %s", stage, what, __FILE__, __LINE__,
                       cudaGetErrorName(err), cudaGetErrorString(err));
   }
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }

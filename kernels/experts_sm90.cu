@@ -5,7 +5,7 @@
 // cross-check (MOE_EXPERTS_KERNEL=mma):
 //
 //   map      one block turns expert_offsets (read on the device) into, per expert, its rows
-//            [lo, hi) -- the clamped running maximum experts_cpu reads -- and the prefixes of its
+//            [lo, hi) -- the clamped running maximum moeI_experts_cpu reads -- and the prefixes of its
 //            pairs of row tiles and of its row tiles left over (the work list, below), or of
 //            its weights-as-M units (WT, below).
 //   gate_up  h [C, F] = bf16(silu(xs . W_gate^T) * (xs . W_up^T)).  A tile's B operand is 128
@@ -464,7 +464,7 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t *>(&v);
 }
 
-// silu(g) * u.  The fast exponential and division differ from experts_cpu's expf and '/' by a
+// silu(g) * u.  The fast exponential and division differ from moeI_experts_cpu's expf and '/' by a
 // few ulp of f32, far under the bf16 rounding that follows; e^-g = inf gives -0 as there.
 __device__ __forceinline__ float swiglu(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
 
@@ -975,7 +975,7 @@ cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, 
 }
 
 int unsupported(moe_ctx *ctx, const char *why) {
-  return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts (sm90): %s", why);
+  return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts (sm90): %s", why);
 }
 
 // WT (CM = 2 only): the weights-as-M kernel (decode_w); else the row tiles (decode).
@@ -996,7 +996,7 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   const int g_dn = (int)(tmax * nt_dn < fit_dn ? tmax * nt_dn : fit_dn);
 
   cudaStream_t stream;
-  int rc = cuda_ctx_stream(ctx, dev, &stream);
+  int rc = moeI_cuda_ctx_stream(ctx, dev, &stream);
   if (rc) return rc;
 
   // scratch: meta = pairs [EL + 1], solos [EL + 1], lo [EL], hi [EL], waves [2], wunits [EL + 1] ints,
@@ -1007,12 +1007,12 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   cudaError_t err = cudaMallocAsync(&scratch, meta_bytes + h_bytes, stream);
   if (err == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
-    return moe_seterr(ctx, MOE_ERR_NOMEM, "experts: cannot allocate %zu bytes of device scratch on cuda:%d",
+    return moeI_seterr(ctx, MOE_ERR_NOMEM, "experts: cannot allocate %zu bytes of device scratch on cuda:%d",
                       meta_bytes + h_bytes, dev);
   }
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    return moe_seterr(ctx, MOE_ERR_CUDA, "%s: cudaMallocAsync(scratch, %zu bytes) failed at %s:%d: %s: %s", stage,
+    return moeI_seterr(ctx, MOE_ERR_CUDA, "%s: cudaMallocAsync(scratch, %zu bytes) failed at %s:%d: %s: %s", stage,
                       meta_bytes + h_bytes, __FILE__, __LINE__, cudaGetErrorName(err), cudaGetErrorString(err));
   }
   int *meta = (int *)scratch;
@@ -1059,18 +1059,18 @@ int run(moe_ctx *ctx, const moe_experts_args *a, int dev, const CUtensorMap &t_x
   if (err == cudaSuccess && ferr != cudaSuccess) what = "cudaFreeAsync(scratch)", err = ferr;
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    return moe_seterr(ctx, MOE_ERR_CUDA, "%s: %s failed at %s:%d: %s: %s", stage, what, __FILE__, __LINE__,
+    return moeI_seterr(ctx, MOE_ERR_CUDA, "%s: %s failed at %s:%d: %s: %s", stage, what, __FILE__, __LINE__,
                       cudaGetErrorName(err), cudaGetErrorString(err));
   }
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 } // namespace
 
-// Tried first by experts_cuda on a compute capability 9.0 device.  Everything that can make it
+// Tried first by moeI_experts_cuda on a compute capability 9.0 device.  Everything that can make it
 // unsuitable is checked before anything is allocated or launched, so MOE_ERR_UNSUPPORTED leaves
 // no trace but the context's message.
-extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
+extern "C" int moeI_experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   const long long C = a->xs->shape[0], H = a->xs->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
   const int dev = a->xs->device.index;
@@ -1107,8 +1107,8 @@ extern "C" int experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   }
   if (C == 0 || EL == 0) { // nothing to write; still leave the context on the right device
     cudaStream_t stream;
-    int rc = cuda_ctx_stream(ctx, dev, &stream);
-    return rc ? rc : moe_ok(ctx);
+    int rc = moeI_cuda_ctx_stream(ctx, dev, &stream);
+    return rc ? rc : moeI_ok(ctx);
   }
   const long long tmax = (C + BM - 1) / BM + (EL < C ? EL : C);
   const long long nt = (F + BN / 2 - 1) / (BN / 2) > (H + BN - 1) / BN ? (F + BN / 2 - 1) / (BN / 2) : (H + BN - 1) / BN;

@@ -1,7 +1,7 @@
 // logits.cu -- router logits out f32 [N, E] = x bf16 [N, H] . w bf16 [E, H]^T, and the Qwen3.5
 // shared-expert gate g f32 [T] = sigmoid(x . w), on the GPU.
 //
-// Both give logits_cpu's / sigmoid_gate_cpu's dot products bit for bit, because the route
+// Both give moeI_logits_cpu's / moeI_sigmoid_gate_cpu's dot products bit for bit, because the route
 // stage selects experts on them: a logit one ulp away from the CPU's could flip a near tie, and
 // the layer's forward (GPU) and reference (CPU) would then route a token differently.  mlp.h
 // fixes one summation order: element i goes into partial sum i % 8, in ascending i, and the
@@ -202,21 +202,21 @@ gate_kernel(float *__restrict__ g, const uint16_t *__restrict__ x, const uint16_
   s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));
   s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));
   s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 4));
-  if (j == 0 && t0 + tok < T) g[t0 + tok] = moe_rm_sigmoid(s);
+  if (j == 0 && t0 + tok < T) g[t0 + tok] = moeI_rm_sigmoid(s);
 }
 
 bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
 
 } // namespace
 
-int logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
+int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
   const int64_t N = x->shape[0], H = x->shape[1], E = w->shape[0];
-  if (!N || !E) return moe_ok(ctx);
+  if (!N || !E) return moeI_ok(ctx);
   const int64_t gx = (E + BN - 1) / BN;
   if (gx > INT32_MAX)
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "logits: [%lld, %lld] is too large for cuda", (long long)N, (long long)E);
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "logits: [%lld, %lld] is too large for cuda", (long long)N, (long long)E);
   cudaStream_t s;
-  int rc = cuda_ctx_stream(ctx, x->device.index, &s);
+  int rc = moeI_cuda_ctx_stream(ctx, x->device.index, &s);
   if (rc) return rc;
   // y is limited to 65535 blocks: long inputs go in slices of rows
   for (int64_t r0 = 0; r0 < N; r0 += (int64_t)65535 * BM) {
@@ -230,17 +230,17 @@ int logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_te
       logits_kernel<false><<<grid, 256, 0, s>>>(op, xp, (const uint16_t *)w->data, n, E, H);
     MOE_CUDA_LAUNCHED(ctx, "logits");
   }
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
-int sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w) {
+int moeI_sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w) {
   const int64_t T = x->shape[0], H = x->shape[1];
-  if (!T) return moe_ok(ctx);
+  if (!T) return moeI_ok(ctx);
   const int64_t blocks = (T + GT - 1) / GT;
   if (blocks > INT32_MAX)
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "sigmoid_gate: %lld tokens are too many for cuda", (long long)T);
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "sigmoid_gate: %lld tokens are too many for cuda", (long long)T);
   cudaStream_t s;
-  int rc = cuda_ctx_stream(ctx, x->device.index, &s);
+  int rc = moeI_cuda_ctx_stream(ctx, x->device.index, &s);
   if (rc) return rc;
   if (H % 8 == 0 && aligned16(x->data) && aligned16(w->data))
     gate_kernel<true><<<(unsigned)blocks, 256, 0, s>>>((float *)g->data, (const uint16_t *)x->data,
@@ -249,5 +249,5 @@ int sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const mo
     gate_kernel<false><<<(unsigned)blocks, 256, 0, s>>>((float *)g->data, (const uint16_t *)x->data,
                                                         (const uint16_t *)w->data, T, H);
   MOE_CUDA_LAUNCHED(ctx, "sigmoid_gate");
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }

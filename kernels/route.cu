@@ -1,6 +1,6 @@
 // route.cu -- stage 1 on the GPU: logits f32 [N, E] -> ids i32 [N, K], weights f32 [N, K].
 //
-// The same function as route_cpu (lib/route.c), bit for bit, ids and weights alike:
+// The same function as moeI_route_cpu (lib/route.c), bit for bit, ids and weights alike:
 //   - the scores come from route_math.h, the same source the CPU compiles, and the build turns
 //     off FMA contraction (-fmad=false), so s, keys and exps have the CPU's bits;
 //   - selection is by the strict order "higher key first, then lower id" (a total order once
@@ -161,10 +161,10 @@ route_kernel(int32_t *__restrict__ ids, float *__restrict__ weights, int32_t *__
       } else {
         float s;
         if (scoring == MOE_SCORE_SIGMOID) {
-          s = moe_rm_sigmoid(x);
+          s = moeI_rm_sigmoid(x);
         } else {
           bad |= x == INFINITY;
-          s = moe_rm_sqrtsoftplus(x);
+          s = moeI_rm_sqrtsoftplus(x);
         }
         const float k = bias ? s + bias[i] : s;
         bad |= isnan(k);
@@ -251,7 +251,7 @@ route_kernel(int32_t *__restrict__ ids, float *__restrict__ weights, int32_t *__
     if constexpr (NW == 1) {
 #pragma unroll
       for (int v = 0; v < VPT; v++) {
-        const float ex = ((live >> v) & 1u) ? moe_rm_exp(key[v] - m) : 0.0f;
+        const float ex = ((live >> v) & 1u) ? moeI_rm_exp(key[v] - m) : 0.0f;
         const int base = v * TPR;
         if (base < E) {
 #pragma unroll 8
@@ -264,7 +264,7 @@ route_kernel(int32_t *__restrict__ ids, float *__restrict__ weights, int32_t *__
     } else {
 #pragma unroll
       for (int v = 0; v < VPT; v++)
-        if ((live >> v) & 1u) shx[id[v]] = moe_rm_exp(key[v] - m);
+        if ((live >> v) & 1u) shx[id[v]] = moeI_rm_exp(key[v] - m);
       __syncthreads();
       if (threadIdx.x >= 32) return; // warp 0 finishes the row
       for (int base = 0; base < E; base += 32) {
@@ -277,7 +277,7 @@ route_kernel(int32_t *__restrict__ ids, float *__restrict__ weights, int32_t *__
       }
     }
     // p_j = e_j / sum; w_j = p_j / (p_0 + ... + p_{K-1})
-    const float p = tid < K ? moe_rm_exp(sel_k - m) / sum : 0.0f;
+    const float p = tid < K ? moeI_rm_exp(sel_k - m) / sum : 0.0f;
     float psum = 0.0f;
     for (int j = 0; j < K; j++) psum += __shfl_sync(FULL, p, j);
     w = p / psum;
@@ -285,7 +285,7 @@ route_kernel(int32_t *__restrict__ ids, float *__restrict__ weights, int32_t *__
     if (NW > 1 && threadIdx.x >= 32) return;
     // s of the selected experts, recomputed from their logits (the key may hold a bias)
     float s = 0.0f;
-    if (tid < K) s = scoring == MOE_SCORE_SIGMOID ? moe_rm_sigmoid(l[sel_i]) : moe_rm_sqrtsoftplus(l[sel_i]);
+    if (tid < K) s = scoring == MOE_SCORE_SIGMOID ? moeI_rm_sigmoid(l[sel_i]) : moeI_rm_sqrtsoftplus(l[sel_i]);
     float sum = 0.0f;
     for (int j = 0; j < K; j++) sum += __shfl_sync(FULL, s, j);
     w = sum > 0.0f ? (s / sum) * scale : 0.0f;
@@ -314,14 +314,14 @@ void launch(cudaStream_t s, const moe_route_args *a, int N, int E) {
 
 } // namespace
 
-int route_cuda(moe_ctx *ctx, const moe_route_args *a) {
+int moeI_route_cuda(moe_ctx *ctx, const moe_route_args *a) {
   const int N = (int)a->logits->shape[0], E = (int)a->logits->shape[1];
   if (E > 4096)
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "route: at most 4096 experts on cuda, got %d (the cpu takes any)", E);
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "route: at most 4096 experts on cuda, got %d (the cpu takes any)", E);
   if (a->k > 32)
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "route: k must be at most 32 on cuda, got %d (the cpu takes any)", a->k);
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "route: k must be at most 32 on cuda, got %d (the cpu takes any)", a->k);
   cudaStream_t s;
-  int rc = cuda_ctx_stream(ctx, a->logits->device.index, &s);
+  int rc = moeI_cuda_ctx_stream(ctx, a->logits->device.index, &s);
   if (rc) return rc;
   if (a->stats) {
     stats_begin<<<1, 1, 0, s>>>((int32_t *)a->stats->data);
@@ -343,5 +343,5 @@ int route_cuda(moe_ctx *ctx, const moe_route_args *a) {
     stats_end<<<1, 1, 0, s>>>((int32_t *)a->stats->data);
     MOE_CUDA_LAUNCHED(ctx, "route");
   }
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }

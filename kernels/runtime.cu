@@ -15,7 +15,7 @@ static void capture_ended(void);
 
 // ---- devices and the context's stream ----
 
-int cuda_device_count(int *count) {
+int moeI_cuda_device_count(int *count) {
   int n = 0;
   cudaError_t err = cudaGetDeviceCount(&n);
   if (err != cudaSuccess) {
@@ -27,13 +27,13 @@ int cuda_device_count(int *count) {
   return MOE_OK;
 }
 
-int cuda_ctx_stream(moe_ctx *ctx, int device, cudaStream_t *out) {
+int moeI_cuda_ctx_stream(moe_ctx *ctx, int device, cudaStream_t *out) {
   if (!ctx) return MOE_ERR_ARG; // the stream lives in the context: there must be one
   MOE_CUDA_TRY(ctx, "stream", cudaSetDevice(device));
   // A stream bound to one GPU's rank cannot run another GPU's work: say so rather than launch
   // on the wrong device's stream.
   if (ctx->stream && !ctx->owns_stream && ctx->stream_device >= 0 && ctx->stream_device != device)
-    return moe_seterr(ctx, MOE_ERR_ARG,
+    return moeI_seterr(ctx, MOE_ERR_ARG,
                       "stream: the context is bound to a stream of cuda:%d (a world rank's), the tensors are on "
                       "cuda:%d: bind the rank of that GPU first",
                       ctx->stream_device, device);
@@ -41,7 +41,7 @@ int cuda_ctx_stream(moe_ctx *ctx, int device, cudaStream_t *out) {
     // A stream belongs to one device.  Outside a capture the context moves to the device now
     // in use; its old stream is drained first so that nothing issued on it is outrun.
     if (ctx->capturing)
-      return moe_seterr(ctx, MOE_ERR_ARG, "stream: a graph is being captured on cuda:%d, not on cuda:%d",
+      return moeI_seterr(ctx, MOE_ERR_ARG, "stream: a graph is being captured on cuda:%d, not on cuda:%d",
                         ctx->stream_device, device);
     int old = ctx->stream_device;
     cudaStream_t s = (cudaStream_t)ctx->stream;
@@ -64,7 +64,7 @@ int cuda_ctx_stream(moe_ctx *ctx, int device, cudaStream_t *out) {
   return MOE_OK;
 }
 
-void cuda_ctx_release(moe_ctx *ctx) {
+void moeI_cuda_ctx_release(moe_ctx *ctx) {
   if (!ctx || !ctx->owns_stream || !ctx->stream) {
     if (ctx) ctx->owns_stream = 0;
     return;
@@ -87,7 +87,7 @@ void cuda_ctx_release(moe_ctx *ctx) {
 
 // ---- memory ----
 
-int cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out) {
+int moeI_cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out) {
   *out = NULL;
   MOE_CUDA_TRY(ctx, "tensor", cudaSetDevice(device));
   // cudaMalloc is one of the calls that a thread-local capture forbids (it would invalidate
@@ -99,7 +99,7 @@ int cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out) {
   if (ctx && ctx->capturing) (void)cudaThreadExchangeStreamCaptureMode(&mode);
   if (err == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
-    return moe_seterr(ctx, MOE_ERR_NOMEM, "tensor: cudaMalloc of %zu bytes on cuda:%d failed: %s: %s", nbytes, device,
+    return moeI_seterr(ctx, MOE_ERR_NOMEM, "tensor: cudaMalloc of %zu bytes on cuda:%d failed: %s: %s", nbytes, device,
                       cudaGetErrorName(err), cudaGetErrorString(err));
   }
   MOE_CUDA_TRY(ctx, "tensor", err);
@@ -134,7 +134,7 @@ static void capture_ended(void) {
 }
 
 // Never fails visibly.
-void cuda_free(int device, void *p) {
+void moeI_cuda_free(int device, void *p) {
   std::vector<std::pair<int, void *>> todo;
   {
     std::lock_guard<std::mutex> hold(free_lock);
@@ -153,15 +153,15 @@ void cuda_free(int device, void *p) {
   if (p) free_now(device, p);
 }
 
-int cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src_dev, const void *src, size_t nbytes) {
-  if (!nbytes) return moe_ok(ctx);
+int moeI_cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src_dev, const void *src, size_t nbytes) {
+  if (!nbytes) return moeI_ok(ctx);
   const int dst_gpu = dst_dev.kind == MOE_CUDA, src_gpu = src_dev.kind == MOE_CUDA;
   if (!ctx) return MOE_ERR_ARG;
   if (ctx->capturing && !(dst_gpu && src_gpu))
-    return moe_seterr(ctx, MOE_ERR_ARG, "copy: not allowed during graph capture (%s)",
+    return moeI_seterr(ctx, MOE_ERR_ARG, "copy: not allowed during graph capture (%s)",
                       dst_gpu ? "host to device" : "device to host");
   cudaStream_t s;
-  int rc = cuda_ctx_stream(ctx, dst_gpu ? dst_dev.index : src_dev.index, &s);
+  int rc = moeI_cuda_ctx_stream(ctx, dst_gpu ? dst_dev.index : src_dev.index, &s);
   if (rc) return rc;
   const uintptr_t d = (uintptr_t)dst, r = (uintptr_t)src;
   if (dst_gpu && src_gpu && dst_dev.index == src_dev.index && d != r && d < r + nbytes && r < d + nbytes) {
@@ -174,7 +174,7 @@ int cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src_dev,
     MOE_CUDA_TRY(ctx, "copy", cudaFreeAsync(tmp, s));
     if (e2 != cudaSuccess) {
       (void)cudaGetLastError();
-      return moe_seterr(ctx, MOE_ERR_CUDA, "copy: cudaMemcpyAsync through a temporary failed: %s: %s",
+      return moeI_seterr(ctx, MOE_ERR_CUDA, "copy: cudaMemcpyAsync through a temporary failed: %s: %s",
                         cudaGetErrorName(e2), cudaGetErrorString(e2));
     }
   } else if (d != r) {
@@ -184,17 +184,17 @@ int cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src_dev,
   // Ordered after the stages issued before it on the stream; the host sees the data on return.
   // Inside a capture the device-to-device copy is a node of the graph, nothing to wait for.
   if (!ctx->capturing) MOE_CUDA_TRY(ctx, "copy", cudaStreamSynchronize(s));
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
-int cuda_synchronize(moe_ctx *ctx, int device) {
+int moeI_cuda_synchronize(moe_ctx *ctx, int device) {
   if (!ctx) return MOE_ERR_ARG;
-  if (ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "synchronize: not allowed during graph capture");
+  if (ctx->capturing) return moeI_seterr(ctx, MOE_ERR_ARG, "synchronize: not allowed during graph capture");
   cudaStream_t s;
-  int rc = cuda_ctx_stream(ctx, device, &s);
+  int rc = moeI_cuda_ctx_stream(ctx, device, &s);
   if (rc) return rc;
   MOE_CUDA_TRY(ctx, "synchronize", cudaStreamSynchronize(s));
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 // ---- fill and randn ----
@@ -214,10 +214,10 @@ __global__ void fill_kernel(T *__restrict__ p, int64_t n, T v) {
     p[i] = v;
 }
 
-int cuda_fill(moe_ctx *ctx, moe_tensor *t, double value) {
-  if (!t->numel) return moe_ok(ctx);
+int moeI_cuda_fill(moe_ctx *ctx, moe_tensor *t, double value) {
+  if (!t->numel) return moeI_ok(ctx);
   cudaStream_t s;
-  int rc = cuda_ctx_stream(ctx, t->device.index, &s);
+  int rc = moeI_cuda_ctx_stream(ctx, t->device.index, &s);
   if (rc) return rc;
   const int threads = 256;
   const int blocks = grid_for(t->numel, threads);
@@ -232,7 +232,7 @@ int cuda_fill(moe_ctx *ctx, moe_tensor *t, double value) {
     fill_kernel<int32_t><<<blocks, threads, 0, s>>>((int32_t *)t->data, t->numel, (int32_t)value);
   }
   MOE_CUDA_LAUNCHED(ctx, "fill");
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 // moe_tensor_randn's loop, element for element: the integer hash, an exact int -> float
@@ -241,26 +241,26 @@ int cuda_fill(moe_ctx *ctx, moe_tensor *t, double value) {
 template <int BF16>
 __global__ void randn_kernel(void *__restrict__ p, int64_t n, uint64_t seed, float std) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    float unit = __fmul_rn(__int2float_rn(moe_randn_units(seed, (uint64_t)i)), MOE_RANDN_UNIT);
+    float unit = __fmul_rn(__int2float_rn(moeI_randn_units(seed, (uint64_t)i)), MOE_RANDN_UNIT);
     float v = __fmul_rn(unit, std);
     if (BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
     else ((float *)p)[i] = v;
   }
 }
 
-int cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
+int moeI_cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
   if (t->dtype != MOE_F32 && t->dtype != MOE_BF16)
-    return moe_seterr(ctx, MOE_ERR_ARG, "randn: dtype must be f32 or bf16, got %s", moe_dtype_name(t->dtype));
-  if (!t->numel) return moe_ok(ctx);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "randn: dtype must be f32 or bf16, got %s", moe_dtype_name(t->dtype));
+  if (!t->numel) return moeI_ok(ctx);
   cudaStream_t s;
-  int rc = cuda_ctx_stream(ctx, t->device.index, &s);
+  int rc = moeI_cuda_ctx_stream(ctx, t->device.index, &s);
   if (rc) return rc;
   const int threads = 256;
   const int blocks = grid_for(t->numel, threads);
   if (t->dtype == MOE_BF16) randn_kernel<1><<<blocks, threads, 0, s>>>(t->data, t->numel, seed, std);
   else randn_kernel<0><<<blocks, threads, 0, s>>>(t->data, t->numel, seed, std);
   MOE_CUDA_LAUNCHED(ctx, "randn");
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 // ---- graphs ----
@@ -269,13 +269,13 @@ struct moe_graph {
   cudaGraph_t g;
   cudaGraphExec_t exec;
   int device;
-  moe_world *worlds[MOE_CAPTURE_WORLDS]; // held open while the graph exists (world_graph_ref)
+  moe_world *worlds[MOE_CAPTURE_WORLDS]; // held open while the graph exists (moeI_world_graph_ref)
   int nworlds;
 };
 
-int cuda_graph_begin(moe_ctx *ctx, int device) {
+int moeI_cuda_graph_begin(moe_ctx *ctx, int device) {
   cudaStream_t s;
-  int rc = cuda_ctx_stream(ctx, device, &s);
+  int rc = moeI_cuda_ctx_stream(ctx, device, &s);
   if (rc) return rc;
   // relaxed: the library's own paths never synchronise while ctx->capturing is set (they
   // refuse instead), and relaxed mode lets what they call into -- NCCL's exchange, a lazy
@@ -285,10 +285,10 @@ int cuda_graph_begin(moe_ctx *ctx, int device) {
   ctx->capturing = 1;
   ctx->capture_nworlds = 0;
   capture_started();
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
-int cuda_graph_end(moe_ctx *ctx, moe_graph **out) {
+int moeI_cuda_graph_end(moe_ctx *ctx, moe_graph **out) {
   *out = NULL;
   cudaStream_t s = (cudaStream_t)ctx->stream;
   cudaGraph_t g = NULL;
@@ -302,7 +302,7 @@ int cuda_graph_end(moe_ctx *ctx, moe_graph **out) {
     (void)cudaGetLastError();
     if (cudaGetDevice(&device) != cudaSuccess) device = 0;
   }
-  cuda_free(0, NULL); // the frees held back during the capture
+  moeI_cuda_free(0, NULL); // the frees held back during the capture
   if (err != cudaSuccess && g) (void)cudaGraphDestroy(g);
   MOE_CUDA_TRY(ctx, "graph", err);
   cudaGraphExec_t exec = NULL;
@@ -313,30 +313,30 @@ int cuda_graph_end(moe_ctx *ctx, moe_graph **out) {
   if (!graph) {
     (void)cudaGraphExecDestroy(exec);
     (void)cudaGraphDestroy(g);
-    return moe_seterr(ctx, MOE_ERR_NOMEM, "graph: out of host memory");
+    return moeI_seterr(ctx, MOE_ERR_NOMEM, "graph: out of host memory");
   }
   graph->g = g;
   graph->exec = exec;
   graph->device = device;
   graph->nworlds = ctx->capture_nworlds;
-  for (int i = 0; i < graph->nworlds; i++) world_graph_ref(graph->worlds[i] = ctx->capture_worlds[i]);
+  for (int i = 0; i < graph->nworlds; i++) moeI_world_graph_ref(graph->worlds[i] = ctx->capture_worlds[i]);
   *out = graph;
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
-int cuda_graph_replay(moe_ctx *ctx, moe_graph *graph) {
+int moeI_cuda_graph_replay(moe_ctx *ctx, moe_graph *graph) {
   for (int i = 0; i < graph->nworlds; i++)
-    if (!world_usable(graph->worlds[i]))
-      return moe_seterr(ctx, MOE_ERR_ARG, "graph: it captured an exchange of a world that was aborted (a timeout "
+    if (!moeI_world_usable(graph->worlds[i]))
+      return moeI_seterr(ctx, MOE_ERR_ARG, "graph: it captured an exchange of a world that was aborted (a timeout "
                                           "or a failed rank); capture again in a new world");
   cudaStream_t s;
-  int rc = cuda_ctx_stream(ctx, graph->device, &s);
+  int rc = moeI_cuda_ctx_stream(ctx, graph->device, &s);
   if (rc) return rc;
   MOE_CUDA_TRY(ctx, "graph", cudaGraphLaunch(graph->exec, s));
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
-void cuda_graph_free(moe_graph *graph) {
+void moeI_cuda_graph_free(moe_graph *graph) {
   if (!graph) return;
   int cur = -1;
   if (cudaGetDevice(&cur) != cudaSuccess) cur = -1;
@@ -346,13 +346,13 @@ void cuda_graph_free(moe_graph *graph) {
   }
   if (cur >= 0 && cur != graph->device) (void)cudaSetDevice(cur);
   (void)cudaGetLastError();
-  for (int i = 0; i < graph->nworlds; i++) world_graph_unref(graph->worlds[i]); // after the graph is gone
+  for (int i = 0; i < graph->nworlds; i++) moeI_world_graph_unref(graph->worlds[i]); // after the graph is gone
   free(graph);
 }
 
 // ---- events ----
 
-int cuda_event_new(moe_ctx *ctx, int device, void **event) {
+int moeI_cuda_event_new(moe_ctx *ctx, int device, void **event) {
   *event = NULL;
   MOE_CUDA_TRY(ctx, "event", cudaSetDevice(device));
   cudaEvent_t e;
@@ -361,31 +361,31 @@ int cuda_event_new(moe_ctx *ctx, int device, void **event) {
   return MOE_OK;
 }
 
-int cuda_event_record(moe_ctx *ctx, void *event) {
+int moeI_cuda_event_record(moe_ctx *ctx, void *event) {
   if (!ctx) return MOE_ERR_ARG;
   // An event recorded inside a capture becomes part of the graph's dependencies, not a time
   // stamp: time replays by recording around them.
   if (ctx->capturing)
-    return moe_seterr(ctx, MOE_ERR_ARG, "event: cannot record during a graph capture (record around the replay)");
+    return moeI_seterr(ctx, MOE_ERR_ARG, "event: cannot record during a graph capture (record around the replay)");
   cudaStream_t s = (cudaStream_t)ctx->stream;
   if (!s) {
     int device = 0;
     MOE_CUDA_TRY(ctx, "event", cudaGetDevice(&device));
-    int rc = cuda_ctx_stream(ctx, device, &s);
+    int rc = moeI_cuda_ctx_stream(ctx, device, &s);
     if (rc) return rc;
   }
   MOE_CUDA_TRY(ctx, "event", cudaEventRecord((cudaEvent_t)event, s));
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
-int cuda_event_elapsed(moe_ctx *ctx, void *start, void *stop, float *ms) {
-  if (ctx && ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "event: cannot wait for an event during a graph capture");
+int moeI_cuda_event_elapsed(moe_ctx *ctx, void *start, void *stop, float *ms) {
+  if (ctx && ctx->capturing) return moeI_seterr(ctx, MOE_ERR_ARG, "event: cannot wait for an event during a graph capture");
   MOE_CUDA_TRY(ctx, "event", cudaEventSynchronize((cudaEvent_t)stop));
   MOE_CUDA_TRY(ctx, "event", cudaEventElapsedTime(ms, (cudaEvent_t)start, (cudaEvent_t)stop));
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
-void cuda_event_free(void *event) {
+void moeI_cuda_event_free(void *event) {
   if (event) (void)cudaEventDestroy((cudaEvent_t)event);
   (void)cudaGetLastError();
 }

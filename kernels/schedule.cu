@@ -1,5 +1,5 @@
 // schedule.cu -- stage 2 on the GPU: every rank's ids i32 [W, T, K] -> this rank's expert-major
-// row layout, bit for bit the result of schedule_cpu (lib/schedule.c) for both layouts.
+// row layout, bit for bit the result of moeI_schedule_cpu (lib/schedule.c) for both layouts.
 //
 // The problem.  A route's row depends on its ordinal j inside its (local expert e, source rank p)
 // group, which counts earlier routes in an order the layout fixes ("roundrobin": logical thread
@@ -10,7 +10,7 @@
 // chunk is a run of that order -- a power-of-two group of columns for roundrobin, a run of rows
 // for peer_major -- and each source rank is cut into S chunks: W * S units, about one per SM.
 //
-// schedule_cuda asks the other kernels first, each declining what it does not take: the bitmap
+// moeI_schedule_cuda asks the other kernels first, each declining what it does not take: the bitmap
 // kernel (kernels/schedule_bitmap.cu: up to 4,096 routes a block and 128 experts a rank, which
 // covers decode, 512 tokens and Kimi K2's shape), then for more experts a rank the replicated and
 // one-cluster kernels (kernels/schedule_replicated.cu, kernels/schedule_cluster.cu) at small
@@ -53,7 +53,7 @@
 // window of experts) and phase 2 loads and ranks again.  That costs time, never correctness.
 //
 // Scratch (barrier, totals, per-block invalid counts, histograms) is the context's
-// (cuda_scratch_get): kept across calls, so a call allocates nothing; inside a graph capture
+// (moeI_cuda_scratch_get): kept across calls, so a call allocates nothing; inside a graph capture
 // without a large enough block it is a stream-ordered allocation that becomes the graph's own.
 // The barrier's arrival count flips its bit 31 in every call and keeps its low bits at zero, so
 // that the next call (or a replay) finds it ready without a reset.  The totals alternate
@@ -131,7 +131,7 @@ __host__ __device__ inline Smem smem_layout(int ts, int rwin, int world, int sta
 __device__ __forceinline__ int window_bits(int wsz) { return wsz > 1 ? 32 - __clz(wsz - 1) : 0; }
 
 // The last traced call, per block: clock64 at the phase points, then %globaltimer at entry and
-// at the end.  Read by schedule_cuda_trace (the scheduler's GPU test, --trace).
+// at the end.  Read by moeI_schedule_cuda_trace (the scheduler's GPU test, --trace).
 constexpr int kTraceBlocks = 1024, kTracePoints = 8;
 __device__ long long trace_buf[kTraceBlocks][kTracePoints + 2];
 int trace_grid;
@@ -592,7 +592,7 @@ int device_limits(moe_ctx *ctx, int device, bool resident, size_t smem, int *nsm
   if (!cached || (*nsm = sm_count_cache[device].load(std::memory_order_relaxed)) <= 0) {
     int coop = 0;
     MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
-    if (!coop) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": cuda:%d cannot launch cooperative kernels", device);
+    if (!coop) return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": cuda:%d cannot launch cooperative kernels", device);
     MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(nsm, cudaDevAttrMultiProcessorCount, device));
     if (cached) sm_count_cache[device].store(*nsm, std::memory_order_relaxed);
   }
@@ -625,7 +625,7 @@ struct old_block {
 
 } // namespace
 
-extern "C" int cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t nbytes, void **out, int *owned) {
+extern "C" int moeI_cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t nbytes, void **out, int *owned) {
   *out = NULL;
   *owned = 0;
   if (nbytes < MOE_SCRATCH_HEADER) nbytes = MOE_SCRATCH_HEADER;
@@ -644,7 +644,7 @@ extern "C" int cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t n
     void *p = NULL;
     const cudaError_t err = cudaMallocAsync(&p, nbytes, st);
     if (err != cudaSuccess)
-      return moe_seterr(ctx, err == cudaErrorMemoryAllocation ? MOE_ERR_NOMEM : MOE_ERR_CUDA,
+      return moeI_seterr(ctx, err == cudaErrorMemoryAllocation ? MOE_ERR_NOMEM : MOE_ERR_CUDA,
                         "scratch: cudaMallocAsync of %zu bytes failed: %s: %s", nbytes, cudaGetErrorName(err),
                         cudaGetErrorString(err));
     MOE_CUDA_TRY(ctx, "scratch", cudaMemsetAsync(p, 0, MOE_SCRATCH_HEADER, st));
@@ -666,14 +666,14 @@ extern "C" int cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t n
   old_block *ob = NULL;
   if (slot->p) {
     ob = (old_block *)malloc(sizeof *ob);
-    if (!ob) return moe_seterr(ctx, MOE_ERR_NOMEM, "scratch: out of host memory");
+    if (!ob) return moeI_seterr(ctx, MOE_ERR_NOMEM, "scratch: out of host memory");
   }
   void *p = NULL;
   const cudaError_t err = cudaMalloc(&p, size);
   if (err != cudaSuccess) {
     free(ob);
     (void)cudaGetLastError();
-    return moe_seterr(ctx, err == cudaErrorMemoryAllocation ? MOE_ERR_NOMEM : MOE_ERR_CUDA,
+    return moeI_seterr(ctx, err == cudaErrorMemoryAllocation ? MOE_ERR_NOMEM : MOE_ERR_CUDA,
                       "scratch: cudaMalloc of %zu bytes failed: %s: %s", size, cudaGetErrorName(err),
                       cudaGetErrorString(err));
   }
@@ -692,43 +692,43 @@ extern "C" int cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t n
   return MOE_OK;
 }
 
-extern "C" int cuda_scratch_done(moe_ctx *ctx, void *stream, void *p, int owned) {
+extern "C" int moeI_cuda_scratch_done(moe_ctx *ctx, void *stream, void *p, int owned) {
   if (owned) MOE_CUDA_TRY(ctx, "scratch", cudaFreeAsync(p, (cudaStream_t)stream));
   return MOE_OK;
 }
 
-extern "C" void cuda_scratch_release(moe_ctx *ctx) {
+extern "C" void moeI_cuda_scratch_release(moe_ctx *ctx) {
   for (int i = 0; i < MOE_SCRATCH_SLOTS; i++)
-    if (ctx->scratch[i].p) cuda_free(ctx->scratch[i].device, ctx->scratch[i].p);
+    if (ctx->scratch[i].p) moeI_cuda_free(ctx->scratch[i].device, ctx->scratch[i].p);
   memset(ctx->scratch, 0, sizeof ctx->scratch);
   for (old_block *ob = (old_block *)ctx->scratch_old; ob;) {
     old_block *next = ob->next;
-    cuda_free(ob->device, ob->p);
+    moeI_cuda_free(ob->device, ob->p);
     free(ob);
     ob = next;
   }
   ctx->scratch_old = NULL;
 }
 
-extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
+extern "C" int moeI_schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   const int device = a->ids->device.index;
   // The kernel indexes routes, rows of a chunk and experts in 32 bits, with loop steps of up to
   // a few thousand past the end: sizes within 2^16 of 2^31 (legal on the CPU) are refused here.
   const long long tk_all = a->ids->shape[1] * a->ids->shape[2], el_all = a->experts / a->ids->shape[0];
   if (tk_all > INT_MAX - 65536 || el_all > INT_MAX - 65536)
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
                       STAGE ": %lld routes a rank and %lld experts a rank; cuda takes at most 2^31 - 65536 of each",
                       tk_all, el_all);
   // the bitmap kernel where it takes the problem; past 128 experts a rank the replicated and the
   // one-cluster kernels at small sizes
-  int ran, rc = schedule_bitmap_cuda(ctx, a, &ran);
+  int ran, rc = moeI_schedule_bitmap_cuda(ctx, a, &ran);
   if (ran || rc) return rc;
-  rc = schedule_replicated_cuda(ctx, a, &ran);
+  rc = moeI_schedule_replicated_cuda(ctx, a, &ran);
   if (ran || rc) return rc;
-  rc = schedule_cluster_cuda(ctx, a, &ran);
+  rc = moeI_schedule_cluster_cuda(ctx, a, &ran);
   if (ran || rc) return rc;
   cudaStream_t st;
-  if ((rc = cuda_ctx_stream(ctx, device, &st))) return rc;
+  if ((rc = moeI_cuda_ctx_stream(ctx, device, &st))) return rc;
   int nsm, per_sm;
   if ((rc = device_limits(ctx, device, true, 0, &nsm, &per_sm))) return rc;
 
@@ -788,7 +788,7 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   const long long units = (long long)W * P.chunks;
   // the last chunk's row_end (its first row + rw, in 32 bits) may pass tk by up to rw
   if (units > INT_MAX / kThreads || (long long)P.chunks * rw > INT_MAX)
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": %lld units of %d rows of work are too many for cuda", units,
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": %lld units of %d rows of work are too many for cuda", units,
                       rw);
   P.units = (int)units;
 
@@ -820,7 +820,7 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
     if ((rc = device_limits(ctx, device, false, smem, &nsm, &per_sm))) return rc;
   }
   if (per_sm < 1)
-    return moe_seterr(ctx, MOE_ERR_INTERNAL, STAGE ": no block of %d threads with %zu bytes of shared memory fits an SM",
+    return moeI_seterr(ctx, MOE_ERR_INTERNAL, STAGE ": no block of %d threads with %zu bytes of shared memory fits an SM",
                       kThreads, smem);
   const int grid = (int)(units < (long long)nsm * per_sm ? units : (long long)nsm * per_sm);
 
@@ -829,7 +829,7 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   const size_t nbytes = MOE_SCRATCH_HEADER + sizeof(int32_t) * (2 * (size_t)grid + hist_n * (npieces > 1 ? 2 : 1));
   void *scratch;
   int owned;
-  if ((rc = cuda_scratch_get(ctx, device, st, nbytes, &scratch, &owned))) return rc;
+  if ((rc = moeI_cuda_scratch_get(ctx, device, st, nbytes, &scratch, &owned))) return rc;
   P.bar = (unsigned *)scratch;
   P.tot = (int32_t *)scratch + kTotOffset;
   P.inv = (int32_t *)((char *)scratch + MOE_SCRATCH_HEADER);
@@ -844,17 +844,17 @@ extern "C" int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   const cudaError_t err = cudaLaunchKernelEx(&cfg, resident ? schedule_kernel<true> : schedule_kernel<false>, P);
   trace_grid = grid;
   // the scratch goes back whether or not the launch went (in a capture, as a free node)
-  rc = cuda_scratch_done(ctx, st, scratch, owned);
+  rc = moeI_cuda_scratch_done(ctx, st, scratch, owned);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    return moe_seterr(ctx, MOE_ERR_CUDA, STAGE ": cudaLaunchKernelEx(schedule_kernel) failed at %s:%d: %s: %s", __FILE__,
+    return moeI_seterr(ctx, MOE_ERR_CUDA, STAGE ": cudaLaunchKernelEx(schedule_kernel) failed at %s:%d: %s: %s", __FILE__,
                       __LINE__, cudaGetErrorName(err), cudaGetErrorString(err));
   }
   if (rc) return rc;
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 // The phase times of the last call made with MOE_SCHEDULE_TRACE set: trace_buf's rows (copy_trace).
-extern "C" int schedule_cuda_trace(long long *out, int max_blocks) {
+extern "C" int moeI_schedule_cuda_trace(long long *out, int max_blocks) {
   return copy_trace(out, trace_buf, trace_grid, max_blocks);
 }

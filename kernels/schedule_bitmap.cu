@@ -1,6 +1,6 @@
 // schedule_bitmap.cu -- the scheduler for everything up to 4,096 routes a block and 128 experts a
 // rank (decode, 512 tokens at any EP size, Kimi K2's 7,168 tokens at EP8), bit for bit the result of
-// schedule_cpu: one cooperative grid, every block's routes in registers, their ordinals ranked with
+// moeI_schedule_cpu: one cooperative grid, every block's routes in registers, their ordinals ranked with
 // per-expert bitmaps, one exchange of counts between blocks.
 //
 // Why a fourth kernel.  At 512 tokens a call of the grid and cluster kernels is a chain of ten or
@@ -102,7 +102,7 @@ struct Params : ScheduleCall {
 
 // The last traced call, per block: clock64 at the phase points (entry, loaded, scanned, past the
 // barrier, totals, placed, end), then %globaltimer at entry and end.  Read by
-// schedule_bitmap_trace (the scheduler's GPU test, --trace).
+// moeI_schedule_bitmap_trace (the scheduler's GPU test, --trace).
 constexpr int kTracePoints = 7;
 __device__ long long trace_buf[kMaxBlocks][kTracePoints + 2];
 int trace_grid;
@@ -406,11 +406,11 @@ std::atomic<bool> raised[kDevices][4]; // an instance's dynamic shared memory li
 // automatic or MOE_SCHEDULE_KERNEL, is this kernel): *ran = 1 and the call's status.  Otherwise
 // *ran = 0 and MOE_OK, and another kernel takes the call; with MOE_SCHEDULE_KERNEL=bitmap that is
 // an error.
-extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran) {
+extern "C" int moeI_schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran) {
   *ran = 0;
   const char *sel = getenv("MOE_SCHEDULE_KERNEL");
   const bool forced = sel && !strcmp(sel, "bitmap");
-  if (sel && !forced) return MOE_OK; // schedule_cluster_cuda checks the name
+  if (sel && !forced) return MOE_OK; // moeI_schedule_cluster_cuda checks the name
   const int device = a->ids->device.index;
   const long long W = a->ids->shape[0], tk = a->ids->shape[1] * a->ids->shape[2];
   const long long E = a->experts, el = E / W;
@@ -440,7 +440,7 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   else if (W * tk + el * (long long)(a->pad - 1) > INT_MAX - 65536) why = "more than 2^31 - 65536 rows or routes";
   if (why) {
     if (forced)
-      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+      return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
                         STAGE ": MOE_SCHEDULE_KERNEL=bitmap, but the bitmap kernel does not take %s", why);
     return MOE_OK;
   }
@@ -479,7 +479,7 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   const int g = (int)(W * bpr);
 
   cudaStream_t st;
-  int rc = cuda_ctx_stream(ctx, device, &st);
+  int rc = moeI_cuda_ctx_stream(ctx, device, &st);
   if (rc) return rc;
   const bool cached = device >= 0 && device < kDevices;
   int nsm = cached ? sm_count[device].load(std::memory_order_relaxed) - 1 : -1;
@@ -492,7 +492,7 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   }
   if (g > nsm) { // one block an SM, all resident: the grid barrier
     if (forced)
-      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+      return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
                         STAGE ": MOE_SCHEDULE_KERNEL=bitmap, but cuda:%d cannot hold %d cooperative blocks", device, g);
     return MOE_OK;
   }
@@ -507,7 +507,7 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   const size_t nbytes = MOE_SCRATCH_HEADER + sizeof(int32_t) * (size_t)g * hs;
   void *scratch;
   int owned;
-  if ((rc = cuda_scratch_get(ctx, device, st, nbytes, &scratch, &owned))) return rc;
+  if ((rc = moeI_cuda_scratch_get(ctx, device, st, nbytes, &scratch, &owned))) return rc;
   P.bar = (unsigned *)scratch;
   P.tot = (int32_t *)scratch + MOE_SCHED_TOT_OFFSET;
   P.hist = (int32_t *)((char *)scratch + MOE_SCRATCH_HEADER);
@@ -520,17 +520,17 @@ extern "C" int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, in
   *ran = 1;
   trace_grid = g;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, P);
-  rc = cuda_scratch_done(ctx, st, scratch, owned); // whether or not the launch went (in a capture, a free node)
+  rc = moeI_cuda_scratch_done(ctx, st, scratch, owned); // whether or not the launch went (in a capture, a free node)
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    return moe_seterr(ctx, MOE_ERR_CUDA, STAGE ": cudaLaunchKernelEx(schedule_bitmap_kernel) failed at %s:%d: %s: %s",
+    return moeI_seterr(ctx, MOE_ERR_CUDA, STAGE ": cudaLaunchKernelEx(schedule_bitmap_kernel) failed at %s:%d: %s: %s",
                       __FILE__, __LINE__, cudaGetErrorName(err), cudaGetErrorString(err));
   }
   if (rc) return rc;
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 // The phase times of the last bitmap call made with MOE_SCHEDULE_TRACE set: trace_buf's rows (copy_trace).
-extern "C" int schedule_bitmap_trace(long long *out, int max_blocks) {
+extern "C" int moeI_schedule_bitmap_trace(long long *out, int max_blocks) {
   return copy_trace(out, trace_buf, trace_grid, max_blocks);
 }

@@ -1,5 +1,5 @@
 // schedule_cluster.cu -- the scheduler for small problems (decode: a few thousand routes a rank),
-// bit for bit the result of schedule_cpu, in one thread-block cluster: no grid barrier, no
+// bit for bit the result of moeI_schedule_cpu, in one thread-block cluster: no grid barrier, no
 // global scratch, nothing carried between calls.
 //
 // Why a second kernel.  The grid kernel (schedule.cu) spreads every source rank over ~128 blocks
@@ -36,7 +36,7 @@
 // No atomics decide an order (shared atomics only sum the invalid ids, and the list is ordered by a
 // scan); the host never waits.  Launched as a programmatic dependent, like the grid kernel.
 //
-// Where it applies (schedule_cluster_cuda decides, the grid kernel takes the rest): at most 16
+// Where it applies (moeI_schedule_cluster_cuda decides, the grid kernel takes the rest): at most 16
 // slots a thread (tk <= 16,384; W <= 16 * 16 / R), at most 512 (source rank, expert) keys a block,
 // E <= 4,096 (c[e][q] of all ranks in every block's shared memory), C < 2^31 - 2^16 (its row
 // arithmetic is 32-bit), and the device can place a cluster of G blocks.  By default (where the
@@ -105,7 +105,7 @@ struct Params : ScheduleCall {
 
 // The last traced call, per block: clock64 at the phase points (entry, ids loaded, ranked, past
 // the cluster barrier, c[e][q] gathered, segments, placed, end), then %globaltimer at entry and
-// end.  Read by schedule_cluster_trace (the scheduler's GPU test, --trace).
+// end.  Read by moeI_schedule_cluster_trace (the scheduler's GPU test, --trace).
 constexpr int kTracePoints = 8;
 __device__ long long trace_buf[kMaxCluster][kTracePoints + 2];
 int trace_grid;
@@ -400,12 +400,12 @@ int cluster_fits(moe_ctx *ctx, int device, kernel_fn kernel, int g, size_t smem,
 // Runs the schedule as one cluster when the problem fits it (and the choice, automatic or
 // MOE_SCHEDULE_KERNEL, is this kernel): *ran = 1 and the call's status.  Otherwise *ran = 0 and
 // MOE_OK, and the grid kernel takes the call; with MOE_SCHEDULE_KERNEL=cluster that is an error.
-extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran) {
+extern "C" int moeI_schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran) {
   *ran = 0;
   const char *sel = getenv("MOE_SCHEDULE_KERNEL");
   const bool forced = sel && !strcmp(sel, "cluster");
   if (sel && !forced && strcmp(sel, "grid") && strcmp(sel, "replicated") && strcmp(sel, "bitmap"))
-    return moe_seterr(ctx, MOE_ERR_ARG,
+    return moeI_seterr(ctx, MOE_ERR_ARG,
                       STAGE ": MOE_SCHEDULE_KERNEL must be grid, cluster, replicated or bitmap, got \"%s\"", sel);
   if (sel && !forced) return MOE_OK;
 
@@ -425,7 +425,7 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
   else if (a->capacity > INT_MAX - 65536) why = "a capacity within 2^16 of 2^31";
   if (why) {
     if (forced)
-      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+      return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
                         STAGE ": MOE_SCHEDULE_KERNEL=cluster, but the cluster kernel does not take %s", why);
     return MOE_OK;
   }
@@ -458,7 +458,7 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
   // the context's stream, and the device current: the attributes and the occupancy query below act
   // on the calling thread's current device
   cudaStream_t st;
-  int rc = cuda_ctx_stream(ctx, device, &st);
+  int rc = moeI_cuda_ctx_stream(ctx, device, &st);
   if (rc) return rc;
   const bool cached = device >= 0 && device < kDevices;
   int optin = cached ? sm_optin[device].load(std::memory_order_relaxed) - 1 : -1;
@@ -468,7 +468,7 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
   }
   if (smem > (size_t)optin) {
     if (forced)
-      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+      return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
                         STAGE ": MOE_SCHEDULE_KERNEL=cluster, but %zu bytes of shared memory do not fit a block", smem);
     return MOE_OK;
   }
@@ -482,7 +482,7 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
   if (rc) return rc;
   if (!ok) {
     if (forced)
-      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+      return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
                         STAGE ": MOE_SCHEDULE_KERNEL=cluster, but cuda:%d cannot place a cluster of %d blocks", device, g);
     return MOE_OK;
   }
@@ -496,13 +496,13 @@ extern "C" int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, i
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, P);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    return moe_seterr(ctx, MOE_ERR_CUDA, STAGE ": cudaLaunchKernelEx(schedule_cluster_kernel) failed at %s:%d: %s: %s",
+    return moeI_seterr(ctx, MOE_ERR_CUDA, STAGE ": cudaLaunchKernelEx(schedule_cluster_kernel) failed at %s:%d: %s: %s",
                       __FILE__, __LINE__, cudaGetErrorName(err), cudaGetErrorString(err));
   }
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 // The phase times of the last cluster call made with MOE_SCHEDULE_TRACE set: trace_buf's rows (copy_trace).
-extern "C" int schedule_cluster_trace(long long *out, int max_blocks) {
+extern "C" int moeI_schedule_cluster_trace(long long *out, int max_blocks) {
   return copy_trace(out, trace_buf, trace_grid, max_blocks);
 }

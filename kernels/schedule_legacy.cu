@@ -1,6 +1,6 @@
 // schedule_legacy.cu -- the scheduler moelab started from (the MoK seed's algorithm), kept as
 // the benchmark baseline of kernels/schedule.cu and as a second, independent implementation of
-// the "roundrobin" layout: its results must equal schedule_cpu bit for bit as well.
+// the "roundrobin" layout: its results must equal moeI_schedule_cpu bit for bit as well.
 //
 // One block of 1024 threads per (local expert e, source rank p), CUDA thread th being logical
 // thread th.  legacy_count: each block counts the routes of rank p to e (c[e][p], into scratch).
@@ -156,13 +156,13 @@ __global__ void __launch_bounds__(kThreads) legacy_place(const LegacyParams P) {
 
 } // namespace
 
-extern "C" int schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
+extern "C" int moeI_schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   if (a->layout != MOE_LAYOUT_ROUNDROBIN)
-    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": only the roundrobin layout (%d) is implemented, got %d",
+    return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": only the roundrobin layout (%d) is implemented, got %d",
                       MOE_LAYOUT_ROUNDROBIN, a->layout);
   const int device = a->ids->device.index;
   cudaStream_t st;
-  int rc = cuda_ctx_stream(ctx, device, &st);
+  int rc = moeI_cuda_ctx_stream(ctx, device, &st);
   if (rc) return rc;
 
   LegacyParams P = {};
@@ -172,7 +172,7 @@ extern "C" int schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   void *scratch;
   int owned;
   const size_t nbytes = MOE_SCRATCH_HEADER + sizeof(int32_t) * ((size_t)a->experts + 2 * (size_t)W);
-  if ((rc = cuda_scratch_get(ctx, device, st, nbytes, &scratch, &owned))) return rc;
+  if ((rc = moeI_cuda_scratch_get(ctx, device, st, nbytes, &scratch, &owned))) return rc;
   P.c = (int32_t *)((char *)scratch + MOE_SCRATCH_HEADER); // the header belongs to schedule.cu's ticket
   P.inv = P.c + a->experts;
 
@@ -182,6 +182,6 @@ extern "C" int schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   // 4 ints of slack: the compiler reads cs in vector pieces that may run past W (memcheck saw it)
   legacy_place<<<blocks, kThreads, W <= kStageC ? sizeof(int32_t) * (W + 4) : 0, st>>>(P);
   MOE_CUDA_LAUNCHED(ctx, STAGE);
-  if ((rc = cuda_scratch_done(ctx, st, scratch, owned))) return rc;
-  return moe_ok(ctx);
+  if ((rc = moeI_cuda_scratch_done(ctx, st, scratch, owned))) return rc;
+  return moeI_ok(ctx);
 }

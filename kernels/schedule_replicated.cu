@@ -1,5 +1,5 @@
 // schedule_replicated.cu -- the scheduler for the smallest problems (decode; 512 tokens at EP4),
-// bit for bit the result of schedule_cpu: every block counts all ranks' ids itself, so no
+// bit for bit the result of moeI_schedule_cpu: every block counts all ranks' ids itself, so no
 // block ever waits for another -- no grid barrier, no cluster, no scratch, nothing carried between
 // calls.
 //
@@ -31,7 +31,7 @@
 //      rows [rows used, C) get -1 from block b; block 0 writes counts, tokens_per_expert,
 //      expert_offsets and stats.
 // Four block-wide barriers in all.  Every block reads all W T K ids, so the time grows with them:
-// schedule_replicated_cuda takes the problem by default only where that measured faster than
+// moeI_schedule_replicated_cuda takes the problem by default only where that measured faster than
 // exchanging counts (PERF.md), and where the bitmap kernel, asked first, declines it (more than
 // 128 experts a rank).  No atomics decide an order (shared atomics only count), and the host never
 // waits.  Launched as a programmatic dependent, like the other two.
@@ -86,7 +86,7 @@ struct Params : ScheduleCall {
 };
 
 // The last traced call, per block: clock64 at the phase points (entry, counted, ranked and
-// segmented, placed, end), then %globaltimer at entry and end.  Read by schedule_replicated_trace
+// segmented, placed, end), then %globaltimer at entry and end.  Read by moeI_schedule_replicated_trace
 // (the scheduler's GPU test, --trace).
 constexpr int kTraceBlocks = 1024, kTracePoints = 5;
 __device__ long long trace_buf[kTraceBlocks][kTracePoints + 2];
@@ -298,11 +298,11 @@ std::atomic<bool> raised[kDevices];  // the kernel's dynamic shared memory limit
 // choice, automatic or MOE_SCHEDULE_KERNEL, is this kernel): *ran = 1 and the call's status.
 // Otherwise *ran = 0 and MOE_OK, and another kernel takes the call; with
 // MOE_SCHEDULE_KERNEL=replicated that is an error.
-extern "C" int schedule_replicated_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran) {
+extern "C" int moeI_schedule_replicated_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran) {
   *ran = 0;
   const char *sel = getenv("MOE_SCHEDULE_KERNEL");
   const bool forced = sel && !strcmp(sel, "replicated");
-  if (sel && !forced) return MOE_OK; // schedule_cluster_cuda checks the name
+  if (sel && !forced) return MOE_OK; // moeI_schedule_cluster_cuda checks the name
   const int device = a->ids->device.index;
   const long long W = a->ids->shape[0], tk = a->ids->shape[1] * a->ids->shape[2];
   const long long el = a->experts / W;
@@ -315,7 +315,7 @@ extern "C" int schedule_replicated_cuda(moe_ctx *ctx, const moe_schedule_args *a
   else if (a->capacity > INT_MAX - 65536) why = "a capacity within 2^16 of 2^31"; // 32-bit rows
   if (why) {
     if (forced)
-      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+      return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
                         STAGE ": MOE_SCHEDULE_KERNEL=replicated, but the replicated kernel does not take %s", why);
     return MOE_OK;
   }
@@ -338,7 +338,7 @@ extern "C" int schedule_replicated_cuda(moe_ctx *ctx, const moe_schedule_args *a
   const int g = P.world * P.bpr;
 
   cudaStream_t st;
-  int rc = cuda_ctx_stream(ctx, device, &st);
+  int rc = moeI_cuda_ctx_stream(ctx, device, &st);
   if (rc) return rc;
   const bool cached = device >= 0 && device < kDevices;
   int optin = cached ? sm_optin[device].load(std::memory_order_relaxed) - 1 : -1;
@@ -348,7 +348,7 @@ extern "C" int schedule_replicated_cuda(moe_ctx *ctx, const moe_schedule_args *a
   }
   if (smem > (size_t)optin) {
     if (forced)
-      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+      return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
                         STAGE ": MOE_SCHEDULE_KERNEL=replicated, but %zu bytes of shared memory do not fit a block", smem);
     return MOE_OK;
   }
@@ -366,14 +366,14 @@ extern "C" int schedule_replicated_cuda(moe_ctx *ctx, const moe_schedule_args *a
   const cudaError_t err = cudaLaunchKernelEx(&cfg, schedule_replicated_kernel, P);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    return moe_seterr(ctx, MOE_ERR_CUDA, STAGE ": cudaLaunchKernelEx(schedule_replicated_kernel) failed at %s:%d: %s: %s",
+    return moeI_seterr(ctx, MOE_ERR_CUDA, STAGE ": cudaLaunchKernelEx(schedule_replicated_kernel) failed at %s:%d: %s: %s",
                       __FILE__, __LINE__, cudaGetErrorName(err), cudaGetErrorString(err));
   }
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 // The phase times of the last replicated call made with MOE_SCHEDULE_TRACE set: trace_buf's rows
 // (copy_trace).
-extern "C" int schedule_replicated_trace(long long *out, int max_blocks) {
+extern "C" int moeI_schedule_replicated_trace(long long *out, int max_blocks) {
   return copy_trace(out, trace_buf, trace_grid, max_blocks);
 }

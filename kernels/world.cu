@@ -40,7 +40,7 @@ int nccl_fail(moe_ctx *ctx, moe_world *w, int i, const char *op, ncclResult_t r)
   if (w && i >= 0) snprintf(who, sizeof who, "rank %d", w->ranks[i]);
   else if (w) snprintf(who, sizeof who, "ranks 0..%d", w->size - 1);
   else snprintf(who, sizeof who, "this process");
-  return moe_seterr(ctx, MOE_ERR_CUDA, "world: %s: %s failed: %s%s%s%s", who, op, ncclGetErrorString(r),
+  return moeI_seterr(ctx, MOE_ERR_CUDA, "world: %s: %s failed: %s%s%s%s", who, op, ncclGetErrorString(r),
                     last && *last ? " (" : "", last && *last ? last : "", last && *last ? ")" : "");
 }
 
@@ -108,7 +108,7 @@ int wait_rank(moe_ctx *ctx, moe_world *w, int i, const char *stage) {
     }
     if (now_s() - t0 > w->timeout_s) {
       abort_world(w);
-      return moe_seterr(ctx, MOE_ERR_CUDA,
+      return moeI_seterr(ctx, MOE_ERR_CUDA,
                         "world: rank %d: %s did not finish within %g s (MOE_WORLD_TIMEOUT): a rank is gone or "
                         "stuck; the world is aborted",
                         w->ranks[i], step, w->timeout_s);
@@ -126,32 +126,32 @@ int wait_rank(moe_ctx *ctx, moe_world *w, int i, const char *stage) {
 int enter(moe_ctx *ctx, moe_world *w, const char *stage, bool *unbound) {
   *unbound = false;
   if (w->aborted)
-    return moe_seterr(ctx, MOE_ERR_ARG, "%s: the world was aborted after a timeout or a failed rank; close it", stage);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: the world was aborted after a timeout or a failed rank; close it", stage);
   if (!ctx || !ctx->stream) {
     *unbound = true;
     return MOE_OK;
   }
   // A capture records one stream: the other local ranks' work would run at once, outside it.
   if (ctx->capturing && w->nlocal > 1)
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
                       "%s: a graph can capture the exchange of a world with one rank in this process, this one has %d",
                       stage, w->nlocal);
   for (int i = 0; i < w->nlocal; i++)
-    if (ctx->stream == w->streams[i]) return ctx->capturing ? world_capture_note(ctx, w) : MOE_OK;
+    if (ctx->stream == w->streams[i]) return ctx->capturing ? moeI_world_capture_note(ctx, w) : MOE_OK;
   if (ctx->capturing)
-    return moe_seterr(ctx, MOE_ERR_ARG, "%s: the capturing context is not bound to the world (moe_world_bind first)", stage);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: the capturing context is not bound to the world (moe_world_bind first)", stage);
   *unbound = true;
   MOE_CUDA_TRY(ctx, stage, cudaStreamSynchronize((cudaStream_t)ctx->stream));
   return MOE_OK;
 }
 
 int leave(moe_ctx *ctx, moe_world *w, const char *stage, bool unbound) {
-  if (!unbound) return moe_ok(ctx);
+  if (!unbound) return moeI_ok(ctx);
   for (int i = 0; i < w->nlocal; i++) {
     int rc = wait_rank(ctx, w, i, stage);
     if (rc) return rc;
   }
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 // A context of the library's own for launching a stage on the world's stream i: the stage
@@ -164,7 +164,7 @@ struct StreamCtx {
     c.stream_device = w->devices[i];
   }
   int pass(moe_ctx *ctx, int rc) const {
-    if (rc && ctx) moe_seterr(ctx, rc, "%s", c.errmsg);
+    if (rc && ctx) moeI_seterr(ctx, rc, "%s", c.errmsg);
     return rc;
   }
 };
@@ -186,7 +186,7 @@ int combine_on(moe_ctx *ctx, const moe_world *w, int i, const moe_world_combine_
   c.shared = a.shared;
   c.shared_gate = a.shared_gate;
   StreamCtx sc(w, i);
-  return sc.pass(ctx, combine_cuda(&sc.c, &c));
+  return sc.pass(ctx, moeI_combine_cuda(&sc.c, &c));
 }
 
 // ---- combine: the owner's pack ----
@@ -224,16 +224,16 @@ void launch_pack(cudaStream_t s, const moe_world_combine_args *a, int64_t W, int
 
 // ---- open, close, bind ----
 
-int nccl_available(moe_ctx *ctx) { return moe_ok(ctx); }
+int moeI_nccl_available(moe_ctx *ctx) { return moeI_ok(ctx); }
 
-int nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]) {
+int moeI_nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]) {
   ncclUniqueId u;
   NCCL_TRY(ctx, nullptr, -1, "ncclGetUniqueId", ncclGetUniqueId(&u));
   memcpy(id, u.internal, MOE_WORLD_ID_BYTES);
   return MOE_OK;
 }
 
-int nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id) {
+int moeI_nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id) {
   // NVLink SHARP (multicast) stays off: it reserves memory and changes algorithms under us, and
   // the machines this was written for lend GPUs without it.  Set before the first init reads it.
   setenv("NCCL_NVLS_ENABLE", "0", 1);
@@ -264,10 +264,10 @@ int nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id) {
     NCCL_TRY(ctx, w, 0, "ncclCommInitRank", ncclCommInitRank(&c, w->size, u, w->ranks[0]));
     w->comms[0] = c;
   }
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
-void nccl_world_release(moe_world *w) {
+void moeI_nccl_world_release(moe_world *w) {
   for (int i = 0; i < w->nlocal; i++) {
     if (!w->streams[i]) continue;
     if (cudaSetDevice(w->devices[i]) == cudaSuccess) {
@@ -297,10 +297,10 @@ void nccl_world_release(moe_world *w) {
   (void)cudaGetLastError();
 }
 
-int nccl_bind(moe_ctx *ctx, moe_world *w, int i) {
-  if (ctx->stream == w->streams[i]) return moe_ok(ctx);
+int moeI_nccl_bind(moe_ctx *ctx, moe_world *w, int i) {
+  if (ctx->stream == w->streams[i]) return moeI_ok(ctx);
   if (ctx->capturing)
-    return moe_seterr(ctx, MOE_ERR_ARG, "world: bind: not during a graph capture (bind before capturing)");
+    return moeI_seterr(ctx, MOE_ERR_ARG, "world: bind: not during a graph capture (bind before capturing)");
   // From another of this world's ranks: no wait.  The ranks' stages are independent (each on
   // its own GPU and stream) and the exchanges order them, so a process that holds several
   // ranks can issue each one's stages in turn without stalling the host.
@@ -312,15 +312,15 @@ int nccl_bind(moe_ctx *ctx, moe_world *w, int i) {
   return rc;
 }
 
-int nccl_unbind(moe_ctx *ctx, moe_world *w) {
+int moeI_nccl_unbind(moe_ctx *ctx, moe_world *w) {
   for (int i = 0; i < w->nlocal; i++) {
     if (!ctx->stream || ctx->stream != w->streams[i]) continue;
-    if (ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "world: unbind: not during a graph capture");
+    if (ctx->capturing) return moeI_seterr(ctx, MOE_ERR_ARG, "world: unbind: not during a graph capture");
     const int rc = w->aborted ? MOE_OK : wait_rank(ctx, w, i, "world: unbind");
     const int rs = moe_ctx_set_stream(ctx, nullptr); // unbound even after a failed wait
     return rc ? rc : rs;
   }
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 // ---- collectives ----
@@ -331,7 +331,7 @@ static void issue_allgather(Group &g, moe_world *w, moe_tensor *const *out, cons
            ncclAllGather(in[i]->data, out[i]->data, moe_tensor_nbytes(in[i]), ncclUint8, comm_of(w, i), stream_of(w, i)));
 }
 
-int nccl_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe_tensor *const *in) {
+int moeI_nccl_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe_tensor *const *in) {
   static const char *stage = "world: allgather";
   bool unbound;
   int rc = enter(ctx, w, stage, &unbound);
@@ -342,19 +342,19 @@ int nccl_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe
   return leave(ctx, w, stage, unbound);
 }
 
-int nccl_gather_configs(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs, moe_world_config *all) {
+int moeI_nccl_gather_configs(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs, moe_world_config *all) {
   static const char *stage = "world: check_config";
   if (w->aborted)
-    return moe_seterr(ctx, MOE_ERR_ARG, "%s: the world was aborted after a timeout or a failed rank; close it", stage);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: the world was aborted after a timeout or a failed rank; close it", stage);
   const size_t one = sizeof(moe_world_config), W = (size_t)w->size;
   std::vector<void *> dev((size_t)w->nlocal, nullptr);
   int rc = MOE_OK;
   // the same bytes from every rank, whatever its layer: this collective itself cannot mismatch
   for (int i = 0; i < w->nlocal && !rc; i++) {
-    rc = cuda_alloc(ctx, w->devices[i], one * (W + 1), &dev[i]);
+    rc = moeI_cuda_alloc(ctx, w->devices[i], one * (W + 1), &dev[i]);
     if (!rc && cudaMemcpyAsync(dev[i], &cfgs[i], one, cudaMemcpyHostToDevice, stream_of(w, i)) != cudaSuccess) {
       (void)cudaGetLastError();
-      rc = moe_seterr(ctx, MOE_ERR_CUDA, "%s: copying rank %d's configuration to cuda:%d failed", stage, w->ranks[i],
+      rc = moeI_seterr(ctx, MOE_ERR_CUDA, "%s: copying rank %d's configuration to cuda:%d failed", stage, w->ranks[i],
                       w->devices[i]);
     }
   }
@@ -372,21 +372,21 @@ int nccl_gather_configs(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs
     if (e == cudaSuccess && (rc = wait_rank(ctx, w, i, stage))) break;
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
-      rc = moe_seterr(ctx, MOE_ERR_CUDA, "%s: rank %d: reading the gathered configurations failed: %s: %s", stage,
+      rc = moeI_seterr(ctx, MOE_ERR_CUDA, "%s: rank %d: reading the gathered configurations failed: %s: %s", stage,
                       w->ranks[i], cudaGetErrorName(e), cudaGetErrorString(e));
     }
   }
   for (int i = 0; i < w->nlocal; i++) {
     if (!dev[i]) continue;
     if (rc && cudaSetDevice(w->devices[i]) == cudaSuccess) (void)cudaStreamSynchronize(stream_of(w, i));
-    cuda_free(w->devices[i], dev[i]);
+    moeI_cuda_free(w->devices[i], dev[i]);
   }
   return rc;
 }
 
 // ---- dispatch: all-gather x, then the local dispatch of the gathered tokens ----
 
-int nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a) {
+int moeI_nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a) {
   static const char *stage = "world: dispatch";
   bool unbound;
   int rc = enter(ctx, w, stage, &unbound);
@@ -409,14 +409,14 @@ int nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a) 
     d.k = a[i].k;
     d.zero_fill = a[i].zero_fill;
     StreamCtx sc(w, i);
-    if ((rc = sc.pass(ctx, dispatch_cuda(&sc.c, &d)))) return rc;
+    if ((rc = sc.pass(ctx, moeI_dispatch_cuda(&sc.c, &d)))) return rc;
   }
   return leave(ctx, w, stage, unbound);
 }
 
 // ---- combine: pack per source rank, all-to-all, combine the owners' rows ----
 
-int nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a) {
+int moeI_nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a) {
   static const char *stage = "world: combine";
   const int64_t W = w->size;
   bool unbound;
@@ -541,7 +541,7 @@ struct PullArgs {
 // on this rank (no k' < k with a row in route_row[p]) reads token t from rank p's window and
 // writes it to its own row and to the rows of the token's later routes on this rank; those rows
 // skip themselves.  Every check is on the rows' own peer data, so schedule data that is not a
-// schedule's still gives what dispatch_cpu gives (a row is written by itself or by a first that
+// schedule's still gives what moeI_dispatch_cpu gives (a row is written by itself or by a first that
 // reads the same token).  With more than kExtra + 1 routes per token (K > 16) every row reads its
 // own token.
 constexpr int kExtra = 15;
@@ -619,7 +619,7 @@ __global__ void __launch_bounds__(XTHREADS) pull_kernel(V *__restrict__ xs, Pull
 
 template <typename V>
 int launch_pull(moe_ctx *ctx, cudaStream_t s, V *xs, PullArgs a, int64_t H, const char *stage) {
-  a.pieces = (uint32_t)(H * 2 / (int64_t)sizeof(V)); // H > 0, and H * XMAX_RB < 2^31 (nccl_exchange_open)
+  a.pieces = (uint32_t)(H * 2 / (int64_t)sizeof(V)); // H > 0, and H * XMAX_RB < 2^31 (moeI_nccl_exchange_open)
   int64_t rb = (4 * XTHREADS * XUNROLL + a.pieces - 1) / a.pieces;
   a.rb = (int)(rb < 1 ? 1 : rb > XMAX_RB ? XMAX_RB : rb);
   const int64_t blocks = (a.C + a.rb - 1) / a.rb;
@@ -640,27 +640,27 @@ int to_window(moe_ctx *ctx, moe_world_exchange *ex, int i, size_t off, const moe
 
 } // namespace
 
-int nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex) {
+int moeI_nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex) {
   static const char *stage = "world: exchange";
   moe_world *w = ex->w;
   const int W = w->size, n = w->nlocal;
   if (w->aborted)
-    return moe_seterr(ctx, MOE_ERR_ARG, "%s: the world was aborted after a timeout or a failed rank; close it", stage);
-  if (W > 1024) return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: at most 1024 ranks, got %d", stage, W);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: the world was aborted after a timeout or a failed rank; close it", stage);
+  if (W > 1024) return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: at most 1024 ranks, got %d", stage, W);
   if (ex->hidden * XMAX_RB >= ((int64_t)1 << 31)) // launch_pull's 32-bit indices, refused before any traffic
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: rows of %lld elements are too long for cuda", stage,
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: rows of %lld elements are too long for cuda", stage,
                       (long long)ex->hidden);
   if (W == 1) {
     // NCCL has no symmetric memory for a communicator of one rank, nor any need: the one
     // rank reads its own memory.
-    int rc = cuda_alloc(ctx, w->devices[0], ex->bytes, &ex->base[0]);
-    if (!rc) rc = cuda_alloc(ctx, w->devices[0], sizeof(void *), &ex->peers[0]);
+    int rc = moeI_cuda_alloc(ctx, w->devices[0], ex->bytes, &ex->base[0]);
+    if (!rc) rc = moeI_cuda_alloc(ctx, w->devices[0], sizeof(void *), &ex->peers[0]);
     if (rc) return rc;
     ex->hpeers[0] = ex->base[0];
     MOE_CUDA_TRY(ctx, stage, cudaSetDevice(w->devices[0]));
     MOE_CUDA_TRY(ctx, stage, cudaMemset((char *)ex->base[0] + ex->flags_off, 0, ex->bytes - ex->flags_off));
     MOE_CUDA_TRY(ctx, stage, cudaMemcpy(ex->peers[0], &ex->base[0], sizeof(void *), cudaMemcpyHostToDevice));
-    return moe_ok(ctx);
+    return moeI_ok(ctx);
   }
   // Every rank must be reachable by loads (NCCL's LSA team is the whole world).
   {
@@ -677,7 +677,7 @@ int nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex) {
     for (int i = 0; i < n && d.ok(); i++) d.call(i, "ncclDevCommDestroy", ncclDevCommDestroy(comm_of(w, i), &dc[i]));
     if ((rc = d.end())) return rc;
     if (lsa != W)
-      return moe_seterr(ctx, MOE_ERR_UNSUPPORTED,
+      return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
                         "%s: only %d of the %d ranks can reach each other's memory (one NVLink domain is needed); "
                         "use the all-gather exchange (moe_world_dispatch, moe_world_combine)",
                         stage, lsa, W);
@@ -701,7 +701,7 @@ int nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex) {
   }
   for (int i = 0; i < n; i++) {
     MOE_CUDA_TRY(ctx, stage, cudaSetDevice(w->devices[i]));
-    int rc = cuda_alloc(ctx, w->devices[i], (size_t)W * sizeof(void *), &ex->peers[i]);
+    int rc = moeI_cuda_alloc(ctx, w->devices[i], (size_t)W * sizeof(void *), &ex->peers[i]);
     if (rc) return rc;
     peer_bases_kernel<<<1, 256, 0, xstream(ex, i)>>>((ncclWindow_t)ex->win[i], W, (void **)ex->peers[i]);
     MOE_CUDA_LAUNCHED(ctx, stage);
@@ -709,10 +709,10 @@ int nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex) {
                                              cudaMemcpyDeviceToHost, xstream(ex, i)));
     MOE_CUDA_TRY(ctx, stage, cudaStreamSynchronize(xstream(ex, i)));
   }
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
-void nccl_exchange_release(moe_world_exchange *ex) {
+void moeI_nccl_exchange_release(moe_world_exchange *ex) {
   moe_world *w = ex->w;
   for (int i = 0; i < w->nlocal; i++)
     if (ex->base[i] && !w->failed) (void)wait_rank(nullptr, w, i, "world: exchange close");
@@ -723,15 +723,15 @@ void nccl_exchange_release(moe_world_exchange *ex) {
   }
   for (int i = 0; i < w->nlocal; i++) {
     if (cudaSetDevice(w->devices[i]) != cudaSuccess) continue;
-    if (ex->base[i] && w->size == 1) cuda_free(w->devices[i], ex->base[i]);
+    if (ex->base[i] && w->size == 1) moeI_cuda_free(w->devices[i], ex->base[i]);
     else if (ex->base[i]) (void)ncclMemFree(ex->base[i]);
-    if (ex->peers[i]) cuda_free(w->devices[i], ex->peers[i]);
+    if (ex->peers[i]) moeI_cuda_free(w->devices[i], ex->peers[i]);
     ex->win[i] = ex->base[i] = ex->peers[i] = nullptr;
   }
   (void)cudaGetLastError();
 }
 
-int nccl_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_dispatch_args *a) {
+int moeI_nccl_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_dispatch_args *a) {
   static const char *stage = "world: exchange dispatch";
   moe_world *w = ex->w;
   bool unbound;
@@ -768,7 +768,7 @@ int nccl_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_world
   return leave(ctx, w, stage, unbound);
 }
 
-int nccl_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_combine_args *a) {
+int moeI_nccl_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_combine_args *a) {
   static const char *stage = "world: exchange combine";
   moe_world *w = ex->w;
   const int W = w->size;

@@ -11,15 +11,15 @@
  * then acc += g[t] * shared[t], and out is rounded once.  Routes whose id, owner row or row
  * index do not name a row are skipped: they are masked, dropped or invalid, and were counted
  * by the schedule. */
-int combine_cpu(moe_ctx *ctx, const moe_combine_args *a) {
+int moeI_combine_cpu(moe_ctx *ctx, const moe_combine_args *a) {
   const int64_t T = a->weights->shape[0], K = a->weights->shape[1], H = a->out->shape[1];
   const int64_t W = a->world, E = a->experts, EL = E / W, TK = T * K;
   const float *w = a->weights->data, *gate = a->shared_gate ? a->shared_gate->data : NULL;
   const int32_t *ids = a->ids->data;
   const uint16_t *shared = a->shared ? a->shared->data : NULL;
-  if (T == 0 || H == 0) return moe_ok(ctx); /* nothing to write (T may be up to 2^40 when H is 0) */
+  if (T == 0 || H == 0) return moeI_ok(ctx); /* nothing to write (T may be up to 2^40 when H is 0) */
   float *acc = malloc((size_t)H * sizeof *acc);
-  if (!acc) return moe_seterr(ctx, MOE_ERR_NOMEM, "combine: out of host memory");
+  if (!acc) return moeI_seterr(ctx, MOE_ERR_NOMEM, "combine: out of host memory");
   for (int64_t t = 0; t < T; t++) {
     for (int64_t h = 0; h < H; h++) acc[h] = 0.0f;
     for (int64_t k = 0; k < K; k++) {
@@ -45,55 +45,55 @@ int combine_cpu(moe_ctx *ctx, const moe_combine_args *a) {
     }
   }
   free(acc);
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 int moe_combine(moe_ctx *ctx, const moe_combine_args *a) {
   static const char *stage = "combine";
   char what[32], got[160];
   int rc;
-  if (!a) return moe_seterr(ctx, MOE_ERR_ARG, "combine: args is NULL");
-  if ((rc = moe_check_tensor(ctx, stage, "weights", a->weights, MOE_F32, 2, NULL))) return rc;
+  if (!a) return moeI_seterr(ctx, MOE_ERR_ARG, "combine: args is NULL");
+  if ((rc = moeI_check_tensor(ctx, stage, "weights", a->weights, MOE_F32, 2, NULL))) return rc;
   const int64_t T = a->weights->shape[0], K = a->weights->shape[1];
   const int64_t tk_shape[] = {T, K};
-  if ((rc = moe_check_tensor(ctx, stage, "ids", a->ids, MOE_I32, 2, tk_shape))) return rc;
-  if (a->world < 1) return moe_seterr(ctx, MOE_ERR_ARG, "combine: world must be >= 1, got %d", a->world);
+  if ((rc = moeI_check_tensor(ctx, stage, "ids", a->ids, MOE_I32, 2, tk_shape))) return rc;
+  if (a->world < 1) return moeI_seterr(ctx, MOE_ERR_ARG, "combine: world must be >= 1, got %d", a->world);
   if (a->experts < 1 || a->experts % a->world)
-    return moe_seterr(ctx, MOE_ERR_ARG, "combine: experts must be a positive multiple of world (%d), got %d", a->world,
+    return moeI_seterr(ctx, MOE_ERR_ARG, "combine: experts must be a positive multiple of world (%d), got %d", a->world,
                       a->experts);
   if (a->rank < 0 || a->rank >= a->world)
-    return moe_seterr(ctx, MOE_ERR_ARG, "combine: rank must be in [0, %d), got %d", a->world, a->rank);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "combine: rank must be in [0, %d), got %d", a->world, a->rank);
   if (!a->ys || !a->route_row)
-    return moe_seterr(ctx, MOE_ERR_ARG, "combine: ys and route_row must be arrays of world (%d) tensors, got NULL",
+    return moeI_seterr(ctx, MOE_ERR_ARG, "combine: ys and route_row must be arrays of world (%d) tensors, got NULL",
                       a->world);
-  if ((rc = moe_check_tensor(ctx, stage, "ys[0]", a->ys[0], MOE_BF16, 2, NULL))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "ys[0]", a->ys[0], MOE_BF16, 2, NULL))) return rc;
   const int64_t H = a->ys[0]->shape[1];
   const int64_t ys_shape[] = {-1, H}, rr_shape[] = {a->world, T * K}, th_shape[] = {T, H}, t_shape[] = {T};
   const moe_device dev = a->weights->device;
   for (int o = 0; o < a->world; o++) {
     snprintf(what, sizeof what, "ys[%d]", o);
-    if ((rc = moe_check_tensor(ctx, stage, what, a->ys[o], MOE_BF16, 2, ys_shape))) return rc;
+    if ((rc = moeI_check_tensor(ctx, stage, what, a->ys[o], MOE_BF16, 2, ys_shape))) return rc;
     snprintf(what, sizeof what, "route_row[%d]", o);
-    if ((rc = moe_check_tensor(ctx, stage, what, a->route_row[o], MOE_I32, 2, rr_shape))) return rc;
+    if ((rc = moeI_check_tensor(ctx, stage, what, a->route_row[o], MOE_I32, 2, rr_shape))) return rc;
   }
-  if ((rc = moe_check_same_device(ctx, stage, dev, a->ys, a->world))) return rc;
-  if ((rc = moe_check_same_device(ctx, stage, dev, a->route_row, a->world))) return rc;
+  if ((rc = moeI_check_same_device(ctx, stage, dev, a->ys, a->world))) return rc;
+  if ((rc = moeI_check_same_device(ctx, stage, dev, a->route_row, a->world))) return rc;
   if (!a->out || (a->out->dtype != MOE_BF16 && a->out->dtype != MOE_F32) || a->out->ndim != 2 ||
       a->out->shape[0] != T || a->out->shape[1] != H)
-    return moe_seterr(ctx, MOE_ERR_ARG, "combine: out must be bf16 or f32 [%lld, %lld], got %s", (long long)T,
-                      (long long)H, moe_tensor_describe(a->out, got, sizeof got));
-  if (a->shared && (rc = moe_check_tensor(ctx, stage, "shared", a->shared, MOE_BF16, 2, th_shape))) return rc;
+    return moeI_seterr(ctx, MOE_ERR_ARG, "combine: out must be bf16 or f32 [%lld, %lld], got %s", (long long)T,
+                      (long long)H, moeI_tensor_describe(a->out, got, sizeof got));
+  if (a->shared && (rc = moeI_check_tensor(ctx, stage, "shared", a->shared, MOE_BF16, 2, th_shape))) return rc;
   if (a->shared_gate) {
     /* a gate without the expert it gates is a composition mistake, not a no-op */
-    if (!a->shared) return moe_seterr(ctx, MOE_ERR_ARG, "combine: shared_gate is given without shared");
-    if ((rc = moe_check_tensor(ctx, stage, "shared_gate", a->shared_gate, MOE_F32, 1, t_shape))) return rc;
+    if (!a->shared) return moeI_seterr(ctx, MOE_ERR_ARG, "combine: shared_gate is given without shared");
+    if ((rc = moeI_check_tensor(ctx, stage, "shared_gate", a->shared_gate, MOE_F32, 1, t_shape))) return rc;
   }
   const moe_tensor *ts[] = {a->out, a->weights, a->ids, a->shared, a->shared_gate};
-  if ((rc = moe_check_same_device(ctx, stage, dev, ts, 5))) return rc;
+  if ((rc = moeI_check_same_device(ctx, stage, dev, ts, 5))) return rc;
   static const char *const names[] = {"out", "weights", "ids", "shared", "shared_gate"};
-  if ((rc = moe_check_no_overlap(ctx, stage, ts, names, 1, 5))) return rc;
-  if ((rc = moe_check_no_overlap_list(ctx, stage, a->out, "out", a->ys, a->world, "ys")) ||
-      (rc = moe_check_no_overlap_list(ctx, stage, a->out, "out", a->route_row, a->world, "route_row")))
+  if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 5))) return rc;
+  if ((rc = moeI_check_no_overlap_list(ctx, stage, a->out, "out", a->ys, a->world, "ys")) ||
+      (rc = moeI_check_no_overlap_list(ctx, stage, a->out, "out", a->route_row, a->world, "route_row")))
     return rc;
-  return dev.kind == MOE_CPU ? combine_cpu(ctx, a) : combine_cuda(ctx, a);
+  return dev.kind == MOE_CPU ? moeI_combine_cpu(ctx, a) : moeI_combine_cuda(ctx, a);
 }

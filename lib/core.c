@@ -24,7 +24,7 @@ const char *moe_errstr(int code) {
   }
 }
 
-int moe_seterr(moe_ctx *ctx, int code, const char *fmt, ...) {
+int moeI_seterr(moe_ctx *ctx, int code, const char *fmt, ...) {
   if (ctx) {
     va_list ap;
     va_start(ap, fmt);
@@ -34,7 +34,7 @@ int moe_seterr(moe_ctx *ctx, int code, const char *fmt, ...) {
   return code;
 }
 
-int moe_ok(moe_ctx *ctx) {
+int moeI_ok(moe_ctx *ctx) {
   if (ctx) ctx->errmsg[0] = '\0';
   return MOE_OK;
 }
@@ -47,8 +47,8 @@ int moe_ctx_open(moe_ctx **out) {
 
 void moe_ctx_close(moe_ctx *ctx) {
   if (!ctx) return;
-  cuda_scratch_release(ctx);
-  if (ctx->owns_stream) cuda_ctx_release(ctx);
+  moeI_cuda_scratch_release(ctx);
+  if (ctx->owns_stream) moeI_cuda_ctx_release(ctx);
   free(ctx);
 }
 
@@ -59,24 +59,24 @@ const char *moe_errmsg(const moe_ctx *ctx) {
 
 int moe_ctx_set_stream(moe_ctx *ctx, void *stream) {
   if (!ctx) return MOE_ERR_ARG;
-  if (ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "set_stream: not during a graph capture");
-  if (ctx->owns_stream) cuda_ctx_release(ctx);
+  if (ctx->capturing) return moeI_seterr(ctx, MOE_ERR_ARG, "set_stream: not during a graph capture");
+  if (ctx->owns_stream) moeI_cuda_ctx_release(ctx);
   ctx->stream = stream;
   ctx->stream_device = -1; /* not known for a caller's stream; a world's bind sets it */
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 void *moe_ctx_stream(const moe_ctx *ctx) { return ctx ? ctx->stream : NULL; }
 
 int moe_device_count(moe_ctx *ctx, int kind, int *count) {
-  if (!count) return moe_seterr(ctx, MOE_ERR_ARG, "device_count: count is NULL");
+  if (!count) return moeI_seterr(ctx, MOE_ERR_ARG, "device_count: count is NULL");
   if (kind == MOE_CPU) {
     *count = 1;
-    return moe_ok(ctx);
+    return moeI_ok(ctx);
   }
-  if (kind != MOE_CUDA) return moe_seterr(ctx, MOE_ERR_ARG, "device_count: unknown device kind %d", kind);
-  if (cuda_device_count(count) != MOE_OK) *count = 0;
-  return moe_ok(ctx);
+  if (kind != MOE_CUDA) return moeI_seterr(ctx, MOE_ERR_ARG, "device_count: unknown device kind %d", kind);
+  if (moeI_cuda_device_count(count) != MOE_OK) *count = 0;
+  return moeI_ok(ctx);
 }
 
 /* ---- tensors ---- */
@@ -101,46 +101,46 @@ const char *moe_dtype_name(moe_dtype dtype) {
 
 static int check_device(moe_ctx *ctx, const char *stage, moe_device device) {
   if (device.kind == MOE_CPU) return MOE_OK;
-  if (device.kind != MOE_CUDA) return moe_seterr(ctx, MOE_ERR_ARG, "%s: unknown device kind %d", stage, device.kind);
+  if (device.kind != MOE_CUDA) return moeI_seterr(ctx, MOE_ERR_ARG, "%s: unknown device kind %d", stage, device.kind);
   int n = 0;
-  if (cuda_device_count(&n) != MOE_OK || n == 0)
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: cuda:%d is not available (%s)", stage, device.index,
+  if (moeI_cuda_device_count(&n) != MOE_OK || n == 0)
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: cuda:%d is not available (%s)", stage, device.index,
                       n == 0 ? "no usable GPU in this build or on this machine" : "CUDA error");
   if (device.index < 0 || device.index >= n)
-    return moe_seterr(ctx, MOE_ERR_ARG, "%s: cuda:%d does not exist (%d GPU%s visible)", stage, device.index, n,
+    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: cuda:%d does not exist (%d GPU%s visible)", stage, device.index, n,
                       n == 1 ? "" : "s");
   return MOE_OK;
 }
 
 int moe_ctx_synchronize(moe_ctx *ctx, moe_device device) {
   int rc = check_device(ctx, "synchronize", device); /* no GPU: UNSUPPORTED, as every other call says */
-  if (rc || device.kind == MOE_CPU) return rc ? rc : moe_ok(ctx);
-  return cuda_synchronize(ctx, device.index);
+  if (rc || device.kind == MOE_CPU) return rc ? rc : moeI_ok(ctx);
+  return moeI_cuda_synchronize(ctx, device.index);
 }
 
 int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape, moe_device device,
                    moe_tensor **out) {
-  if (!out) return moe_seterr(ctx, MOE_ERR_ARG, "tensor: out is NULL");
+  if (!out) return moeI_seterr(ctx, MOE_ERR_ARG, "tensor: out is NULL");
   *out = NULL;
   if (dtype != MOE_F32 && dtype != MOE_BF16 && dtype != MOE_I32)
-    return moe_seterr(ctx, MOE_ERR_ARG, "tensor: unknown dtype %d", (int)dtype);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "tensor: unknown dtype %d", (int)dtype);
   if (ndim < 0 || ndim > MOE_MAX_DIMS)
-    return moe_seterr(ctx, MOE_ERR_ARG, "tensor: %d dimensions, expected 0 to %d", ndim, MOE_MAX_DIMS);
-  if (ndim > 0 && !shape) return moe_seterr(ctx, MOE_ERR_ARG, "tensor: shape is NULL");
+    return moeI_seterr(ctx, MOE_ERR_ARG, "tensor: %d dimensions, expected 0 to %d", ndim, MOE_MAX_DIMS);
+  if (ndim > 0 && !shape) return moeI_seterr(ctx, MOE_ERR_ARG, "tensor: shape is NULL");
   /* span: the product of the non-zero dimensions, bounded like a size even where a zero makes the
    * tensor empty, so that no stage's arithmetic on an empty tensor's other dimensions overflows */
   int64_t numel = 1, span = 1;
   for (int i = 0; i < ndim; i++) {
-    if (shape[i] < 0) return moe_seterr(ctx, MOE_ERR_ARG, "tensor: dimension %d is %lld, expected >= 0", i + 1, (long long)shape[i]);
+    if (shape[i] < 0) return moeI_seterr(ctx, MOE_ERR_ARG, "tensor: dimension %d is %lld, expected >= 0", i + 1, (long long)shape[i]);
     if (shape[i] > 0 && span > ((int64_t)1 << 40) / shape[i])
-      return moe_seterr(ctx, MOE_ERR_ARG, "tensor: more than 2^40 elements (the dimensions other than 0 multiplied)");
+      return moeI_seterr(ctx, MOE_ERR_ARG, "tensor: more than 2^40 elements (the dimensions other than 0 multiplied)");
     if (shape[i] > 0) span *= shape[i];
     numel *= shape[i];
   }
   int rc = check_device(ctx, "tensor", device);
   if (rc) return rc;
   moe_tensor *t = calloc(1, sizeof *t);
-  if (!t) return moe_seterr(ctx, MOE_ERR_NOMEM, "tensor: out of host memory");
+  if (!t) return moeI_seterr(ctx, MOE_ERR_NOMEM, "tensor: out of host memory");
   t->dtype = dtype;
   t->ndim = ndim;
   for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
@@ -152,10 +152,10 @@ int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape
     t->data = calloc(nbytes ? nbytes : 1, 1);
     if (!t->data) {
       free(t);
-      return moe_seterr(ctx, MOE_ERR_NOMEM, "tensor: out of host memory (%zu bytes)", nbytes);
+      return moeI_seterr(ctx, MOE_ERR_NOMEM, "tensor: out of host memory (%zu bytes)", nbytes);
     }
   } else {
-    rc = cuda_alloc(ctx, device.index, nbytes ? nbytes : 16, &t->data);
+    rc = moeI_cuda_alloc(ctx, device.index, nbytes ? nbytes : 16, &t->data);
     if (rc) {
       free(t);
       return rc;
@@ -163,23 +163,23 @@ int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape
   }
   t->owns_data = 1;
   *out = t;
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 int moe_tensor_view(moe_ctx *ctx, moe_tensor *base, int64_t offset, int ndim, const int64_t *shape,
                     moe_tensor **out) {
-  if (!out || !base) return moe_seterr(ctx, MOE_ERR_ARG, "view: NULL argument");
+  if (!out || !base) return moeI_seterr(ctx, MOE_ERR_ARG, "view: NULL argument");
   *out = NULL;
   if (ndim < 0 || ndim > MOE_MAX_DIMS || (ndim > 0 && !shape))
-    return moe_seterr(ctx, MOE_ERR_ARG, "view: %d dimensions, expected 0 to %d", ndim, MOE_MAX_DIMS);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "view: %d dimensions, expected 0 to %d", ndim, MOE_MAX_DIMS);
   int64_t numel = 1, span = 1; /* span: as in moe_tensor_new */
   for (int i = 0; i < ndim; i++) {
-    if (shape[i] < 0) return moe_seterr(ctx, MOE_ERR_ARG, "view: dimension %d is %lld, expected >= 0", i + 1, (long long)shape[i]);
+    if (shape[i] < 0) return moeI_seterr(ctx, MOE_ERR_ARG, "view: dimension %d is %lld, expected >= 0", i + 1, (long long)shape[i]);
     /* a product past the base's elements is refused below; stop before it can overflow */
     if (shape[i] > 0 && span > ((int64_t)1 << 40) / shape[i]) {
       char b[160];
-      return moe_seterr(ctx, MOE_ERR_ARG, "view: more than 2^40 elements (the dimensions other than 0 multiplied) "
-                        "of %s", moe_tensor_describe(base, b, sizeof b));
+      return moeI_seterr(ctx, MOE_ERR_ARG, "view: more than 2^40 elements (the dimensions other than 0 multiplied) "
+                        "of %s", moeI_tensor_describe(base, b, sizeof b));
     }
     if (shape[i] > 0) span *= shape[i];
     numel *= shape[i];
@@ -187,13 +187,13 @@ int moe_tensor_view(moe_ctx *ctx, moe_tensor *base, int64_t offset, int ndim, co
   if (offset < 0 || offset > base->numel || numel > base->numel - offset) {
     char b[160];
     if (offset > INT64_MAX - numel) /* the end would not fit an int64 (numel <= 2^40, offset any) */
-      return moe_seterr(ctx, MOE_ERR_ARG, "view: elements from %lld on lie outside %s", (long long)offset,
-                        moe_tensor_describe(base, b, sizeof b));
-    return moe_seterr(ctx, MOE_ERR_ARG, "view: elements [%lld, %lld) lie outside %s", (long long)offset,
-                      (long long)(offset + numel), moe_tensor_describe(base, b, sizeof b));
+      return moeI_seterr(ctx, MOE_ERR_ARG, "view: elements from %lld on lie outside %s", (long long)offset,
+                        moeI_tensor_describe(base, b, sizeof b));
+    return moeI_seterr(ctx, MOE_ERR_ARG, "view: elements [%lld, %lld) lie outside %s", (long long)offset,
+                      (long long)(offset + numel), moeI_tensor_describe(base, b, sizeof b));
   }
   moe_tensor *t = calloc(1, sizeof *t);
-  if (!t) return moe_seterr(ctx, MOE_ERR_NOMEM, "view: out of host memory");
+  if (!t) return moeI_seterr(ctx, MOE_ERR_NOMEM, "view: out of host memory");
   *t = *base;
   t->ndim = ndim;
   for (int i = 0; i < MOE_MAX_DIMS; i++) t->shape[i] = i < ndim ? shape[i] : 0;
@@ -201,14 +201,14 @@ int moe_tensor_view(moe_ctx *ctx, moe_tensor *base, int64_t offset, int ndim, co
   t->data = (char *)base->data + (size_t)offset * moe_dtype_size(base->dtype);
   t->owns_data = 0;
   *out = t;
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 void moe_tensor_free(moe_tensor *t) {
   if (!t) return;
   if (t->owns_data) {
     if (t->device.kind == MOE_CPU) free(t->data);
-    else cuda_free(t->device.index, t->data);
+    else moeI_cuda_free(t->device.index, t->data);
   }
   free(t);
 }
@@ -224,7 +224,7 @@ void *moe_tensor_data(moe_tensor *t) { return t->data; }
 uint16_t moe_f32_to_bf16(float x) { return f32_to_bf16(x); }
 float moe_bf16_to_f32(uint16_t x) { return bf16_to_f32(x); }
 
-const char *moe_tensor_describe(const moe_tensor *t, char *buf, size_t n) {
+const char *moeI_tensor_describe(const moe_tensor *t, char *buf, size_t n) {
   if (!t) {
     snprintf(buf, n, "nothing");
     return buf;
@@ -239,7 +239,7 @@ const char *moe_tensor_describe(const moe_tensor *t, char *buf, size_t n) {
   return buf;
 }
 
-int moe_check_tensor(moe_ctx *ctx, const char *stage, const char *what, const moe_tensor *t, moe_dtype dtype,
+int moeI_check_tensor(moe_ctx *ctx, const char *stage, const char *what, const moe_tensor *t, moe_dtype dtype,
                      int ndim, const int64_t *shape) {
   char want[160], got[160];
   int ok = t && t->dtype == dtype && (ndim < 0 || t->ndim == ndim);
@@ -257,19 +257,19 @@ int moe_check_tensor(moe_ctx *ctx, const char *stage, const char *what, const mo
     }
     if (len < sizeof want) snprintf(want + len, sizeof want - len, "]");
   }
-  return moe_seterr(ctx, MOE_ERR_ARG, "%s: %s must be %s, got %s", stage, what, want,
-                    moe_tensor_describe(t, got, sizeof got));
+  return moeI_seterr(ctx, MOE_ERR_ARG, "%s: %s must be %s, got %s", stage, what, want,
+                    moeI_tensor_describe(t, got, sizeof got));
 }
 
-int moe_check_same_device(moe_ctx *ctx, const char *stage, moe_device dev, const moe_tensor *const *ts, int n) {
+int moeI_check_same_device(moe_ctx *ctx, const char *stage, moe_device dev, const moe_tensor *const *ts, int n) {
   for (int i = 0; i < n; i++) {
     const moe_tensor *t = ts[i];
     if (t && (t->device.kind != dev.kind || (dev.kind != MOE_CPU && t->device.index != dev.index))) {
       char want[32], got[160];
       if (dev.kind == MOE_CPU) snprintf(want, sizeof want, "cpu");
       else snprintf(want, sizeof want, "cuda:%d", dev.index);
-      return moe_seterr(ctx, MOE_ERR_ARG, "%s: all tensors must be on %s, got %s", stage, want,
-                        moe_tensor_describe(t, got, sizeof got));
+      return moeI_seterr(ctx, MOE_ERR_ARG, "%s: all tensors must be on %s, got %s", stage, want,
+                        moeI_tensor_describe(t, got, sizeof got));
     }
   }
   return MOE_OK;
@@ -282,21 +282,21 @@ static int overlap(const moe_tensor *x, const moe_tensor *y) {
   return a < b + moe_tensor_nbytes(y) && b < a + moe_tensor_nbytes(x);
 }
 
-int moe_check_no_overlap(moe_ctx *ctx, const char *stage, const moe_tensor *const *ts, const char *const *names,
+int moeI_check_no_overlap(moe_ctx *ctx, const char *stage, const moe_tensor *const *ts, const char *const *names,
                          int nout, int n) {
   for (int i = 0; i < nout; i++)
     for (int j = i + 1; j < n; j++)
       if (overlap(ts[i], ts[j]))
-        return moe_seterr(ctx, MOE_ERR_ARG, "%s: %s and %s share memory; outputs must not overlap other arguments",
+        return moeI_seterr(ctx, MOE_ERR_ARG, "%s: %s and %s share memory; outputs must not overlap other arguments",
                           stage, names[i], names[j]);
   return MOE_OK;
 }
 
-int moe_check_no_overlap_list(moe_ctx *ctx, const char *stage, const moe_tensor *out, const char *out_name,
+int moeI_check_no_overlap_list(moe_ctx *ctx, const char *stage, const moe_tensor *out, const char *out_name,
                               const moe_tensor *const *list, int n, const char *what) {
   for (int r = 0; r < n; r++)
     if (overlap(out, list[r]))
-      return moe_seterr(ctx, MOE_ERR_ARG, "%s: %s and %s[%d] share memory; outputs must not overlap other arguments",
+      return moeI_seterr(ctx, MOE_ERR_ARG, "%s: %s and %s[%d] share memory; outputs must not overlap other arguments",
                         stage, out_name, what, r);
   return MOE_OK;
 }
@@ -304,52 +304,52 @@ int moe_check_no_overlap_list(moe_ctx *ctx, const char *stage, const moe_tensor 
 /* ---- data movement ---- */
 
 int moe_tensor_write(moe_ctx *ctx, moe_tensor *t, const void *host, size_t nbytes) {
-  if (!t || (!host && nbytes)) return moe_seterr(ctx, MOE_ERR_ARG, "tensor_write: NULL argument");
+  if (!t || (!host && nbytes)) return moeI_seterr(ctx, MOE_ERR_ARG, "tensor_write: NULL argument");
   if (nbytes != moe_tensor_nbytes(t))
-    return moe_seterr(ctx, MOE_ERR_ARG, "tensor_write: %zu bytes given, the tensor holds %zu", nbytes, moe_tensor_nbytes(t));
-  if (!nbytes) return moe_ok(ctx);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "tensor_write: %zu bytes given, the tensor holds %zu", nbytes, moe_tensor_nbytes(t));
+  if (!nbytes) return moeI_ok(ctx);
   if (t->device.kind == MOE_CPU) {
     memcpy(t->data, host, nbytes);
-    return moe_ok(ctx);
+    return moeI_ok(ctx);
   }
   moe_device cpu = {MOE_CPU, 0};
-  return cuda_memcpy(ctx, t->device, t->data, cpu, host, nbytes);
+  return moeI_cuda_memcpy(ctx, t->device, t->data, cpu, host, nbytes);
 }
 
 int moe_tensor_read(moe_ctx *ctx, const moe_tensor *t, void *host, size_t nbytes) {
-  if (!t || (!host && nbytes)) return moe_seterr(ctx, MOE_ERR_ARG, "tensor_read: NULL argument");
+  if (!t || (!host && nbytes)) return moeI_seterr(ctx, MOE_ERR_ARG, "tensor_read: NULL argument");
   if (nbytes != moe_tensor_nbytes(t))
-    return moe_seterr(ctx, MOE_ERR_ARG, "tensor_read: %zu bytes asked, the tensor holds %zu", nbytes, moe_tensor_nbytes(t));
-  if (!nbytes) return moe_ok(ctx);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "tensor_read: %zu bytes asked, the tensor holds %zu", nbytes, moe_tensor_nbytes(t));
+  if (!nbytes) return moeI_ok(ctx);
   if (t->device.kind == MOE_CPU) {
     memcpy(host, t->data, nbytes);
-    return moe_ok(ctx);
+    return moeI_ok(ctx);
   }
   moe_device cpu = {MOE_CPU, 0};
-  return cuda_memcpy(ctx, cpu, host, t->device, t->data, nbytes);
+  return moeI_cuda_memcpy(ctx, cpu, host, t->device, t->data, nbytes);
 }
 
 int moe_tensor_copy(moe_ctx *ctx, moe_tensor *dst, const moe_tensor *src) {
-  if (!dst || !src) return moe_seterr(ctx, MOE_ERR_ARG, "tensor_copy: NULL tensor");
+  if (!dst || !src) return moeI_seterr(ctx, MOE_ERR_ARG, "tensor_copy: NULL tensor");
   if (dst->dtype != src->dtype || dst->numel != src->numel) {
     char a[160], b[160];
-    return moe_seterr(ctx, MOE_ERR_ARG, "tensor_copy: cannot copy %s into %s", moe_tensor_describe(src, a, sizeof a),
-                      moe_tensor_describe(dst, b, sizeof b));
+    return moeI_seterr(ctx, MOE_ERR_ARG, "tensor_copy: cannot copy %s into %s", moeI_tensor_describe(src, a, sizeof a),
+                      moeI_tensor_describe(dst, b, sizeof b));
   }
   size_t nbytes = moe_tensor_nbytes(src);
-  if (!nbytes || dst == src) return moe_ok(ctx);
+  if (!nbytes || dst == src) return moeI_ok(ctx);
   if (dst->device.kind == MOE_CPU && src->device.kind == MOE_CPU) {
     memmove(dst->data, src->data, nbytes);
-    return moe_ok(ctx);
+    return moeI_ok(ctx);
   }
-  return cuda_memcpy(ctx, dst->device, dst->data, src->device, src->data, nbytes);
+  return moeI_cuda_memcpy(ctx, dst->device, dst->data, src->device, src->data, nbytes);
 }
 
 int moe_tensor_fill(moe_ctx *ctx, moe_tensor *t, double value) {
-  if (!t) return moe_seterr(ctx, MOE_ERR_ARG, "fill: NULL tensor");
+  if (!t) return moeI_seterr(ctx, MOE_ERR_ARG, "fill: NULL tensor");
   if (t->dtype == MOE_I32 && (value != floor(value) || value < -2147483648.0 || value > 2147483647.0))
-    return moe_seterr(ctx, MOE_ERR_ARG, "fill: %g is not an i32 value", value);
-  if (t->device.kind != MOE_CPU) return cuda_fill(ctx, t, value);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "fill: %g is not an i32 value", value);
+  if (t->device.kind != MOE_CPU) return moeI_cuda_fill(ctx, t, value);
   if (t->dtype == MOE_F32) {
     float v = (float)value, *p = t->data;
     for (int64_t i = 0; i < t->numel; i++) p[i] = v;
@@ -360,23 +360,23 @@ int moe_tensor_fill(moe_ctx *ctx, moe_tensor *t, double value) {
     int32_t v = (int32_t)value, *p = t->data;
     for (int64_t i = 0; i < t->numel; i++) p[i] = v;
   }
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 int moe_tensor_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
-  if (!t) return moe_seterr(ctx, MOE_ERR_ARG, "randn: NULL tensor");
-  if (t->dtype == MOE_I32) return moe_seterr(ctx, MOE_ERR_ARG, "randn: dtype must be f32 or bf16, got i32");
-  if (!isfinite(std)) return moe_seterr(ctx, MOE_ERR_ARG, "randn: std must be finite");
-  if (t->device.kind != MOE_CPU) return cuda_randn(ctx, t, seed, std);
+  if (!t) return moeI_seterr(ctx, MOE_ERR_ARG, "randn: NULL tensor");
+  if (t->dtype == MOE_I32) return moeI_seterr(ctx, MOE_ERR_ARG, "randn: dtype must be f32 or bf16, got i32");
+  if (!isfinite(std)) return moeI_seterr(ctx, MOE_ERR_ARG, "randn: std must be finite");
+  if (t->device.kind != MOE_CPU) return moeI_cuda_randn(ctx, t, seed, std);
   for (int64_t i = 0; i < t->numel; i++) {
     /* two separately rounded multiplies, as the CUDA fill does them; the build turns off
        floating-point contraction so that no fused multiply-add changes the bits */
-    float unit = (float)moe_randn_units(seed, (uint64_t)i) * MOE_RANDN_UNIT;
+    float unit = (float)moeI_randn_units(seed, (uint64_t)i) * MOE_RANDN_UNIT;
     float v = unit * std;
     if (t->dtype == MOE_F32) ((float *)t->data)[i] = v;
     else ((uint16_t *)t->data)[i] = f32_to_bf16(v);
   }
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 /* ---- graphs and events ---- */
@@ -384,24 +384,24 @@ int moe_tensor_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
 int moe_graph_begin(moe_ctx *ctx, moe_device device) {
   if (!ctx) return MOE_ERR_ARG;
   if (device.kind != MOE_CUDA)
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "graph: CUDA graphs need a cuda device, got cpu");
-  if (ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "graph: a capture is already under way");
-  return cuda_graph_begin(ctx, device.index);
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "graph: CUDA graphs need a cuda device, got cpu");
+  if (ctx->capturing) return moeI_seterr(ctx, MOE_ERR_ARG, "graph: a capture is already under way");
+  return moeI_cuda_graph_begin(ctx, device.index);
 }
 
 int moe_graph_end(moe_ctx *ctx, moe_graph **out) {
-  if (!ctx || !out) return moe_seterr(ctx, MOE_ERR_ARG, "graph: NULL argument");
-  if (!ctx->capturing) return moe_seterr(ctx, MOE_ERR_ARG, "graph: no capture under way");
-  return cuda_graph_end(ctx, out);
+  if (!ctx || !out) return moeI_seterr(ctx, MOE_ERR_ARG, "graph: NULL argument");
+  if (!ctx->capturing) return moeI_seterr(ctx, MOE_ERR_ARG, "graph: no capture under way");
+  return moeI_cuda_graph_end(ctx, out);
 }
 
 int moe_graph_replay(moe_ctx *ctx, moe_graph *graph) {
-  if (!ctx || !graph) return moe_seterr(ctx, MOE_ERR_ARG, "graph: NULL argument");
-  return cuda_graph_replay(ctx, graph);
+  if (!ctx || !graph) return moeI_seterr(ctx, MOE_ERR_ARG, "graph: NULL argument");
+  return moeI_cuda_graph_replay(ctx, graph);
 }
 
 void moe_graph_free(moe_graph *graph) {
-  if (graph) cuda_graph_free(graph);
+  if (graph) moeI_cuda_graph_free(graph);
 }
 
 static double host_ms(void) {
@@ -411,47 +411,47 @@ static double host_ms(void) {
 }
 
 int moe_event_new(moe_ctx *ctx, moe_device device, moe_event **out) {
-  if (!out) return moe_seterr(ctx, MOE_ERR_ARG, "event: out is NULL");
+  if (!out) return moeI_seterr(ctx, MOE_ERR_ARG, "event: out is NULL");
   *out = NULL;
   int rc = check_device(ctx, "event", device);
   if (rc) return rc;
   moe_event *e = calloc(1, sizeof *e);
-  if (!e) return moe_seterr(ctx, MOE_ERR_NOMEM, "event: out of host memory");
+  if (!e) return moeI_seterr(ctx, MOE_ERR_NOMEM, "event: out of host memory");
   e->device = device;
-  if (device.kind == MOE_CUDA && (rc = cuda_event_new(ctx, device.index, &e->event)) != MOE_OK) {
+  if (device.kind == MOE_CUDA && (rc = moeI_cuda_event_new(ctx, device.index, &e->event)) != MOE_OK) {
     free(e);
     return rc;
   }
   *out = e;
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 int moe_event_record(moe_ctx *ctx, moe_event *e) {
-  if (!e) return moe_seterr(ctx, MOE_ERR_ARG, "event: NULL event");
+  if (!e) return moeI_seterr(ctx, MOE_ERR_ARG, "event: NULL event");
   if (e->device.kind == MOE_CPU) {
     e->host_ms = host_ms();
     e->recorded = 1;
-    return moe_ok(ctx);
+    return moeI_ok(ctx);
   }
-  return cuda_event_record(ctx, e->event);
+  return moeI_cuda_event_record(ctx, e->event);
 }
 
 int moe_event_elapsed(moe_ctx *ctx, const moe_event *start, const moe_event *stop, float *ms) {
-  if (!start || !stop || !ms) return moe_seterr(ctx, MOE_ERR_ARG, "event: NULL argument");
+  if (!start || !stop || !ms) return moeI_seterr(ctx, MOE_ERR_ARG, "event: NULL argument");
   if (start->device.kind != stop->device.kind || start->device.index != stop->device.index)
-    return moe_seterr(ctx, MOE_ERR_ARG, "event: start and stop are on different devices");
+    return moeI_seterr(ctx, MOE_ERR_ARG, "event: start and stop are on different devices");
   if (start->device.kind == MOE_CPU) {
     /* as cudaEventElapsedTime refuses an event never recorded, rather than a meaningless time */
     if (!start->recorded || !stop->recorded)
-      return moe_seterr(ctx, MOE_ERR_ARG, "event: %s was never recorded", start->recorded ? "stop" : "start");
+      return moeI_seterr(ctx, MOE_ERR_ARG, "event: %s was never recorded", start->recorded ? "stop" : "start");
     *ms = (float)(stop->host_ms - start->host_ms);
-    return moe_ok(ctx);
+    return moeI_ok(ctx);
   }
-  return cuda_event_elapsed(ctx, start->event, stop->event, ms);
+  return moeI_cuda_event_elapsed(ctx, start->event, stop->event, ms);
 }
 
 void moe_event_free(moe_event *e) {
   if (!e) return;
-  if (e->device.kind == MOE_CUDA) cuda_event_free(e->event);
+  if (e->device.kind == MOE_CUDA) moeI_cuda_event_free(e->event);
   free(e);
 }

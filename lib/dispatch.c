@@ -7,9 +7,9 @@
 /* peer_rank and peer_route are data (the schedule writes them on the device), so a row whose
  * values point outside x is treated like a row without a route rather than trusted: it is
  * zeroed under zero_fill and otherwise left alone. */
-int dispatch_cpu(moe_ctx *ctx, const moe_dispatch_args *a) {
+int moeI_dispatch_cpu(moe_ctx *ctx, const moe_dispatch_args *a) {
   const int64_t W = a->x->shape[0], T = a->x->shape[1], H = a->x->shape[2], C = a->xs->shape[0];
-  const int64_t routes = moe_dispatch_routes(T, a->k);
+  const int64_t routes = moeI_dispatch_routes(T, a->k);
   const size_t row_bytes = (size_t)H * sizeof(uint16_t);
   const int32_t *rank = a->peer_rank->data, *route = a->peer_route->data;
   const uint16_t *x = a->x->data;
@@ -21,23 +21,23 @@ int dispatch_cpu(moe_ctx *ctx, const moe_dispatch_args *a) {
     else if (a->zero_fill)
       memset(xs + r * H, 0, row_bytes); /* all-zero bits are bf16 +0 */
   }
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 int moe_dispatch(moe_ctx *ctx, const moe_dispatch_args *a) {
   static const char *stage = "dispatch";
-  if (!a) return moe_seterr(ctx, MOE_ERR_ARG, "dispatch: args is NULL");
+  if (!a) return moeI_seterr(ctx, MOE_ERR_ARG, "dispatch: args is NULL");
   int rc;
-  if ((rc = moe_check_tensor(ctx, stage, "xs", a->xs, MOE_BF16, 2, NULL))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "xs", a->xs, MOE_BF16, 2, NULL))) return rc;
   const int64_t C = a->xs->shape[0], H = a->xs->shape[1];
   const int64_t x_shape[] = {-1, -1, H}, row_shape[] = {C};
-  if ((rc = moe_check_tensor(ctx, stage, "x", a->x, MOE_BF16, 3, x_shape))) return rc;
-  if ((rc = moe_check_tensor(ctx, stage, "peer_rank", a->peer_rank, MOE_I32, 1, row_shape))) return rc;
-  if ((rc = moe_check_tensor(ctx, stage, "peer_route", a->peer_route, MOE_I32, 1, row_shape))) return rc;
-  if (a->k < 1) return moe_seterr(ctx, MOE_ERR_ARG, "dispatch: k must be >= 1, got %d", a->k);
+  if ((rc = moeI_check_tensor(ctx, stage, "x", a->x, MOE_BF16, 3, x_shape))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "peer_rank", a->peer_rank, MOE_I32, 1, row_shape))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "peer_route", a->peer_route, MOE_I32, 1, row_shape))) return rc;
+  if (a->k < 1) return moeI_seterr(ctx, MOE_ERR_ARG, "dispatch: k must be >= 1, got %d", a->k);
   const moe_tensor *ts[] = {a->xs, a->x, a->peer_rank, a->peer_route};
-  if ((rc = moe_check_same_device(ctx, stage, a->xs->device, ts, 4))) return rc;
+  if ((rc = moeI_check_same_device(ctx, stage, a->xs->device, ts, 4))) return rc;
   static const char *const names[] = {"xs", "x", "peer_rank", "peer_route"};
-  if ((rc = moe_check_no_overlap(ctx, stage, ts, names, 1, 4))) return rc;
-  return moe_on_cpu(a->xs) ? dispatch_cpu(ctx, a) : dispatch_cuda(ctx, a);
+  if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 4))) return rc;
+  return moeI_on_cpu(a->xs) ? moeI_dispatch_cpu(ctx, a) : moeI_dispatch_cuda(ctx, a);
 }

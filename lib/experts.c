@@ -51,9 +51,9 @@ static void convert_blocks(void *p, int64_t b0, int64_t b1) {
   bf16_to_f32_range(J->dst + 8 * b0, J->src + 8 * b0, end - 8 * b0);
 }
 
-void mlp_bf16_to_f32(float *dst, const uint16_t *src, int64_t n) {
+void moeI_mlp_bf16_to_f32(float *dst, const uint16_t *src, int64_t n) {
   convert_job J = {dst, src, n};
-  moe_parallel_for((n + 7) / 8, (int64_t)1 << 19, convert_blocks, &J); /* >= 4 M values a thread */
+  moeI_parallel_for((n + 7) / 8, (int64_t)1 << 19, convert_blocks, &J); /* >= 4 M values a thread */
 }
 
 /* The one order in which the eight partial sums are combined (see mlp.h). */
@@ -61,7 +61,7 @@ static inline float sum8(const float s[8]) {
   return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
 }
 
-float mlp_dot(const float *w, const float *x, int64_t n) {
+float moeI_mlp_dot(const float *w, const float *x, int64_t n) {
   float s[8] = {0};
   int64_t i = 0;
 #if MLP_VECTOR
@@ -80,7 +80,7 @@ float mlp_dot(const float *w, const float *x, int64_t n) {
   return sum8(s);
 }
 
-void mlp_dot4(float out[MLP_ROWS], const float *w, const float *const x[MLP_ROWS], int64_t n) {
+void moeI_mlp_dot4(float out[MLP_ROWS], const float *w, const float *const x[MLP_ROWS], int64_t n) {
   const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
   float s0[8] = {0}, s1[8] = {0}, s2[8] = {0}, s3[8] = {0};
   int64_t i = 0;
@@ -124,13 +124,13 @@ void mlp_dot4(float out[MLP_ROWS], const float *w, const float *const x[MLP_ROWS
 /* out[r] = w . x[r] for r < nrows; a short block runs row by row (same bits, see mlp.h). */
 static void dot_rows(float *out, const float *w, const float *const x[MLP_ROWS], int nrows, int64_t n) {
   if (nrows == MLP_ROWS) {
-    mlp_dot4(out, w, x, n);
+    moeI_mlp_dot4(out, w, x, n);
     return;
   }
-  for (int r = 0; r < nrows; r++) out[r] = mlp_dot(w, x[r], n);
+  for (int r = 0; r < nrows; r++) out[r] = moeI_mlp_dot(w, x[r], n);
 }
 
-/* The two products of mlp_swiglu, over ranges of output rows (moe_parallel_for): each h and y
+/* The two products of moeI_mlp_swiglu, over ranges of output rows (moeI_parallel_for): each h and y
  * element is one dot product, whichever thread computes it. */
 typedef struct {
   float *const *y;
@@ -164,15 +164,15 @@ static void swiglu_out(void *p, int64_t i0, int64_t i1) {
   }
 }
 
-/* A thread is worth starting for ~1 M multiply-adds (moe_parallel_for's grain, in rows). */
+/* A thread is worth starting for ~1 M multiply-adds (moeI_parallel_for's grain, in rows). */
 static int64_t rows_per_thread(int64_t macs_per_row) { return ((int64_t)1 << 20) / (macs_per_row > 0 ? macs_per_row : 1) + 1; }
 
-void mlp_swiglu(float *const y[MLP_ROWS], const float *const x[MLP_ROWS], int nrows, const float *w_gate_up,
+void moeI_mlp_swiglu(float *const y[MLP_ROWS], const float *const x[MLP_ROWS], int nrows, const float *w_gate_up,
                 const float *w_down, int64_t H, int64_t F, int round_h, float *h) {
   swiglu_job J = {y, x, {0}, nrows, round_h, w_gate_up, w_down, H, F, h};
   for (int r = 0; r < MLP_ROWS; r++) J.hr[r] = h + r * F;
-  moe_parallel_for(F, rows_per_thread(2 * H * nrows), swiglu_hidden, &J);
-  moe_parallel_for(H, rows_per_thread(F * nrows), swiglu_out, &J);
+  moeI_parallel_for(F, rows_per_thread(2 * H * nrows), swiglu_hidden, &J);
+  moeI_parallel_for(H, rows_per_thread(F * nrows), swiglu_out, &J);
 }
 
 /* ---- experts ---- */
@@ -184,18 +184,18 @@ void mlp_swiglu(float *const y[MLP_ROWS], const float *const x[MLP_ROWS], int nr
  * outside [0, C) is read or written, and each row is still written at most once. */
 static int64_t clamp_offset(int32_t v, int64_t C) { return v < 0 ? 0 : v > C ? C : v; }
 
-int experts_cpu(moe_ctx *ctx, const moe_experts_args *a) {
+int moeI_experts_cpu(moe_ctx *ctx, const moe_experts_args *a) {
   const int64_t C = a->xs->shape[0], H = a->xs->shape[1];
   const int64_t EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
   const int32_t *off = a->expert_offsets->data;
   const uint16_t *xs = a->xs->data, *wgu = a->w_gate_up->data, *wd = a->w_down->data;
   uint16_t *ys = a->ys->data;
 
-  if (C == 0 || H == 0 || EL == 0) return moe_ok(ctx); /* no row to write (F may then be up to 2^39) */
+  if (C == 0 || H == 0 || EL == 0) return moeI_ok(ctx); /* no row to write (F may then be up to 2^39) */
   /* f32 copies of one expert's weights, converted once per expert, and one row block */
   size_t nfloat = (size_t)(3 * F * H + MLP_ROWS * (2 * H + F));
   float *wf = malloc((nfloat ? nfloat : 1) * sizeof *wf);
-  if (!wf) return moe_seterr(ctx, MOE_ERR_NOMEM, "experts: out of host memory (%zu bytes of scratch)", nfloat * sizeof *wf);
+  if (!wf) return moeI_seterr(ctx, MOE_ERR_NOMEM, "experts: out of host memory (%zu bytes of scratch)", nfloat * sizeof *wf);
   float *wguf = wf, *wdf = wguf + 2 * F * H, *xb = wdf + H * F, *yb = xb + MLP_ROWS * H, *hb = yb + MLP_ROWS * H;
   const float *xr[MLP_ROWS];
   float *yr[MLP_ROWS];
@@ -206,68 +206,68 @@ int experts_cpu(moe_ctx *ctx, const moe_experts_args *a) {
     int64_t hi = clamp_offset(off[e + 1], C);
     if (hi < lo) hi = lo;
     if (hi > lo) {
-      mlp_bf16_to_f32(wguf, wgu + e * 2 * F * H, 2 * F * H);
-      mlp_bf16_to_f32(wdf, wd + e * H * F, H * F);
+      moeI_mlp_bf16_to_f32(wguf, wgu + e * 2 * F * H, 2 * F * H);
+      moeI_mlp_bf16_to_f32(wdf, wd + e * H * F, H * F);
       for (int64_t row = lo; row < hi; row += MLP_ROWS) {
         int n = hi - row < MLP_ROWS ? (int)(hi - row) : MLP_ROWS;
         /* the block is read whole before any of it is written, so ys may be xs itself */
-        mlp_bf16_to_f32(xb, xs + row * H, n * H);
-        mlp_swiglu(yr, xr, n, wguf, wdf, H, F, 1, hb);
+        moeI_mlp_bf16_to_f32(xb, xs + row * H, n * H);
+        moeI_mlp_swiglu(yr, xr, n, wguf, wdf, H, F, 1, hb);
         for (int64_t i = 0; i < n * H; i++) ys[row * H + i] = f32_to_bf16(yb[i]);
       }
     }
     lo = hi;
   }
   free(wf);
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 int moe_experts(moe_ctx *ctx, const moe_experts_args *a) {
   static const char *stage = "experts";
-  if (!a) return moe_seterr(ctx, MOE_ERR_ARG, "experts: args is NULL");
+  if (!a) return moeI_seterr(ctx, MOE_ERR_ARG, "experts: args is NULL");
   int rc;
-  if ((rc = moe_check_tensor(ctx, stage, "xs", a->xs, MOE_BF16, 2, NULL))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "xs", a->xs, MOE_BF16, 2, NULL))) return rc;
   const int64_t C = a->xs->shape[0], H = a->xs->shape[1];
   const int64_t ys_shape[] = {C, H};
-  if ((rc = moe_check_tensor(ctx, stage, "ys", a->ys, MOE_BF16, 2, ys_shape))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "ys", a->ys, MOE_BF16, 2, ys_shape))) return rc;
   const int64_t gu_shape[] = {-1, -1, H};
-  if ((rc = moe_check_tensor(ctx, stage, "w_gate_up", a->w_gate_up, MOE_BF16, 3, gu_shape))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "w_gate_up", a->w_gate_up, MOE_BF16, 3, gu_shape))) return rc;
   const int64_t EL = a->w_gate_up->shape[0], F2 = a->w_gate_up->shape[1];
   if (F2 % 2) {
     char got[160];
-    return moe_seterr(ctx, MOE_ERR_ARG, "experts: w_gate_up must be bf16 [EL, 2F, %lld] (F gate rows, then F up rows), got %s",
-                      (long long)H, moe_tensor_describe(a->w_gate_up, got, sizeof got));
+    return moeI_seterr(ctx, MOE_ERR_ARG, "experts: w_gate_up must be bf16 [EL, 2F, %lld] (F gate rows, then F up rows), got %s",
+                      (long long)H, moeI_tensor_describe(a->w_gate_up, got, sizeof got));
   }
   const int64_t down_shape[] = {EL, H, F2 / 2};
-  if ((rc = moe_check_tensor(ctx, stage, "w_down", a->w_down, MOE_BF16, 3, down_shape))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "w_down", a->w_down, MOE_BF16, 3, down_shape))) return rc;
   const int64_t off_shape[] = {EL + 1};
-  if ((rc = moe_check_tensor(ctx, stage, "expert_offsets", a->expert_offsets, MOE_I32, 1, off_shape))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "expert_offsets", a->expert_offsets, MOE_I32, 1, off_shape))) return rc;
   const moe_tensor *ts[] = {a->ys, a->xs, a->expert_offsets, a->w_gate_up, a->w_down};
-  if ((rc = moe_check_same_device(ctx, stage, a->xs->device, ts, 5))) return rc;
+  if ((rc = moeI_check_same_device(ctx, stage, a->xs->device, ts, 5))) return rc;
   /* ys may be xs itself (in place: every backend reads a row block of xs before it writes that
    * block of ys), but no other overlap */
   static const char *const names[] = {"ys", "xs", "expert_offsets", "w_gate_up", "w_down"};
   const int in_place = a->ys->data == a->xs->data; /* same shape: checked above; then xs stands for ys */
-  if ((rc = moe_check_no_overlap(ctx, stage, ts + in_place, names + in_place, 1, 5 - in_place))) return rc;
-  return moe_on_cpu(a->xs) ? experts_cpu(ctx, a) : experts_cuda(ctx, a);
+  if ((rc = moeI_check_no_overlap(ctx, stage, ts + in_place, names + in_place, 1, 5 - in_place))) return rc;
+  return moeI_on_cpu(a->xs) ? moeI_experts_cpu(ctx, a) : moeI_experts_cuda(ctx, a);
 }
 
 /* ---- router logits ---- */
 
-int logits_cpu(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
+int moeI_logits_cpu(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
   const int64_t N = x->shape[0], H = x->shape[1], E = w->shape[0];
-  if (N == 0 || E == 0) return moe_ok(ctx); /* out is empty (the others may then be up to 2^40) */
+  if (N == 0 || E == 0) return moeI_ok(ctx); /* out is empty (the others may then be up to 2^40) */
   size_t nfloat = (size_t)(E * H + MLP_ROWS * H);
   float *wf = malloc((nfloat ? nfloat : 1) * sizeof *wf);
-  if (!wf) return moe_seterr(ctx, MOE_ERR_NOMEM, "logits: out of host memory (%zu bytes of scratch)", nfloat * sizeof *wf);
+  if (!wf) return moeI_seterr(ctx, MOE_ERR_NOMEM, "logits: out of host memory (%zu bytes of scratch)", nfloat * sizeof *wf);
   float *xb = wf + E * H, *o = out->data;
   const uint16_t *xh = x->data;
   const float *xr[MLP_ROWS];
   for (int r = 0; r < MLP_ROWS; r++) xr[r] = xb + r * H;
-  mlp_bf16_to_f32(wf, w->data, E * H);
+  moeI_mlp_bf16_to_f32(wf, w->data, E * H);
   for (int64_t n0 = 0; n0 < N; n0 += MLP_ROWS) {
     int nr = N - n0 < MLP_ROWS ? (int)(N - n0) : MLP_ROWS;
-    mlp_bf16_to_f32(xb, xh + n0 * H, nr * H);
+    moeI_mlp_bf16_to_f32(xb, xh + n0 * H, nr * H);
     for (int64_t e = 0; e < E; e++) {
       float v[MLP_ROWS];
       dot_rows(v, wf + e * H, xr, nr, H);
@@ -275,58 +275,58 @@ int logits_cpu(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_ten
     }
   }
   free(wf);
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 int moe_logits(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
   static const char *stage = "logits";
   int rc;
-  if ((rc = moe_check_tensor(ctx, stage, "x", x, MOE_BF16, 2, NULL))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "x", x, MOE_BF16, 2, NULL))) return rc;
   const int64_t N = x->shape[0], H = x->shape[1];
   const int64_t w_shape[] = {-1, H};
-  if ((rc = moe_check_tensor(ctx, stage, "w", w, MOE_BF16, 2, w_shape))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "w", w, MOE_BF16, 2, w_shape))) return rc;
   const int64_t out_shape[] = {N, w->shape[0]};
-  if ((rc = moe_check_tensor(ctx, stage, "out", out, MOE_F32, 2, out_shape))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "out", out, MOE_F32, 2, out_shape))) return rc;
   const moe_tensor *ts[] = {out, x, w};
-  if ((rc = moe_check_same_device(ctx, stage, x->device, ts, 3))) return rc;
+  if ((rc = moeI_check_same_device(ctx, stage, x->device, ts, 3))) return rc;
   static const char *const names[] = {"out", "x", "w"};
-  if ((rc = moe_check_no_overlap(ctx, stage, ts, names, 1, 3))) return rc;
-  return moe_on_cpu(x) ? logits_cpu(ctx, out, x, w) : logits_cuda(ctx, out, x, w);
+  if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 3))) return rc;
+  return moeI_on_cpu(x) ? moeI_logits_cpu(ctx, out, x, w) : moeI_logits_cuda(ctx, out, x, w);
 }
 
 /* ---- shared-expert gate ---- */
 
-int sigmoid_gate_cpu(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w) {
+int moeI_sigmoid_gate_cpu(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w) {
   const int64_t T = x->shape[0], H = x->shape[1];
   size_t nfloat = (size_t)((1 + MLP_ROWS) * H);
   float *wf = malloc((nfloat ? nfloat : 1) * sizeof *wf);
-  if (!wf) return moe_seterr(ctx, MOE_ERR_NOMEM, "sigmoid_gate: out of host memory (%zu bytes of scratch)", nfloat * sizeof *wf);
+  if (!wf) return moeI_seterr(ctx, MOE_ERR_NOMEM, "sigmoid_gate: out of host memory (%zu bytes of scratch)", nfloat * sizeof *wf);
   float *xb = wf + H, *o = g->data;
   const uint16_t *xh = x->data;
   const float *xr[MLP_ROWS];
   for (int r = 0; r < MLP_ROWS; r++) xr[r] = xb + r * H;
-  mlp_bf16_to_f32(wf, w->data, H);
+  moeI_mlp_bf16_to_f32(wf, w->data, H);
   for (int64_t t0 = 0; t0 < T; t0 += MLP_ROWS) {
     int nr = T - t0 < MLP_ROWS ? (int)(T - t0) : MLP_ROWS;
     float v[MLP_ROWS];
-    mlp_bf16_to_f32(xb, xh + t0 * H, nr * H);
+    moeI_mlp_bf16_to_f32(xb, xh + t0 * H, nr * H);
     dot_rows(v, wf, xr, nr, H);
     for (int r = 0; r < nr; r++) o[t0 + r] = mlp_sigmoid(v[r]);
   }
   free(wf);
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }
 
 int moe_sigmoid_gate(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w) {
   static const char *stage = "sigmoid_gate";
   int rc;
-  if ((rc = moe_check_tensor(ctx, stage, "x", x, MOE_BF16, 2, NULL))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "x", x, MOE_BF16, 2, NULL))) return rc;
   const int64_t w_shape[] = {x->shape[1]}, g_shape[] = {x->shape[0]};
-  if ((rc = moe_check_tensor(ctx, stage, "w", w, MOE_BF16, 1, w_shape))) return rc;
-  if ((rc = moe_check_tensor(ctx, stage, "g", g, MOE_F32, 1, g_shape))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "w", w, MOE_BF16, 1, w_shape))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "g", g, MOE_F32, 1, g_shape))) return rc;
   const moe_tensor *ts[] = {g, x, w};
-  if ((rc = moe_check_same_device(ctx, stage, x->device, ts, 3))) return rc;
+  if ((rc = moeI_check_same_device(ctx, stage, x->device, ts, 3))) return rc;
   static const char *const names[] = {"g", "x", "w"};
-  if ((rc = moe_check_no_overlap(ctx, stage, ts, names, 1, 3))) return rc;
-  return moe_on_cpu(x) ? sigmoid_gate_cpu(ctx, g, x, w) : sigmoid_gate_cuda(ctx, g, x, w);
+  if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 3))) return rc;
+  return moeI_on_cpu(x) ? moeI_sigmoid_gate_cpu(ctx, g, x, w) : moeI_sigmoid_gate_cuda(ctx, g, x, w);
 }

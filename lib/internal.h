@@ -23,15 +23,15 @@ enum { MOE_SCRATCH_SLOTS = 8 };  /* (device, stream) pairs whose scratch a conte
 
 struct moe_ctx {
   void *stream;      /* cudaStream_t the stages run on; NULL until set or first needed */
-  int owns_stream;   /* created by the library (cuda_ctx_stream), destroyed at close */
+  int owns_stream;   /* created by the library (moeI_cuda_ctx_stream), destroyed at close */
   int stream_device; /* the device of the stream: owned, or bound to a world's rank; -1 unknown */
   int capturing;     /* inside moe_graph_begin/end: nothing may synchronise */
-  /* the worlds whose exchange the capture under way recorded (world_capture_note): the graph
+  /* the worlds whose exchange the capture under way recorded (moeI_world_capture_note): the graph
    * keeps them open, as NCCL needs its communicators for as long as the graph exists */
   moe_world *capture_worlds[MOE_CAPTURE_WORLDS];
   int capture_nworlds;
   char errmsg[1024];
-  /* Device scratch of the CUDA stages (cuda_scratch_get, kernels/schedule.cu): one block per
+  /* Device scratch of the CUDA stages (moeI_cuda_scratch_get, kernels/schedule.cu): one block per
    * (device, stream) in use -- a context that serves several ranks' streams in turn keeps one
    * for each -- and the blocks they replaced, kept until close because graphs captured earlier
    * still use them. */
@@ -52,32 +52,32 @@ struct moe_event {
   int recorded;      /* on the CPU: host_ms holds a reading (a GPU event knows it itself) */
 };
 
-/* CPU threads (lib/parallel.c).  moe_parallel_for runs fn(arg, begin, end) on contiguous pieces of
- * [0, n), each at least `grain` long, on up to moe_cpu_threads() threads (the caller's
+/* CPU threads (lib/parallel.c).  moeI_parallel_for runs fn(arg, begin, end) on contiguous pieces of
+ * [0, n), each at least `grain` long, on up to moeI_cpu_threads() threads (the caller's
  * included), and returns when all are done.  Each index is handled by one call alone, so a
  * result that depends only on its own index is the same bits whatever the thread count.
- * moe_cpu_threads: MOE_THREADS when set (1..256), else the online CPUs (at most 64). */
-int moe_cpu_threads(void);
-void moe_parallel_for(int64_t n, int64_t grain, void (*fn)(void *arg, int64_t begin, int64_t end), void *arg);
+ * moeI_cpu_threads: MOE_THREADS when set (1..256), else the online CPUs (at most 64). */
+int moeI_cpu_threads(void);
+void moeI_parallel_for(int64_t n, int64_t grain, void (*fn)(void *arg, int64_t begin, int64_t end), void *arg);
 
 /* Records a message in ctx (when ctx is not NULL) and returns code. printf-style. */
-int moe_seterr(moe_ctx *ctx, int code, const char *fmt, ...)
+int moeI_seterr(moe_ctx *ctx, int code, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 3, 4)))
 #endif
     ;
 /* Clears the message and returns MOE_OK. */
-int moe_ok(moe_ctx *ctx);
+int moeI_ok(moe_ctx *ctx);
 
 /* "f32 [2, 3] on cuda:0" into buf; returns buf. */
-const char *moe_tensor_describe(const moe_tensor *t, char *buf, size_t n);
+const char *moeI_tensor_describe(const moe_tensor *t, char *buf, size_t n);
 
 /* Argument checks: each returns MOE_OK or records "<stage>: <what> must be ..., got ..." and
  * returns MOE_ERR_ARG.  ndim < 0 skips the rank check; a shape entry < 0 matches any size. */
-int moe_check_tensor(moe_ctx *ctx, const char *stage, const char *what, const moe_tensor *t,
+int moeI_check_tensor(moe_ctx *ctx, const char *stage, const char *what, const moe_tensor *t,
                      moe_dtype dtype, int ndim, const int64_t *shape);
 /* Every non-NULL tensor in ts lives on dev. */
-int moe_check_same_device(moe_ctx *ctx, const char *stage, moe_device dev,
+int moeI_check_same_device(moe_ctx *ctx, const char *stage, moe_device dev,
                           const moe_tensor *const *ts, int n);
 /* The most ranks combine's CUDA kernel takes (their pointers travel in its parameters); the
  * world checks it before any traffic. */
@@ -85,18 +85,18 @@ int moe_check_same_device(moe_ctx *ctx, const char *stage, moe_device dev,
 
 /* The first nout tensors of ts are the stage's outputs: none may share a byte with any other
  * tensor of ts (NULL ones skipped): it would be overwritten while still read.  names[i] names ts[i]. */
-int moe_check_no_overlap(moe_ctx *ctx, const char *stage, const moe_tensor *const *ts, const char *const *names,
+int moeI_check_no_overlap(moe_ctx *ctx, const char *stage, const moe_tensor *const *ts, const char *const *names,
                          int nout, int n);
 /* The same for the output out against each tensor of a per-rank array list [n], named "what[r]". */
-int moe_check_no_overlap_list(moe_ctx *ctx, const char *stage, const moe_tensor *out, const char *out_name,
+int moeI_check_no_overlap_list(moe_ctx *ctx, const char *stage, const moe_tensor *out, const char *out_name,
                               const moe_tensor *const *list, int n, const char *what);
 
-static inline int moe_on_cpu(const moe_tensor *t) { return t->device.kind == MOE_CPU; }
+static inline int moeI_on_cpu(const moe_tensor *t) { return t->device.kind == MOE_CPU; }
 
 /* Dispatch's bound on a row's peer_route, T * k routes a source rank (k >= 1): peer_route is
  * i32, so where T * k passes 2^31 (or int64: T may be up to 2^40 on an empty x) every
  * non-negative value is below it and 2^31 serves. */
-static inline int64_t moe_dispatch_routes(int64_t T, int k) {
+static inline int64_t moeI_dispatch_routes(int64_t T, int k) {
   return T > (int64_t)INT32_MAX / k ? (int64_t)INT32_MAX + 1 : T * k;
 }
 
@@ -124,13 +124,13 @@ static inline MOE_HOSTDEV uint16_t f32_to_bf16(float f) {
 
 /* The randn hash: element i of seed s -> four 16-bit uniforms summed.  Shared by the CPU fill
  * and the CUDA fill so that both give the same bits. */
-static inline MOE_HOSTDEV uint64_t moe_mix64(uint64_t z) {
+static inline MOE_HOSTDEV uint64_t moeI_mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
 }
-static inline MOE_HOSTDEV int32_t moe_randn_units(uint64_t seed, uint64_t i) {
-  uint64_t r = moe_mix64(moe_mix64(seed + 0x9e3779b97f4a7c15ull) ^ (i * 0xd1b54a32d192ed03ull));
+static inline MOE_HOSTDEV int32_t moeI_randn_units(uint64_t seed, uint64_t i) {
+  uint64_t r = moeI_mix64(moeI_mix64(seed + 0x9e3779b97f4a7c15ull) ^ (i * 0xd1b54a32d192ed03ull));
   int32_t s = (int32_t)(r & 0xffff) + (int32_t)((r >> 16) & 0xffff) + (int32_t)((r >> 32) & 0xffff) +
               (int32_t)(r >> 48);
   return s - 131070; /* centred: 4 * 65535 / 2 */
@@ -139,75 +139,75 @@ static inline MOE_HOSTDEV int32_t moe_randn_units(uint64_t seed, uint64_t i) {
 #define MOE_RANDN_UNIT 2.64289974e-05f
 
 /* ---- CPU twins of the stages (lib/<stage>.c); arguments already checked ---- */
-int route_cpu(moe_ctx *ctx, const moe_route_args *a);
-int schedule_cpu(moe_ctx *ctx, const moe_schedule_args *a);
-int dispatch_cpu(moe_ctx *ctx, const moe_dispatch_args *a);
-int experts_cpu(moe_ctx *ctx, const moe_experts_args *a);
-int logits_cpu(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
-int sigmoid_gate_cpu(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);
-int combine_cpu(moe_ctx *ctx, const moe_combine_args *a);
+int moeI_route_cpu(moe_ctx *ctx, const moe_route_args *a);
+int moeI_schedule_cpu(moe_ctx *ctx, const moe_schedule_args *a);
+int moeI_dispatch_cpu(moe_ctx *ctx, const moe_dispatch_args *a);
+int moeI_experts_cpu(moe_ctx *ctx, const moe_experts_args *a);
+int moeI_logits_cpu(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
+int moeI_sigmoid_gate_cpu(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);
+int moeI_combine_cpu(moe_ctx *ctx, const moe_combine_args *a);
 
 /* ---- CUDA launchers (kernels/<stage>.cu), same arguments, stream from ctx.  In a build without
  * CUDA, lib/nocuda.c defines them to return MOE_ERR_UNSUPPORTED. ---- */
-int cuda_device_count(int *count);
-void cuda_ctx_release(moe_ctx *ctx); /* destroys an owned stream */
-int cuda_graph_begin(moe_ctx *ctx, int device);
-int cuda_graph_end(moe_ctx *ctx, moe_graph **out);
-int cuda_graph_replay(moe_ctx *ctx, moe_graph *graph);
-void cuda_graph_free(moe_graph *graph);
+int moeI_cuda_device_count(int *count);
+void moeI_cuda_ctx_release(moe_ctx *ctx); /* destroys an owned stream */
+int moeI_cuda_graph_begin(moe_ctx *ctx, int device);
+int moeI_cuda_graph_end(moe_ctx *ctx, moe_graph **out);
+int moeI_cuda_graph_replay(moe_ctx *ctx, moe_graph *graph);
+void moeI_cuda_graph_free(moe_graph *graph);
 /* A world's exchange issued during a capture: recorded in ctx (an error past
  * MOE_CAPTURE_WORLDS worlds).  A graph made from the capture holds each recorded world
- * (world_graph_ref) until it is freed (world_graph_unref): closing a world whose communicator
+ * (moeI_world_graph_ref) until it is freed (moeI_world_graph_unref): closing a world whose communicator
  * a live graph uses would block in NCCL, so moe_world_close leaves that to the last graph. */
-int world_capture_note(moe_ctx *ctx, moe_world *w);
-void world_graph_ref(moe_world *w);
-void world_graph_unref(moe_world *w);
+int moeI_world_capture_note(moe_ctx *ctx, moe_world *w);
+void moeI_world_graph_ref(moe_world *w);
+void moeI_world_graph_unref(moe_world *w);
 /* 0 once the world was aborted (a timeout or a peer's failure): its graphs must not replay. */
-int world_usable(const moe_world *w);
-int cuda_event_new(moe_ctx *ctx, int device, void **event);
-int cuda_event_record(moe_ctx *ctx, void *event);
-int cuda_event_elapsed(moe_ctx *ctx, void *start, void *stop, float *ms);
-void cuda_event_free(void *event);
-int cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out);
-void cuda_free(int device, void *p);
-int cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src_dev, const void *src,
+int moeI_world_usable(const moe_world *w);
+int moeI_cuda_event_new(moe_ctx *ctx, int device, void **event);
+int moeI_cuda_event_record(moe_ctx *ctx, void *event);
+int moeI_cuda_event_elapsed(moe_ctx *ctx, void *start, void *stop, float *ms);
+void moeI_cuda_event_free(void *event);
+int moeI_cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out);
+void moeI_cuda_free(int device, void *p);
+int moeI_cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src_dev, const void *src,
                 size_t nbytes);
-int cuda_synchronize(moe_ctx *ctx, int device);
-int cuda_fill(moe_ctx *ctx, moe_tensor *t, double value);
-int cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std);
-int route_cuda(moe_ctx *ctx, const moe_route_args *a);
-int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a);
+int moeI_cuda_synchronize(moe_ctx *ctx, int device);
+int moeI_cuda_fill(moe_ctx *ctx, moe_tensor *t, double value);
+int moeI_cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std);
+int moeI_route_cuda(moe_ctx *ctx, const moe_route_args *a);
+int moeI_schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a);
 /* Small problems in one thread-block cluster (kernels/schedule_cluster.cu): *ran = 0 when the
- * call is left to the grid kernel of schedule_cuda. */
-int schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
+ * call is left to the grid kernel of moeI_schedule_cuda. */
+int moeI_schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
 /* The smallest problems, every block counting all ids (kernels/schedule_replicated.cu): *ran = 0
  * when the call is left to the others. */
-int schedule_replicated_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
+int moeI_schedule_replicated_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
 /* Small and mid-sized problems as one grid of bitmap-ranked units (kernels/schedule_bitmap.cu):
  * *ran = 0 when the call is left to the others. */
-int schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
+int moeI_schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
 /* The scheduler this one replaced (one block per (local expert, source rank), scanning that
  * rank's routes twice): roundrobin only, kept as the benchmark baseline and a second opinion. */
-int schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a);
-int dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a);
-int experts_cuda(moe_ctx *ctx, const moe_experts_args *a);
-int logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
-int sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);
-int combine_cuda(moe_ctx *ctx, const moe_combine_args *a);
+int moeI_schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a);
+int moeI_dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a);
+int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a);
+int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
+int moeI_sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);
+int moeI_combine_cuda(moe_ctx *ctx, const moe_combine_args *a);
 
 /* Device scratch owned by the context, for stages that need memory beyond their outputs.
- * cuda_scratch_get hands out at least nbytes on device, valid in the order of stream (a
+ * moeI_cuda_scratch_get hands out at least nbytes on device, valid in the order of stream (a
  * cudaStream_t).  Its first MOE_SCRATCH_HEADER bytes are zero when first handed out and belong
  * to the scheduler (kernels/schedule.cu: a self-resetting grid barrier, and two buffers of totals
  * that each call leaves as the next call needs them); other stages use what follows.  Outside a graph capture it is the
  * context's block, reused by later calls on the same stream (*owned = 0); inside a capture, or
  * where that block cannot serve, it is a stream-ordered allocation of this call alone (*owned =
- * 1), given back by cuda_scratch_done after its last use has been issued.  So a captured graph
+ * 1), given back by moeI_cuda_scratch_done after its last use has been issued.  So a captured graph
  * stays valid as long as the context that captured it is open. */
 enum { MOE_SCRATCH_HEADER = 256 + 2 * 4096 * 4 }; /* barrier, then 2 x kStageC ints of totals */
-int cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t nbytes, void **out, int *owned);
-int cuda_scratch_done(moe_ctx *ctx, void *stream, void *p, int owned);
-void cuda_scratch_release(moe_ctx *ctx); /* at close: frees every block */
+int moeI_cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t nbytes, void **out, int *owned);
+int moeI_cuda_scratch_done(moe_ctx *ctx, void *stream, void *p, int owned);
+void moeI_cuda_scratch_release(moe_ctx *ctx); /* at close: frees every block */
 
 #ifdef __cplusplus
 }

@@ -3,7 +3,7 @@
  *
  * Every dot product here has one fixed summation order, whatever the row blocking: element i
  * goes into partial sum i % 8 (ascending i within each), and the eight partial sums are added
- * as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)).  So mlp_dot and lane r of mlp_dot4
+ * as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)).  So moeI_mlp_dot and lane r of moeI_mlp_dot4
  * give the same bits, and a row's result never depends on which rows it was grouped with.
  * Eight independent sums are what lets the compiler keep two SIMD registers busy without
  * reassociating anything (the build uses -ffp-contract=off and no -ffast-math). */
@@ -19,26 +19,26 @@
 enum { MLP_ROWS = 4 };
 
 /* dst[i] = the f32 value of bf16 src[i] (exact). */
-void mlp_bf16_to_f32(float *dst, const uint16_t *src, int64_t n);
+void moeI_mlp_bf16_to_f32(float *dst, const uint16_t *src, int64_t n);
 
 /* w . x over n elements in the fixed order above. */
-float mlp_dot(const float *w, const float *x, int64_t n);
+float moeI_mlp_dot(const float *w, const float *x, int64_t n);
 
-/* out[r] = w . x[r] for the MLP_ROWS rows x[0..3]; each equals mlp_dot(w, x[r], n). */
-void mlp_dot4(float out[MLP_ROWS], const float *w, const float *const x[MLP_ROWS], int64_t n);
+/* out[r] = w . x[r] for the MLP_ROWS rows x[0..3]; each equals moeI_mlp_dot(w, x[r], n). */
+void moeI_mlp_dot4(float out[MLP_ROWS], const float *w, const float *const x[MLP_ROWS], int64_t n);
 
 /* The SwiGLU MLP of nrows (1..MLP_ROWS) rows: y[r] [H] = W_down . (silu(W_gate . x[r]) * (W_up . x[r])).
  * w_gate_up is f32 [2F, H] (F gate rows, then F up rows), w_down f32 [H, F].  round_h nonzero
  * rounds the hidden activation to bf16 before the down projection (the experts stage, where
  * it is a bf16 tensor between two GEMMs); zero keeps it in f32 (the reference).  h is scratch
  * of MLP_ROWS * F floats.  y[r] must not overlap x[r]'s rows. */
-void mlp_swiglu(float *const y[MLP_ROWS], const float *const x[MLP_ROWS], int nrows, const float *w_gate_up,
+void moeI_mlp_swiglu(float *const y[MLP_ROWS], const float *const x[MLP_ROWS], int nrows, const float *w_gate_up,
                 const float *w_down, int64_t H, int64_t F, int round_h, float *h);
 
 /* silu(g) = g / (1 + e^-g) and sigmoid(z) = 1 / (1 + e^-z), in f32.  Large negative inputs
  * give e^-g = inf, hence -0 and 0 rather than NaN. */
 static inline float mlp_silu(float g) { return g / (1.0f + expf(-g)); }
 /* the routers' sigmoid (route_math.h), so the gate is the same bits on the CPU and the GPU */
-static inline float mlp_sigmoid(float z) { return moe_rm_sigmoid(z); }
+static inline float mlp_sigmoid(float z) { return moeI_rm_sigmoid(z); }
 
 #endif

@@ -2,72 +2,72 @@
  * and any attempt to run on one says so instead of failing obscurely. */
 #include "internal.h"
 
-#define NO_CUDA(stage) moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: this moelab was built without CUDA", stage)
+#define NO_CUDA(stage) moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: this moelab was built without CUDA", stage)
 
-int cuda_device_count(int *count) {
+int moeI_cuda_device_count(int *count) {
   *count = 0;
   return MOE_OK;
 }
-void cuda_ctx_release(moe_ctx *ctx) { (void)ctx; }
-int cuda_graph_begin(moe_ctx *ctx, int device) {
+void moeI_cuda_ctx_release(moe_ctx *ctx) { (void)ctx; }
+int moeI_cuda_graph_begin(moe_ctx *ctx, int device) {
   (void)device;
   return NO_CUDA("graph");
 }
-int cuda_graph_end(moe_ctx *ctx, moe_graph **out) {
+int moeI_cuda_graph_end(moe_ctx *ctx, moe_graph **out) {
   (void)out;
   return NO_CUDA("graph");
 }
-int cuda_graph_replay(moe_ctx *ctx, moe_graph *graph) {
+int moeI_cuda_graph_replay(moe_ctx *ctx, moe_graph *graph) {
   (void)graph;
   return NO_CUDA("graph");
 }
-void cuda_graph_free(moe_graph *graph) { (void)graph; }
-int cuda_event_new(moe_ctx *ctx, int device, void **event) {
+void moeI_cuda_graph_free(moe_graph *graph) { (void)graph; }
+int moeI_cuda_event_new(moe_ctx *ctx, int device, void **event) {
   (void)device, (void)event;
   return NO_CUDA("event");
 }
-int cuda_event_record(moe_ctx *ctx, void *event) {
+int moeI_cuda_event_record(moe_ctx *ctx, void *event) {
   (void)event;
   return NO_CUDA("event");
 }
-int cuda_event_elapsed(moe_ctx *ctx, void *start, void *stop, float *ms) {
+int moeI_cuda_event_elapsed(moe_ctx *ctx, void *start, void *stop, float *ms) {
   (void)start, (void)stop, (void)ms;
   return NO_CUDA("event");
 }
-void cuda_event_free(void *event) { (void)event; }
-int cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out) {
+void moeI_cuda_event_free(void *event) { (void)event; }
+int moeI_cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out) {
   (void)device, (void)nbytes, (void)out;
   return NO_CUDA("tensor");
 }
-void cuda_free(int device, void *p) { (void)device, (void)p; }
-int cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src_dev, const void *src, size_t nbytes) {
+void moeI_cuda_free(int device, void *p) { (void)device, (void)p; }
+int moeI_cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src_dev, const void *src, size_t nbytes) {
   (void)dst_dev, (void)dst, (void)src_dev, (void)src, (void)nbytes;
   return NO_CUDA("copy");
 }
-int cuda_synchronize(moe_ctx *ctx, int device) {
+int moeI_cuda_synchronize(moe_ctx *ctx, int device) {
   (void)device;
   return NO_CUDA("synchronize");
 }
-int cuda_fill(moe_ctx *ctx, moe_tensor *t, double value) {
+int moeI_cuda_fill(moe_ctx *ctx, moe_tensor *t, double value) {
   (void)t, (void)value;
   return NO_CUDA("fill");
 }
-int cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
+int moeI_cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
   (void)t, (void)seed, (void)std;
   return NO_CUDA("randn");
 }
-int route_cuda(moe_ctx *ctx, const moe_route_args *a) { (void)a; return NO_CUDA("route"); }
-int schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) { (void)a; return NO_CUDA("schedule"); }
-int schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a) { (void)a; return NO_CUDA("schedule_legacy"); }
-void cuda_scratch_release(moe_ctx *ctx) { (void)ctx; }
-int dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a) { (void)a; return NO_CUDA("dispatch"); }
-int experts_cuda(moe_ctx *ctx, const moe_experts_args *a) { (void)a; return NO_CUDA("experts"); }
-int logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
+int moeI_route_cuda(moe_ctx *ctx, const moe_route_args *a) { (void)a; return NO_CUDA("route"); }
+int moeI_schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) { (void)a; return NO_CUDA("schedule"); }
+int moeI_schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a) { (void)a; return NO_CUDA("schedule_legacy"); }
+void moeI_cuda_scratch_release(moe_ctx *ctx) { (void)ctx; }
+int moeI_dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a) { (void)a; return NO_CUDA("dispatch"); }
+int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a) { (void)a; return NO_CUDA("experts"); }
+int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
   (void)out, (void)x, (void)w;
   return NO_CUDA("logits");
 }
-int sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w) {
+int moeI_sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w) {
   (void)g, (void)x, (void)w;
   return NO_CUDA("sigmoid_gate");
 }
-int combine_cuda(moe_ctx *ctx, const moe_combine_args *a) { (void)a; return NO_CUDA("combine"); }
+int moeI_combine_cuda(moe_ctx *ctx, const moe_combine_args *a) { (void)a; return NO_CUDA("combine"); }

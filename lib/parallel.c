@@ -12,7 +12,7 @@
 
 enum { MAX_THREADS = 256 };
 
-int moe_cpu_threads(void) {
+int moeI_cpu_threads(void) {
   const char *s = getenv("MOE_THREADS");
   if (s && *s) {
     char *end;
@@ -42,11 +42,11 @@ static void *run_piece(void *p) {
   return NULL;
 }
 
-void moe_parallel_for(int64_t n, int64_t grain, void (*fn)(void *arg, int64_t begin, int64_t end), void *arg) {
+void moeI_parallel_for(int64_t n, int64_t grain, void (*fn)(void *arg, int64_t begin, int64_t end), void *arg) {
   if (n <= 0) return;
   if (grain < 1) grain = 1;
   int64_t t = n / grain; /* work for that many threads at most: too little for two, and no thread is asked for */
-  if (t >= 2 && t > moe_cpu_threads()) t = moe_cpu_threads();
+  if (t >= 2 && t > moeI_cpu_threads()) t = moeI_cpu_threads();
   if (t <= 1) {
     fn(arg, 0, n);
     return;

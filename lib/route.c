@@ -43,55 +43,55 @@ static const char *scoring_name(int s) {
 }
 
 int moe_route(moe_ctx *ctx, const moe_route_args *a) {
-  if (!a) return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": arguments are NULL");
+  if (!a) return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": arguments are NULL");
   int rc;
-  if ((rc = moe_check_tensor(ctx, STAGE, "logits", a->logits, MOE_F32, 2, NULL))) return rc;
+  if ((rc = moeI_check_tensor(ctx, STAGE, "logits", a->logits, MOE_F32, 2, NULL))) return rc;
   const int64_t n = a->logits->shape[0], e = a->logits->shape[1];
   if (n > INT32_MAX || e > INT32_MAX)
-    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": logits [%lld, %lld] is too large for i32 ids", (long long)n,
+    return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": logits [%lld, %lld] is too large for i32 ids", (long long)n,
                       (long long)e);
   if (a->scoring < MOE_SCORE_SOFTMAX || a->scoring > MOE_SCORE_SQRTSOFTPLUS)
-    return moe_seterr(ctx, MOE_ERR_ARG,
+    return moeI_seterr(ctx, MOE_ERR_ARG,
                       STAGE ": scoring must be softmax (%d), sigmoid (%d) or sqrtsoftplus (%d), got %d",
                       MOE_SCORE_SOFTMAX, MOE_SCORE_SIGMOID, MOE_SCORE_SQRTSOFTPLUS, a->scoring);
   if (a->k < 1 || a->k > e)
-    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": k must be between 1 and the number of experts (%lld), got %d",
+    return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": k must be between 1 and the number of experts (%lld), got %d",
                       (long long)e, a->k);
   const int64_t out_shape[2] = {n, a->k}, two = 2;
-  if ((rc = moe_check_tensor(ctx, STAGE, "ids", a->ids, MOE_I32, 2, out_shape))) return rc;
-  if ((rc = moe_check_tensor(ctx, STAGE, "weights", a->weights, MOE_F32, 2, out_shape))) return rc;
-  if (a->stats && (rc = moe_check_tensor(ctx, STAGE, "stats", a->stats, MOE_I32, 1, &two))) return rc;
+  if ((rc = moeI_check_tensor(ctx, STAGE, "ids", a->ids, MOE_I32, 2, out_shape))) return rc;
+  if ((rc = moeI_check_tensor(ctx, STAGE, "weights", a->weights, MOE_F32, 2, out_shape))) return rc;
+  if (a->stats && (rc = moeI_check_tensor(ctx, STAGE, "stats", a->stats, MOE_I32, 1, &two))) return rc;
   if (a->bias) {
     if (a->scoring == MOE_SCORE_SOFTMAX)
-      return moe_seterr(ctx, MOE_ERR_ARG,
+      return moeI_seterr(ctx, MOE_ERR_ARG,
                         STAGE ": bias must be absent with softmax scoring (it is for sigmoid and sqrtsoftplus)");
-    if ((rc = moe_check_tensor(ctx, STAGE, "bias", a->bias, MOE_F32, 1, &e))) return rc;
+    if ((rc = moeI_check_tensor(ctx, STAGE, "bias", a->bias, MOE_F32, 1, &e))) return rc;
   }
   if (a->groups < 1 || e % a->groups)
-    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": groups must be >= 1 and divide the number of experts (%lld), got %d",
+    return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": groups must be >= 1 and divide the number of experts (%lld), got %d",
                       (long long)e, a->groups);
   if (a->groups > 1 && a->scoring != MOE_SCORE_SIGMOID)
-    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": groups must be 1 with %s scoring (groups are for sigmoid), got %d",
+    return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": groups must be 1 with %s scoring (groups are for sigmoid), got %d",
                       scoring_name(a->scoring), a->groups);
   if (a->topk_groups < 1 || a->topk_groups > a->groups)
-    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": topk_groups must be between 1 and groups (%d), got %d", a->groups,
+    return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": topk_groups must be between 1 and groups (%d), got %d", a->groups,
                       a->topk_groups);
   const int64_t group_size = e / a->groups;
   if (a->k > a->topk_groups * group_size)
-    return moe_seterr(ctx, MOE_ERR_ARG,
+    return moeI_seterr(ctx, MOE_ERR_ARG,
                       STAGE ": k (%d) must be at most topk_groups (%d) times the experts per group (%lld)", a->k,
                       a->topk_groups, (long long)group_size);
   if (a->scoring != MOE_SCORE_SOFTMAX && (!isfinite(a->scale) || !(a->scale > 0.0f))) /* softmax ignores it */
-    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": scale must be finite and > 0, got %g", (double)a->scale);
+    return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": scale must be finite and > 0, got %g", (double)a->scale);
 
   const moe_device dev = a->logits->device;
   const moe_tensor *all[] = {a->ids, a->weights, a->stats, a->logits, a->bias};
-  if ((rc = moe_check_same_device(ctx, STAGE, dev, all, 5))) return rc;
+  if ((rc = moeI_check_same_device(ctx, STAGE, dev, all, 5))) return rc;
   /* an output sharing memory with another argument would be overwritten while still read */
   static const char *const names[] = {"ids", "weights", "stats", "logits", "bias"};
-  if ((rc = moe_check_no_overlap(ctx, STAGE, all, names, 3, 5))) return rc;
+  if ((rc = moeI_check_no_overlap(ctx, STAGE, all, names, 3, 5))) return rc;
 
-  return moe_on_cpu(a->logits) ? route_cpu(ctx, a) : route_cuda(ctx, a);
+  return moeI_on_cpu(a->logits) ? moeI_route_cpu(ctx, a) : moeI_route_cuda(ctx, a);
 }
 
 /* ---- the CPU reference ---- */
@@ -128,7 +128,7 @@ static int softmax_row(const float *l, int e, int k, int *ids, float *w, float *
   top_k(l, e, k, NULL, 1, ids);
   float sum = 0.0f;
   for (int i = 0; i < e; i++) {
-    ex[i] = moe_rm_exp(l[i] - m);
+    ex[i] = moeI_rm_exp(l[i] - m);
     sum += ex[i];
   }
   /* sum >= 1 (the maximum contributes e^0), and the top-1 is selected, so psum > 0 */
@@ -148,10 +148,10 @@ static int biased_row(const moe_route_args *a, const float *l, const float *bias
   for (int i = 0; i < e; i++) {
     if (isnan(l[i])) return 0;
     if (a->scoring == MOE_SCORE_SIGMOID) {
-      s[i] = moe_rm_sigmoid(l[i]);
+      s[i] = moeI_rm_sigmoid(l[i]);
     } else {
       if (l[i] == INFINITY) return 0;
-      s[i] = moe_rm_sqrtsoftplus(l[i]);
+      s[i] = moeI_rm_sqrtsoftplus(l[i]);
     }
     key[i] = bias ? s[i] + bias[i] : s[i];
     if (isnan(key[i])) return 0;
@@ -185,7 +185,7 @@ static int biased_row(const moe_route_args *a, const float *l, const float *bias
   return 1;
 }
 
-int route_cpu(moe_ctx *ctx, const moe_route_args *a) {
+int moeI_route_cpu(moe_ctx *ctx, const moe_route_args *a) {
   const int n = (int)a->logits->shape[0], e = (int)a->logits->shape[1], k = a->k;
   const float *logits = a->logits->data;
   const float *bias = a->bias ? a->bias->data : NULL;
@@ -198,7 +198,7 @@ int route_cpu(moe_ctx *ctx, const moe_route_args *a) {
       st[0] = 0;
       st[1] = -1;
     }
-    return moe_ok(ctx);
+    return moeI_ok(ctx);
   }
   /* scratch: s and key per expert, group scores, kept groups, the chosen experts or groups */
   float *s = malloc(sizeof(float) * (size_t)e * 2 + sizeof(float) * (size_t)a->groups);
@@ -206,7 +206,7 @@ int route_cpu(moe_ctx *ctx, const moe_route_args *a) {
   int *sel = malloc(sizeof(int) * (size_t)(k > a->groups ? k : a->groups));
   if (!s || !kept || !sel) {
     free(s), free(kept), free(sel);
-    return moe_seterr(ctx, MOE_ERR_NOMEM, STAGE ": out of host memory for %d experts", e);
+    return moeI_seterr(ctx, MOE_ERR_NOMEM, STAGE ": out of host memory for %d experts", e);
   }
   float *key = s + e, *gscore = s + 2 * (size_t)e;
 
@@ -228,5 +228,5 @@ int route_cpu(moe_ctx *ctx, const moe_route_args *a) {
     st[1] = first;
   }
   free(s), free(kept), free(sel);
-  return moe_ok(ctx);
+  return moeI_ok(ctx);
 }

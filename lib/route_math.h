@@ -26,14 +26,14 @@
 #endif
 
 /* 2^n for -126 <= n <= 127, exactly, from the exponent bits. */
-MOE_RMATH float moe_rm_pow2(int n) {
+MOE_RMATH float moeI_rm_pow2(int n) {
   union { uint32_t u; float f; } v;
   v.u = (uint32_t)(n + 127) << 23;
   return v.f;
 }
 
 /* e^x. */
-MOE_RMATH float moe_rm_exp(float x) {
+MOE_RMATH float moeI_rm_exp(float x) {
   if (x != x) return x;
   if (x > 88.72283935546875f) return INFINITY; /* above ln(FLT_MAX) */
   if (x < -103.972084045410156f) return 0.0f;  /* below ln(smallest subnormal / 2) */
@@ -48,13 +48,13 @@ MOE_RMATH float moe_rm_exp(float x) {
   int e = (int)n;
   /* scale in two steps where 2^e is not a normal float: the first step is exact, so the
      result is rounded once, also when it is subnormal */
-  if (e > 127) return y * moe_rm_pow2(127) * moe_rm_pow2(e - 127);
-  if (e < -126) return y * moe_rm_pow2(e + 64) * moe_rm_pow2(-64);
-  return y * moe_rm_pow2(e);
+  if (e > 127) return y * moeI_rm_pow2(127) * moeI_rm_pow2(e - 127);
+  if (e < -126) return y * moeI_rm_pow2(e + 64) * moeI_rm_pow2(-64);
+  return y * moeI_rm_pow2(e);
 }
 
 /* ln x for a finite x >= FLT_MIN (normal, positive): all the route stage needs. */
-MOE_RMATH float moe_rm_log(float x) {
+MOE_RMATH float moeI_rm_log(float x) {
   union { uint32_t u; float f; } v;
   v.f = x;
   int e = (int)((v.u >> 23) & 0xffu) - 126; /* x = m 2^e with m in [0.5, 1) */
@@ -78,18 +78,18 @@ MOE_RMATH float moe_rm_log(float x) {
 
 /* ln(1 + x) for 0 <= x < FLT_MAX.  Goldberg's correction keeps the relative accuracy for small
  * x, where 1 + x alone would lose the low bits of x. */
-MOE_RMATH float moe_rm_log1p(float x) {
+MOE_RMATH float moeI_rm_log1p(float x) {
   float u = 1.0f + x;
   if (u == 1.0f) return x;
-  return moe_rm_log(u) * (x / (u - 1.0f));
+  return moeI_rm_log(u) * (x / (u - 1.0f));
 }
 
 /* sigma(l) = 1 / (1 + e^-l): 0 at -inf, 1 at +inf. */
-MOE_RMATH float moe_rm_sigmoid(float l) { return 1.0f / (1.0f + moe_rm_exp(-l)); }
+MOE_RMATH float moeI_rm_sigmoid(float l) { return 1.0f / (1.0f + moeI_rm_exp(-l)); }
 
 /* sqrt(softplus(l)), softplus stable: l itself past 20, where log1p(e^l) = l in float. */
-MOE_RMATH float moe_rm_sqrtsoftplus(float l) {
-  float sp = l > 20.0f ? l : moe_rm_log1p(moe_rm_exp(l));
+MOE_RMATH float moeI_rm_sqrtsoftplus(float l) {
+  float sp = l > 20.0f ? l : moeI_rm_log1p(moeI_rm_exp(l));
   return sqrtf(sp);
 }
 

@@ -20,56 +20,56 @@
 
 /* The argument checks of moe_schedule, shared with moe_schedule_legacy. */
 static int schedule_check(moe_ctx *ctx, const moe_schedule_args *a) {
-  if (!a) return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": arguments are NULL");
+  if (!a) return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": arguments are NULL");
   int rc;
-  if ((rc = moe_check_tensor(ctx, STAGE, "ids", a->ids, MOE_I32, 3, NULL))) return rc;
+  if ((rc = moeI_check_tensor(ctx, STAGE, "ids", a->ids, MOE_I32, 3, NULL))) return rc;
   const int64_t w = a->ids->shape[0], tk = a->ids->shape[1] * a->ids->shape[2];
   if (w < 1) {
     char b[160];
-    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": ids must hold at least one rank, got %s",
-                      moe_tensor_describe(a->ids, b, sizeof b));
+    return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": ids must hold at least one rank, got %s",
+                      moeI_tensor_describe(a->ids, b, sizeof b));
   }
   /* route indices, flat indices and rows are i32 */
   if (a->ids->numel > INT32_MAX) {
     char b[160];
-    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": ids %s has more than 2^31 - 1 routes",
-                      moe_tensor_describe(a->ids, b, sizeof b));
+    return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": ids %s has more than 2^31 - 1 routes",
+                      moeI_tensor_describe(a->ids, b, sizeof b));
   }
-  if (a->experts < 1) return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": experts must be >= 1, got %d", a->experts);
+  if (a->experts < 1) return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": experts must be >= 1, got %d", a->experts);
   if (a->experts % w)
-    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": experts (%d) must be a multiple of the world size (%lld)",
+    return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": experts (%d) must be a multiple of the world size (%lld)",
                       a->experts, (long long)w);
   if (a->rank < 0 || a->rank >= w)
-    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": rank must be between 0 and %lld (world size %lld), got %d",
+    return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": rank must be between 0 and %lld (world size %lld), got %d",
                       (long long)w - 1, (long long)w, a->rank);
-  if (a->pad < 1) return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": pad must be >= 1, got %d", a->pad);
-  if (a->capacity < 0) return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": capacity must be >= 0, got %d", a->capacity);
+  if (a->pad < 1) return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": pad must be >= 1, got %d", a->pad);
+  if (a->capacity < 0) return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": capacity must be >= 0, got %d", a->capacity);
   if (a->layout != MOE_LAYOUT_ROUNDROBIN && a->layout != MOE_LAYOUT_PEER_MAJOR)
-    return moe_seterr(ctx, MOE_ERR_ARG, STAGE ": layout must be roundrobin (%d) or peer_major (%d), got %d",
+    return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": layout must be roundrobin (%d) or peer_major (%d), got %d",
                       MOE_LAYOUT_ROUNDROBIN, MOE_LAYOUT_PEER_MAJOR, a->layout);
 
   const int64_t c = a->capacity, el = a->experts / w, el1 = el + 1, nstats = MOE_SCHED_STATS;
   const int64_t rr_shape[2] = {w, tk};
-  if ((rc = moe_check_tensor(ctx, STAGE, "peer_rank", a->peer_rank, MOE_I32, 1, &c))) return rc;
-  if ((rc = moe_check_tensor(ctx, STAGE, "peer_route", a->peer_route, MOE_I32, 1, &c))) return rc;
-  if ((rc = moe_check_tensor(ctx, STAGE, "counts", a->counts, MOE_I32, 1, &el))) return rc;
-  if ((rc = moe_check_tensor(ctx, STAGE, "tokens_per_expert", a->tokens_per_expert, MOE_I32, 1, &el))) return rc;
-  if ((rc = moe_check_tensor(ctx, STAGE, "expert_offsets", a->expert_offsets, MOE_I32, 1, &el1))) return rc;
-  if ((rc = moe_check_tensor(ctx, STAGE, "route_row", a->route_row, MOE_I32, 2, rr_shape))) return rc;
-  if ((rc = moe_check_tensor(ctx, STAGE, "stats", a->stats, MOE_I32, 1, &nstats))) return rc;
+  if ((rc = moeI_check_tensor(ctx, STAGE, "peer_rank", a->peer_rank, MOE_I32, 1, &c))) return rc;
+  if ((rc = moeI_check_tensor(ctx, STAGE, "peer_route", a->peer_route, MOE_I32, 1, &c))) return rc;
+  if ((rc = moeI_check_tensor(ctx, STAGE, "counts", a->counts, MOE_I32, 1, &el))) return rc;
+  if ((rc = moeI_check_tensor(ctx, STAGE, "tokens_per_expert", a->tokens_per_expert, MOE_I32, 1, &el))) return rc;
+  if ((rc = moeI_check_tensor(ctx, STAGE, "expert_offsets", a->expert_offsets, MOE_I32, 1, &el1))) return rc;
+  if ((rc = moeI_check_tensor(ctx, STAGE, "route_row", a->route_row, MOE_I32, 2, rr_shape))) return rc;
+  if ((rc = moeI_check_tensor(ctx, STAGE, "stats", a->stats, MOE_I32, 1, &nstats))) return rc;
 
   const moe_tensor *all[] = {a->peer_rank, a->peer_route,     a->counts, a->tokens_per_expert,
                              a->expert_offsets, a->route_row, a->stats,  a->ids};
   static const char *const names[] = {"peer_rank",      "peer_route", "counts", "tokens_per_expert",
                                       "expert_offsets", "route_row",  "stats",  "ids"};
-  if ((rc = moe_check_same_device(ctx, STAGE, a->ids->device, all, 8))) return rc;
-  return moe_check_no_overlap(ctx, STAGE, all, names, 7, 8);
+  if ((rc = moeI_check_same_device(ctx, STAGE, a->ids->device, all, 8))) return rc;
+  return moeI_check_no_overlap(ctx, STAGE, all, names, 7, 8);
 }
 
 int moe_schedule(moe_ctx *ctx, const moe_schedule_args *a) {
   int rc = schedule_check(ctx, a);
   if (rc) return rc;
-  return moe_on_cpu(a->ids) ? schedule_cpu(ctx, a) : schedule_cuda(ctx, a);
+  return moeI_on_cpu(a->ids) ? moeI_schedule_cpu(ctx, a) : moeI_schedule_cuda(ctx, a);
 }
 
 /* ---- the CPU reference ----
@@ -202,7 +202,7 @@ static void schedule_fill(const moe_schedule_args *a, const struct scratch *s) {
   stats[MOE_STAT_FIRST_INVALID] = first_invalid;
 }
 
-int schedule_cpu(moe_ctx *ctx, const moe_schedule_args *a) {
+int moeI_schedule_cpu(moe_ctx *ctx, const moe_schedule_args *a) {
   const size_t w = (size_t)a->ids->shape[0], routes = (size_t)a->ids->numel;
   const size_t el = (size_t)a->experts / w, groups = el * w;
   struct scratch s;
@@ -216,9 +216,9 @@ int schedule_cpu(moe_ctx *ctx, const moe_schedule_args *a) {
   int rc;
   if (s.cnt && s.start && s.cursor && s.bucket && s.base && s.active) {
     schedule_fill(a, &s);
-    rc = moe_ok(ctx);
+    rc = moeI_ok(ctx);
   } else {
-    rc = moe_seterr(ctx, MOE_ERR_NOMEM, STAGE ": out of host memory for %zu routes and %zu local experts", routes, el);
+    rc = moeI_seterr(ctx, MOE_ERR_NOMEM, STAGE ": out of host memory for %zu routes and %zu local experts", routes, el);
   }
   free(s.cnt), free(s.start), free(s.cursor), free(s.bucket), free(s.base), free(s.active);
   return rc;
@@ -229,10 +229,10 @@ int schedule_cpu(moe_ctx *ctx, const moe_schedule_args *a) {
 int moe_schedule_legacy(moe_ctx *ctx, const moe_schedule_args *a) {
   int rc = schedule_check(ctx, a);
   if (rc) return rc;
-  if (moe_on_cpu(a->ids))
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "schedule_legacy: runs on a GPU only; the tensors are on the CPU");
+  if (moeI_on_cpu(a->ids))
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "schedule_legacy: runs on a GPU only; the tensors are on the CPU");
   if (a->layout != MOE_LAYOUT_ROUNDROBIN)
-    return moe_seterr(ctx, MOE_ERR_UNSUPPORTED, "schedule_legacy: only the roundrobin layout (%d) is implemented, got %d",
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "schedule_legacy: only the roundrobin layout (%d) is implemented, got %d",
                       MOE_LAYOUT_ROUNDROBIN, a->layout);
-  return schedule_legacy_cuda(ctx, a);
+  return moeI_schedule_legacy_cuda(ctx, a);
 }

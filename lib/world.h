@@ -22,7 +22,7 @@ struct moe_world {
   void **streams; /* [nlocal] cudaStream_t on devices[i]; NULL until made */
   int failed;     /* an NCCL call failed: close aborts instead of finalising (no waiting on peers) */
   int graphs;     /* live graphs that captured an exchange of this world, and open direct
-                     exchanges (world_graph_ref): each keeps the communicators alive */
+                     exchanges (moeI_world_graph_ref): each keeps the communicators alive */
   int closed;     /* moe_world_close was called while graphs > 0: released with the last one */
   int aborted;    /* a wait timed out or NCCL reported a peer's failure: communicators aborted */
   double timeout_s;         /* bound on every wait for the world's streams (MOE_WORLD_TIMEOUT) */
@@ -42,29 +42,29 @@ struct moe_world_exchange {
 };
 
 /* MOE_OK when this build can open a world, else MOE_ERR_UNSUPPORTED with the reason. */
-int nccl_available(moe_ctx *ctx);
+int moeI_nccl_available(moe_ctx *ctx);
 /* Fills id with a new ncclUniqueId. */
-int nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]);
+int moeI_nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]);
 /* Makes w's streams and communicators for its nlocal ranks: ncclCommInitAll when id is NULL
  * (then nlocal == size), else ncclCommInitRank of the one local rank.  On failure what was
- * made is left in w for nccl_world_release. */
-int nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id);
+ * made is left in w for moeI_nccl_world_release. */
+int moeI_nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id);
 /* Waits for the streams, destroys communicators and streams; never fails visibly. */
-void nccl_world_release(moe_world *w);
-int nccl_bind(moe_ctx *ctx, moe_world *w, int i);
-int nccl_unbind(moe_ctx *ctx, moe_world *w);
+void moeI_nccl_world_release(moe_world *w);
+int moeI_nccl_bind(moe_ctx *ctx, moe_world *w, int i);
+int moeI_nccl_unbind(moe_ctx *ctx, moe_world *w);
 /* Arguments already checked by lib/world.c. */
-int nccl_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe_tensor *const *in);
+int moeI_nccl_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe_tensor *const *in);
 /* all: nlocal * W configs, local rank i's gathered table at all + i * W. */
-int nccl_gather_configs(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs, moe_world_config *all);
-int nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a);
-int nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a);
+int moeI_nccl_gather_configs(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs, moe_world_config *all);
+int moeI_nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a);
+int moeI_nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a);
 /* Allocates and registers ex's windows (layout already set in ex); on failure what was made
- * is left in ex for nccl_exchange_release. */
-int nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex);
-void nccl_exchange_release(moe_world_exchange *ex);
-int nccl_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_dispatch_args *a);
-int nccl_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_combine_args *a);
+ * is left in ex for moeI_nccl_exchange_release. */
+int moeI_nccl_exchange_open(moe_ctx *ctx, moe_world_exchange *ex);
+void moeI_nccl_exchange_release(moe_world_exchange *ex);
+int moeI_nccl_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_dispatch_args *a);
+int moeI_nccl_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_combine_args *a);
 
 #ifdef __cplusplus
 }

@@ -1,7 +1,7 @@
 /* test_threads.c -- the CPU backend's threaded loops (lib/parallel.c) give the same bits whatever
  * the thread count: the experts stage and the dense reference at a size where they split their
  * work (H = 1024, F = 2048), run with MOE_THREADS = 1, 3 and 4, compared byte for byte; and
- * moe_parallel_for covers every index once, for uneven splits.  Exits non-zero on a failure. */
+ * moeI_parallel_for covers every index once, for uneven splits.  Exits non-zero on a failure. */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,7 +18,7 @@ static moe_tensor *tensor(moe_dtype dt, int ndim, int64_t d0, int64_t d1, int64_
 
 static void threads(const char *n) { setenv("MOE_THREADS", n, 1); }
 
-/* moe_parallel_for: every index of [0, n) exactly once */
+/* moeI_parallel_for: every index of [0, n) exactly once */
 static int *seen;
 static void mark(void *arg, int64_t b, int64_t e) {
   (void)arg;
@@ -31,20 +31,20 @@ static void test_cover(void) {
     for (size_t b = 0; b < sizeof ts / sizeof *ts; b++) {
       threads(ts[b]);
       seen = calloc((size_t)ns[a], sizeof *seen);
-      moe_parallel_for(ns[a], 1, mark, NULL);
+      moeI_parallel_for(ns[a], 1, mark, NULL);
       int ok = 1;
       for (int64_t i = 0; i < ns[a]; i++) ok &= seen[i] == 1;
       CHECK(ok, "parallel_for n=%lld threads=%s: an index not covered exactly once", (long long)ns[a], ts[b]);
       free(seen);
     }
   threads("1");
-  CHECK(moe_cpu_threads() == 1, "MOE_THREADS=1 gives %d threads", moe_cpu_threads());
+  CHECK(moeI_cpu_threads() == 1, "MOE_THREADS=1 gives %d threads", moeI_cpu_threads());
   threads("4");
-  CHECK(moe_cpu_threads() == 4, "MOE_THREADS=4 gives %d threads", moe_cpu_threads());
+  CHECK(moeI_cpu_threads() == 4, "MOE_THREADS=4 gives %d threads", moeI_cpu_threads());
   threads("1000");
-  CHECK(moe_cpu_threads() == 256, "MOE_THREADS=1000 gives %d threads, expected the cap 256", moe_cpu_threads());
+  CHECK(moeI_cpu_threads() == 256, "MOE_THREADS=1000 gives %d threads, expected the cap 256", moeI_cpu_threads());
   threads("0");
-  CHECK(moe_cpu_threads() >= 1, "MOE_THREADS=0 (invalid) falls back to the CPUs, got %d", moe_cpu_threads());
+  CHECK(moeI_cpu_threads() >= 1, "MOE_THREADS=0 (invalid) falls back to the CPUs, got %d", moeI_cpu_threads());
 }
 
 enum { H = 1024, F = 2048, EL = 3, C = 14, K = 2 };

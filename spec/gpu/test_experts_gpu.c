@@ -1,4 +1,4 @@
-/* test_experts_gpu.c -- the experts stage on the GPU against experts_cpu, through the public API
+/* test_experts_gpu.c -- the experts stage on the GPU against moeI_experts_cpu, through the public API
  * only: fresh random inputs, ys poisoned with NaN so that rows the stage must not write are seen
  * to stay untouched, odd sizes, bad offsets, in place, a captured graph replayed on new offsets,
  * two contexts running the stage at the same time; then the Kimi K2 rank-of-EP8 shape and a decode
@@ -89,7 +89,7 @@ static int hopper_refused(const kernel *k, const char *what, int rc) {
   return 1;
 }
 
-/* The rows [lo, hi) experts_cpu writes: offsets clamped to [0, C], running maximum. */
+/* The rows [lo, hi) moeI_experts_cpu writes: offsets clamped to [0, C], running maximum. */
 static void written_rows(const int32_t *off, int EL, int64_t C, int64_t *lo, int64_t *hi) {
   int64_t m = off[0] < 0 ? 0 : off[0] > C ? C : off[0];
   *lo = m;
@@ -244,7 +244,7 @@ static void test_cases(void) {
   offsets_of(o4, (const int[]){129, 1, 127, 255}, EL4, 1);
   offsets_of(o5, (const int[]){5, 0, 130, 77}, EL4, 128);
   offsets_of(o6, (const int[]){3, 70, 1}, 3, 1);
-  /* decreasing, negative and past-C offsets: clamped running maximum, as experts_cpu */
+  /* decreasing, negative and past-C offsets: clamped running maximum, as moeI_experts_cpu */
   static const int32_t bad[EL4 + 1] = {-5, 40, 10, 90, 1000};
   static const int32_t late[EL4 + 1] = {7, 7, 30, 20, 45}; /* rows before the first offset untouched too */
   int32_t o_big[2 + 1];

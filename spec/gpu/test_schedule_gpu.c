@@ -646,10 +646,10 @@ static float time_calls(int (*fn)(moe_ctx *, const moe_schedule_args *), const m
   return us[4];
 }
 
-int schedule_cuda_trace(long long *out, int max_blocks);       /* kernels/schedule.cu */
-int schedule_cluster_trace(long long *out, int max_blocks);    /* kernels/schedule_cluster.cu */
-int schedule_replicated_trace(long long *out, int max_blocks); /* kernels/schedule_replicated.cu */
-int schedule_bitmap_trace(long long *out, int max_blocks);     /* kernels/schedule_bitmap.cu */
+int moeI_schedule_cuda_trace(long long *out, int max_blocks);       /* kernels/schedule.cu */
+int moeI_schedule_cluster_trace(long long *out, int max_blocks);    /* kernels/schedule_cluster.cu */
+int moeI_schedule_replicated_trace(long long *out, int max_blocks); /* kernels/schedule_replicated.cu */
+int moeI_schedule_bitmap_trace(long long *out, int max_blocks);     /* kernels/schedule_bitmap.cu */
 
 static int cmp_ll(const void *a, const void *b) {
   const long long x = *(const long long *)a, y = *(const long long *)b;
@@ -666,10 +666,10 @@ enum { K_GRID, K_CLUSTER, K_REPLICATED, K_BITMAP };
 static void print_trace(const char *label, float per_call_us, int kernel) {
   enum { MAXB = 1024 };
   static long long buf[MAXB * 10], col[MAXB];
-  const int n = kernel == K_CLUSTER      ? schedule_cluster_trace(buf, MAXB)
-                : kernel == K_GRID       ? schedule_cuda_trace(buf, MAXB)
-                : kernel == K_REPLICATED ? schedule_replicated_trace(buf, MAXB)
-                                         : schedule_bitmap_trace(buf, MAXB);
+  const int n = kernel == K_CLUSTER      ? moeI_schedule_cluster_trace(buf, MAXB)
+                : kernel == K_GRID       ? moeI_schedule_cuda_trace(buf, MAXB)
+                : kernel == K_REPLICATED ? moeI_schedule_replicated_trace(buf, MAXB)
+                                         : moeI_schedule_bitmap_trace(buf, MAXB);
   if (n <= 0) die("schedule trace");
   const int phases = kernel == K_REPLICATED ? 4 : kernel == K_BITMAP ? 6 : 7;
   const int width = phases + 3; /* clocks, then two timers */
