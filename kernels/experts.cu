@@ -442,3 +442,10 @@ int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   }
   return moeI_ok(ctx);
 }
+
+// PLACEHOLDER until the selector table (kernels/experts/select.cu) replaces it.
+extern "C" const char *moeI_experts_kernels(void) { return "mma, sm90x1, sm90x2, sm90w"; }
+extern "C" int moeI_experts_explain_cuda(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n) {
+  (void)a, (void)report, (void)n;
+  return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts: explain is not written yet");
+}

@@ -858,3 +858,10 @@ extern "C" int moeI_schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
 extern "C" int moeI_schedule_cuda_trace(long long *out, int max_blocks) {
   return copy_trace(out, trace_buf, trace_grid, max_blocks);
 }
+
+// PLACEHOLDER until the selector table (kernels/schedule/select.cu) replaces it.
+extern "C" const char *moeI_schedule_kernels(void) { return "bitmap, replicated, cluster, grid"; }
+extern "C" int moeI_schedule_explain_cuda(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n) {
+  (void)a, (void)report, (void)n;
+  return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "schedule: explain is not written yet");
+}

@@ -39,10 +39,82 @@ int moeI_ok(moe_ctx *ctx) {
   return MOE_OK;
 }
 
+/* The options of moe_ctx_config, indexed by MOEI_CFG_*: name, environment variable, and the
+ * stage's kernel names (the valid values besides "auto"). */
+static const struct config_option {
+  const char *name, *env;
+  const char *(*kernels)(void);
+} config_options[MOEI_CFG_COUNT] = {
+  [MOEI_CFG_SCHEDULE_KERNEL] = {"schedule_kernel", "MOE_SCHEDULE_KERNEL", moeI_schedule_kernels},
+  [MOEI_CFG_EXPERTS_KERNEL] = {"experts_kernel", "MOE_EXPERTS_KERNEL", moeI_experts_kernels},
+};
+
+/* Is name one of the ", "-separated names of list? */
+static int listed(const char *list, const char *name) {
+  size_t n = strlen(name);
+  for (const char *p = list; *p;) {
+    size_t len = strcspn(p, ",");
+    if (len == n && strncmp(p, name, n) == 0) return 1;
+    p += len;
+    while (*p == ',' || *p == ' ') p++;
+  }
+  return 0;
+}
+
+static int config_set(moe_ctx *ctx, int option, const char *value) {
+  const struct config_option *o = &config_options[option];
+  if (strcmp(value, "auto") == 0 || value[0] == '\0') {
+    ctx->config[option][0] = '\0';
+    return moeI_ok(ctx);
+  }
+  const char *kernels = o->kernels();
+  if (!kernels[0])
+    return moeI_seterr(ctx, MOE_ERR_ARG, "config: %s \"%s\": this build has no GPU kernels (only \"auto\")", o->name,
+                       value);
+  if (!listed(kernels, value))
+    return moeI_seterr(ctx, MOE_ERR_ARG, "config: %s must be auto or one of %s, got \"%s\"", o->name, kernels, value);
+  snprintf(ctx->config[option], MOEI_CFG_LEN, "%s", value); /* a listed name fits */
+  return moeI_ok(ctx);
+}
+
+int moe_ctx_config(moe_ctx *ctx, const char *option, const char *value) {
+  if (!ctx) return MOE_ERR_ARG;
+  if (!option || !value) return moeI_seterr(ctx, MOE_ERR_ARG, "config: option and value must not be NULL");
+  for (int i = 0; i < MOEI_CFG_COUNT; i++)
+    if (strcmp(option, config_options[i].name) == 0) return config_set(ctx, i, value);
+  return moeI_seterr(ctx, MOE_ERR_ARG, "config: no option \"%s\" (schedule_kernel, experts_kernel)", option);
+}
+
+const char *moe_ctx_config_value(const moe_ctx *ctx, const char *option) {
+  if (!ctx || !option) return NULL;
+  for (int i = 0; i < MOEI_CFG_COUNT; i++)
+    if (strcmp(option, config_options[i].name) == 0) return moeI_config(ctx, i);
+  return NULL;
+}
+
+const char *moeI_config(const moe_ctx *ctx, int option) {
+  return ctx->config[option][0] ? ctx->config[option] : "auto";
+}
+
+int moeI_explain_cpu(moe_ctx *ctx, char *report, size_t n) {
+  snprintf(report, n, "cpu\ncpu: runs (the tensors are on the CPU: the reference backend)\n");
+  return moeI_ok(ctx);
+}
+
 int moe_ctx_open(moe_ctx **out) {
   if (!out) return MOE_ERR_ARG;
-  *out = calloc(1, sizeof **out);
-  return *out ? MOE_OK : MOE_ERR_NOMEM;
+  moe_ctx *ctx = calloc(1, sizeof *ctx);
+  if (!ctx) return MOE_ERR_NOMEM;
+  /* The environment feeds the options once, here.  A value the options refuse is kept as given
+   * (truncated to fit), so that the stage it forces fails with the list of valid names instead
+   * of the context failing to open. */
+  for (int i = 0; i < MOEI_CFG_COUNT; i++) {
+    const char *v = getenv(config_options[i].env);
+    if (v && config_set(ctx, i, v) != MOE_OK) snprintf(ctx->config[i], MOEI_CFG_LEN, "%s", v);
+  }
+  ctx->errmsg[0] = '\0';
+  *out = ctx;
+  return MOE_OK;
 }
 
 void moe_ctx_close(moe_ctx *ctx) {

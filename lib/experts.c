@@ -222,7 +222,7 @@ int moeI_experts_cpu(moe_ctx *ctx, const moe_experts_args *a) {
   return moeI_ok(ctx);
 }
 
-int moe_experts(moe_ctx *ctx, const moe_experts_args *a) {
+static int experts_check(moe_ctx *ctx, const moe_experts_args *a) {
   static const char *stage = "experts";
   if (!a) return moeI_seterr(ctx, MOE_ERR_ARG, "experts: args is NULL");
   int rc;
@@ -248,8 +248,21 @@ int moe_experts(moe_ctx *ctx, const moe_experts_args *a) {
    * block of ys), but no other overlap */
   static const char *const names[] = {"ys", "xs", "expert_offsets", "w_gate_up", "w_down"};
   const int in_place = a->ys->data == a->xs->data; /* same shape: checked above; then xs stands for ys */
-  if ((rc = moeI_check_no_overlap(ctx, stage, ts + in_place, names + in_place, 1, 5 - in_place))) return rc;
+  return moeI_check_no_overlap(ctx, stage, ts + in_place, names + in_place, 1, 5 - in_place);
+}
+
+int moe_experts(moe_ctx *ctx, const moe_experts_args *a) {
+  int rc = experts_check(ctx, a);
+  if (rc) return rc;
   return moeI_on_cpu(a->xs) ? moeI_experts_cpu(ctx, a) : moeI_experts_cuda(ctx, a);
+}
+
+int moe_experts_explain(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n) {
+  int rc = experts_check(ctx, a);
+  if (rc) return rc;
+  if (!report || n == 0) return moeI_seterr(ctx, MOE_ERR_ARG, "experts: report must hold at least one byte");
+  if (moeI_on_cpu(a->xs)) return moeI_explain_cpu(ctx, report, n);
+  return moeI_experts_explain_cuda(ctx, a, report, n);
 }
 
 /* ---- router logits ---- */

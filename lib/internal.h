@@ -21,7 +21,12 @@ struct moe_tensor {
 enum { MOE_CAPTURE_WORLDS = 4 }; /* worlds one capture may use */
 enum { MOE_SCRATCH_SLOTS = 8 };  /* (device, stream) pairs whose scratch a context keeps at once */
 
+/* The options of moe_ctx_config (lib/core.c holds their names and variables). */
+enum { MOEI_CFG_SCHEDULE_KERNEL, MOEI_CFG_EXPERTS_KERNEL, MOEI_CFG_COUNT };
+enum { MOEI_CFG_LEN = 32 }; /* the longest value, NUL included */
+
 struct moe_ctx {
+  char config[MOEI_CFG_COUNT][MOEI_CFG_LEN]; /* "" means "auto" */
   void *stream;      /* cudaStream_t the stages run on; NULL until set or first needed */
   int owns_stream;   /* created by the library (moeI_cuda_ctx_stream), destroyed at close */
   int stream_device; /* the device of the stream: owned, or bound to a world's rank; -1 unknown */
@@ -68,6 +73,17 @@ int moeI_seterr(moe_ctx *ctx, int code, const char *fmt, ...)
     ;
 /* Clears the message and returns MOE_OK. */
 int moeI_ok(moe_ctx *ctx);
+/* An option's value: "auto" where none was set. */
+const char *moeI_config(const moe_ctx *ctx, int option);
+/* A stage's GPU kernels in the order its selector tries them, ", "-separated ("" in a build
+ * without CUDA): the valid values of its kernel option besides "auto". */
+const char *moeI_schedule_kernels(void);
+const char *moeI_experts_kernels(void);
+/* The report of moe_<stage>_explain (moelab.h) for tensors on the CPU, and on a GPU (the
+ * stage's selector, arguments already checked). */
+int moeI_explain_cpu(moe_ctx *ctx, char *report, size_t n);
+int moeI_schedule_explain_cuda(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n);
+int moeI_experts_explain_cuda(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n);
 
 /* "f32 [2, 3] on cuda:0" into buf; returns buf. */
 const char *moeI_tensor_describe(const moe_tensor *t, char *buf, size_t n);

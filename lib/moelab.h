@@ -76,6 +76,18 @@ MOE_API void *moe_ctx_stream(const moe_ctx *ctx);
 /* Waits for all work issued on the context's stream (a no-op on the CPU). */
 MOE_API int moe_ctx_synchronize(moe_ctx *ctx, moe_device device);
 
+/* ---- a context's configuration: named options with text values ----
+ *   "schedule_kernel"  the GPU kernel moe_schedule runs: "auto" (the default) or a kernel's name
+ *   "experts_kernel"   the GPU kernel moe_experts runs: "auto" or a kernel's name
+ * When a context opens, each option takes the value of its environment variable if that is set
+ * (MOE_SCHEDULE_KERNEL, MOE_EXPERTS_KERNEL); nothing reads the environment after that.  An
+ * unknown option or kernel name is MOE_ERR_ARG, and the message lists the valid ones.  A forced
+ * kernel that cannot take a problem makes the stage fail with MOE_ERR_UNSUPPORTED and the reason;
+ * moe_schedule_explain and moe_experts_explain tell which kernel a call would run and why. */
+MOE_API int moe_ctx_config(moe_ctx *ctx, const char *option, const char *value);
+/* The option's value ("auto" where none was set), or NULL for an unknown option. */
+MOE_API const char *moe_ctx_config_value(const moe_ctx *ctx, const char *option);
+
 /* ---- CUDA graphs: stages issued between begin and end on the context's stream are captured,
  * not run; replay reruns them on whatever the captured tensors hold now.  GPU only. ---- */
 typedef struct moe_graph moe_graph;
@@ -176,6 +188,10 @@ typedef struct moe_schedule_args {
   int layout;                    /* moe_layout */
 } moe_schedule_args;
 MOE_API int moe_schedule(moe_ctx *ctx, const moe_schedule_args *a);
+/* Which kernel moe_schedule would run for a, and why: "<kernel>\n" then one line per candidate in
+ * the order they are tried, "<name>: <verdict>", into report (n bytes, truncated to fit).  The
+ * arguments are checked as moe_schedule checks them; nothing runs.  On the CPU the kernel is "cpu". */
+MOE_API int moe_schedule_explain(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n);
 /* The scheduler moelab's CUDA one replaced (one block per (local expert, source rank)), kept as
  * a benchmark baseline: same arguments and results, roundrobin only, GPU only
  * (MOE_ERR_UNSUPPORTED otherwise). */
@@ -201,6 +217,8 @@ typedef struct moe_experts_args {
   const moe_tensor *w_down;          /* bf16 [EL, H, F] */
 } moe_experts_args;
 MOE_API int moe_experts(moe_ctx *ctx, const moe_experts_args *a);
+/* Which kernel moe_experts would run for a, and why; as moe_schedule_explain. */
+MOE_API int moe_experts_explain(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n);
 
 /* ---- router logits: out f32 [N, E] = x bf16 [N, H] . w bf16 [E, H]^T, f32 accumulation ---- */
 MOE_API int moe_logits(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);

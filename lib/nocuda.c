@@ -71,3 +71,14 @@ int moeI_sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, con
   return NO_CUDA("sigmoid_gate");
 }
 int moeI_combine_cuda(moe_ctx *ctx, const moe_combine_args *a) { (void)a; return NO_CUDA("combine"); }
+
+const char *moeI_schedule_kernels(void) { return ""; }
+const char *moeI_experts_kernels(void) { return ""; }
+int moeI_schedule_explain_cuda(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n) {
+  (void)a, (void)report, (void)n;
+  return NO_CUDA("schedule");
+}
+int moeI_experts_explain_cuda(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n) {
+  (void)a, (void)report, (void)n;
+  return NO_CUDA("experts");
+}

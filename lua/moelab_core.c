@@ -612,6 +612,20 @@ static int l_device_count(lua_State *L) {
   return 1;
 }
 
+/* core.config(option) -> value; core.config(option, value) sets it (moe_ctx_config). */
+static int l_config(lua_State *L) {
+  moe_ctx *ctx = getctx(L);
+  const char *option = luaL_checkstring(L, 1);
+  if (!lua_isnoneornil(L, 2)) {
+    int rc = moe_ctx_config(ctx, option, luaL_checkstring(L, 2));
+    if (rc) return fail(L, ctx, rc);
+  }
+  const char *value = moe_ctx_config_value(ctx, option);
+  if (!value) return luaL_argerror(L, 1, lua_pushfstring(L, "no option '%s'", option));
+  lua_pushstring(L, value);
+  return 1;
+}
+
 static int l_new(lua_State *L) {
   moe_ctx *ctx = getctx(L);
   moe_dtype dtype = check_dtype(L, 1);
@@ -1795,6 +1809,7 @@ static const luaL_Reg graph_methods[] = {
 
 static const luaL_Reg module_funcs[] = {
   {"device_count", l_device_count},
+  {"config", l_config},
   {"new", l_new},
   {"from_table", l_from_table},
   {"is_tensor", l_is_tensor},
