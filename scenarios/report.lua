@@ -1,0 +1,119 @@
+-- The README's results table, regenerated: runs the scenarios and measuring programs that
+-- produce each number, on this machine, and prints one markdown row per measurement.
+--
+--   lua scenarios/report.lua [--devices 0,1,...] [--out FILE]
+--
+-- Without a GPU it reports the CPU rows; with one, the single-GPU rows as well (a few minutes
+-- on an H200); --devices adds the layer over real GPUs.  The experts sweep over presets,
+-- routings and pads has its own report: lua scenarios/experts.lua.  A measurement whose command fails or prints no number shows the failure in its
+-- row; the table is still written, and the exit status is 1.
+local moe = require "moelab"
+local cli = require "moelab.cli"
+
+local opts = cli.parse(arg, {
+  { "devices", "string", nil, "also run the Kimi K2 layer over these GPUs, one rank each" },
+  { "out", "string", nil, "write the table to this file as well" },
+}, "lua scenarios/report.lua: the results table, measured now")
+local out_file = cli.output("out", opts.out)
+local build = os.getenv("MOE_BUILD_DIR") or "build"
+local gpu = moe.default_device() ~= "cpu"
+local lua = arg[-1] or "lua"
+
+-- Runs a shell command; returns its output (stdout and stderr) and whether it exited 0.
+local function run(command)
+  local p = assert(io.popen(command .. " 2>&1"))
+  local text = p:read("a")
+  return text, p:close() == true
+end
+
+-- One pattern's captures from text, formatted; nil when it is absent.
+local function grab(text, pattern, fmt)
+  local caps = { text:match(pattern) }
+  if #caps == 0 then return nil end
+  return string.format(fmt, table.unpack(caps))
+end
+
+local rows, ok = {}, true
+-- A row: what is measured, the command, and how to read the result from its output.  Several rows
+-- may share one command: it runs once.
+local outputs = {}
+local function row(what, command, read, machine)
+  local text, status = outputs[command], nil
+  if not text then
+    text, status = run(command)
+    outputs[command] = status and text or ("FAILED: " .. text)
+  end
+  text = outputs[command]
+  local result = not text:find("^FAILED: ") and read(text) or nil
+  if not result then
+    ok = false
+    local last = text:gsub("%s+$", ""):match("([^\n]*)$") or ""
+    result = "not measured: " .. last:sub(1, 80)
+  end
+  local shown = command:gsub("^" .. lua:gsub("%p", "%%%0") .. " ", "lua "):gsub(build .. "/", "build/")
+  rows[#rows + 1] = { what, result, "`" .. shown .. "`", machine }
+end
+
+local gpu_name = gpu and (run("nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null"):match("[^\n]+")
+  or "a GPU") or nil
+local here = gpu and ("one " .. gpu_name:gsub("^NVIDIA ", "")) or "this machine, CPU only"
+
+-- The layer: stage times, graph time, the check.
+local function layer_result(text)
+  local eager, graph = text:match("\n  total%s+([%d.]+)"), text:match("\n  graph%s+([%d.]+)")
+  local check = text:match("check .-: (%u+)\n")
+  if not eager or not check then return nil end
+  local experts = grab(text, "\n  experts%s+([%d.]+)%s+([%d.]+) TFLOP/s", "; experts %s ms = %s TFLOP/s") or ""
+  return string.format("%s ms a pass%s%s; check %s", eager, graph and (", " .. graph .. " ms as one CUDA graph") or "",
+    experts, check)
+end
+
+row("Kimi K2 layer, 8 ranks simulated" .. (gpu and " on one GPU (8 x 7,168 tokens)" or " (H, F, tokens reduced)"),
+  lua .. " scenarios/kimi.lua", layer_result, here)
+if gpu then
+  row("Kimi K2 layer, decode (8 x 128 tokens)", lua .. " scenarios/kimi.lua --tokens 128", layer_result, here)
+  local function sched(label)
+    return function(text)
+      local pat = "\n" .. label:gsub("%p", "%%%0") .. "[^\n]-([%d.]+)%s+([%d.]+)%s+[%d.]+x"
+      local legacy, ours = text:match(pat)
+      return ours and string.format("%s µs a call (legacy baseline %s)", ours, legacy)
+    end
+  end
+  local s = lua .. " scenarios/scheduler.lua"
+  row("schedule, Kimi K2 rank of EP8 (T 7,168), worst-case capacity", s, sched("Kimi K2"), here)
+  row("schedule, the same at the layer's capacity", s .. " --capacity layer", sched("Kimi K2"), here)
+  row("schedule, E 384 top-8, 512 tokens, EP8", s, function(text)
+    local ours = text:match("\nE 384, top%-8%s+8%s+512[^\n]-([%d.]+)%s+[%d.]+x")
+    return ours and (ours .. " µs a call")
+  end, here)
+  local rdc = build .. "/gpu_tests/test_route_dispatch_combine"
+  row("dispatch gather, Kimi K2 rank 0 of EP8", rdc, function(text)
+    return grab(text, "bench dispatch[^\n]-([%d.]+) ms, ([%d.]+) TB/s", "%s ms, %s TB/s (bytes read + written)")
+  end, here)
+  row("combine, 7,168 tokens x 8 routes x 7168", rdc, function(text)
+    return grab(text, "bench combine[^\n]-([%d.]+) ms, ([%d.]+) TB/s", "%s ms, %s TB/s")
+  end, here)
+  local ex = build .. "/gpu_tests/test_experts_gpu --bench-only"
+  row("experts (gate_up + SwiGLU + down), Kimi K2 rank of EP8, 57,344 rows", ex, function(text)
+    return grab(text, "Kimi K2 rank of EP8[^\n]-median ([%d.]+) ms[^\n]-= ([%d.]+) TFLOP/s",
+      "%s ms = %s TFLOP/s (median of back-to-back passes)")
+  end, here)
+  row("experts, decode: 48 experts x 8 rows", ex, function(text)
+    return grab(text, "decode[^\n]-median ([%d.]+) ms[^\n]-= (%d+) GB/s", "%s ms = %s GB/s of weights read")
+  end, here)
+end
+if opts.devices then
+  local n = select(2, opts.devices:gsub(",", "")) + 1
+  row(string.format("Kimi K2 layer over %d GPUs, one rank each", n),
+    lua .. " scenarios/kimi.lua --devices " .. opts.devices, layer_result, string.format("%d GPUs", n))
+end
+
+local lines = { "| what | result | command | machine |", "|---|---|---|---|" }
+for _, r in ipairs(rows) do lines[#lines + 1] = "| " .. table.concat(r, " | ") .. " |" end
+local text = table.concat(lines, "\n") .. "\n"
+io.write(text)
+if out_file then
+  out_file:write(text)
+  out_file:close()
+end
+os.exit(ok and 0 or 1)
