@@ -16,15 +16,16 @@ local function describe(v)
 end
 args.describe = describe
 
--- level 3 = the caller of the front-end function that called us
-function args.fail(fname, msg, level)
-  error(string.format("bad argument #1 to '%s' (%s)", fname, msg), (level or 2) + 1)
-end
-
 -- Raises msg at the first frame outside the front-end (a file in a "moelab" directory): the
 -- user's line, however deep in the front-end the failure was found; without a position where a
--- C function (a pcall) stands between, whose catcher adds one.  The binding's own rule (C).
+-- C function (a pcall) stands between, whose catcher adds one.  The binding's own rule (C), the
+-- one way the front-end raises.
 args.raise = core.raise
+
+-- An argument error of the front-end function fname, as Lua's own library words them.
+function args.fail(fname, msg)
+  core.raise(string.format("bad argument #1 to '%s' (%s)", fname, msg))
+end
 
 local function is_tensor(v)
   local mt = getmetatable(v)
