@@ -78,7 +78,7 @@ end
 function moe.dispatch(o)
   args.options("dispatch", o, { x = "tensor", schedule = "table", k = "integer", zero_fill = "boolean", out = "tensor" },
     { "x", "schedule" })
-  local s = check_schedule("dispatch", "schedule", o.schedule, 2)
+  local s = check_schedule("dispatch", "schedule", o.schedule)
   local x = args.tensor("dispatch", "x", o.x, "bf16", { false, false, false })
   if x.shape[1] ~= s.world or x.shape[2] ~= s.tokens then
     args.fail("dispatch", string.format("option 'x' is %s but the schedule was made for %d ranks of %d tokens",
@@ -138,7 +138,7 @@ function moe.combine(o)
   end
   local schedules = o.schedules or { o.schedule }
   local ys = o.ys or { o.y }
-  local s1 = check_schedule("combine", "schedules[1]", schedules[1], 2)
+  local s1 = check_schedule("combine", "schedules[1]", schedules[1])
   local W = s1.world
   if #schedules ~= W then
     args.fail("combine", string.format("a world of %d ranks needs %d schedules, got %d", W, W, #schedules))
@@ -146,7 +146,7 @@ function moe.combine(o)
   if #ys ~= W then args.fail("combine", string.format("a world of %d ranks needs %d expert outputs (ys), got %d", W, W, #ys)) end
   local route_rows, H = {}, nil
   for i = 1, W do
-    local s = check_schedule("combine", "schedules[" .. i .. "]", schedules[i], 2)
+    local s = check_schedule("combine", "schedules[" .. i .. "]", schedules[i])
     if s.rank ~= i - 1 or s.world ~= W or s.tokens ~= s1.tokens or s.k ~= s1.k or s.experts ~= s1.experts then
       args.fail("combine", string.format("schedules[%d] must be rank %d's schedule of the same ids (%d ranks, %d tokens, "
         .. "top-%d, %d experts), got rank %d of %d ranks, %d tokens, top-%d, %d experts", i, i - 1, W, s1.tokens,
