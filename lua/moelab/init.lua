@@ -196,6 +196,7 @@ moe.bench = require "moelab.bench"
 moe.models = require "moelab.models"
 local world = require "moelab.world"
 moe.world, moe.World, moe.Exchange, moe.world_unique_id = world.new, world.World, world.Exchange, world.unique_id
-moe.layer = require("moelab.layer")(moe)
+moe.Layer = require "moelab.layer"
+moe.layer = moe.Layer.new
 
 return moe
