@@ -24,15 +24,15 @@ local check_schedule = schedule.check_schedule
 
 -- ---------------------------------------------------------------- tensors
 
-local function check_shape(fname, shape, level)
+local function check_shape(fname, shape)
   if type(shape) ~= "table" then
-    args.fail(fname, "shape must be a table of sizes, got " .. args.describe(shape), level + 1)
+    args.fail(fname, "shape must be a table of sizes, got " .. args.describe(shape))
   end
-  if #shape > 4 then args.fail(fname, "at most 4 dimensions, got " .. #shape, level + 1) end
+  if #shape > 4 then args.fail(fname, "at most 4 dimensions, got " .. #shape) end
   for i = 1, #shape do -- not ipairs: it would stop at a hole ({2, nil, 3})
     local d = shape[i]
     if type(d) ~= "number" or not math.tointeger(d) or d < 0 then -- 2.0 counts, as for every integer option
-      args.fail(fname, string.format("shape[%d] must be a non-negative integer, got %s", i, args.describe(d)), level + 1)
+      args.fail(fname, string.format("shape[%d] must be a non-negative integer, got %s", i, args.describe(d)))
     end
   end
   local n = 1 -- the dimensions other than 0 multiplied, as the library bounds them
@@ -41,7 +41,7 @@ local function check_shape(fname, shape, level)
     if d > 0 then n = d <= 2 ^ 40 / n and n * d or math.huge end -- a float quotient: no wrap
     if n > 2 ^ 40 then
       args.fail(fname, string.format("shape %s has more than 2^40 elements (the dimensions other than 0 multiplied)",
-        args.shape_str(shape)), level + 1)
+        args.shape_str(shape)))
     end
   end
   return shape
@@ -49,18 +49,18 @@ end
 
 function moe.tensor(data, opts)
   opts = args.options("tensor", opts or {}, { dtype = DTYPES, device = "device", shape = "table" })
-  if opts.shape then check_shape("tensor", opts.shape, 2) end
+  if opts.shape then check_shape("tensor", opts.shape) end
   return core.from_table(data, opts.dtype or "f32", opts.device or "cpu", opts.shape)
 end
 
 function moe.zeros(shape, opts)
-  check_shape("zeros", shape, 2)
+  check_shape("zeros", shape)
   opts = args.options("zeros", opts or {}, { dtype = DTYPES, device = "device" })
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu")
 end
 
 function moe.full(shape, value, opts)
-  check_shape("full", shape, 2)
+  check_shape("full", shape)
   if type(value) ~= "number" then args.fail("full", "value must be a number, got " .. args.describe(value)) end
   opts = args.options("full", opts or {}, { dtype = DTYPES, device = "device" })
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu"):fill(value)
@@ -68,7 +68,7 @@ end
 
 -- Same seed, same values on every device (see moe_tensor_randn in moelab.h).
 function moe.randn(shape, opts)
-  check_shape("randn", shape, 2)
+  check_shape("randn", shape)
   opts = args.options("randn", opts or {}, { dtype = { "f32", "bf16" }, device = "device", seed = "integer", std = "number" })
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu"):randn(opts.seed or 0, opts.std or 1.0)
 end

@@ -9,33 +9,32 @@ local SCORING = { "softmax", "sigmoid", "sqrtsoftplus" }
 -- The routing options k, scoring, groups, topk_groups, scale of o checked against E experts,
 -- for fname (route, or a layer when it is built); returns scoring, groups, topk_groups, scale
 -- with their defaults.
-function route.options(fname, E, o, level)
-  level = (level or 2) + 1
+function route.options(fname, E, o)
   local scoring = o.scoring or "softmax"
   local groups = o.groups or 1
-  args.range(fname, "k", o.k, 1, E, level)
-  args.range(fname, "groups", groups, 1, E, level)
+  args.range(fname, "k", o.k, 1, E)
+  args.range(fname, "groups", groups, 1, E)
   if E % groups ~= 0 then
-    args.fail(fname, string.format("option 'groups' (%d) must divide the number of experts (%d)", groups, E), level)
+    args.fail(fname, string.format("option 'groups' (%d) must divide the number of experts (%d)", groups, E))
   end
   if groups > 1 and scoring ~= "sigmoid" then
-    args.fail(fname, string.format("option 'groups' (%d) needs scoring = 'sigmoid', got '%s'", groups, scoring), level)
+    args.fail(fname, string.format("option 'groups' (%d) needs scoring = 'sigmoid', got '%s'", groups, scoring))
   end
   local topk_groups = o.topk_groups or groups
-  args.range(fname, "topk_groups", topk_groups, 1, groups, level)
+  args.range(fname, "topk_groups", topk_groups, 1, groups)
   if o.k > topk_groups * (E // groups) then
     args.fail(fname, string.format("option 'k' (%d) exceeds the %d experts in the %d kept groups",
-      o.k, topk_groups * (E // groups), topk_groups), level)
+      o.k, topk_groups * (E // groups), topk_groups))
   end
   local scale = o.scale or 1.0
   -- applied as an f32: it must stay finite and nonzero there (FLT_MIN .. FLT_MAX)
   if not (scale >= 0x1p-126 and scale <= 0x1.fffffep127) then
     args.fail(fname, "option 'scale' must be a finite number > 0 that an f32 holds (2^-126 .. 3.4e38), got "
-      .. args.describe(scale), level)
+      .. args.describe(scale))
   end
   if scale ~= 1 and scoring == "softmax" then -- the kernels ignore it there: say so rather than drop it
     args.fail(fname, string.format("option 'scale' (%s) needs scoring = 'sigmoid' or 'sqrtsoftplus': softmax's "
-      .. "weights are renormalised to sum 1", args.describe(scale)), level)
+      .. "weights are renormalised to sum 1", args.describe(scale)))
   end
   return scoring, groups, topk_groups, scale
 end
@@ -62,9 +61,9 @@ function route.route(o)
     scoring = scoring, groups = groups, topk_groups = topk_groups, scale = scale }
   local st = stats:flat()
   if st[1] > 0 and o.nan ~= "mask" then
-    error(string.format("route: logits contain NaN or cannot be scored in %d row%s (a NaN, a +inf, a softmax row of "
+    args.raise(string.format("route: logits contain NaN or cannot be scored in %d row%s (a NaN, a +inf, a softmax row of "
       .. "-inf, a NaN score with the bias), the first is row %d (0-based) of %d; pass nan = 'mask' to route such rows "
-      .. "nowhere", st[1], st[1] == 1 and "" or "s", st[2], N), 2)
+      .. "nowhere", st[1], st[1] == 1 and "" or "s", st[2], N))
   end
   return ids, weights, { nan_rows = st[1] }
 end

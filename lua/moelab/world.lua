@@ -24,8 +24,8 @@ local world = {}
 local World = { __name = "moelab.WorldFrontEnd" }
 World.__index = World
 
--- Errors found while opening are raised as {msg} and rethrown at the caller's line.
-local function bad(fmt, ...) error({ msg = string.format(fmt, ...) }, 0) end
+-- An argument error of moe.world (at the caller's line, as every front-end error).
+local function bad(fmt, ...) args.fail("world", string.format(fmt, ...)) end
 
 local function hex_problem(s)
   if #s ~= ID_DIGITS then
@@ -67,7 +67,7 @@ local function id_from_file(path, rank, wait)
     if not ok then
       out:close()
       os.remove(tmp)
-      error(id, 0)
+      args.raise(id)
     end
     out:write(id, "\n")
     out:close()
@@ -130,7 +130,7 @@ end
 
 local function open(o)
   args.options("world", o, { devices = "table", rank = "integer", size = "integer", device = "integer",
-    id = "string", id_file = "string", id_wait = "number", from_env = "boolean" }, nil, 3)
+    id = "string", id_file = "string", id_wait = "number", from_env = "boolean" })
   local copy = {}
   for k, v in pairs(o) do copy[k] = v end
   o = copy
@@ -184,17 +184,12 @@ local function open(o)
   -- the init is collective: once it returns every rank has joined, and so read the file
   local ok, h = pcall(core.world_open_rank, o.rank, o.size, o.device, id)
   if made then os.remove(o.id_file) end
-  if not ok then error(h, 0) end
+  if not ok then args.raise(h) end
   return h
 end
 
 local function new_world(o)
-  local ok, h = pcall(open, o)
-  if not ok then
-    if type(h) == "table" then args.fail("world", h.msg, 2) end
-    -- a failure of the library (no GPU, NCCL): pointed at the caller's line, not this file's
-    error((tostring(h):gsub("^[^\n]-world%.lua:%d+: ", "")), 2)
-  end
+  local h = open(o)
   local self = setmetatable({ handle = h, size = h:size(), ranks = h:ranks(), devices = h:devices() }, World)
   self.local_count = #self.ranks
   self.rank = self.ranks[1] -- the first (with one rank per process: the) rank of this process
@@ -204,29 +199,22 @@ local function new_world(o)
 end
 
 -- One value per local rank: v itself when this process holds one rank and v is not a list.
-local function per_rank(self, fname, name, v, is_one, level)
-  level = level or 3
+local function per_rank(self, fname, name, v, is_one)
   if is_one(v) then
     if self.local_count ~= 1 then
       args.fail(fname, string.format("option '%s' needs one value per local rank (%d), got one", name,
-        self.local_count), level)
+        self.local_count))
     end
     return { v }, true
   end
   if type(v) ~= "table" or #v ~= self.local_count then
     args.fail(fname, string.format("option '%s' must be a list of %d (one per local rank), got %s", name,
-      self.local_count, args.describe(v)), level)
+      self.local_count, args.describe(v)))
   end
   return v, false
 end
 local function is_tensor(v) return args.is_tensor(v) end
 
--- h:method(...) with its error raised at the user's line (args.raise), not here.
-local function call(h, method, ...)
-  local res = table.pack(pcall(h[method], h, ...))
-  if not res[1] then args.raise((tostring(res[2]):gsub("^[^\n]-world%.lua:%d+: ", ""))) end
-  return table.unpack(res, 2, res.n)
-end
 
 function World:__tostring() return tostring(self.handle) end
 function World:close() self.handle:close() end
@@ -234,11 +222,11 @@ World.__close = World.close
 -- Points the module's context at local rank i's stream (1-based, default 1): the stages
 -- then run in order with the exchanges, and a capture takes both.
 function World:bind(i)
-  call(self.handle, "bind", i or 1)
+  self.handle:bind(i or 1)
   return self
 end
 function World:unbind()
-  call(self.handle, "unbind")
+  self.handle:unbind()
   return self
 end
 
@@ -247,20 +235,20 @@ function World:allgather_ids(ids, out)
   local list, one = per_rank(self, "allgather_ids", "ids", ids, is_tensor)
   local outs = {}
   if out ~= nil and not is_tensor(out) and type(out) ~= "table" then
-    args.fail("allgather_ids", "out must be a tensor or a list of one per local rank, got " .. args.describe(out), 2)
+    args.fail("allgather_ids", "out must be a tensor or a list of one per local rank, got " .. args.describe(out))
   end
   if is_tensor(out) and #list ~= 1 then
-    args.fail("allgather_ids", string.format("out must be a list of %d tensors (one per local rank)", #list), 2)
+    args.fail("allgather_ids", string.format("out must be a list of %d tensors (one per local rank)", #list))
   end
   for i, t in ipairs(list) do
-    args.tensor("allgather_ids", "ids", t, "i32", { false, false }, 2)
+    args.tensor("allgather_ids", "ids", t, "i32", { false, false })
     local want = { self.size, t.shape[1], t.shape[2] }
     local o = out
     if o ~= nil and not is_tensor(o) then o = o[i] end -- a list of outputs, or the one tensor
-    outs[i] = o and args.tensor("allgather_ids", string.format("out[%d]", i), o, "i32", want, 2)
+    outs[i] = o and args.tensor("allgather_ids", string.format("out[%d]", i), o, "i32", want)
       or core.new("i32", want, t.device)
   end
-  call(self.handle, "allgather_ids", outs, list)
+  self.handle:allgather_ids(outs, list)
   return one and outs[1] or outs
 end
 
@@ -275,7 +263,7 @@ function World:check_config(cfg)
     full[i].world = full[i].world or self.size
     full[i].version = full[i].version or core.version_number
   end
-  call(self.handle, "check_config", full)
+  self.handle:check_config(full)
   return self
 end
 
@@ -287,13 +275,13 @@ end
 -- The calls of dispatch per local rank; the all-gather exchange (direct = false) also takes
 -- x_all, every rank's tokens.
 local function dispatch_calls(self, o, direct)
-  local list, one = per_rank(self, "dispatch", "arguments", o, is_args, 4)
+  local list, one = per_rank(self, "dispatch", "arguments", o, is_args)
   local calls, outs, alls = {}, {}, {}
   for i, a in ipairs(list) do
     args.options("dispatch", a, { x = "tensor", schedule = "table", out = "tensor", x_all = not direct and "tensor" or nil,
-      zero_fill = "boolean" }, { "x", "schedule" }, 3)
+      zero_fill = "boolean" }, { "x", "schedule" })
     local s = a.schedule
-    local x = args.tensor("dispatch", "x", a.x, "bf16", { s.tokens, false }, 3)
+    local x = args.tensor("dispatch", "x", a.x, "bf16", { s.tokens, false })
     local H = x.shape[2]
     outs[i] = a.out or core.new("bf16", { s.capacity, H }, x.device)
     if not direct then alls[i] = a.x_all or core.new("bf16", { self.size, s.tokens, H }, x.device) end
@@ -307,7 +295,7 @@ end
 -- zero_fill=} per local rank -> xs bf16 [C, H] (and x_all, every rank's tokens).
 function World:dispatch(o)
   local calls, outs, alls, one = dispatch_calls(self, o, false)
-  call(self.handle, "dispatch", calls)
+  self.handle:dispatch(calls)
   if one then return outs[1], alls[1] end
   return outs, alls
 end
@@ -326,17 +314,17 @@ local function combine_scratch(self, TK, H, dev)
 end
 
 local function combine_calls(self, o, direct)
-  local list, one = per_rank(self, "combine", "arguments", o, is_args, 4)
+  local list, one = per_rank(self, "combine", "arguments", o, is_args)
   local calls, outs = {}, {}
   for i, a in ipairs(list) do
     args.options("combine", a, { schedule = "table", y = "tensor", weights = "tensor", ids = "tensor", out = "tensor",
-      dtype = { "bf16", "f32" }, shared = "tensor", shared_gate = "tensor" }, { "schedule", "y", "weights" }, 3)
+      dtype = { "bf16", "f32" }, shared = "tensor", shared_gate = "tensor" }, { "schedule", "y", "weights" })
     local s = a.schedule
-    local y = args.tensor("combine", "y", a.y, "bf16", { s.capacity, false }, 3)
+    local y = args.tensor("combine", "y", a.y, "bf16", { s.capacity, false })
     local T, K, H = s.tokens, s.k, y.shape[2]
-    args.tensor("combine", "weights", a.weights, "f32", { T, K }, 3)
+    args.tensor("combine", "weights", a.weights, "f32", { T, K })
     local ids = a.ids or s.ids:select(s.rank + 1)
-    args.same_dtype("combine", a.out, a.dtype, 3)
+    args.same_dtype("combine", a.out, a.dtype)
     outs[i] = a.out or core.new(a.dtype or "bf16", { T, H }, y.device)
     calls[i] = { out = outs[i], weights = a.weights, ids = ids, ys = y, route_row = s.route_row,
       experts = s.experts, shared = a.shared, shared_gate = a.shared_gate }
@@ -354,7 +342,7 @@ end
 -- per local rank -> out [T, H]: the same bits as moe.combine over a simulated world.
 function World:combine(o)
   local calls, outs, one = combine_calls(self, o, false)
-  call(self.handle, "combine", calls)
+  self.handle:combine(calls)
   return one and outs[1] or outs
 end
 
@@ -371,20 +359,20 @@ Exchange.__index = Exchange
 function World:exchange(o)
   args.options("exchange", o, { tokens = "integer", k = "integer", hidden = "integer", capacity = "integer" },
     { "tokens", "k", "hidden", "capacity" })
-  local h, x, ys = call(self.handle, "exchange", o.tokens, o.k, o.hidden, o.capacity)
+  local h, x, ys = self.handle:exchange(o.tokens, o.k, o.hidden, o.capacity)
   return setmetatable({ handle = h, world = self, x = x, ys = ys, tokens = o.tokens, k = o.k, hidden = o.hidden,
     capacity = o.capacity }, Exchange)
 end
 
 function Exchange:dispatch(o)
   local calls, outs, _, one = dispatch_calls(self.world, o, true)
-  call(self.handle, "dispatch", calls)
+  self.handle:dispatch(calls)
   return one and outs[1] or outs
 end
 
 function Exchange:combine(o)
   local calls, outs, one = combine_calls(self.world, o, true)
-  call(self.handle, "combine", calls)
+  self.handle:combine(calls)
   return one and outs[1] or outs
 end
 
