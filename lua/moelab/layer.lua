@@ -137,7 +137,7 @@ local function resolve(o)
   if real and o.device ~= nil then
     args.fail("layer", "a layer over a moe.world puts each rank on its own GPU: drop option 'device'")
   end
-  local device = o.device or moe_device.default_device()
+  local device = not real and (o.device or moe_device.default_device()) or nil
   if device == "cuda" then device = "cuda:0" end -- as its tensors will name it
   return {
     cfg = cfg, world = W, tokens = T, experts = E, local_experts = EL, k = K, hidden = H, ffn = F,
@@ -226,7 +226,7 @@ end
 
 -- Nothing waits on another process: the first rank's error is raised at once.
 function Simulated:agree(own)
-  for j = 1, #self.held do if own[j] then error(own[j], 0) end end
+  for j = 1, #self.held do if own[j] then args.raise(own[j]) end end
 end
 
 function Simulated:dispatch(layer, x)
@@ -383,14 +383,14 @@ function Real:agree(own)
   local verdicts, all = {}, {}
   for i, sh in ipairs(self.shards) do verdicts[i], all[i] = sh.verdict, sh.verdicts end
   self.group:allgather_ids(verdicts, all)
-  for i = 1, #self.shards do if own[i] then error(own[i], 0) end end
+  for i = 1, #self.shards do if own[i] then args.raise(own[i]) end end
   self.group:bind(1)
   local v = self.shards[1].verdicts:flat()
   for r = 0, #v // 2 - 1 do
     if v[2 * r + 1] > 0 or v[2 * r + 2] > 0 then
-      error(string.format("layer: rank %d stopped this forward (%s); its own error says why", r,
+      args.raise(string.format("layer: rank %d stopped this forward (%s); its own error says why", r,
         v[2 * r + 1] > 0 and "router logits with NaN or unscorable rows" or "its schedule: capacity overflow or "
-        .. "invalid ids"), 0)
+        .. "invalid ids"))
     end
   end
 end
@@ -430,6 +430,13 @@ function Real:describe(layer)
 end
 
 -- ---------------------------------------------------------------- the layer
+
+-- A buffer of every shard, in shard order.
+local function shard_list(self, name)
+  local list = {}
+  for i, sh in ipairs(self.shards) do list[i] = sh[name] end
+  return list
+end
 
 -- The buffers of a shard and of a held rank, under the names the layer shows them by: one
 -- tensor each in a simulated world (its one shard), a list of one per local rank in a real one.
@@ -480,9 +487,8 @@ function Layer.new(o)
   for _, sh in ipairs(self.shards) do sh.out = core.new("bf16", dims(sh.lead, H), sh.device) end
   space:connect(self)
   for _, name in ipairs(SHARD_FIELDS) do
-    local list = {}
-    for i, sh in ipairs(self.shards) do list[i] = sh[name] end
-    if space.lists then self[name] = list else self[name] = list[1] end
+    local list = shard_list(self, name)
+    self[name] = space.lists and list or list[1]
   end
   for name, key in pairs(HELD_FIELDS) do
     self[name] = {}
@@ -495,8 +501,8 @@ end
 local function on_ranks(self, fn)
   local ok, res = pcall(fn)
   local released, rerr = pcall(self.space.release, self.space)
-  if not ok then error(res, 0) end
-  if not released then error(rerr, 0) end
+  if not ok then args.raise(tostring(res)) end
+  if not released then args.raise(tostring(rerr)) end
   return res
 end
 
@@ -637,7 +643,7 @@ function Layer:forward(x, o)
   if o.logits then given.logits = space:inputs(self, "forward", "logits", o.logits, "f32", sh.logits.shape) end
   self.forwarded = false -- until this pass completes the buffers hold part of it
   local ok, res = pcall(on_ranks, self, function() return run(self, x, given) end)
-  if not ok then args.raise(res) end
+  if not ok then args.raise(tostring(res)) end
   return res
 end
 
@@ -698,12 +704,6 @@ local function skip_invalid(ids, E)
     if e ~= -1 and (e < 0 or e >= E) then flat[i], any = -1, true end
   end
   return any and core.from_table(flat, "i32", "cpu"):view(0, ids.shape) or ids
-end
-
-local function shard_list(self, name)
-  local list = {}
-  for i, sh in ipairs(self.shards) do list[i] = sh[name] end
-  return list
 end
 
 -- The dense f32 reference on the CPU of the local tokens (nil: all), independent of any
