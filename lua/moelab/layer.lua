@@ -166,8 +166,7 @@ end
 
 -- lead's sizes followed by the others: {W, T} or {T} then K, H, ...
 local function dims(lead, ...)
-  local s = table.pack(table.unpack(lead))
-  s.n = nil
+  local s = { table.unpack(lead) }
   for _, d in ipairs { ... } do s[#s + 1] = d end
   return s
 end
@@ -179,7 +178,8 @@ local function as_rows(t)
   return t:view(0, { s[1] * s[2], s[3] })
 end
 
-local function nan_where(self, sh)
+-- " of rank r" for a shard of one rank's tokens; nothing for the simulated world's shard of all.
+local function rank_label(sh)
   return sh.rank and string.format(" of rank %d", sh.rank) or ""
 end
 
@@ -575,7 +575,7 @@ local function run(self, x, o)
       nan[i] = st[1]
       if st[1] > 0 then
         own[i] = string.format("layer: route: router logits contain NaN or cannot be scored (+inf, all -inf) in %d "
-          .. "rows%s, the first is token %d%s", st[1], nan_where(self, sh), st[2] % self.tokens,
+          .. "rows%s, the first is token %d%s", st[1], rank_label(sh), st[2] % self.tokens,
           sh.rank and "" or string.format(" of rank %d", st[2] // self.tokens))
       end
     end
@@ -822,16 +822,14 @@ end
 -- a replay) this is the check.
 local function policy_error(self)
   return on_ranks(self, function()
-    for i, sh in ipairs(self.shards) do
+    for i = 1, math.max(#self.shards, #self.held) do -- shard i and held rank i share a device
       self.space:bind(i)
-      local st = self.routed and self.nan == "error" and sh.route_stats:flat() or { 0 }
+      local sh, h = self.shards[i], self.held[i]
+      local st = sh and self.routed and self.nan == "error" and sh.route_stats:flat() or { 0 }
       if st[1] > 0 then
         return string.format("layer: route: router logits contained NaN or could not be scored (+inf, all -inf) in "
-          .. "%d rows%s (those tokens were routed nowhere)", st[1], nan_where(self, sh))
+          .. "%d rows%s (those tokens were routed nowhere)", st[1], rank_label(sh))
       end
-    end
-    for j, h in ipairs(self.held) do
-      self.space:bind(j)
       local ok, err = pcall(h.schedule.check, h.schedule)
       if not ok then return "layer: " .. tostring(err) end
     end
