@@ -35,7 +35,7 @@ local json_file = cli.output("json", opts.json)
 local dev = opts.device
 local function capacity_of(c)
   if opts.capacity == "worst" then return nil end
-  if opts.capacity == "layer" then return 2 * c.T * c.model.k + c.model.experts // c.W * opts.pad end
+  if opts.capacity == "layer" then return "twice_mean" end -- moe.layer's default
   local n = math.tointeger(tonumber(opts.capacity))
   if not n or n < 0 then cli.fail("--capacity must be worst, layer or a number of rows >= 0, got " .. opts.capacity) end
   return n

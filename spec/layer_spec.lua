@@ -393,3 +393,50 @@ for _, dev in ipairs(ALL_DEVICES) do
     end)
   end)
 end
+
+describe("the layer module [#cpu]", function()
+  local tiny = { name = "tiny", experts = 4, k = 2, hidden = 16, ffn = 8 }
+
+  it("is a class that init.lua re-exports, the one every world's layer is made of", function()
+    local Layer = require "moelab.layer"
+    assert.are.equal("table", type(Layer))
+    assert.are.equal(moe.Layer, Layer)
+    assert.are.equal(Layer.new, moe.layer)
+    assert.are.equal(Layer, getmetatable(moe.layer { model = tiny, world = 2, tokens = 2, device = "cpu" }))
+  end)
+
+  it("takes its capacity as rows or as a named policy, twice the mean by default", function()
+    local W, T, K, pad = 2, 3, 2, 4
+    local function capacity(c)
+      return moe.layer({ model = tiny, world = W, tokens = T, pad = pad, capacity = c, device = "cpu" }).capacity
+    end
+    local EL = tiny.experts // W
+    assert.are.equal(2 * T * K + EL * pad, capacity(nil))
+    assert.are.equal(2 * T * K + EL * pad, capacity("twice_mean"))
+    assert.are.equal(W * T * K + EL * (pad - 1), capacity("worst"))
+    assert.are.equal(17, capacity(17))
+    assert.are.equal(17, capacity(17.0))
+    for _, bad in ipairs { "most", 1.5, true } do
+      local ok, err = pcall(capacity, bad)
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find("option 'capacity' must be", 1, true), tostring(err))
+      assert.truthy(tostring(err):find("layer_spec%.lua:%d+:"), tostring(err))
+    end
+    -- the same policies name a schedule's rows, worst case by default
+    local ids = moe.zeros({ W, T, K }, { dtype = "i32" })
+    local s = moe.schedule { ids = ids, experts = tiny.experts, pad = pad }
+    assert.are.equal(W * T * K + EL * (pad - 1), s.capacity)
+    s = moe.schedule { ids = ids, experts = tiny.experts, pad = pad, capacity = "twice_mean" }
+    assert.are.equal(2 * T * K + EL * pad, s.capacity)
+  end)
+
+  it("draws its weights from the seed and the rank alone, not the tokens", function()
+    local a = moe.layer { model = tiny, world = 2, tokens = 2, device = "cpu", seed = 7 }
+    local b = moe.layer { model = tiny, world = 2, tokens = 5, device = "cpu", seed = 7 }
+    assert.tensor_equal(a.w_router, b.w_router)
+    for r = 1, 2 do
+      assert.tensor_equal(a.w_gate_up[r], b.w_gate_up[r])
+      assert.tensor_equal(a.w_down[r], b.w_down[r])
+    end
+  end)
+end)

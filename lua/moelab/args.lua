@@ -16,15 +16,16 @@ local function describe(v)
 end
 args.describe = describe
 
--- level 3 = the caller of the front-end function that called us
-function args.fail(fname, msg, level)
-  error(string.format("bad argument #1 to '%s' (%s)", fname, msg), (level or 2) + 1)
-end
-
 -- Raises msg at the first frame outside the front-end (a file in a "moelab" directory): the
 -- user's line, however deep in the front-end the failure was found; without a position where a
--- C function (a pcall) stands between, whose catcher adds one.  The binding's own rule (C).
+-- C function (a pcall) stands between, whose catcher adds one.  The binding's own rule (C), the
+-- one way the front-end raises.
 args.raise = core.raise
+
+-- An argument error of the front-end function fname, as Lua's own library words them.
+function args.fail(fname, msg)
+  core.raise(string.format("bad argument #1 to '%s' (%s)", fname, msg))
+end
 
 local function is_tensor(v)
   local mt = getmetatable(v)
@@ -73,37 +74,36 @@ local function sorted_keys(t)
 end
 
 -- Options 'dtype' and 'out' together must agree: the output's own dtype is what a stage writes.
-function args.same_dtype(fname, out, dtype, level)
+function args.same_dtype(fname, out, dtype)
   if out and is_tensor(out) and out.closed then
-    args.fail(fname, "option 'out' is a closed moelab.Tensor", (level or 2) + 1)
+    args.fail(fname, "option 'out' is a closed moelab.Tensor")
   end
   if out and dtype and out.dtype ~= dtype then
-    args.fail(fname, string.format("option 'dtype' is '%s' but option 'out' is %s", dtype, out.dtype), (level or 2) + 1)
+    args.fail(fname, string.format("option 'dtype' is '%s' but option 'out' is %s", dtype, out.dtype))
   end
 end
 
 -- Checks an options table against spec = {name = kind, ...}; required = {name, ...}.
 -- Unknown keys are errors: a typo must not be silently ignored.  Returns opts.
-function args.options(fname, opts, spec, required, level)
-  level = (level or 2) + 1
+function args.options(fname, opts, spec, required)
   if type(opts) ~= "table" or is_tensor(opts) then
-    args.fail(fname, "expected a table of options, got " .. (is_tensor(opts) and "a moelab.Tensor" or type(opts)), level)
+    args.fail(fname, "expected a table of options, got " .. (is_tensor(opts) and "a moelab.Tensor" or type(opts)))
   end
   for k, v in pairs(opts) do
     local kind = spec[k]
     if kind == nil then
       args.fail(fname, string.format("unknown option '%s'; expected one of: %s", tostring(k),
-        table.concat(sorted_keys(spec), ", ")), level)
+        table.concat(sorted_keys(spec), ", ")))
     end
     if not matches(kind, v) then
-      args.fail(fname, string.format("option '%s' must be %s, got %s", k, expected(kind), describe(v)), level)
+      args.fail(fname, string.format("option '%s' must be %s, got %s", k, expected(kind), describe(v)))
     end
   end
   for _, k in ipairs(required or {}) do
     if opts[k] == nil then
       -- an "any" option is checked by its function, which says what it takes
       args.fail(fname, spec[k] == "any" and string.format("option '%s' is required", k)
-        or string.format("option '%s' is required (%s)", k, expected(spec[k])), level)
+        or string.format("option '%s' is required (%s)", k, expected(spec[k])))
     end
   end
   for k, v in pairs(opts) do
@@ -113,14 +113,14 @@ function args.options(fname, opts, spec, required, level)
 end
 
 -- A range check for an integer or number option that is present.
-function args.range(fname, name, v, lo, hi, level)
+function args.range(fname, name, v, lo, hi)
   if v == nil then return end
   if v ~= v or (lo and v < lo) or (hi and v > hi) then -- NaN passes no comparison: refused too
     local want
     if lo and hi then want = string.format("between %s and %s", lo, hi)
     elseif lo then want = string.format(">= %s", lo)
     else want = string.format("<= %s", hi) end
-    args.fail(fname, string.format("option '%s' must be %s, got %s", name, want, describe(v)), (level or 2) + 1)
+    args.fail(fname, string.format("option '%s' must be %s, got %s", name, want, describe(v)))
   end
 end
 
@@ -132,12 +132,11 @@ function args.shape_str(shape)
 end
 
 -- Checks a tensor's dtype and shape (a nil in want_shape matches any size).
-function args.tensor(fname, name, t, dtype, want_shape, level)
-  level = (level or 2) + 1
+function args.tensor(fname, name, t, dtype, want_shape)
   if not is_tensor(t) then
-    args.fail(fname, string.format("option '%s' must be a moelab.Tensor, got %s", name, describe(t)), level)
+    args.fail(fname, string.format("option '%s' must be a moelab.Tensor, got %s", name, describe(t)))
   end
-  if t.closed then args.fail(fname, string.format("option '%s' is a closed moelab.Tensor", name), level) end
+  if t.closed then args.fail(fname, string.format("option '%s' is a closed moelab.Tensor", name)) end
   local ok = (dtype == nil or t.dtype == dtype)
   local shape = t.shape
   if want_shape then
@@ -152,22 +151,22 @@ function args.tensor(fname, name, t, dtype, want_shape, level)
       w[i] = (want_shape[i] == nil or want_shape[i] == false) and "_" or tostring(want_shape[i])
     end
     args.fail(fname, string.format("option '%s' must be %s%s, got %s", name, dtype or "a tensor",
-      want_shape and (" [" .. table.concat(w, ", ") .. "]") or "", tostring(t)), level)
+      want_shape and (" [" .. table.concat(w, ", ") .. "]") or "", tostring(t)))
   end
   return t
 end
 
 -- All tensors named in names (fields of opts; nil ones skipped) live on one device; returns it.
-function args.same_device(fname, opts, names, level)
+function args.same_device(fname, opts, names)
   local dev, first
   for _, name in ipairs(names) do
     local t = opts[name]
     if is_tensor(t) then
-      if t.closed then args.fail(fname, string.format("option '%s' is a closed moelab.Tensor", name), (level or 2) + 1) end
+      if t.closed then args.fail(fname, string.format("option '%s' is a closed moelab.Tensor", name)) end
       if dev == nil then dev, first = t.device, name
       elseif t.device ~= dev then
         args.fail(fname, string.format("option '%s' is on %s but '%s' is on %s; all tensors must be on one device",
-          name, t.device, first, dev), (level or 2) + 1)
+          name, t.device, first, dev))
       end
     end
   end
@@ -177,7 +176,7 @@ end
 -- No output named in outs (fields of opts) shares memory with another tensor named in outs or
 -- ins (nil ones skipped): it would be overwritten while still read.  A field may hold a list of
 -- tensors (combine's ys).
-function args.disjoint(fname, opts, outs, ins, level)
+function args.disjoint(fname, opts, outs, ins)
   local ts, names = {}, {}
   local function put(t, name)
     local n = #ts + 1
@@ -201,7 +200,7 @@ function args.disjoint(fname, opts, outs, ins, level)
     for j = i + 1, #ts do
       if ts[i]:overlaps(ts[j]) then
         args.fail(fname, string.format("options '%s' and '%s' share memory; an output must not overlap another argument",
-          names[i], names[j]), (level or 2) + 1)
+          names[i], names[j]))
       end
     end
   end

@@ -46,15 +46,15 @@ end
 -- and infinities that differ.  An infinity must be matched exactly (the same sign on both sides)
 -- and stays out of the magnitudes: one in ref would make any error relatively small.
 local function infinite(v) return v == math.huge or v == -math.huge end
-function check.metrics(got, ref, level)
+function check.metrics(got, ref)
   local g, gs = flat(got, "got")
   local r, rs = flat(ref, "ref")
   if args.is_tensor(got) and args.is_tensor(ref) and not same_shape(gs, rs) then
-    error(string.format("check: shapes differ: got %s, ref %s", args.shape_str(gs), args.shape_str(rs)), level or 2)
+    args.raise(string.format("check: shapes differ: got %s, ref %s", args.shape_str(gs), args.shape_str(rs)))
   end
   if #g ~= #r then
-    error(string.format("check: got has %d elements %s, ref has %d %s", #g, args.shape_str(gs), #r, args.shape_str(rs)),
-      level or 2)
+    args.raise(string.format("check: got has %d elements %s, ref has %d %s", #g, args.shape_str(gs), #r,
+      args.shape_str(rs)))
   end
   local max_abs, max_ref, sq_diff, sq_ref, nans, infs, worst = 0, 0, 0, 0, 0, 0, nil
   for i = 1, #g do
@@ -86,7 +86,7 @@ function check.close(got, ref, opts)
   opts = args.options("check.close", opts or {}, { rtol = "number", atol = "number", l2 = "number", what = "string" })
   for _, t in ipairs { "rtol", "atol", "l2" } do args.range("check.close", t, opts[t], 0) end
   local rtol, atol, l2 = opts.rtol or 2e-2, opts.atol or 0, opts.l2 or 1e-2
-  local m = check.metrics(got, ref, 3) -- a mismatch of shapes is the caller's
+  local m = check.metrics(got, ref)
   local ok = m.nans == 0 and m.infs == 0 and m.max_abs <= atol + rtol * m.max_ref and m.rel_l2 <= l2
   if not ok then
     local g, r = flat(got, "got"), flat(ref, "ref")
@@ -102,9 +102,9 @@ function check.close(got, ref, opts)
       end
     end
     local unmatched = m.infs > 0 and string.format(", %d infinities unmatched", m.infs) or ""
-    error(string.format("%snot close: max |got - ref| = %.4g (%.4g of max |ref| = %.4g; allowed %.4g + %.4g), "
+    args.raise(string.format("%snot close: max |got - ref| = %.4g (%.4g of max |ref| = %.4g; allowed %.4g + %.4g), "
       .. "relative L2 = %.4g (allowed %.4g), %d NaN%s\n%s", opts.what and (opts.what .. ": ") or "", m.max_abs,
-      m.rel_max, m.max_ref, atol, rtol, m.rel_l2, l2, m.nans, unmatched, table.concat(lines, "\n")), 2)
+      m.rel_max, m.max_ref, atol, rtol, m.rel_l2, l2, m.nans, unmatched, table.concat(lines, "\n")))
   end
   return m
 end
@@ -112,8 +112,8 @@ end
 -- A layer's check: with raise = false the metrics with the tolerances and .pass, else
 -- check.close (which raises with a diff).
 function check.verdict(got, ref, o, what)
-  args.range("check", "rtol", o.rtol, 0, nil, 2)
-  args.range("check", "l2", o.l2, 0, nil, 2)
+  args.range("check", "rtol", o.rtol, 0)
+  args.range("check", "l2", o.l2, 0)
   if o.raise == false then
     local m = check.metrics(got, ref)
     local rtol, l2 = o.rtol or 2e-2, o.l2 or 1e-2
@@ -131,9 +131,9 @@ function check.equal(a, b, what)
   local y, ys = flat(b, "b")
   local prefix = what and (what .. ": ") or ""
   if args.is_tensor(a) and args.is_tensor(b) and not same_shape(xs, ys) then
-    error(string.format("%sshapes differ: %s vs %s", prefix, args.shape_str(xs), args.shape_str(ys)), 2)
+    args.raise(string.format("%sshapes differ: %s vs %s", prefix, args.shape_str(xs), args.shape_str(ys)))
   end
-  if #x ~= #y then error(string.format("%slengths differ: %d vs %d", prefix, #x, #y), 2) end
+  if #x ~= #y then args.raise(string.format("%slengths differ: %d vs %d", prefix, #x, #y)) end
   local bad, lines = 0, {}
   for i = 1, #x do
     if x[i] ~= y[i] and not (x[i] ~= x[i] and y[i] ~= y[i]) then
@@ -142,7 +142,7 @@ function check.equal(a, b, what)
     end
   end
   if bad > 0 then
-    error(string.format("%s%d of %d elements differ\n%s", prefix, bad, #x, table.concat(lines, "\n")), 2)
+    args.raise(string.format("%s%d of %d elements differ\n%s", prefix, bad, #x, table.concat(lines, "\n")))
   end
   return true
 end

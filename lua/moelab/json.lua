@@ -3,6 +3,8 @@
 -- numbers; two that print alike, 1 and "1", are an error); numbers keep full precision, NaN and
 -- the infinities become null; a string that is not UTF-8 has its bytes past 0x7f escaped as the
 -- code points of the same value (as Latin-1), so that the output is always valid JSON.
+local args = require "moelab.args"
+
 local json = {}
 
 local function encode(v, out)
@@ -36,9 +38,9 @@ local function encode(v, out)
       local keys, seen = {}, {}
       for k in pairs(v) do
         local kt = type(k)
-        if kt ~= "string" and kt ~= "number" then error("json: a key of type " .. kt .. " (keys are strings or numbers)", 2) end
+        if kt ~= "string" and kt ~= "number" then args.raise("json: a key of type " .. kt .. " (keys are strings or numbers)") end
         local s = tostring(k)
-        if seen[s] then error(string.format("json: keys %q and %s collide", s, s), 2) end
+        if seen[s] then args.raise(string.format("json: keys %q and %s collide", s, s)) end
         seen[s] = true
         keys[#keys + 1] = s
       end
@@ -55,7 +57,7 @@ local function encode(v, out)
       out[#out + 1] = "}"
     end
   else
-    error("json: cannot encode a " .. t, 2)
+    args.raise("json: cannot encode a " .. t)
   end
 end
 

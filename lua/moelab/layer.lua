@@ -1,621 +1,971 @@
 -- moe.layer{...}: one MoE layer over a world of W expert-parallel ranks, composed from the
--- stateless stages.  Every buffer is allocated here, once, for a static capacity, so a forward
--- pass allocates nothing and (on a GPU) can be captured as a CUDA graph.  On one device the W
--- ranks live side by side: rank r's tokens are x[r], its experts are [r*EL, (r+1)*EL).
+-- stateless stages.  Every buffer is allocated when the layer is made, for a static capacity, so
+-- a forward pass allocates nothing and (on a GPU) can be captured as a CUDA graph.
+--
+-- One pipeline -- route, agree on NaN, schedule, agree on the check, dispatch, experts, shared
+-- expert, combine -- over a world that says only where a rank's buffers live and how tokens cross:
+--
+--   world = W (a number, default 1): a simulated world, its W ranks side by side on one device
+--     (option device).  Rank r's tokens are x[r], its experts [r*EL, (r+1)*EL).  forward(x) takes
+--     x bf16 [W, T, H] and returns out [W, T, H].
+--   world = moe.world{...}: a real world over NCCL, each rank this process holds on its own GPU,
+--     tokens crossing in the direct exchange (world:exchange: windows read over NVLink).  forward
+--     takes one x [T, H] per local rank -- layer.inputs, the exchange's windows, are not copied
+--     again -- and returns one out [T, H] per local rank (a list, or the tensor itself when this
+--     process holds one rank).
+--
+-- The buffers are kept per shard, the tokens one device routes (simulated: one shard of all W*T
+-- tokens; real: one per local rank), and per held rank, a rank whose experts run here (simulated:
+-- all W; real: the local ranks).  Outputs are views of the layer's own buffers, which the next
+-- pass overwrites; closing a view leaves the layer whole.
+local core = require "moelab.core"
 local args = require "moelab.args"
+local check = require "moelab.check"
+local models = require "moelab.models"
+local moe_device = require "moelab.device"
+local route = require "moelab.route"
+local schedule = require "moelab.schedule"
+local world = require "moelab.world"
 
-return function(moe)
-  local core = moe.core
-  local Layer = { __name = "moelab.Layer" }
-  Layer.__index = Layer
+local Layer = { __name = "moelab.Layer" }
+Layer.__index = Layer
 
-  local SPEC = {
-    model = "any", world = "any", tokens = "integer", hidden = "integer", ffn = "integer",
-    experts = "integer", k = "integer", shared_ffn = "integer", shared_gate = "boolean", shared = "boolean",
-    scoring = { "softmax", "sigmoid", "sqrtsoftplus" }, groups = "integer", topk_groups = "integer",
-    scale = "number", pad = "integer", layout = { "roundrobin", "peer_major" }, capacity = "integer",
-    expert_capacity = "integer", overflow = { "error", "drop" }, invalid = { "error", "skip" },
-    nan = { "error", "mask" }, device = "device", seed = "integer",
-  }
-  local MODEL_FIELDS = { "name", "experts", "k", "hidden", "ffn", "shared_ffn", "shared_gate", "scoring", "groups",
-    "topk_groups", "scale" }
-  local MODEL_FIELD = {}
-  for _, f in ipairs(MODEL_FIELDS) do MODEL_FIELD[f] = true end
+local SPEC = {
+  model = "any", world = "any", tokens = "integer", hidden = "integer", ffn = "integer",
+  experts = "integer", k = "integer", shared_ffn = "integer", shared_gate = "boolean", shared = "boolean",
+  scoring = { "softmax", "sigmoid", "sqrtsoftplus" }, groups = "integer", topk_groups = "integer",
+  scale = "number", pad = "integer", layout = { "roundrobin", "peer_major" }, capacity = "any",
+  expert_capacity = "integer", overflow = { "error", "drop" }, invalid = { "error", "skip" },
+  nan = { "error", "mask" }, device = "device", seed = "integer",
+}
+local MODEL_FIELDS = { "name", "experts", "k", "hidden", "ffn", "shared_ffn", "shared_gate", "scoring", "groups",
+  "topk_groups", "scale" }
+local MODEL_FIELD = {}
+for _, f in ipairs(MODEL_FIELDS) do MODEL_FIELD[f] = true end
 
-  local function model_names()
-    local names = {}
-    for name in pairs(moe.models) do names[#names + 1] = name end
-    table.sort(names)
-    return table.concat(names, ", ")
+local function model_names()
+  local names = {}
+  for name in pairs(models) do names[#names + 1] = name end
+  table.sort(names)
+  return table.concat(names, ", ")
+end
+
+-- The options of moe.layer checked and resolved against the model: what both kinds of layer
+-- (a simulated world on one device, a real one) are made of.
+local function resolve(o)
+  args.options("layer", o, SPEC, { "model", "tokens" })
+  local real = getmetatable(o.world) == world.World and o.world or nil
+  -- 2.0 counts, as for every integer option
+  local world_n = not real and type(o.world) == "number" and math.tointeger(o.world) or nil
+  if o.world ~= nil and not real and not world_n then
+    args.fail("layer", "option 'world' must be an integer (a simulated world of that many ranks) or a moe.world, got "
+      .. args.describe(o.world))
   end
-
-  -- The options of moe.layer checked and resolved against the model: what both kinds of layer
-  -- (a simulated world on one device, a real one) are made of.
-  local function resolve(o)
-    args.options("layer", o, SPEC, { "model", "tokens" }, 3)
-    local real = moe.World and getmetatable(o.world) == moe.World and o.world or nil
-    -- 2.0 counts, as for every integer option
-    local world_n = not real and type(o.world) == "number" and math.tointeger(o.world) or nil
-    if o.world ~= nil and not real and not world_n then
-      args.fail("layer", "option 'world' must be an integer (a simulated world of that many ranks) or a moe.world, got "
-        .. args.describe(o.world), 3)
+  local m = o.model
+  if type(m) == "string" then
+    if not models[m] then
+      args.fail("layer", string.format("unknown model '%s'; expected one of: %s", m, model_names()))
     end
-    local m = o.model
-    if type(m) == "string" then
-      if not moe.models[m] then
-        args.fail("layer", string.format("unknown model '%s'; expected one of: %s", m, model_names()), 3)
-      end
-      m = moe.models[m]
-    elseif type(m) ~= "table" then
-      args.fail("layer", "option 'model' must be a preset from moe.models or its name, got " .. args.describe(m), 3)
-    end
-    for key in pairs(m) do -- a misspelt field would be silently absent
-      if not MODEL_FIELD[key] then
-        args.fail("layer", string.format("the model has a field %s, not one of: %s", args.describe(key),
-          table.concat(MODEL_FIELDS, ", ")), 3)
-      end
-    end
-    local cfg = {}
-    for _, f in ipairs(MODEL_FIELDS) do cfg[f] = m[f] end
-    for _, f in ipairs(MODEL_FIELDS) do if o[f] ~= nil then cfg[f] = o[f] end end
-    -- an overridden router takes none of the model's settings that follow from the one replaced:
-    -- its groups' count of kept groups, the groups of another scoring, softmax's missing scale
-    if o.groups ~= nil and o.topk_groups == nil then cfg.topk_groups = nil end
-    if o.scoring ~= nil and o.scoring ~= "sigmoid" and o.groups == nil then
-      cfg.groups = nil
-      if o.topk_groups == nil then cfg.topk_groups = nil end
-    end
-    if o.scoring == "softmax" and o.scale == nil then cfg.scale = nil end
-    -- a model table's fields as strictly as the options of the same names
-    local kinds = { name = "string" }
-    for _, f in ipairs(MODEL_FIELDS) do kinds[f] = kinds[f] or SPEC[f] end
-    args.options("layer", cfg, kinds, nil, 3)
-    cfg.name, cfg.scoring = cfg.name or "custom", cfg.scoring or "softmax"
-    cfg.groups, cfg.topk_groups = cfg.groups or 1, cfg.topk_groups or cfg.groups or 1
-    cfg.scale, cfg.shared_ffn = cfg.scale or 1.0, cfg.shared_ffn or 0
-    if o.shared == false then cfg.shared_ffn = 0 end
-    if o.shared == true and cfg.shared_ffn == 0 then cfg.shared_ffn = cfg.ffn end
-    if cfg.shared_ffn == 0 then
-      if o.shared_gate then -- asked for, not a preset's setting that went with its shared expert
-        args.fail("layer", "option 'shared_gate' gates the shared expert, and this layer has none (shared_ffn = 0 or "
-          .. "shared = false)", 3)
-      end
-      cfg.shared_gate = false
-    end
-    for _, f in ipairs { "experts", "k", "hidden", "ffn" } do
-      if math.type(cfg[f]) ~= "integer" then
-        args.fail("layer", string.format("the model has no integer '%s' (got %s)", f, args.describe(cfg[f])), 3)
-      end
-    end
-    local W, T = real and real.size or world_n or 1, o.tokens
-    args.range("layer", "world", W, 1, nil, 3)
-    args.range("layer", "tokens", T, 1, 0x7fffffff, 3)
-    args.range("layer", "hidden", cfg.hidden, 1, nil, 3)
-    args.range("layer", "ffn", cfg.ffn, 1, nil, 3)
-    args.range("layer", "shared_ffn", cfg.shared_ffn, 0, nil, 3)
-    args.range("layer", "experts", cfg.experts, 1, 0x7fffffff, 3)
-    args.range("layer", "k", cfg.k, 1, cfg.experts, 3)
-    -- the router's options, checked now rather than at the first forward
-    args.options("layer", { scoring = cfg.scoring }, { scoring = SPEC.scoring }, nil, 3)
-    local ok, err = pcall(moe.routing_options, "layer", cfg.experts, cfg, 1) -- its errors without a position
-    if not ok then
-      local name = tostring(err):match("option '([%w_]+)'")
-      if name and o[name] == nil and m[name] ~= nil then -- a setting of the model's that the options did not give
-        err = tostring(err):gsub("%)$", string.format("; the value is the model's (%s): an option of that name "
-          .. "overrides it)", cfg.name), 1)
-      end
-      args.raise(err)
-    end
-    args.range("layer", "pad", o.pad, 1, 0x7fffffff, 3) -- rows are i32: so the capacity's sum cannot wrap
-    if cfg.experts % W ~= 0 then
-      args.fail("layer", string.format("the %d experts cannot be split over a world of %d ranks (%d %% %d ~= 0)",
-        cfg.experts, W, cfg.experts, W), 3)
-    end
-    local E, K, H, F, Fs = cfg.experts, cfg.k, cfg.hidden, cfg.ffn, cfg.shared_ffn
-    local EL, pad = E // W, o.pad or 1
-    local device = o.device or moe.default_device()
-    if device == "cuda" then device = "cuda:0" end -- as its tensors will name it
-    local seed = o.seed or 0
-    -- Default capacity: twice the mean rows of a rank plus one pad per expert; skewed routing
-    -- needs more (the layer raises on overflow unless overflow = "drop").
-    local capacity = o.capacity or (2 * T * K + EL * pad)
-    if o.capacity == nil and capacity > 0x7ffffffe then
-      args.fail("layer", string.format("the default capacity (2 tokens k + experts per rank x pad = %d rows) "
-        .. "exceeds 2^31 - 2; pass capacity", capacity), 3)
-    end
-    args.range("layer", "capacity", capacity, 0, 0x7ffffffe, 3) -- as moe.schedule's (see there)
-    return {
-      cfg = cfg, world = W, tokens = T, experts = E, local_experts = EL, k = K, hidden = H, ffn = F,
-      shared_ffn = Fs, pad = pad, layout = o.layout or "roundrobin", capacity = capacity,
-      expert_capacity = o.expert_capacity, overflow = o.overflow or "error", invalid = o.invalid or "error",
-      nan = o.nan or "error", device = device, seed = seed, real = real, device_given = o.device ~= nil,
-    }
+    m = models[m]
+  elseif type(m) ~= "table" then
+    args.fail("layer", "option 'model' must be a preset from moe.models or its name, got " .. args.describe(m))
   end
-  local world_layer -- set below, once the helpers it shares are defined
-
-  local function new_layer(o)
-    local r = resolve(o)
-    if r.real then
-      local wl = world_layer(r) -- not a tail call: its errors count this frame to reach the caller
-      return wl
-    end
-    local cfg, W, T, E, EL, K, H, F, Fs, pad, device, seed, capacity = r.cfg, r.world, r.tokens, r.experts,
-      r.local_experts, r.k, r.hidden, r.ffn, r.shared_ffn, r.pad, r.device, r.seed, r.capacity
-
-    local self = setmetatable({
-      cfg = cfg, world = W, tokens = T, experts = E, local_experts = EL, k = K, hidden = H, ffn = F,
-      shared_ffn = Fs, pad = pad, layout = o.layout or "roundrobin", capacity = capacity,
-      expert_capacity = o.expert_capacity, overflow = o.overflow or "error", invalid = o.invalid or "error",
-      nan = o.nan or "error", device = device, seed = seed, times = {},
-    }, Layer)
-
-    -- Weights, drawn from the seed: the same on every device.  Scaled so that activations stay O(1).
-    local sd = seed * 1000
-    local function randn(shape, s, std) return core.new("bf16", shape, device):randn(sd + s, std) end
-    self.w_router = randn({ E, H }, 1, 1 / math.sqrt(H))
-    if cfg.scoring ~= "softmax" then
-      self.bias = core.new("f32", { E }, device):randn(sd + 2, 0.005)
-    end
-    self.w_gate_up, self.w_down = {}, {}
-    for r = 1, W do
-      self.w_gate_up[r] = randn({ EL, 2 * F, H }, 10 + 2 * r, 1 / math.sqrt(H))
-      self.w_down[r] = randn({ EL, H, F }, 11 + 2 * r, 1 / math.sqrt(F))
-    end
-    if Fs > 0 then
-      self.shared_gate_up = randn({ 1, 2 * Fs, H }, 3, 1 / math.sqrt(H))
-      self.shared_down = randn({ 1, H, Fs }, 4, 1 / math.sqrt(Fs))
-      if cfg.shared_gate then self.shared_gate_w = randn({ H }, 5, 1 / math.sqrt(H)) end
-    end
-
-    -- Buffers.
-    self.logits = core.new("f32", { W * T, E }, device)
-    self.ids = core.new("i32", { W, T, K }, device)
-    self.weights = core.new("f32", { W, T, K }, device)
-    self.route_stats = core.new("i32", { 2 }, device)
-    self.out = core.new("bf16", { W, T, H }, device)
-    self.schedules, self.xs, self.ys, self.route_rows = {}, {}, {}, {}
-    for r = 1, W do
-      local s = moe.schedule_plan({ ids = self.ids, experts = E, rank = r - 1, pad = pad, capacity = capacity,
-        expert_capacity = o.expert_capacity, layout = self.layout, overflow = self.overflow,
-        invalid = self.invalid }, "layer", 2)
-      self.schedules[r] = s
-      self.route_rows[r] = s.route_row
-      self.xs[r] = core.new("bf16", { capacity, H }, device)
-      self.ys[r] = core.new("bf16", { capacity, H }, device)
-    end
-    if Fs > 0 then
-      self.shared_y = core.new("bf16", { W * T, H }, device)
-      self.shared_offsets = core.from_table({ 0, W * T }, "i32", device)
-      if cfg.shared_gate then self.gate = core.new("f32", { W * T }, device) end
-    end
-    return self
-  end
-
-  local function check_x(self, fname, x)
-    args.tensor(fname, "x", x, "bf16", { self.world, self.tokens, self.hidden }, 3)
-    if x.device ~= self.device then
-      args.fail(fname, string.format("x is on %s but the layer is on %s", x.device, self.device), 3)
+  for key in pairs(m) do -- a misspelt field would be silently absent
+    if not MODEL_FIELD[key] then
+      args.fail("layer", string.format("the model has a field %s, not one of: %s", args.describe(key),
+        table.concat(MODEL_FIELDS, ", ")))
     end
   end
-
-  -- Stage timing: a monotonic clock on the CPU; on a GPU a pair of device events around each
-  -- stage, read back only when asked (Layer:stage_times), so a forward pass never waits for the
-  -- device.  Nothing is timed while a graph is being captured.
-  local function timed(self, name, fn)
-    if not self.timing then return fn() end
-    if self.device == "cpu" then
-      local t0 = core.now()
-      fn()
-      self.times[name] = (core.now() - t0) * 1e3
-      return
-    end
-    self.events = self.events or {}
-    local ev = self.events[name]
-    if not ev then
-      ev = { core.event_new(self.device), core.event_new(self.device) }
-      self.events[name] = ev
-    end
-    ev[1]:record()
-    fn()
-    ev[2]:record()
-    self.times[name] = ev
+  local cfg = {}
+  for _, f in ipairs(MODEL_FIELDS) do cfg[f] = m[f] end
+  for _, f in ipairs(MODEL_FIELDS) do if o[f] ~= nil then cfg[f] = o[f] end end
+  -- an overridden router takes none of the model's settings that follow from the one replaced:
+  -- its groups' count of kept groups, the groups of another scoring, softmax's missing scale
+  if o.groups ~= nil and o.topk_groups == nil then cfg.topk_groups = nil end
+  if o.scoring ~= nil and o.scoring ~= "sigmoid" and o.groups == nil then
+    cfg.groups = nil
+    if o.topk_groups == nil then cfg.topk_groups = nil end
   end
-
-  -- Milliseconds per stage of the last eager forward (waits for the device on a GPU).
-  function Layer:stage_times()
-    local t = {}
-    for name, v in pairs(self.times) do
-      t[name] = type(v) == "table" and v[2]:elapsed_since(v[1]) or v
+  if o.scoring == "softmax" and o.scale == nil then cfg.scale = nil end
+  -- a model table's fields as strictly as the options of the same names
+  local kinds = { name = "string" }
+  for _, f in ipairs(MODEL_FIELDS) do kinds[f] = kinds[f] or SPEC[f] end
+  args.options("layer", cfg, kinds)
+  cfg.name, cfg.scoring = cfg.name or "custom", cfg.scoring or "softmax"
+  cfg.groups, cfg.topk_groups = cfg.groups or 1, cfg.topk_groups or cfg.groups or 1
+  cfg.scale, cfg.shared_ffn = cfg.scale or 1.0, cfg.shared_ffn or 0
+  if o.shared == false then cfg.shared_ffn = 0 end
+  if o.shared == true and cfg.shared_ffn == 0 then cfg.shared_ffn = cfg.ffn end
+  if cfg.shared_ffn == 0 then
+    if o.shared_gate then -- asked for, not a preset's setting that went with its shared expert
+      args.fail("layer", "option 'shared_gate' gates the shared expert, and this layer has none (shared_ffn = 0 or "
+        .. "shared = false)")
     end
-    return t
+    cfg.shared_gate = false
   end
-
-  -- The routing step: router logits (or given ones), or given ids and weights.
-  local function route(self, x, o)
-    local W, T, K = self.world, self.tokens, self.k
-    if o.ids then
-      self.ids:copy(o.ids)
-      self.weights:copy(o.weights)
-      return
+  for _, f in ipairs { "experts", "k", "hidden", "ffn" } do
+    if math.type(cfg[f]) ~= "integer" then
+      args.fail("layer", string.format("the model has no integer '%s' (got %s)", f, args.describe(cfg[f])))
     end
-    local logits = o.logits or self.logits
-    if not o.logits then
-      core.logits(logits, x:view(0, { W * T, self.hidden }), self.w_router)
-    end
-    core.route { ids = self.ids:view(0, { W * T, K }), weights = self.weights:view(0, { W * T, K }),
-      stats = self.route_stats, logits = logits, bias = self.bias, k = K, scoring = self.cfg.scoring,
-      groups = self.cfg.groups, topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
   end
+  local W, T = real and real.size or world_n or 1, o.tokens
+  args.range("layer", "world", W, 1, nil)
+  args.range("layer", "tokens", T, 1, 0x7fffffff)
+  args.range("layer", "hidden", cfg.hidden, 1, nil)
+  args.range("layer", "ffn", cfg.ffn, 1, nil)
+  args.range("layer", "shared_ffn", cfg.shared_ffn, 0, nil)
+  args.range("layer", "experts", cfg.experts, 1, 0x7fffffff)
+  args.range("layer", "k", cfg.k, 1, cfg.experts)
+  -- the router's options, checked now rather than at the first forward
+  args.options("layer", { scoring = cfg.scoring }, { scoring = SPEC.scoring })
+  local ok, err = pcall(route.options, "layer", cfg.experts, cfg) -- its errors without a position
+  if not ok then
+    local name = tostring(err):match("option '([%w_]+)'")
+    if name and o[name] == nil and m[name] ~= nil then -- a setting of the model's that the options did not give
+      err = tostring(err):gsub("%)$", string.format("; the value is the model's (%s): an option of that name "
+        .. "overrides it)", cfg.name), 1)
+    end
+    args.raise(err)
+  end
+  if cfg.experts % W ~= 0 then
+    args.fail("layer", string.format("the %d experts cannot be split over a world of %d ranks (%d %% %d ~= 0)",
+      cfg.experts, W, cfg.experts, W))
+  end
+  local E, K, H, F, Fs = cfg.experts, cfg.k, cfg.hidden, cfg.ffn, cfg.shared_ffn
+  local EL = E // W
+  local pad, capacity = schedule.rows("layer", o, W, T, K, EL, "twice_mean")
+  if real and o.device ~= nil then
+    args.fail("layer", "a layer over a moe.world puts each rank on its own GPU: drop option 'device'")
+  end
+  local device = not real and (o.device or moe_device.default_device()) or nil
+  if device == "cuda" then device = "cuda:0" end -- as its tensors will name it
+  return {
+    cfg = cfg, world = W, tokens = T, experts = E, local_experts = EL, k = K, hidden = H, ffn = F,
+    shared_ffn = Fs, pad = pad, layout = o.layout or "roundrobin", capacity = capacity,
+    expert_capacity = o.expert_capacity, overflow = o.overflow or "error", invalid = o.invalid or "error",
+    nan = o.nan or "error", device = device, seed = o.seed or 0,
+  }, real
+end
 
-  -- forward(x [, {logits=} or {ids=, weights=}]) -> out bf16 [W, T, H]: a view of the layer's own
-  -- buffer (layer.out), which the next pass overwrites; closing the view leaves the layer whole.
-  function Layer:forward(x, o)
-    o = args.options("forward", o or {}, { logits = "tensor", ids = "tensor", weights = "tensor", check = "boolean" })
-    if (o.ids == nil) ~= (o.weights == nil) then args.fail("forward", "give 'ids' and 'weights' together") end
-    if o.ids and o.logits then args.fail("forward", "give either 'logits' or 'ids' and 'weights', not both") end
-    check_x(self, "forward", x)
-    local W, T, H = self.world, self.tokens, self.hidden
-    if o.ids then
-      args.tensor("forward", "ids", o.ids, "i32", { W, T, self.k })
-      args.tensor("forward", "weights", o.weights, "f32", { W, T, self.k })
-    end
-    if o.logits then args.tensor("forward", "logits", o.logits, "f32", { W * T, self.experts }) end
-    local eager = o.check ~= false
-    -- until this pass completes the buffers hold part of it: check and the forward's routing wait
-    self.forwarded = false
-    self.routing_given = o.ids ~= nil or o.logits ~= nil -- check's reference then takes this routing
-    self.routed = o.ids == nil -- the router ran: route_stats are this pass's
-    self.times, self.timing = {}, eager
-    timed(self, "route", function() route(self, x, o) end)
-    if eager and not o.ids and self.nan == "error" then
-      local st = self.route_stats:flat()
-      if st[1] > 0 then
-        error(string.format("layer: route: router logits contain NaN or cannot be scored (+inf, all -inf) in %d rows, "
-          .. "the first is token %d of rank %d",
-          st[1], st[2] % T, st[2] // T), 2)
+-- The one seed rule of the layer's weights: dtype, shape, seed offset and std of each (std scaled
+-- so that activations stay O(1)); rank: the 0-based rank whose experts.  moe.randn draws the same
+-- values on every device, so each device, and the CPU reference, draws the same weights.
+local function init_weight(self, name, dev, rank)
+  local E, H, F, Fs, EL = self.experts, self.hidden, self.ffn, self.shared_ffn, self.local_experts
+  local dtype, shape, offset, std = "bf16", nil, nil, nil
+  if name == "w_router" then shape, offset, std = { E, H }, 1, 1 / math.sqrt(H)
+  elseif name == "bias" then dtype, shape, offset, std = "f32", { E }, 2, 0.005
+  elseif name == "shared_gate_up" then shape, offset, std = { 1, 2 * Fs, H }, 3, 1 / math.sqrt(H)
+  elseif name == "shared_down" then shape, offset, std = { 1, H, Fs }, 4, 1 / math.sqrt(Fs)
+  elseif name == "shared_gate_w" then shape, offset, std = { H }, 5, 1 / math.sqrt(H)
+  elseif name == "w_gate_up" then shape, offset, std = { EL, 2 * F, H }, 12 + 2 * rank, 1 / math.sqrt(H)
+  elseif name == "w_down" then shape, offset, std = { EL, H, F }, 13 + 2 * rank, 1 / math.sqrt(F)
+  end
+  return core.new(dtype, shape, dev):randn(self.seed * 1000 + offset, std)
+end
+
+-- lead's sizes followed by the others: {W, T} or {T} then K, H, ...
+local function dims(lead, ...)
+  local s = { table.unpack(lead) }
+  for _, d in ipairs { ... } do s[#s + 1] = d end
+  return s
+end
+
+-- t as rows [N, width]: a shard's [W, T, width] seen as W*T rows.
+local function as_rows(t)
+  if #t.shape == 2 then return t end
+  local s = t.shape
+  return t:view(0, { s[1] * s[2], s[3] })
+end
+
+-- " of rank r" for a shard of one rank's tokens; nothing for the simulated world's shard of all.
+local function rank_label(sh)
+  return sh.rank and string.format(" of rank %d", sh.rank) or ""
+end
+
+-- ---------------------------------------------------------------- worlds
+
+-- A simulated world: W ranks side by side on one device, in this process.  Nothing to agree on
+-- with other processes, and every rank's buffers at hand.
+local Simulated = { lists = false, collective = false, sees_every_rank = true,
+  REFERENCE_OPTIONS = { logits = "tensor", ids = "tensor", weights = "tensor", routing = { "own", "forward" },
+    tokens = "table" } }
+Simulated.__index = Simulated
+
+function Simulated.new(layer)
+  local W, T, dev = layer.world, layer.tokens, layer.device
+  local self = setmetatable({ shards = { { device = dev, rows = W * T, lead = { W, T } } }, held = {} }, Simulated)
+  for r = 0, W - 1 do self.held[r + 1] = { device = dev, rank = r } end
+  return self
+end
+
+function Simulated:bind() end
+function Simulated:release() end
+function Simulated:alloc_shard() end
+function Simulated:schedule_ids() return self.shards[1].ids end
+function Simulated:gather_ids() end
+function Simulated:record_verdict() end
+
+-- Each rank's experts write their own buffer; combine reads every rank's.
+function Simulated:connect(layer)
+  self.ys, self.route_rows = {}, {}
+  for j, h in ipairs(self.held) do
+    h.ys = core.new("bf16", { layer.capacity, layer.hidden }, h.device)
+    self.ys[j], self.route_rows[j] = h.ys, h.schedule.route_row
+  end
+end
+
+-- x: the layer's input, as forward takes it (x bf16 [W, T, H] on the layer's device) -> {x}.
+function Simulated:inputs(layer, fname, name, v, dtype, shape)
+  args.tensor(fname, name, v, dtype, shape)
+  if name == "x" and v.device ~= layer.device then
+    args.fail(fname, string.format("x is on %s but the layer is on %s", v.device, layer.device))
+  end
+  return { v }
+end
+
+-- Nothing waits on another process: the first rank's error is raised at once.
+function Simulated:agree(own)
+  for j = 1, #self.held do if own[j] then args.raise(own[j]) end end
+end
+
+function Simulated:dispatch(layer, x)
+  for _, h in ipairs(self.held) do
+    local s = h.schedule
+    core.dispatch { xs = h.xs, x = x[1], peer_rank = s.peer_rank, peer_route = s.peer_route, k = layer.k,
+      zero_fill = false }
+  end
+end
+
+function Simulated:combine(layer)
+  local sh, W, T, H = self.shards[1], layer.world, layer.tokens, layer.hidden
+  for p = 1, W do
+    core.combine { out = sh.out:select(p), weights = sh.weights:select(p), ids = sh.ids:select(p), ys = self.ys,
+      route_row = self.route_rows, world = W, experts = layer.experts, rank = p - 1,
+      shared = sh.shared_y and sh.shared_y:view((p - 1) * T * H, { T, H }),
+      shared_gate = sh.gate and sh.gate:view((p - 1) * T, { T }) }
+  end
+end
+
+function Simulated:capture_input(layer)
+  layer.input = layer.input or core.new("bf16", { layer.world, layer.tokens, layer.hidden }, layer.device)
+  return layer.input
+end
+
+function Simulated:can_capture(layer)
+  if layer.device == "cpu" then
+    args.raise("layer:capture: CUDA graphs need a layer on a cuda device (this one is on cpu)")
+  end
+end
+
+function Simulated:describe(layer)
+  return string.format("moelab.Layer(%s on %s: world %d, %d tokens per rank)", layer.cfg.name, layer.device,
+    layer.world, layer.tokens), "  combine   top-k in order, f32 accumulation, bf16 out"
+end
+
+-- A real world (moe.world): each rank this process holds on its own GPU, the others in other
+-- processes.  What a rank decides alone would leave the others waiting in the next collective, so
+-- the build and every verdict are agreed by all ranks.
+local Real = { lists = true, collective = true, sees_every_rank = false,
+  REFERENCE_OPTIONS = { routing = { "own", "forward" }, sample = "integer" } }
+Real.__index = Real
+
+-- Every rank must build the same layer: a mismatch fails on every rank, naming the field.
+local function agree_on_build(layer, group)
+  local cfg, n = layer.cfg, group.local_count
+  local cfgs = {}
+  for i = 1, n do
+    cfgs[i] = { tokens = layer.tokens, k = layer.k, experts = layer.experts, hidden = layer.hidden,
+      capacity = layer.capacity, pad = layer.pad, layout = layer.layout, expert_capacity = layer.expert_capacity }
+  end
+  group:check_config(n == 1 and cfgs[1] or cfgs)
+  -- and the model itself, which check_config (the exchange's sizes) does not see: ranks built
+  -- with another seed or FFN width would compute a different layer without a word
+  local fields, values = {}, {}
+  local function field(name, v) fields[#fields + 1], values[#values + 1] = name, v end
+  local function index(list, v) for j, s in ipairs(list) do if s == v then return j end end return 0 end
+  field("ffn", layer.ffn)
+  field("shared_ffn", layer.shared_ffn)
+  field("shared_gate", cfg.shared_gate and 1 or 0)
+  field("scoring", index({ "softmax", "sigmoid", "sqrtsoftplus" }, cfg.scoring))
+  field("groups", cfg.groups)
+  field("topk_groups", cfg.topk_groups)
+  field("scale", (string.unpack("<i4", string.pack("<f", cfg.scale))))
+  field("seed (low 31 bits)", layer.seed & 0x7fffffff)
+  field("seed (high bits)", (layer.seed >> 31) & 0x7fffffff)
+  field("overflow", index({ "error", "drop" }, layer.overflow))
+  field("invalid", index({ "error", "skip" }, layer.invalid))
+  field("nan", index({ "error", "mask" }, layer.nan))
+  local mine, all = {}, {}
+  for i = 1, n do
+    mine[i] = core.from_table({ values }, "i32", group.devices[i])
+    all[i] = core.new("i32", { layer.world, 1, #values }, group.devices[i])
+  end
+  group:allgather_ids(mine, all)
+  group:bind(1) -- the read back goes on the stream of the all-gather
+  local got = all[1]:flat()
+  group:unbind()
+  for r = 1, layer.world - 1 do
+    for j, name in ipairs(fields) do
+      if got[r * #fields + j] ~= got[j] then
+        args.fail("layer", string.format("ranks 0 and %d build different layers: '%s' is %d on rank 0, %d on rank %d "
+          .. "(every rank must give moe.layer the same options)", r, name, got[j], got[r * #fields + j], r))
       end
     end
-    timed(self, "schedule", function()
-      for r = 1, W do self.schedules[r]:run() end
-    end)
-    if eager then
-      for r = 1, W do
-        local ok, err = pcall(self.schedules[r].check, self.schedules[r])
-        if not ok then error("layer: " .. tostring(err), 2) end
-      end
+  end
+end
+
+function Real.new(layer, group)
+  agree_on_build(layer, group)
+  local self = setmetatable({ group = group, ranks = group.ranks, devices = group.devices, shards = {}, held = {} },
+    Real)
+  for i, dev in ipairs(group.devices) do
+    self.shards[i] = { device = dev, rank = group.ranks[i], rows = layer.tokens, lead = { layer.tokens } }
+    self.held[i] = { device = dev, rank = group.ranks[i] }
+  end
+  return self
+end
+
+function Real:bind(i) self.group:bind(i) end
+function Real:release() self.group:unbind() end
+
+-- {NaN rows, schedule failed} of this rank, then every rank's; and every rank's ids, scheduled here
+function Real:alloc_shard(layer, sh)
+  sh.verdict = core.new("i32", { 1, 2 }, sh.device)
+  sh.verdicts = core.new("i32", { layer.world, 1, 2 }, sh.device)
+  sh.all_ids = core.new("i32", { layer.world, layer.tokens, layer.k }, sh.device)
+end
+
+function Real:schedule_ids(j) return self.shards[j].all_ids end
+
+function Real:gather_ids()
+  local ids, all = {}, {}
+  for i, sh in ipairs(self.shards) do ids[i], all[i] = sh.ids, sh.all_ids end
+  self.group:allgather_ids(ids, all)
+end
+
+-- The exchange's windows: experts write their output straight into ys; tokens written into
+-- layer.inputs (its x windows) are not copied again by dispatch.
+function Real:connect(layer)
+  self.exchange = self.group:exchange { tokens = layer.tokens, k = layer.k, hidden = layer.hidden,
+    capacity = layer.capacity }
+  for j, h in ipairs(self.held) do h.ys = self.exchange.ys[j] end
+  layer.exchange, layer.inputs, layer.group = self.exchange, self.exchange.x, self.group
+end
+
+-- One value per local rank: a list, or the tensor itself when this process holds one rank.
+function Real:inputs(_, fname, name, v, dtype, shape)
+  local n, list = #self.shards, v
+  if args.is_tensor(v) then
+    if n ~= 1 then args.fail(fname, string.format("'%s' needs one tensor per local rank (%d), got one", name, n)) end
+    list = { v }
+  end
+  if type(list) ~= "table" or #list ~= n then
+    args.fail(fname, string.format("'%s' must be a list of %d tensors (one per local rank), got %s", name, n,
+      args.describe(v)))
+  end
+  for i, t in ipairs(list) do
+    args.tensor(fname, string.format("%s[%d]", name, i), t, dtype, shape)
+    if t.device ~= self.devices[i] then
+      args.fail(fname, string.format("%s[%d] is on %s but local rank %d (rank %d) is on %s", name, i, t.device, i,
+        self.ranks[i], self.devices[i]))
     end
-    timed(self, "dispatch", function()
-      for r = 1, W do
-        local s = self.schedules[r]
-        core.dispatch { xs = self.xs[r], x = x, peer_rank = s.peer_rank, peer_route = s.peer_route, k = self.k,
-          zero_fill = false }
-      end
-    end)
-    timed(self, "experts", function()
-      for r = 1, W do
-        core.experts { ys = self.ys[r], xs = self.xs[r], expert_offsets = self.schedules[r].expert_offsets,
-          w_gate_up = self.w_gate_up[r], w_down = self.w_down[r] }
-      end
-    end)
+  end
+  return list
+end
+
+function Real:record_verdict(j, nan, failed)
+  self.shards[j].verdict:copy(core.from_table({ { nan, failed } }, "i32", "cpu"))
+end
+
+-- Every rank's verdict gathered: this process's own errors first, else the first rank that stopped.
+function Real:agree(own)
+  local verdicts, all = {}, {}
+  for i, sh in ipairs(self.shards) do verdicts[i], all[i] = sh.verdict, sh.verdicts end
+  self.group:allgather_ids(verdicts, all)
+  for i = 1, #self.shards do if own[i] then args.raise(own[i]) end end
+  self.group:bind(1)
+  local v = self.shards[1].verdicts:flat()
+  for r = 0, #v // 2 - 1 do
+    if v[2 * r + 1] > 0 or v[2 * r + 2] > 0 then
+      args.raise(string.format("layer: rank %d stopped this forward (%s); its own error says why", r,
+        v[2 * r + 1] > 0 and "router logits with NaN or unscorable rows" or "its schedule: capacity overflow or "
+        .. "invalid ids"))
+    end
+  end
+end
+
+function Real:dispatch(_, x)
+  local calls = {}
+  for i, h in ipairs(self.held) do calls[i] = { x = x[i], schedule = h.schedule, out = h.xs } end
+  self.exchange:dispatch(calls)
+end
+
+function Real:combine()
+  local calls = {}
+  for i, h in ipairs(self.held) do
+    local sh = self.shards[i]
+    calls[i] = { schedule = h.schedule, y = h.ys, weights = sh.weights, ids = sh.ids, out = sh.out,
+      shared = sh.shared_y, shared_gate = sh.gate }
+  end
+  self.exchange:combine(calls)
+end
+
+function Real:capture_input(layer) return layer.inputs end
+
+-- A graph captures one GPU's stream: one rank per process.
+function Real:can_capture()
+  if #self.shards ~= 1 then
+    args.raise(string.format("layer:capture: this process holds %d ranks; a graph captures one GPU's stream, so "
+      .. "capture with one rank per process (moe.world{rank=, size=, ...})", #self.shards))
+  end
+end
+
+function Real:describe(layer)
+  local here = {}
+  for i, sh in ipairs(self.shards) do here[i] = string.format("rank %d on %s", sh.rank, sh.device) end
+  return string.format("moelab.Layer(%s over a world of %d GPUs; here: %s; %d tokens per rank)", layer.cfg.name,
+    layer.world, table.concat(here, ", "), layer.tokens),
+    "  exchange  direct: windows read over NVLink, top-k combined in order"
+end
+
+-- ---------------------------------------------------------------- the layer
+
+-- A buffer of every shard, in shard order.
+local function shard_list(self, name)
+  local list = {}
+  for i, sh in ipairs(self.shards) do list[i] = sh[name] end
+  return list
+end
+
+-- The buffers of a shard and of a held rank, under the names the layer shows them by: one
+-- tensor each in a simulated world (its one shard), a list of one per local rank in a real one.
+local SHARD_FIELDS = { "w_router", "bias", "shared_gate_up", "shared_down", "shared_gate_w", "logits", "ids",
+  "weights", "route_stats", "out", "shared_y", "shared_offsets", "gate", "all_ids", "verdict", "verdicts" }
+local HELD_FIELDS = { w_gate_up = "w_gate_up", w_down = "w_down", schedules = "schedule", xs = "xs", ys = "ys",
+  route_rows = "route_row" }
+
+function Layer.new(o)
+  local r, group = resolve(o)
+  local self = setmetatable(r, Layer)
+  self.times = {}
+  local space = group and Real.new(self, group) or Simulated.new(self)
+  self.space, self.shards, self.held = space, space.shards, space.held
+  if group then self.device = group.devices[1] end
+  local E, K, H, C, cfg = self.experts, self.k, self.hidden, self.capacity, self.cfg
+  for _, sh in ipairs(self.shards) do
+    sh.w_router = init_weight(self, "w_router", sh.device)
+    if cfg.scoring ~= "softmax" then sh.bias = init_weight(self, "bias", sh.device) end
+  end
+  for _, h in ipairs(self.held) do
+    h.w_gate_up = init_weight(self, "w_gate_up", h.device, h.rank)
+    h.w_down = init_weight(self, "w_down", h.device, h.rank)
+  end
+  for _, sh in ipairs(self.shards) do
+    local dev, N = sh.device, sh.rows
     if self.shared_ffn > 0 then
-      timed(self, "shared", function()
-        local xf = x:view(0, { W * T, H })
-        core.experts { ys = self.shared_y, xs = xf, expert_offsets = self.shared_offsets,
-          w_gate_up = self.shared_gate_up, w_down = self.shared_down }
-        if self.gate then core.sigmoid_gate(self.gate, xf, self.shared_gate_w) end
-      end)
+      sh.shared_gate_up = init_weight(self, "shared_gate_up", dev)
+      sh.shared_down = init_weight(self, "shared_down", dev)
+      if cfg.shared_gate then sh.shared_gate_w = init_weight(self, "shared_gate_w", dev) end
+      sh.shared_y = core.new("bf16", { N, H }, dev)
+      sh.shared_offsets = core.from_table({ 0, N }, "i32", dev)
+      if cfg.shared_gate then sh.gate = core.new("f32", { N }, dev) end
     end
-    timed(self, "combine", function()
-      for p = 1, W do
-        core.combine { out = self.out:select(p), weights = self.weights:select(p), ids = self.ids:select(p),
-          ys = self.ys, route_row = self.route_rows, world = W, experts = self.experts, rank = p - 1,
-          shared = self.shared_y and self.shared_y:view((p - 1) * T * H, { T, H }),
-          shared_gate = self.gate and self.gate:view((p - 1) * T, { T }) }
+    sh.logits = core.new("f32", { N, E }, dev)
+    sh.ids = core.new("i32", dims(sh.lead, K), dev)
+    sh.weights = core.new("f32", dims(sh.lead, K), dev)
+    sh.ids_rows, sh.weights_rows = as_rows(sh.ids), as_rows(sh.weights)
+    sh.route_stats = core.new("i32", { 2 }, dev)
+    space:alloc_shard(self, sh)
+  end
+  for j, h in ipairs(self.held) do
+    h.schedule = schedule.plan({ ids = space:schedule_ids(j), experts = E, rank = h.rank, pad = self.pad,
+      capacity = C, expert_capacity = self.expert_capacity, layout = self.layout, overflow = self.overflow,
+      invalid = self.invalid }, "layer")
+    h.xs = core.new("bf16", { C, H }, h.device)
+  end
+  for _, sh in ipairs(self.shards) do sh.out = core.new("bf16", dims(sh.lead, H), sh.device) end
+  space:connect(self)
+  for _, name in ipairs(SHARD_FIELDS) do
+    local list = shard_list(self, name)
+    self[name] = space.lists and list or list[1]
+  end
+  for name, key in pairs(HELD_FIELDS) do
+    self[name] = {}
+    for j, h in ipairs(self.held) do self[name][j] = h[key] end
+  end
+  return self
+end
+
+-- fn() with the module's context bound wherever fn binds it, left unbound after, an error too.
+local function on_ranks(self, fn)
+  local ok, res = pcall(fn)
+  local released, rerr = pcall(self.space.release, self.space)
+  if not ok then args.raise(tostring(res)) end
+  if not released then args.raise(tostring(rerr)) end
+  return res
+end
+
+-- Device events (a monotonic clock on the CPU) around a stage on every shard's device, read back
+-- only when asked (stage_times), so a forward never waits for the device.  Nothing is timed while
+-- a graph is being captured.
+local function timed(self, name, fn)
+  if not self.timing then return fn() end
+  self.events = self.events or {}
+  local ev = self.events[name]
+  if not ev then
+    ev = {}
+    for i, sh in ipairs(self.shards) do ev[i] = { core.event_new(sh.device), core.event_new(sh.device) } end
+    self.events[name] = ev
+  end
+  for i = 1, #ev do
+    self.space:bind(i)
+    ev[i][1]:record()
+  end
+  fn()
+  for i = 1, #ev do
+    self.space:bind(i)
+    ev[i][2]:record()
+  end
+  self.times[name] = ev
+end
+
+-- Milliseconds per stage of the last eager forward, on its slowest device (waits for them).
+function Layer:stage_times()
+  local t = {}
+  for name, ev in pairs(self.times) do
+    local worst = 0
+    for i = 1, #ev do worst = math.max(worst, ev[i][2]:elapsed_since(ev[i][1])) end
+    t[name] = worst
+  end
+  return t
+end
+
+-- One forward pass over x (one tensor per shard) and o = {logits=, ids=, weights=} (one per
+-- shard, or nil), check = false: no read back.  Its errors carry no position: the caller's is
+-- given by forward.
+local function run(self, x, o)
+  local space, K, cfg = self.space, self.k, self.cfg
+  local eager = o.check ~= false
+  self.times, self.timing = {}, eager
+  self.routing_given = o.ids ~= nil or o.logits ~= nil -- check's reference then takes this routing
+  self.routed = o.ids == nil -- the router ran: route_stats are this pass's
+  timed(self, "route", function()
+    for i, sh in ipairs(self.shards) do
+      space:bind(i)
+      if o.ids then
+        sh.ids:copy(o.ids[i])
+        sh.weights:copy(o.weights[i])
+      else
+        local logits = o.logits and o.logits[i] or sh.logits
+        if not o.logits then core.logits(logits, as_rows(x[i]), sh.w_router) end
+        core.route { ids = sh.ids_rows, weights = sh.weights_rows, stats = sh.route_stats, logits = logits,
+          bias = sh.bias, k = K, scoring = cfg.scoring, groups = cfg.groups, topk_groups = cfg.topk_groups,
+          scale = cfg.scale }
+      end
+    end
+  end)
+  -- What the layer's policies do not allow (NaN logits, a schedule's overflow or invalid ids) is
+  -- decided by all ranks together in a real world, after the schedule.
+  local own, nan = {}, {} -- this process's messages and NaN rows, by shard
+  if eager and self.routed and self.nan == "error" then
+    for i, sh in ipairs(self.shards) do
+      space:bind(i)
+      local st = sh.route_stats:flat()
+      nan[i] = st[1]
+      if st[1] > 0 then
+        own[i] = string.format("layer: route: router logits contain NaN or cannot be scored (+inf, all -inf) in %d "
+          .. "rows%s, the first is token %d%s", st[1], rank_label(sh), st[2] % self.tokens,
+          sh.rank and "" or string.format(" of rank %d", st[2] // self.tokens))
+      end
+    end
+    if not space.collective then space:agree(own) end
+  end
+  timed(self, "schedule", function()
+    space:gather_ids()
+    for j, h in ipairs(self.held) do
+      space:bind(j)
+      h.schedule:run()
+    end
+  end)
+  if eager then
+    for j, h in ipairs(self.held) do
+      space:bind(j)
+      local ok, err = pcall(h.schedule.check, h.schedule)
+      if not ok then own[j] = own[j] or "layer: " .. tostring(err) end
+      space:record_verdict(j, nan[j] or 0, ok and 0 or 1)
+    end
+    space:agree(own)
+  end
+  timed(self, "dispatch", function() space:dispatch(self, x) end)
+  timed(self, "experts", function()
+    for j, h in ipairs(self.held) do
+      space:bind(j)
+      core.experts { ys = h.ys, xs = h.xs, expert_offsets = h.schedule.expert_offsets, w_gate_up = h.w_gate_up,
+        w_down = h.w_down }
+    end
+  end)
+  if self.shared_ffn > 0 then
+    timed(self, "shared", function()
+      for i, sh in ipairs(self.shards) do
+        space:bind(i)
+        local xr = as_rows(x[i])
+        core.experts { ys = sh.shared_y, xs = xr, expert_offsets = sh.shared_offsets,
+          w_gate_up = sh.shared_gate_up, w_down = sh.shared_down }
+        if sh.gate then core.sigmoid_gate(sh.gate, xr, sh.shared_gate_w) end
       end
     end)
-    self.forwarded = true -- its buffers now hold a pass (capture puts the flag back: nothing ran)
-    return self.out:view(0, self.out.shape)
   end
+  timed(self, "combine", function() space:combine(self) end)
+  self.forwarded = true -- its buffers now hold a pass (capture puts the flag back: nothing ran)
+  local out = {}
+  for i, sh in ipairs(self.shards) do out[i] = sh.out:view(0, sh.out.shape) end
+  return #out == 1 and out[1] or out
+end
 
-  -- CPU copies of the weights, made once, for the reference.
-  local function cpu_weights(self)
-    if self.cpu then return self.cpu end
-    local function host(t) return t and (t.device == "cpu" and t or t:to("cpu")) end
-    local c = { w_gate_up = {}, w_down = {} }
-    for r = 1, self.world do
-      c.w_gate_up[r], c.w_down[r] = host(self.w_gate_up[r]), host(self.w_down[r])
+-- forward(x [, {logits=} or {ids=, weights=}, check=]): x, logits, ids and weights as the world
+-- takes them (see the top of this file); simulated: logits f32 [W*T, E], ids i32 and weights f32
+-- [W, T, K]; real: [T, E] and [T, K] per local rank.  check = false reads nothing back (a
+-- capture's pass): check() then raises what the pass broke.  Leaves the module's context unbound.
+function Layer:forward(x, o)
+  local space = self.space
+  local kind = space.lists and "any" or "tensor"
+  o = args.options("forward", o or {}, { logits = kind, ids = kind, weights = kind, check = "boolean" })
+  if (o.ids == nil) ~= (o.weights == nil) then args.fail("forward", "give 'ids' and 'weights' together") end
+  if o.ids and o.logits then args.fail("forward", "give either 'logits' or 'ids' and 'weights', not both") end
+  local sh = self.shards[1]
+  local given = { check = o.check }
+  x = space:inputs(self, "forward", "x", x, "bf16", sh.out.shape)
+  if o.ids then
+    given.ids = space:inputs(self, "forward", "ids", o.ids, "i32", sh.ids.shape)
+    given.weights = space:inputs(self, "forward", "weights", o.weights, "f32", sh.weights.shape)
+  end
+  if o.logits then given.logits = space:inputs(self, "forward", "logits", o.logits, "f32", sh.logits.shape) end
+  self.forwarded = false -- until this pass completes the buffers hold part of it
+  local ok, res = pcall(on_ranks, self, function() return run(self, x, given) end)
+  if not ok then args.raise(tostring(res)) end
+  return res
+end
+
+-- The CPU copy of t (t itself on the CPU), or nil.
+local function host(t) return t and (t.device == "cpu" and t or t:to("cpu")) end
+
+-- Every rank's weights on the CPU, for the reference, made once: the held ranks' copied, the
+-- others' drawn on the CPU (init_weight); the router's only once a reference routes.
+local function cpu_weights(self, routes)
+  local c = self.cpu
+  if not c then
+    c = { w_gate_up = {}, w_down = {} }
+    local held = {}
+    for _, h in ipairs(self.held) do held[h.rank] = h end
+    for r = 0, self.world - 1 do
+      local h = held[r]
+      c.w_gate_up[r + 1] = h and host(h.w_gate_up) or init_weight(self, "w_gate_up", "cpu", r)
+      c.w_down[r + 1] = h and host(h.w_down) or init_weight(self, "w_down", "cpu", r)
     end
-    c.w_router, c.bias = host(self.w_router), host(self.bias)
-    c.shared_gate_up, c.shared_down, c.shared_gate_w = host(self.shared_gate_up), host(self.shared_down),
-      host(self.shared_gate_w)
+    local sh = self.shards[1]
+    c.shared_gate_up, c.shared_down, c.shared_gate_w = host(sh.shared_gate_up), host(sh.shared_down),
+      host(sh.shared_gate_w)
     self.cpu = c
-    return c
   end
+  if routes and not c.w_router then c.w_router, c.bias = host(self.shards[1].w_router), host(self.shards[1].bias) end
+  return c
+end
 
-  -- Rows tokens (0-based flat indices over the W*T tokens) of a [W, T, ...] tensor, gathered
-  -- into a CPU tensor [#tokens, ...] one row copy at a time.
-  local function gather_rows(t, tokens, width, dtype)
-    local g = core.new(dtype or t.dtype, { #tokens, width }, "cpu")
-    for i, tok in ipairs(tokens) do g:select(i):copy(t:view(tok * width, { width })) end
+-- The rows tokens (0-based indices over the local tokens, shard after shard; nil: all) of bufs
+-- (one tensor per shard, seen as rows of width) -> a CPU tensor [#tokens, width].
+local function gather(self, bufs, tokens, width)
+  local N, dtype = self.shards[1].rows, bufs[1].dtype
+  if not tokens then
+    if #bufs == 1 then return host(bufs[1]):view(0, { N, width }) end
+    local g = core.new(dtype, { N * #bufs, width }, "cpu")
+    for i, b in ipairs(bufs) do g:view((i - 1) * N * width, { N, width }):copy(b) end
     return g
   end
+  local g = core.new(dtype, { #tokens, width }, "cpu")
+  for k, t in ipairs(tokens) do g:select(k):copy(bufs[t // N + 1]:view(t % N * width, { width })) end
+  return g
+end
 
-  -- ids (i32 on the CPU) with every id outside [0, E) but the mask -1 made -1: what a forward
-  -- with invalid = "skip" routed; the tensor itself when there is none.
-  local function skip_invalid(ids, E)
-    local flat, any = ids:flat(), false
-    for i, e in ipairs(flat) do
-      if e ~= -1 and (e < 0 or e >= E) then flat[i], any = -1, true end
-    end
-    return any and core.from_table(flat, "i32", "cpu"):view(0, ids.shape) or ids
+-- n evenly spaced tokens of each rank whose tokens are local, as gather takes them.
+local function sample_tokens(self, n)
+  local T, tokens = self.tokens, {}
+  for r = 0, self.shards[1].rows * #self.shards // T - 1 do
+    for i = 0, n - 1 do tokens[#tokens + 1] = r * T + (i * T) // n end
   end
+  return tokens
+end
 
-  -- The dense reference of DESIGN.md for the rows x (bf16 or f32 [N, H] on the CPU) with the
-  -- weights c on the CPU: routed by ids and weights when given, else by the router on logits
-  -- (computed from x when nil).  Shared with the layer over a real world.  -> f32 [N, H].
-  local function dense_reference(self, c, x, ids, weights, logits)
-    local N, K, E = x.shape[1], self.k, self.experts
-    if not ids then
-      if not logits then
-        logits = core.new("f32", { N, E }, "cpu")
-        core.logits(logits, x, c.w_router)
-      end
-      ids, weights = core.new("i32", { N, K }, "cpu"), core.new("f32", { N, K }, "cpu")
-      local stats = core.new("i32", { 2 }, "cpu")
-      core.route { ids = ids, weights = weights, stats = stats, logits = logits, bias = c.bias, k = K,
-        scoring = self.cfg.scoring, groups = self.cfg.groups, topk_groups = self.cfg.topk_groups, scale = self.cfg.scale }
-      local st = stats:flat()
-      if st[1] > 0 and self.nan == "error" then -- the layer's policy, as forward applies it
-        args.raise(string.format("layer: reference: router logits contain NaN or cannot be scored (+inf, all -inf) "
-          .. "in %d of its %d rows; the layer has nan = 'error'", st[1], N))
-      end
-    end
-    local out = core.new("f32", { N, self.hidden }, "cpu")
-    core.reference { out = out, x = x, ids = ids, weights = weights, w_gate_up = c.w_gate_up, w_down = c.w_down,
-      world = self.world, experts = E, shared_gate_up = c.shared_gate_up, shared_down = c.shared_down,
-      shared_gate_w = c.shared_gate_w }
-    return out
+-- ids (i32 on the CPU) with every id outside [0, E) but the mask -1 made -1: what a forward
+-- with invalid = "skip" routed; the tensor itself when there is none.
+local function skip_invalid(ids, E)
+  local flat, any = ids:flat(), false
+  for i, e in ipairs(flat) do
+    if e ~= -1 and (e < 0 or e >= E) then flat[i], any = -1, true end
   end
+  return any and core.from_table(flat, "i32", "cpu"):view(0, ids.shape) or ids
+end
 
-  -- reference(x [, opts]) -> f32 on the CPU: the dense reference of DESIGN.md, independent of any
-  -- schedule.  opts: logits= (route these), or ids= and weights= (this routing), or
-  -- routing = "forward" (the routing the last forward chose, read back from the layer); by
-  -- default the reference routes x itself, on the CPU.  tokens = {flat 0-based indices} computes
-  -- only those tokens and returns [#tokens, H]; otherwise [W, T, H].
-  function Layer:reference(x, o)
-    o = args.options("reference", o or {}, { logits = "tensor", ids = "tensor", weights = "tensor",
-      routing = { "own", "forward" }, tokens = "table" })
-    check_x(self, "reference", x)
-    if (o.ids == nil) ~= (o.weights == nil) then args.fail("reference", "give 'ids' and 'weights' together") end
-    if (o.ids and 1 or 0) + (o.logits and 1 or 0) + (o.routing and 1 or 0) > 1 then
-      args.fail("reference", "give at most one routing: 'logits', 'ids' and 'weights', or 'routing'")
-    end
-    local W, T, K, H, E = self.world, self.tokens, self.k, self.hidden, self.experts
-    if o.ids then -- as forward takes them
-      args.tensor("reference", "ids", o.ids, "i32", { W, T, K })
-      args.tensor("reference", "weights", o.weights, "f32", { W, T, K })
-    end
-    if o.logits then args.tensor("reference", "logits", o.logits, "f32", { W * T, E }) end
-    if o.routing == "forward" and not self.forwarded then
-      args.fail("reference", "routing = 'forward' before any forward completed: there is no routing to take")
-    end
-    local c = cpu_weights(self)
-    local all = {}
-    if o.tokens then
-      for i, tok in ipairs(o.tokens) do
-        if math.type(tok) ~= "integer" or tok < 0 or tok >= W * T then
-          args.fail("reference", string.format("tokens[%d] must be a token index in [0, %d), got %s", i, W * T,
-            args.describe(tok)))
-        end
-      end
-    else
-      for i = 1, W * T do all[i] = i - 1 end
-    end
-    local tokens = o.tokens or all
-    local N = #tokens
-    local whole = o.tokens == nil
-    local xf = whole and (x.device == "cpu" and x or x:to("cpu")):view(0, { W * T, H }) or gather_rows(x, tokens, H)
-    local ids, weights, logits
-    if o.ids or o.routing == "forward" then
-      local src_ids, src_w = o.ids or self.ids, o.weights or self.weights
-      if whole then
-        ids, weights = src_ids:to("cpu"):view(0, { N, K }), src_w:to("cpu"):view(0, { N, K })
-      else
-        ids, weights = gather_rows(src_ids, tokens, K), gather_rows(src_w, tokens, K)
-      end
-      if not o.ids then ids = skip_invalid(ids, E) end -- as the forward did (it raises otherwise)
-    elseif o.logits then
-      logits = whole and o.logits:to("cpu") or gather_rows(o.logits, tokens, E)
-    end
-    local out = dense_reference(self, c, xf, ids, weights, logits)
-    return whole and out:view(0, { W, T, H }) or out
+-- The dense f32 reference on the CPU of the local tokens (nil: all), independent of any
+-- schedule -> [#tokens, H].  how: {ids=, weights=} (one per shard: this routing), {forward = true}
+-- (the last forward's, its invalid ids skipped as that forward did), {logits=} (route these), or
+-- {} (the router on the CPU).
+local function dense(self, x, tokens, how)
+  local K, E = self.k, self.experts
+  local ids, weights, logits
+  if how.forward then
+    ids, weights = gather(self, shard_list(self, "ids"), tokens, K), gather(self, shard_list(self, "weights"), tokens, K)
+    ids = skip_invalid(ids, E) -- as the forward did (it raises otherwise)
+  elseif how.ids then
+    ids, weights = gather(self, how.ids, tokens, K), gather(self, how.weights, tokens, K)
+  elseif how.logits then
+    logits = gather(self, how.logits, tokens, E)
   end
-
-  -- The last forward's ids as its experts saw them: -1 where a route reached no expert (masked,
-  -- an invalid id skipped, dropped by a capacity: route_row -1 on the expert's owner), or nil when
-  -- every valid route reached one (the schedules' stats say so).
-  local function applied_ids(self)
-    local dropped, invalid = 0, 0
-    for _, s in ipairs(self.schedules) do
-      local st = s:read_stats()
-      dropped, invalid = dropped + st.dropped, st.invalid -- every rank sees all ids: one invalid count
+  local c = cpu_weights(self, ids == nil)
+  local xr = gather(self, x, tokens, self.hidden)
+  local N = xr.shape[1]
+  if not ids then
+    if not logits then
+      logits = core.new("f32", { N, E }, "cpu")
+      core.logits(logits, xr, c.w_router)
     end
-    if dropped == 0 and invalid == 0 then return nil end
-    local W, EL, E = self.world, self.local_experts, self.experts
-    local ids = self.ids:to("cpu")
-    local flat = ids:flat()
-    local rows = {}
-    for r = 1, W do rows[r] = self.route_rows[r]:flat() end
-    for i, e in ipairs(flat) do -- i - 1 = p T K + route: the same index in route_row [W, T K]
-      if e ~= -1 and (e < 0 or e >= E or rows[e // EL + 1][i] < 0) then flat[i] = -1 end
+    ids, weights = core.new("i32", { N, K }, "cpu"), core.new("f32", { N, K }, "cpu")
+    local stats = core.new("i32", { 2 }, "cpu")
+    local cfg = self.cfg
+    core.route { ids = ids, weights = weights, stats = stats, logits = logits, bias = c.bias, k = K,
+      scoring = cfg.scoring, groups = cfg.groups, topk_groups = cfg.topk_groups, scale = cfg.scale }
+    local st = stats:flat()
+    if st[1] > 0 and self.nan == "error" then -- the layer's policy, as forward applies it
+      args.raise(string.format("layer: reference: router logits contain NaN or cannot be scored (+inf, all -inf) "
+        .. "in %d of its %d rows; the layer has nan = 'error'", st[1], N))
     end
-    return core.from_table(flat, "i32", "cpu"):view(0, { W, self.tokens, self.k })
   end
+  local out = core.new("f32", { N, self.hidden }, "cpu")
+  core.reference { out = out, x = xr, ids = ids, weights = weights, w_gate_up = c.w_gate_up, w_down = c.w_down,
+    world = self.world, experts = E, shared_gate_up = c.shared_gate_up, shared_down = c.shared_down,
+    shared_gate_w = c.shared_gate_w }
+  return out
+end
 
-  -- The start of both layers' check(x, o) (errors at check's caller): its options, a forward
-  -- whose output to compare, and what that pass broke of the layer's policies (policy_error(self)
-  -- -> a message or nil), raised whatever raise says.  -> the options.
-  local function check_begin(self, o, policy_error)
-    o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" }, nil, 3)
-    if not self.forwarded then
-      args.fail("check", "no forward has completed (a capture runs nothing before its first replay): check "
-        .. "compares the last pass's output", 3)
-    end
-    local why = policy_error(self)
-    if why then error(why, 3) end
-    return o
+-- reference(x [, opts]) -> f32 on the CPU: the dense reference of the layer, independent of any
+-- schedule.  routing = "forward" takes the routing the last forward chose; by default (or "own")
+-- the reference routes x itself, on the CPU.
+--   simulated: also logits= (route these) or ids= and weights= (this routing), as forward takes
+--     them; tokens = {flat 0-based indices} computes only those tokens -> [#tokens, H]; else
+--     [W, T, H].
+--   real: sample = n, n evenly spaced tokens of each local rank; -> [n, H] (n = T without sample)
+--     per local rank: a list, or the tensor itself with one local rank.
+function Layer:reference(x, o)
+  local space = self.space
+  o = args.options("reference", o or {}, space.REFERENCE_OPTIONS)
+  if (o.ids == nil) ~= (o.weights == nil) then args.fail("reference", "give 'ids' and 'weights' together") end
+  if (o.ids and 1 or 0) + (o.logits and 1 or 0) + (o.routing and 1 or 0) > 1 then
+    args.fail("reference", "give at most one routing: 'logits', 'ids' and 'weights', or 'routing'")
   end
+  local sh = self.shards[1]
+  x = space:inputs(self, "reference", "x", x, "bf16", sh.out.shape)
+  local how = { forward = o.routing == "forward" }
+  if o.ids then -- as forward takes them
+    how.ids = space:inputs(self, "reference", "ids", o.ids, "i32", sh.ids.shape)
+    how.weights = space:inputs(self, "reference", "weights", o.weights, "f32", sh.weights.shape)
+  end
+  if o.logits then how.logits = space:inputs(self, "reference", "logits", o.logits, "f32", sh.logits.shape) end
+  if how.forward and not self.forwarded then
+    args.fail("reference", "routing = 'forward' before any forward completed: there is no routing to take")
+  end
+  local T, H, local_tokens = self.tokens, self.hidden, sh.rows * #self.shards
+  local tokens, n = o.tokens, nil
+  for i, tok in ipairs(tokens or {}) do
+    if math.type(tok) ~= "integer" or tok < 0 or tok >= local_tokens then
+      args.fail("reference", string.format("tokens[%d] must be a token index in [0, %d), got %s", i, local_tokens,
+        args.describe(tok)))
+    end
+  end
+  if o.sample then
+    n = math.min(o.sample, T)
+    args.range("reference", "sample", n, 1)
+    tokens = n < T and sample_tokens(self, n) or nil
+  end
+  local out = dense(self, x, tokens, how)
+  if not space.lists then return tokens and out or out:view(0, sh.out.shape) end
+  if #self.shards == 1 then return out end
+  local per, rows = {}, (n or T)
+  for i = 1, #self.shards do per[i] = out:view((i - 1) * rows * H, { rows, H }) end
+  return per
+end
 
-  -- What the layer's policies do not allow in its last pass, as forward raises it in eager use:
-  -- router logits with NaN or unscorable rows (nan = 'error'), a schedule's capacity overflow or
-  -- invalid ids.  -> the message, or nil.  For a pass that did not check (forward{check = false},
-  -- a replay) this is the check.
-  local function policy_error(self)
-    if self.routed and self.nan == "error" then
-      local st = self.route_stats:flat()
+-- The last forward's ids as its experts saw them: -1 where a route reached no expert (masked,
+-- an invalid id skipped, dropped by a capacity: route_row -1 on the expert's owner), or nil when
+-- every valid route reached one (the schedules' stats say so).  Only where every rank's
+-- schedule is at hand (a simulated world): another process's drops are not known here.
+local function applied_ids(self)
+  if not self.space.sees_every_rank then return nil end
+  local dropped, invalid = 0, 0
+  for _, h in ipairs(self.held) do
+    local st = h.schedule:read_stats()
+    dropped, invalid = dropped + st.dropped, st.invalid -- every rank sees all ids: one invalid count
+  end
+  if dropped == 0 and invalid == 0 then return nil end
+  local EL, E, sh = self.local_experts, self.experts, self.shards[1]
+  local flat = sh.ids:to("cpu"):flat()
+  local rows = {}
+  for r, h in ipairs(self.held) do rows[r] = h.schedule.route_row:flat() end
+  for i, e in ipairs(flat) do -- i - 1 = p T K + route: the same index in route_row [W, T K]
+    if e ~= -1 and (e < 0 or e >= E or rows[e // EL + 1][i] < 0) then flat[i] = -1 end
+  end
+  return core.from_table(flat, "i32", "cpu"):view(0, sh.ids.shape)
+end
+
+-- What the layer's policies do not allow in its last pass, as forward raises it in eager use:
+-- router logits with NaN or unscorable rows (nan = 'error'), a schedule's capacity overflow or
+-- invalid ids.  -> the message, or nil.  For a pass that did not check (forward{check = false},
+-- a replay) this is the check.
+local function policy_error(self)
+  return on_ranks(self, function()
+    for i = 1, math.max(#self.shards, #self.held) do -- shard i and held rank i share a device
+      self.space:bind(i)
+      local sh, h = self.shards[i], self.held[i]
+      local st = sh and self.routed and self.nan == "error" and sh.route_stats:flat() or { 0 }
       if st[1] > 0 then
-        return string.format("layer: route: router logits contained NaN or could not be scored (+inf, all -inf) in %d "
-          .. "rows (those tokens were routed nowhere)", st[1])
+        return string.format("layer: route: router logits contained NaN or could not be scored (+inf, all -inf) in "
+          .. "%d rows%s (those tokens were routed nowhere)", st[1], rank_label(sh))
       end
-    end
-    for r = 1, self.world do
-      local s = self.schedules[r]
-      local ok, err = pcall(s.check, s)
+      local ok, err = pcall(h.schedule.check, h.schedule)
       if not ok then return "layer: " .. tostring(err) end
     end
-  end
-
-  -- check(x [, {sample = n, rtol =, l2 =, raise =}]): the last forward's output against the dense
-  -- reference, with the routing that forward applied (given logits or ids, or the router's; routes
-  -- that reached no expert -- masked, invalid and skipped, dropped by a capacity -- left out).
-  -- Raises when out of tolerance, unless raise = false, which returns the metrics and .pass.  With
-  -- sample, n evenly spaced tokens of each rank: the way to check a layer too large for a full CPU
-  -- reference.  On the CPU, a whole check of a forward that routed for itself takes the
-  -- reference's own routing, so the router is checked too.  First, whatever raise says, it raises
-  -- what the layer's policies do not allow in that pass (policy_error), as an eager forward would
-  -- have: a forward{check = false} leaves that to check, or to stats() to read.
-  function Layer:check(x, o)
-    o = check_begin(self, o, policy_error)
-    local W, T, H = self.world, self.tokens, self.hidden
-    -- the forward's routing (the router's, given, or with the routes no expert took masked); on the
-    -- CPU a forward that routed for itself is checked against the reference's own routing, which
-    -- checks the router too
-    local ids = applied_ids(self)
-    local routing = ids and { ids = ids, weights = self.weights }
-      or { routing = (self.device == "cpu" and not self.routing_given) and "own" or "forward" }
-    local got, ref
-    if o.sample and o.sample < T then
-      args.range("check", "sample", o.sample, 1)
-      local tokens = {}
-      for r = 0, W - 1 do
-        for i = 0, o.sample - 1 do tokens[#tokens + 1] = r * T + (i * T) // o.sample end
-      end
-      routing.tokens, routing.routing = tokens, not ids and "forward" or nil
-      ref = self:reference(x, routing)
-      got = gather_rows(self.out, tokens, H)
-    else
-      ref = self:reference(x, routing)
-      got = self.out
-    end
-    return moe.check.verdict(got, ref, o, "layer")
-  end
-
-  -- What the last forward did: rows, padding, loads, drops, per rank and over the ranks, from
-  -- the schedules given (ranks[i]: schedules[i]'s global rank, recorded when given).
-  local function schedule_stats(schedules, EL, ranks)
-    local st = { ranks = {}, loads = {}, rows_used = 0, rows_needed = 0, dropped = 0, invalid = 0, routes = 0 }
-    for i, s in ipairs(schedules) do
-      local ss = s:read_stats()
-      local counts = s.counts:flat()
-      local routes = 0
-      for e = 1, EL do
-        st.loads[#st.loads + 1] = counts[e]
-        routes = routes + counts[e]
-      end
-      st.ranks[i] = { rank = ranks and ranks[i], rows_used = ss.rows_used, rows_needed = ss.rows_needed,
-        dropped = ss.dropped, routes = routes }
-      st.rows_used = st.rows_used + ss.rows_used
-      st.rows_needed = st.rows_needed + ss.rows_needed
-      st.dropped = st.dropped + ss.dropped
-      st.routes = st.routes + routes
-      st.invalid = ss.invalid -- every rank sees all ids: the same count
-    end
-    local max_load, sum = 0, 0
-    for _, n in ipairs(st.loads) do
-      max_load = math.max(max_load, n)
-      sum = sum + n
-    end
-    st.max_load, st.mean_load = max_load, #st.loads > 0 and sum / #st.loads or 0
-    st.padding = st.rows_used - st.routes
-    st.padding_waste = st.rows_used > 0 and st.padding / st.rows_used or 0
-    return st
-  end
-
-  function Layer:stats()
-    local st = schedule_stats(self.schedules, self.local_experts)
-    st.unscored = self.routed and self.route_stats:flat()[1] or 0 -- rows the router could not score
-    return st
-  end
-
-  -- capture([x]) -> a graph of the whole forward pass over the input buffer x (default: the
-  -- layer's own buffer layer.input, which the caller fills).  graph:replay() reruns it on the
-  -- current contents of x, routing included, and returns a view of the output buffer;
-  -- graph:check() reads the stats the last replay left on the device and raises on what the
-  -- layer's policies do not allow (a captured pass cannot raise by itself).
-  local Graph = { __name = "moelab.LayerGraph" }
-  Graph.__index = Graph
-
-  function Layer:capture(x)
-    if self.device == "cpu" then
-      error("layer:capture: CUDA graphs need a layer on a cuda device (this one is on cpu)", 2)
-    end
-    if x == nil then
-      self.input = self.input or core.new("bf16", { self.world, self.tokens, self.hidden }, self.device)
-      x = self.input
-    end
-    check_x(self, "capture", x)
-    -- a capture runs nothing: the buffers hold what they held before it, until a replay
-    local forwarded, routing_given, routed = self.forwarded, self.routing_given, self.routed
-    local ok, graph = pcall(moe.graph, function() self:forward(x, { check = false }) end, { device = self.device })
-    self.forwarded, self.routing_given, self.routed = forwarded, routing_given, routed
-    if not ok then args.raise(graph) end
-    return setmetatable({ graph = graph, layer = self, x = x }, Graph)
-  end
-
-  function Graph:replay()
-    self.graph:replay()
-    self.layer.forwarded, self.layer.routing_given, self.layer.routed = true, false, true -- it routes for itself
-    -- a view of the output buffer, made again only if the caller closed it (replay allocates nothing)
-    if not self.out or self.out.closed then self.out = self.layer.out:view(0, self.layer.out.shape) end
-    return self.out
-  end
-
-  function Graph:check()
-    local why = policy_error(self.layer)
-    if why then error(why, 2) end
-    return self
-  end
-
-  function Layer:__tostring()
-    local c = self.cfg
-    local lines = {
-      string.format("moelab.Layer(%s on %s: world %d, %d tokens per rank)", c.name, self.device, self.world, self.tokens),
-      string.format("  route     %s, E = %d, top-%d%s, scale %g", c.scoring, self.experts, self.k,
-        c.groups > 1 and string.format(", %d groups keep %d", c.groups, c.topk_groups) or "", c.scale),
-      string.format("  schedule  %s, pad %d, capacity %d rows per rank%s, overflow %s", self.layout, self.pad,
-        self.capacity, self.expert_capacity and (", expert capacity " .. self.expert_capacity) or "", self.overflow),
-      string.format("  experts   %d per rank, SwiGLU H = %d, F = %d", self.local_experts, self.hidden, self.ffn),
-    }
-    if self.shared_ffn > 0 then
-      lines[#lines + 1] = string.format("  shared    SwiGLU F = %d%s", self.shared_ffn,
-        c.shared_gate and ", sigmoid-gated" or "")
-    end
-    lines[#lines + 1] = "  combine   top-k in order, f32 accumulation, bf16 out"
-    return table.concat(lines, "\n")
-  end
-
-  -- The layer over a real world (lua/moelab/world_layer.lua), with what the two share.
-  world_layer = require("moelab.world_layer")(moe, { schedule_stats = schedule_stats, dense_reference = dense_reference,
-    skip_invalid = skip_invalid, check_begin = check_begin })
-  return new_layer
+  end)
 end
+
+-- check(x [, {sample = n, rtol =, l2 =, raise =}]): the last forward's output against the dense
+-- reference, with the routing that forward applied (given logits or ids, or the router's; routes
+-- that reached no expert -- masked, invalid and skipped, dropped by a capacity -- left out; in a
+-- real world, whose other processes' drops are not known here, only the invalid ids: a forward
+-- that dropped routes differs from it by those).  Raises when out of tolerance, unless raise =
+-- false, which returns the metrics and .pass.  With sample, n evenly spaced tokens of each rank:
+-- the way to check a layer too large for a full CPU reference.  On the CPU, a whole check of a
+-- forward that routed for itself takes the reference's own routing, so the router is checked
+-- too.  First, whatever raise says, it raises what the layer's policies do not allow in that pass
+-- (policy_error), as an eager forward would have: a forward{check = false} leaves that to check,
+-- or to stats() to read.
+function Layer:check(x, o)
+  o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
+  if not self.forwarded then
+    args.fail("check", "no forward has completed (a capture runs nothing before its first replay): check "
+      .. "compares the last pass's output")
+  end
+  local why = policy_error(self)
+  if why then args.raise(why) end
+  local sh = self.shards[1]
+  x = self.space:inputs(self, "check", "x", x, "bf16", sh.out.shape)
+  local T = self.tokens
+  local n = o.sample and math.min(o.sample, T) or T
+  args.range("check", "sample", n, 1)
+  local tokens = n < T and sample_tokens(self, n) or nil
+  local ids = applied_ids(self)
+  local how = ids and { ids = { ids }, weights = { sh.weights } }
+    or { forward = tokens ~= nil or self.device ~= "cpu" or self.routing_given }
+  local ref = dense(self, x, tokens, how)
+  local got = gather(self, shard_list(self, "out"), tokens, self.hidden)
+  if not tokens and #self.shards == 1 then got, ref = sh.out, ref:view(0, sh.out.shape) end
+  return check.verdict(got, ref, o, "layer")
+end
+
+-- What the last forward did: rows, padding, loads, drops, per held rank and over them.
+-- unscored: rows the router could not score (NaN, +inf, all -inf) on the local tokens.
+function Layer:stats()
+  local EL = self.local_experts
+  local st = { ranks = {}, loads = {}, rows_used = 0, rows_needed = 0, dropped = 0, invalid = 0, routes = 0 }
+  for j, h in ipairs(self.held) do
+    local ss = h.schedule:read_stats()
+    local counts = h.schedule.counts:flat()
+    local routes = 0
+    for e = 1, EL do
+      st.loads[#st.loads + 1] = counts[e]
+      routes = routes + counts[e]
+    end
+    st.ranks[j] = { rank = h.rank, rows_used = ss.rows_used, rows_needed = ss.rows_needed, dropped = ss.dropped,
+      routes = routes }
+    st.rows_used = st.rows_used + ss.rows_used
+    st.rows_needed = st.rows_needed + ss.rows_needed
+    st.dropped = st.dropped + ss.dropped
+    st.routes = st.routes + routes
+    st.invalid = ss.invalid -- every rank sees all ids: the same count
+  end
+  local max_load, sum = 0, 0
+  for _, n in ipairs(st.loads) do
+    max_load = math.max(max_load, n)
+    sum = sum + n
+  end
+  st.max_load, st.mean_load = max_load, #st.loads > 0 and sum / #st.loads or 0
+  st.padding = st.rows_used - st.routes
+  st.padding_waste = st.rows_used > 0 and st.padding / st.rows_used or 0
+  st.unscored = 0
+  if self.routed then
+    on_ranks(self, function()
+      for i, sh in ipairs(self.shards) do
+        self.space:bind(i)
+        st.unscored = st.unscored + sh.route_stats:flat()[1]
+      end
+    end)
+  end
+  return st
+end
+
+-- capture([x]) -> a graph of the whole forward pass over x (default: simulated, the layer's own
+-- buffer layer.input, made on the first capture; real, layer.inputs), which the caller fills.
+-- graph:replay() reruns it on the current contents of x, routing included, and returns a view
+-- of the output buffer; graph:check() reads the stats the last replay left on the device and
+-- raises on what the layer's policies do not allow (a captured pass cannot raise by itself).
+local Graph = { __name = "moelab.LayerGraph" }
+Graph.__index = Graph
+
+function Layer:capture(x)
+  local space = self.space
+  space:can_capture(self)
+  x = space:inputs(self, "capture", "x", x or space:capture_input(self), "bf16", self.shards[1].out.shape)
+  -- a capture runs nothing: the buffers hold what they held before it, until a replay
+  local forwarded, routing_given, routed = self.forwarded, self.routing_given, self.routed
+  space:bind(1)
+  local ok, graph = pcall(moe_device.graph, function() run(self, x, { check = false }) end, { device = self.device })
+  self.forwarded, self.routing_given, self.routed = forwarded, routing_given, routed
+  space:release()
+  if not ok then args.raise(graph) end
+  return setmetatable({ graph = graph, layer = self, x = x[1] }, Graph)
+end
+
+function Graph:replay()
+  self.graph:replay()
+  local layer = self.layer
+  layer.forwarded, layer.routing_given, layer.routed = true, false, true -- it routes for itself
+  -- a view of the output buffer, made again only if the caller closed it (replay allocates nothing)
+  local out = layer.shards[1].out
+  if not self.out or self.out.closed then self.out = out:view(0, out.shape) end
+  return self.out
+end
+
+function Graph:check()
+  local why = policy_error(self.layer)
+  if why then args.raise(why) end
+  return self
+end
+
+function Layer:__tostring()
+  local c = self.cfg
+  local header, path = self.space:describe(self)
+  local lines = {
+    header,
+    string.format("  route     %s, E = %d, top-%d%s, scale %g", c.scoring, self.experts, self.k,
+      c.groups > 1 and string.format(", %d groups keep %d", c.groups, c.topk_groups) or "", c.scale),
+    string.format("  schedule  %s, pad %d, capacity %d rows per rank%s, overflow %s", self.layout, self.pad,
+      self.capacity, self.expert_capacity and (", expert capacity " .. self.expert_capacity) or "", self.overflow),
+    string.format("  experts   %d per rank, SwiGLU H = %d, F = %d", self.local_experts, self.hidden, self.ffn),
+  }
+  if self.shared_ffn > 0 then
+    lines[#lines + 1] = string.format("  shared    SwiGLU F = %d%s", self.shared_ffn,
+      c.shared_gate and ", sigmoid-gated" or "")
+  end
+  lines[#lines + 1] = path
+  return table.concat(lines, "\n")
+end
+
+return Layer

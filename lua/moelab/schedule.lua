@@ -1,0 +1,174 @@
+-- Stage 2, schedule: every route of the all-gathered ids placed in a row of its expert's rank.
+local core = require "moelab.core"
+local args = require "moelab.args"
+
+local schedule = {}
+
+local Schedule = { __name = "moelab.Schedule" }
+Schedule.__index = Schedule
+schedule.Schedule = Schedule
+
+local LAYOUTS = { "roundrobin", "peer_major" }
+local STAT_NAMES = { "rows_needed", "rows_used", "dropped", "invalid", "first_invalid" }
+
+-- The rows of a rank's schedule when no number is given, by policy name -> rows, and the error
+-- when those rows cannot be an i32 capacity (what: "the default capacity" or the policy named).
+local CAPACITY_POLICIES = {
+  -- every route of the world on this rank (at most expert_capacity per expert), padded: the
+  -- largest need there can be, so the schedule never overflows.  moe.schedule's default.
+  worst = function(W, T, K, EL, pad, expert_capacity)
+    local rows = W * T * K + EL * (pad - 1)
+    if expert_capacity then rows = math.min(rows, EL * ((expert_capacity + pad - 1) // pad) * pad) end
+    return rows, function(what) return what .. " exceeds 2^31 - 2 rows; pass capacity" end
+  end,
+  -- twice a rank's mean routes plus one pad per expert: memory that grows with T K rather than
+  -- W T K; skewed routing needs more (an overflow raises unless overflow = "drop").  moe.layer's
+  -- default.
+  twice_mean = function(_, T, K, EL, pad)
+    local rows = 2 * T * K + EL * pad
+    return rows, function(what)
+      return string.format("%s (2 tokens k + experts per rank x pad = %d rows) exceeds 2^31 - 2; pass capacity", what,
+        rows)
+    end
+  end,
+}
+schedule.CAPACITY_POLICIES = { "worst", "twice_mean" }
+
+-- The one home of pad's and capacity's defaults, for a schedule of W ranks of T tokens, top-K,
+-- EL experts per rank: o.pad (default 1) and o.capacity, rows or a policy's name (default:
+-- default_policy) -> pad, capacity.  Errors name fname's options.
+function schedule.rows(fname, o, W, T, K, EL, default_policy)
+  local pad = o.pad or 1
+  args.range(fname, "pad", pad, 1, 0x7fffffff) -- rows are i32: so no sum below can wrap
+  local capacity, policy = o.capacity, o.capacity == nil and default_policy or nil
+  if type(capacity) == "string" then
+    policy = CAPACITY_POLICIES[capacity] and capacity or args.fail(fname, string.format("option 'capacity' must be a "
+      .. "number of rows or one of 'worst', 'twice_mean', got %s", args.describe(capacity)))
+  elseif capacity ~= nil and not math.tointeger(capacity) then
+    args.fail(fname, string.format("option 'capacity' must be an integer or one of 'worst', 'twice_mean', got %s",
+      args.describe(capacity)))
+  end
+  -- at most 2^31 - 2: rows_needed saturates at 2^31 - 1, so a capacity of 2^31 - 1 could not tell
+  -- a need of exactly that from an overflow
+  if not policy then args.range(fname, "capacity", capacity, 0, 0x7ffffffe) end
+  args.range(fname, "expert_capacity", o.expert_capacity, 0, 0x7fffffff)
+  if not policy then return pad, math.tointeger(capacity) end
+  local rows, too_large = CAPACITY_POLICIES[policy](W, T, K, EL, pad, o.expert_capacity)
+  if rows > 0x7ffffffe then
+    args.fail(fname, too_large(o.capacity == nil and "the default capacity" or string.format("capacity '%s'", policy)))
+  end
+  return pad, rows
+end
+
+-- Allocates a schedule's buffers without running it (the layer reruns it in place); fname: the
+-- function a caller inside the front-end raises as.
+function schedule.plan(o, fname)
+  fname = fname or "schedule_plan"
+  args.options(fname, o, {
+    ids = "tensor", experts = "integer", rank = "integer", pad = "integer", capacity = "any",
+    expert_capacity = "integer", layout = LAYOUTS, overflow = { "error", "drop" }, invalid = { "error", "skip" },
+  }, { "ids", "experts" })
+  local ids = args.tensor(fname, "ids", o.ids, "i32", { false, false, false })
+  local W, T, K = ids.shape[1], ids.shape[2], ids.shape[3]
+  local E = o.experts
+  args.range(fname, "experts", E, 1, 0x7fffffff) -- ids are i32
+  if W < 1 then args.fail(fname, "option 'ids' has no ranks (its first dimension is 0)") end
+  if E % W ~= 0 then
+    args.fail(fname, string.format("option 'experts' (%d) must be a multiple of the world size %d (ids is %s)",
+      E, W, args.shape_str(ids.shape)))
+  end
+  local rank = o.rank or 0
+  args.range(fname, "rank", rank, 0, W - 1)
+  local EL = E // W
+  local pad, C = schedule.rows(fname, o, W, T, K, EL, "worst")
+  local dev = ids.device
+  local s = setmetatable({
+    ids = ids, world = W, tokens = T, k = K, experts = E, local_experts = EL, rank = rank, pad = pad,
+    capacity = C, expert_capacity = o.expert_capacity, layout = o.layout or "roundrobin",
+    overflow = o.overflow or "error", invalid = o.invalid or "error", device = dev,
+    peer_rank = core.new("i32", { C }, dev),
+    peer_route = core.new("i32", { C }, dev),
+    counts = core.new("i32", { EL }, dev),
+    tokens_per_expert = core.new("i32", { EL }, dev),
+    expert_offsets = core.new("i32", { EL + 1 }, dev),
+    route_row = core.new("i32", { W, T * K }, dev),
+    stats_tensor = core.new("i32", { 5 }, dev),
+  }, Schedule)
+  return s
+end
+
+-- Runs the scheduler into the plan's buffers; reads nothing back (capturable).
+function Schedule:run()
+  local run = self.legacy and core.schedule_legacy or core.schedule
+  run { peer_rank = self.peer_rank, peer_route = self.peer_route, counts = self.counts,
+    tokens_per_expert = self.tokens_per_expert, expert_offsets = self.expert_offsets, route_row = self.route_row,
+    stats = self.stats_tensor, ids = self.ids, experts = self.experts, rank = self.rank, pad = self.pad,
+    capacity = self.capacity, expert_capacity = self.expert_capacity, layout = self.layout }
+  self.stats = nil
+  return self
+end
+
+-- Reads the stats back: {rows_needed, rows_used, dropped, invalid, first_invalid}.
+function Schedule:read_stats()
+  if self.stats_tensor.closed then
+    args.raise("schedule: its stats tensor (stats_tensor) is closed: nothing to read")
+  end
+  local st, out = self.stats_tensor:flat(), {}
+  for i, name in ipairs(STAT_NAMES) do out[name] = st[i] end
+  self.stats = out
+  return out
+end
+
+-- Raises on the conditions the schedule's policies do not allow.  It reads
+-- the stats the last run left on the device every time: a graph's replay runs the schedule
+-- without this table knowing.
+function Schedule:check()
+  local st = self:read_stats()
+  if st.invalid > 0 and self.invalid == "error" then
+    local f = st.first_invalid
+    local per_rank = self.tokens * self.k
+    local w, rest = f // per_rank, f % per_rank
+    -- the id itself, unless the caller closed the ids since the run
+    local id = self.ids.closed and "" or string.format(" %d", self.ids:get(f + 1))
+    args.raise(string.format("schedule: invalid expert id%s at rank %d, token %d, slot %d (expected -1 or 0..%d); "
+      .. "%d invalid id%s in all; pass invalid = 'skip' to drop them", id, w, rest // self.k,
+      rest % self.k, self.experts - 1, st.invalid, st.invalid == 1 and "" or "s"))
+  end
+  if st.rows_needed > self.capacity and self.overflow == "error" then
+    args.raise(string.format("schedule: capacity overflow on rank %d: the routes need %d rows, capacity is %d "
+      .. "(%d routes lost their row%s); raise capacity or pass overflow = 'drop'", self.rank, st.rows_needed,
+      self.capacity, st.dropped, self.expert_capacity and ", those past expert_capacity included" or ""))
+  end
+  return self
+end
+
+function Schedule:__tostring()
+  local st = self.stats
+  return string.format("moelab.Schedule(rank %d of %d, %d local experts, pad %d, %s, capacity %d%s)",
+    self.rank, self.world, self.local_experts, self.pad, self.layout, self.capacity,
+    st and string.format(", rows %d used, %d dropped, %d invalid", st.rows_used, st.dropped, st.invalid) or "")
+end
+
+function schedule.schedule(o)
+  local s = schedule.plan(o, "schedule")
+  s:run()
+  s:check()
+  return s
+end
+
+local SCHEDULE_TENSORS = { "ids", "peer_rank", "peer_route", "counts", "tokens_per_expert", "expert_offsets",
+  "route_row", "stats_tensor" }
+function schedule.check_schedule(fname, name, s)
+  if getmetatable(s) ~= Schedule then
+    args.fail(fname, string.format("option '%s' must be a moelab.Schedule (from moe.schedule), got %s",
+      name, args.describe(s)))
+  end
+  for _, f in ipairs(SCHEDULE_TENSORS) do -- the stages read them: a closed one would be named as the schedule
+    if s[f].closed then
+      args.fail(fname, string.format("option '%s': the schedule's %s tensor is closed", name, f))
+    end
+  end
+  return s
+end
+
+return schedule
