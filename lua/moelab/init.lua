@@ -99,7 +99,9 @@ end
 
 -- ---------------------------------------------------------------- 4. experts
 
-function moe.experts(o)
+-- moe.experts's options checked -> the C stage's arguments (ys = out, or x itself where only
+-- the choice of kernel is asked: explain runs nothing).
+local function experts_args(o, explaining)
   args.options("experts", o, { x = "tensor", offsets = "tensor", w_gate_up = "tensor", w_down = "tensor", out = "tensor" },
     { "x", "offsets", "w_gate_up", "w_down" })
   local x = args.tensor("experts", "x", o.x, "bf16", { false, false })
@@ -112,15 +114,21 @@ function moe.experts(o)
   end
   args.tensor("experts", "w_down", o.w_down, "bf16", { EL, H, F2 // 2 })
   args.tensor("experts", "offsets", o.offsets, "i32", { EL + 1 })
-  local out = o.out and args.tensor("experts", "out", o.out, "bf16", { C, H }) or core.new("bf16", { C, H }, x.device)
+  local out = o.out and args.tensor("experts", "out", o.out, "bf16", { C, H })
+    or explaining and x or core.new("bf16", { C, H }, x.device)
   args.same_device("experts", { x = x, offsets = o.offsets, w_gate_up = wgu, w_down = o.w_down, out = out },
     { "x", "offsets", "w_gate_up", "w_down", "out" })
   -- out may be x itself (in place: every row block of x is read before it is written), else disjoint
   local in_place = o.out ~= nil and out:address() == x:address()
   args.disjoint("experts", o, { "out" }, in_place and { "offsets", "w_gate_up", "w_down" }
     or { "x", "offsets", "w_gate_up", "w_down" })
-  core.experts { ys = out, xs = x, expert_offsets = o.offsets, w_gate_up = wgu, w_down = o.w_down }
-  return out
+  return { ys = out, xs = x, expert_offsets = o.offsets, w_gate_up = wgu, w_down = o.w_down }
+end
+
+function moe.experts(o)
+  local a = experts_args(o)
+  core.experts(a)
+  return a.ys
 end
 
 -- ---------------------------------------------------------------- 5. combine
@@ -198,5 +206,18 @@ local world = require "moelab.world"
 moe.world, moe.World, moe.Exchange, moe.world_unique_id = world.new, world.World, world.Exchange, world.unique_id
 moe.Layer = require "moelab.layer"
 moe.layer = moe.Layer.new
+
+-- ---------------------------------------------------------------- which kernel runs, and why
+
+local explain = require "moelab.explain"
+moe.config = explain.config
+
+-- explain("schedule", options of moe.schedule) or explain("experts", options of moe.experts):
+-- the kernel the stage would run on them and every candidate's verdict; nothing runs.
+function moe.explain(stage, o)
+  if stage == "schedule" then return moe.schedule_plan(o):explain() end
+  if stage == "experts" then return explain.parse(core.experts_explain(experts_args(o, true))) end
+  args.fail("explain", string.format("stage must be \"schedule\" or \"experts\", got %s", args.describe(stage)))
+end
 
 return moe

@@ -26,6 +26,7 @@ local moe_device = require "moelab.device"
 local route = require "moelab.route"
 local schedule = require "moelab.schedule"
 local world = require "moelab.world"
+local explain = require "moelab.explain"
 
 local Layer = { __name = "moelab.Layer" }
 Layer.__index = Layer
@@ -528,6 +529,29 @@ local function timed(self, name, fn)
     ev[i][2]:record()
   end
   self.times[name] = ev
+end
+
+-- Which kernel each stage with variants runs and why, per held rank (nothing runs):
+-- { { rank =, schedule = <choice>, experts = <choice>, shared = <choice> (with a shared expert) }, ... },
+-- each choice printing as its report (moelab.explain).  The shared expert runs on each shard.
+function Layer:plan()
+  return on_ranks(self, function()
+    local ranks = {}
+    for j, h in ipairs(self.held) do
+      self.space:bind(j)
+      ranks[j] = { rank = h.rank, schedule = h.schedule:explain(), experts = explain.parse(core.experts_explain {
+        ys = h.ys, xs = h.xs, expert_offsets = h.schedule.expert_offsets, w_gate_up = h.w_gate_up, w_down = h.w_down }) }
+    end
+    for i, sh in ipairs(self.shards) do
+      if self.shared_ffn > 0 and ranks[i] then
+        self.space:bind(i)
+        local xr = as_rows(sh.shared_y)
+        ranks[i].shared = explain.parse(core.experts_explain { ys = sh.shared_y, xs = xr,
+          expert_offsets = sh.shared_offsets, w_gate_up = sh.shared_gate_up, w_down = sh.shared_down })
+      end
+    end
+    return ranks
+  end)
 end
 
 -- Milliseconds per stage of the last eager forward, on its slowest device (waits for them).

@@ -1,6 +1,7 @@
 -- Stage 2, schedule: every route of the all-gathered ids placed in a row of its expert's rank.
 local core = require "moelab.core"
 local args = require "moelab.args"
+local explain = require "moelab.explain"
 
 local schedule = {}
 
@@ -97,15 +98,24 @@ function schedule.plan(o, fname)
   return s
 end
 
--- Runs the scheduler into the plan's buffers; reads nothing back (capturable).
-function Schedule:run()
-  local run = self.legacy and core.schedule_legacy or core.schedule
-  run { peer_rank = self.peer_rank, peer_route = self.peer_route, counts = self.counts,
+-- The C stage's arguments for this plan.
+local function stage_args(self)
+  return { peer_rank = self.peer_rank, peer_route = self.peer_route, counts = self.counts,
     tokens_per_expert = self.tokens_per_expert, expert_offsets = self.expert_offsets, route_row = self.route_row,
     stats = self.stats_tensor, ids = self.ids, experts = self.experts, rank = self.rank, pad = self.pad,
     capacity = self.capacity, expert_capacity = self.expert_capacity, layout = self.layout }
+end
+
+-- Runs the scheduler into the plan's buffers; reads nothing back (capturable).
+function Schedule:run()
+  core.schedule(stage_args(self))
   self.stats = nil
   return self
+end
+
+-- Which kernel run() issues for this plan and why (explain.parse's table); runs nothing.
+function Schedule:explain()
+  return explain.parse(core.schedule_explain(stage_args(self)))
 end
 
 -- Reads the stats back: {rows_needed, rows_used, dropped, invalid, first_invalid}.

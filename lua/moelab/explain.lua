@@ -1,0 +1,49 @@
+-- Which kernel a stage runs and why: the C library's report (moe_<stage>_explain) as a table,
+-- and the context's kernel options (moe_ctx_config).
+local core = require "moelab.core"
+local args = require "moelab.args"
+
+local explain = {}
+
+-- "<kernel>\n<name>: <verdict>\n..." -> { kernel = "<kernel>", candidates = { {name=, verdict=}, ... } },
+-- printing as the report itself.
+local Choice = { __name = "moelab.Choice" }
+Choice.__index = Choice
+function Choice:__tostring()
+  local lines = { self.kernel }
+  for _, c in ipairs(self.candidates) do lines[#lines + 1] = string.format("  %s: %s", c.name, c.verdict) end
+  return table.concat(lines, "\n")
+end
+
+function explain.parse(report)
+  local kernel, rest = report:match("^([^\n]*)\n(.*)$")
+  local choice = setmetatable({ kernel = kernel or report, candidates = {} }, Choice)
+  for name, verdict in (rest or ""):gmatch("([^:\n]+): ([^\n]*)") do
+    choice.candidates[#choice.candidates + 1] = { name = name, verdict = verdict }
+  end
+  return choice
+end
+
+local OPTIONS = { "schedule_kernel", "experts_kernel" }
+
+-- config() -> { schedule_kernel = "auto", experts_kernel = "auto" }; config{ experts_kernel = "mma" }
+-- sets the named options (kernel names are checked by the library) and returns them all.
+function explain.config(o)
+  if o ~= nil then
+    args.options("config", o, { schedule_kernel = "string", experts_kernel = "string" })
+    for _, name in ipairs(OPTIONS) do
+      if o[name] ~= nil then
+        local ok, err = pcall(core.config, name, o[name])
+        if not ok then
+          local why = tostring(err):gsub("^config: " .. name .. " ", "")
+          args.fail("config", string.format("option '%s' %s", name, why))
+        end
+      end
+    end
+  end
+  local now = {}
+  for _, name in ipairs(OPTIONS) do now[name] = core.config(name) end
+  return now
+end
+
+return explain
