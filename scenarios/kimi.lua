@@ -137,7 +137,7 @@ if not small and not (group and group.local_count > 1) then
   graph_ms = moe.bench(function() g:replay() end, { warmup = 2, iters = iters, device = opts.device }).median_ms
 end
 
--- Work per stage, for rates beside the ceilings measured on an H200 (METHOD.md): copy
+-- Work per stage, for rates beside the ceilings measured on an H200 (docs/perf/README.md): copy
 -- ~4.3 TB/s (bytes read + written), dense bf16 ~790 TFLOP/s.  The route stage is mostly the
 -- router's logits GEMM, in f32 fused multiply-adds without tensor cores (its sums must equal the
 -- CPU's bit for bit, or a near tie could route differently): beside it the H200's f32 peak,

@@ -37,7 +37,7 @@ say:set("assertion.tensor_equal.negative", "Expected different values, got equal
 assert:register("assertion", "tensor_equal", tensor_equal, "assertion.tensor_equal.positive",
   "assertion.tensor_equal.negative")
 
--- assert.close(got, ref, {rtol=, atol=, l2=}): DESIGN.md's tolerances by default.
+-- assert.close(got, ref, {rtol=, atol=, l2=}): the tolerances of docs/design.md by default.
 local function close(_, arguments)
   local ok, err = pcall(moe.check.close, arguments[1], arguments[2], arguments[3])
   return ok or report(arguments, err)

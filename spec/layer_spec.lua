@@ -1,6 +1,6 @@
 -- The layer (stages composed over a simulated world of W ranks) against the dense reference of
--- DESIGN.md, for every model preset at small H and F (real E and K), both layouts, pads 1 and
--- 128, with DESIGN.md's bf16 tolerances (moe.check.close defaults).
+-- docs/design.md, for every model preset at small H and F (real E and K), both layouts, pads 1 and
+-- 128, with the bf16 tolerances of docs/design.md (moe.check.close defaults).
 local S = require "support"
 
 local H, F = 32, 16 -- hidden and expert FFN width of the small layers

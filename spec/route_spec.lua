@@ -1,4 +1,4 @@
--- The route stage (DESIGN.md, "The pipeline and its data contracts", 1) against a direct Lua
+-- The route stage (docs/design.md, "The stages", 1) against a direct Lua
 -- transcription of each scoring function in double precision: ids exactly, weights within 1e-5
 -- relative.  Random rows keep a clear gap (1e-5) between the keys whose order decides the
 -- result, so that f32 rounding cannot reorder them; exact ties are built on purpose.

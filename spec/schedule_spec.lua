@@ -1,4 +1,4 @@
--- The schedule (DESIGN.md, "The pipeline and its data contracts", 2) against a direct Lua
+-- The schedule (docs/design.md, "The stages", 2) against a direct Lua
 -- transcription of its formulas, every output bit for bit, on random and adversarial cases.
 local S = require "support"
 

@@ -1,4 +1,4 @@
--- Dispatch, experts and combine (DESIGN.md, "The pipeline and its data contracts", 3-5) with
+-- Dispatch, experts and combine (docs/design.md, "The stages", 3-5) with
 -- payloads that say where they came from: a row of x holds its rank and token, a row of ys its
 -- source rank, token, slot, owner and row, all small integers (exact in bf16), and the weights
 -- are powers of two, so that every expected value below is exact.

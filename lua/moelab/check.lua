@@ -81,7 +81,7 @@ function check.metrics(got, ref)
 end
 
 -- Raises unless max|got-ref| <= atol + rtol * max|ref| and relative L2 <= l2 (no NaN anywhere).
--- Defaults are DESIGN.md's bf16 tolerances: rtol = 2e-2, l2 = 1e-2, atol = 0.
+-- Defaults are the bf16 tolerances of docs/design.md ("Backends"): rtol = 2e-2, l2 = 1e-2, atol = 0.
 function check.close(got, ref, opts)
   opts = args.options("check.close", opts or {}, { rtol = "number", atol = "number", l2 = "number", what = "string" })
   for _, t in ipairs { "rtol", "atol", "l2" } do args.range("check.close", t, opts[t], 0) end
