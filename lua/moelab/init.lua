@@ -209,8 +209,7 @@ end
 
 -- Runs the scheduler into the plan's buffers; reads nothing back (capturable).
 function Schedule:run()
-  local run = self.legacy and core.schedule_legacy or core.schedule
-  run { peer_rank = self.peer_rank, peer_route = self.peer_route, counts = self.counts,
+  core.schedule { peer_rank = self.peer_rank, peer_route = self.peer_route, counts = self.counts,
     tokens_per_expert = self.tokens_per_expert, expert_offsets = self.expert_offsets, route_row = self.route_row,
     stats = self.stats_tensor, ids = self.ids, experts = self.experts, rank = self.rank, pad = self.pad,
     capacity = self.capacity, expert_capacity = self.expert_capacity, layout = self.layout }
