@@ -273,7 +273,8 @@ int main(int argc, char **argv) {
   }
   if ((argc - 5) % 2 || W < 1 || T < 1 || K < 1 || E < K || E % W || pad < 1 || calls < 1 || reps < 1 ||
       W * T * K > INT_MAX - 65536) {
-    fprintf(stderr, "schedule_legacy: need W, T, K >= 1, E >= K a multiple of W, pad, calls, reps >= 1, W T K < 2^31\n");
+    fprintf(stderr, "schedule_legacy: need W, T, K >= 1, E >= K a multiple of W, pad, calls, reps >= 1, "
+                    "W T K < 2^31\n");
     return 2;
   }
   const long long EL = E / W;
@@ -303,7 +304,8 @@ int main(int argc, char **argv) {
   if (cudaMalloc(&scratch, sizeof(int32_t) * (size_t)(E + 2 * W)) != cudaSuccess) die("cudaMalloc");
 
   Outputs lo = outputs_new(W, T * K, EL, C), so = outputs_new(W, T * K, EL, C);
-  const moe_schedule_args la = args_of(lo, ids, (int)E, (int)pad, (int)C), sa = args_of(so, ids, (int)E, (int)pad, (int)C);
+  const moe_schedule_args la = args_of(lo, ids, (int)E, (int)pad, (int)C);
+  const moe_schedule_args sa = args_of(so, ids, (int)E, (int)pad, (int)C);
   for (int i = 0; i < 7; i++)
     if (moe_tensor_fill(ctx, lo.t[i], -7) || moe_tensor_fill(ctx, so.t[i], -9)) die("fill");
   if (run_legacy(&la) || run_schedule(&sa) || moe_ctx_synchronize(ctx, GPU)) die("first calls");

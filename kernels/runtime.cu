@@ -408,7 +408,8 @@ int moeI_cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t nbytes,
   const cudaStream_t st = (cudaStream_t)stream;
   moe_ctx::moe_scratch *slot = nullptr;
   for (int i = 0; i < MOE_SCRATCH_SLOTS && !slot; i++)
-    if (ctx->scratch[i].p && ctx->scratch[i].device == device && ctx->scratch[i].stream == stream) slot = &ctx->scratch[i];
+    if (ctx->scratch[i].p && ctx->scratch[i].device == device && ctx->scratch[i].stream == stream)
+      slot = &ctx->scratch[i];
   if (slot && slot->bytes >= nbytes) {
     *out = slot->p;
     return MOE_OK;
