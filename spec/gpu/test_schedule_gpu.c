@@ -311,7 +311,10 @@ static void run_graph_case(const spec *s0, int fresh) {
   if (only && strcmp(only, s0->label)) return;
   spec s = *s0;
   moe_ctx *outer = ctx;
-  if (fresh && moe_ctx_open(&ctx)) exit(2);
+  /* a fresh context runs the kernel the outer one forces */
+  if (fresh && (moe_ctx_open(&ctx) ||
+                moe_ctx_config(ctx, "schedule_kernel", moe_ctx_config_value(outer, "schedule_kernel"))))
+    exit(2);
   rng = s.seed;
   int32_t *host_ids = make_ids(&s);
   const int capacity = capacity_for(&s, rows_needed(&s, host_ids)) + 4 * s.pad; /* room for other routings */
