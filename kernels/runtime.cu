@@ -389,3 +389,100 @@ void moeI_cuda_event_free(void *event) {
   if (event) (void)cudaEventDestroy((cudaEvent_t)event);
   (void)cudaGetLastError();
 }
+
+// ---- the context's scratch (internal.h) ----
+
+namespace {
+// A retired scratch block: graphs captured before it was replaced may still use it.
+struct old_block {
+  void *p;
+  int device;
+  old_block *next;
+};
+} // namespace
+
+int moeI_cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t nbytes, void **out, int *owned) {
+  *out = NULL;
+  *owned = 0;
+  if (nbytes < MOE_SCRATCH_HEADER) nbytes = MOE_SCRATCH_HEADER;
+  const cudaStream_t st = (cudaStream_t)stream;
+  moe_ctx::moe_scratch *slot = nullptr;
+  for (int i = 0; i < MOE_SCRATCH_SLOTS && !slot; i++)
+    if (ctx->scratch[i].p && ctx->scratch[i].device == device && ctx->scratch[i].stream == stream)
+      slot = &ctx->scratch[i];
+  if (slot && slot->bytes >= nbytes) {
+    *out = slot->p;
+    return MOE_OK;
+  }
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  MOE_CUDA_TRY(ctx, "scratch", cudaStreamIsCapturing(st, &cs));
+  if (ctx->capturing || cs != cudaStreamCaptureStatusNone) {
+    // cudaMalloc is not allowed here; a stream-ordered allocation becomes the graph's own memory
+    void *p = NULL;
+    const cudaError_t err = cudaMallocAsync(&p, nbytes, st);
+    if (err != cudaSuccess)
+      return moeI_seterr(ctx, err == cudaErrorMemoryAllocation ? MOE_ERR_NOMEM : MOE_ERR_CUDA,
+                        "scratch: cudaMallocAsync of %zu bytes failed: %s: %s", nbytes, cudaGetErrorName(err),
+                        cudaGetErrorString(err));
+    MOE_CUDA_TRY(ctx, "scratch", cudaMemsetAsync(p, 0, MOE_SCRATCH_HEADER, st));
+    *out = p;
+    *owned = 1;
+    return MOE_OK;
+  }
+  // A (device, stream) seen for the first time takes a free slot, or the next one in turn.
+  // A block is replaced, never freed: work queued on it (on another stream, or in graphs
+  // captured earlier) may still run.  Sizes grow geometrically so that replacements stay few.
+  size_t size = slot ? slot->bytes * 2 : 0;
+  if (!slot) {
+    for (int i = 0; i < MOE_SCRATCH_SLOTS && !slot; i++)
+      if (!ctx->scratch[i].p) slot = &ctx->scratch[i];
+    if (!slot) slot = &ctx->scratch[ctx->scratch_next++ % MOE_SCRATCH_SLOTS];
+  }
+  if (size < nbytes) size = nbytes;
+  if (size < ((size_t)1 << 20)) size = (size_t)1 << 20;
+  old_block *ob = NULL;
+  if (slot->p) {
+    ob = (old_block *)malloc(sizeof *ob);
+    if (!ob) return moeI_seterr(ctx, MOE_ERR_NOMEM, "scratch: out of host memory");
+  }
+  void *p = NULL;
+  const cudaError_t err = cudaMalloc(&p, size);
+  if (err != cudaSuccess) {
+    free(ob);
+    (void)cudaGetLastError();
+    return moeI_seterr(ctx, err == cudaErrorMemoryAllocation ? MOE_ERR_NOMEM : MOE_ERR_CUDA,
+                      "scratch: cudaMalloc of %zu bytes failed: %s: %s", size, cudaGetErrorName(err),
+                      cudaGetErrorString(err));
+  }
+  if (ob) {
+    ob->p = slot->p;
+    ob->device = slot->device;
+    ob->next = (old_block *)ctx->scratch_old;
+    ctx->scratch_old = ob;
+  }
+  slot->p = p;
+  slot->bytes = size;
+  slot->device = device;
+  slot->stream = stream;
+  MOE_CUDA_TRY(ctx, "scratch", cudaMemsetAsync(p, 0, MOE_SCRATCH_HEADER, st));
+  *out = p;
+  return MOE_OK;
+}
+
+int moeI_cuda_scratch_done(moe_ctx *ctx, void *stream, void *p, int owned) {
+  if (owned) MOE_CUDA_TRY(ctx, "scratch", cudaFreeAsync(p, (cudaStream_t)stream));
+  return MOE_OK;
+}
+
+void moeI_cuda_scratch_release(moe_ctx *ctx) {
+  for (int i = 0; i < MOE_SCRATCH_SLOTS; i++)
+    if (ctx->scratch[i].p) moeI_cuda_free(ctx->scratch[i].device, ctx->scratch[i].p);
+  memset(ctx->scratch, 0, sizeof ctx->scratch);
+  for (old_block *ob = (old_block *)ctx->scratch_old; ob;) {
+    old_block *next = ob->next;
+    moeI_cuda_free(ob->device, ob->p);
+    free(ob);
+    ob = next;
+  }
+  ctx->scratch_old = NULL;
+}

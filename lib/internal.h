@@ -36,7 +36,10 @@ struct moe_ctx {
   moe_world *capture_worlds[MOE_CAPTURE_WORLDS];
   int capture_nworlds;
   char errmsg[1024];
-  /* Device scratch of the CUDA stages (moeI_cuda_scratch_get, kernels/schedule.cu): one block per
+  /* The scheduler's kernels record their phases' times (moeI_schedule_set_trace): a measuring aid
+   * for its GPU test, off unless that test turns it on. */
+  int schedule_trace;
+  /* Device scratch of the CUDA stages (moeI_cuda_scratch_get, kernels/runtime.cu): one block per
    * (device, stream) in use -- a context that serves several ranks' streams in turn keeps one
    * for each -- and the blocks they replaced, kept until close because graphs captured earlier
    * still use them. */
@@ -47,7 +50,7 @@ struct moe_ctx {
     void *stream;
   } scratch[MOE_SCRATCH_SLOTS];
   int scratch_next;  /* the slot a new (device, stream) takes when every slot is in use */
-  void *scratch_old; /* retired blocks, a list private to kernels/schedule.cu */
+  void *scratch_old; /* retired blocks, a list private to kernels/runtime.cu */
 };
 
 struct moe_event {
@@ -192,38 +195,39 @@ int moeI_cuda_synchronize(moe_ctx *ctx, int device);
 int moeI_cuda_fill(moe_ctx *ctx, moe_tensor *t, double value);
 int moeI_cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std);
 int moeI_route_cuda(moe_ctx *ctx, const moe_route_args *a);
-int moeI_schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a);
-/* Small problems in one thread-block cluster (kernels/schedule_cluster.cu): *ran = 0 when the
- * call is left to the grid kernel of moeI_schedule_cuda. */
-int moeI_schedule_cluster_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
-/* The smallest problems, every block counting all ids (kernels/schedule_replicated.cu): *ran = 0
- * when the call is left to the others. */
-int moeI_schedule_replicated_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
-/* Small and mid-sized problems as one grid of bitmap-ranked units (kernels/schedule_bitmap.cu):
- * *ran = 0 when the call is left to the others. */
-int moeI_schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran);
-/* The scheduler this one replaced (one block per (local expert, source rank), scanning that
- * rank's routes twice): roundrobin only, kept as the benchmark baseline and a second opinion. */
-int moeI_schedule_legacy_cuda(moe_ctx *ctx, const moe_schedule_args *a);
+int moeI_schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a); /* kernels/schedule/select.cu */
 int moeI_dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a);
 int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a);
 int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
 int moeI_sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);
 int moeI_combine_cuda(moe_ctx *ctx, const moe_combine_args *a);
 
-/* Device scratch owned by the context, for stages that need memory beyond their outputs.
- * moeI_cuda_scratch_get hands out at least nbytes on device, valid in the order of stream (a
- * cudaStream_t).  Its first MOE_SCRATCH_HEADER bytes are zero when first handed out and belong
- * to the scheduler (kernels/schedule.cu: a self-resetting grid barrier, and two buffers of totals
- * that each call leaves as the next call needs them); other stages use what follows.  Outside a graph capture it is the
- * context's block, reused by later calls on the same stream (*owned = 0); inside a capture, or
- * where that block cannot serve, it is a stream-ordered allocation of this call alone (*owned =
- * 1), given back by moeI_cuda_scratch_done after its last use has been issued.  So a captured graph
- * stays valid as long as the context that captured it is open. */
-enum { MOE_SCRATCH_HEADER = 256 + 2 * 4096 * 4 }; /* barrier, then 2 x kStageC ints of totals */
+/* Device scratch owned by the context, for stages that need memory beyond their outputs
+ * (kernels/runtime.cu).  moeI_cuda_scratch_get hands out at least nbytes on device, valid in the
+ * order of stream (a cudaStream_t).  Its first MOE_SCRATCH_HEADER bytes are zero when first handed
+ * out and belong to the scheduler (kernels/schedule/schedule.cuh: a self-resetting grid barrier,
+ * and two buffers of totals that each call leaves as the next call needs them); other stages use
+ * what follows.  Outside a graph capture it is the context's block, reused by later calls on the
+ * same stream (*owned = 0); inside a capture, or where that block cannot serve, it is a
+ * stream-ordered allocation of this call alone (*owned = 1), given back by moeI_cuda_scratch_done
+ * after its last use has been issued.  So a captured graph stays valid as long as the context that
+ * captured it is open.
+ * The header's size lives here, not with the scheduler, because it is a contract between every
+ * user of the block: the allocator zeroes it in a new block, and any stage that takes scratch
+ * must start past it, or it would overwrite the barrier and totals that the scheduler's next call
+ * expects to find as its last call left them. */
+enum { MOE_SCRATCH_HEADER = 256 + 2 * 4096 * 4 }; /* barrier, then 2 x 4,096 ints of totals */
 int moeI_cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t nbytes, void **out, int *owned);
 int moeI_cuda_scratch_done(moe_ctx *ctx, void *stream, void *p, int owned);
 void moeI_cuda_scratch_release(moe_ctx *ctx); /* at close: frees every block */
+
+/* The scheduler's phase trace (kernels/schedule/), for its GPU test's --trace: with on set, every
+ * later schedule call on ctx records per block the clock at its phase points; the _trace readers
+ * copy the last such call's rows of the bitmap or grid kernel (each row: the phase points' clocks,
+ * then %globaltimer at entry and end) into out and return the rows copied, or -1. */
+void moeI_schedule_set_trace(moe_ctx *ctx, int on);
+int moeI_schedule_bitmap_trace(long long *out, int max_blocks);
+int moeI_schedule_grid_trace(long long *out, int max_blocks);
 
 #ifdef __cplusplus
 }

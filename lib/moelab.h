@@ -192,10 +192,6 @@ MOE_API int moe_schedule(moe_ctx *ctx, const moe_schedule_args *a);
  * the order they are tried, "<name>: <verdict>", into report (n bytes, truncated to fit).  The
  * arguments are checked as moe_schedule checks them; nothing runs.  On the CPU the kernel is "cpu". */
 MOE_API int moe_schedule_explain(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n);
-/* The scheduler moelab's CUDA one replaced (one block per (local expert, source rank)), kept as
- * a benchmark baseline: same arguments and results, roundrobin only, GPU only
- * (MOE_ERR_UNSUPPORTED otherwise). */
-MOE_API int moe_schedule_legacy(moe_ctx *ctx, const moe_schedule_args *a);
 
 /* ---- 3. dispatch: x bf16 [W, T, H] -> xs bf16 [C, H] ---- */
 typedef struct moe_dispatch_args {

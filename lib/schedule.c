@@ -1,5 +1,5 @@
 /* schedule.c -- stage 2, schedule: every rank's ids i32 [W, T, K] -> this rank's
- * expert-major row layout (DESIGN.md, "The pipeline and its data contracts", 2).
+ * expert-major row layout (docs/design.md, "The stages", 2).
  *
  * Under capacity the outputs stay consistent with each other and with the rows written:
  *   expert_offsets[e] = min(base[e], C) for e = 0..EL, so expert_offsets[EL] = rows used;
@@ -18,7 +18,7 @@
 
 #define STAGE "schedule"
 
-/* The argument checks of moe_schedule, shared with moe_schedule_legacy. */
+/* The argument checks of moe_schedule, shared with moe_schedule_explain. */
 static int schedule_check(moe_ctx *ctx, const moe_schedule_args *a) {
   if (!a) return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": arguments are NULL");
   int rc;
@@ -232,15 +232,4 @@ int moeI_schedule_cpu(moe_ctx *ctx, const moe_schedule_args *a) {
   return rc;
 }
 
-/* The scheduler the CUDA one replaced, for benchmarks and as a second opinion: the same
- * checks, then kernels/schedule_legacy.cu.  GPU and roundrobin only. */
-int moe_schedule_legacy(moe_ctx *ctx, const moe_schedule_args *a) {
-  int rc = schedule_check(ctx, a);
-  if (rc) return rc;
-  if (moeI_on_cpu(a->ids))
-    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "schedule_legacy: runs on a GPU only; the tensors are on the CPU");
-  if (a->layout != MOE_LAYOUT_ROUNDROBIN)
-    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "schedule_legacy: only the roundrobin layout (%d) is implemented, got %d",
-                      MOE_LAYOUT_ROUNDROBIN, a->layout);
-  return moeI_schedule_legacy_cuda(ctx, a);
-}
+void moeI_schedule_set_trace(moe_ctx *ctx, int on) { ctx->schedule_trace = on != 0; }

@@ -925,8 +925,9 @@ static int l_route(lua_State *L) {
   return 0;
 }
 
-/* core.schedule{...} and core.schedule_legacy{...} (the benchmark baseline) take the same fields. */
-static int schedule_call(lua_State *L, const char *name, int (*run)(moe_ctx *, const moe_schedule_args *)) {
+/* core.schedule{...} runs the stage; core.schedule_explain{...} takes the same fields and returns
+ * moe_schedule_explain's report (which kernel the call would run, and why) without running it. */
+static int schedule_call(lua_State *L, const char *name, int explain) {
   static const char *const layouts[] = {"roundrobin", "peer_major", NULL};
   moe_ctx *ctx = getctx(L);
   Args A = args_open(L, name);
@@ -948,13 +949,20 @@ static int schedule_call(lua_State *L, const char *name, int (*run)(moe_ctx *, c
   a.layout = option_field(&A, "layout", layouts, "'roundrobin' or 'peer_major'") == 0 ? MOE_LAYOUT_ROUNDROBIN
                                                                                      : MOE_LAYOUT_PEER_MAJOR;
   args_still_open(L, A.fname, 2);
-  int rc = run(ctx, &a);
+  if (explain) {
+    char report[1024];
+    int rc = moe_schedule_explain(ctx, &a, report, sizeof report);
+    if (rc) return fail(L, ctx, rc);
+    lua_pushstring(L, report);
+    return 1;
+  }
+  int rc = moe_schedule(ctx, &a);
   if (rc) return fail(L, ctx, rc);
   return 0;
 }
 
-static int l_schedule(lua_State *L) { return schedule_call(L, "schedule", moe_schedule); }
-static int l_schedule_legacy(lua_State *L) { return schedule_call(L, "schedule_legacy", moe_schedule_legacy); }
+static int l_schedule(lua_State *L) { return schedule_call(L, "schedule", 0); }
+static int l_schedule_explain(lua_State *L) { return schedule_call(L, "schedule_explain", 1); }
 
 static int l_dispatch(lua_State *L) {
   moe_ctx *ctx = getctx(L);
@@ -1816,7 +1824,7 @@ static const luaL_Reg module_funcs[] = {
   {"synchronize", l_synchronize},
   {"route", l_route},
   {"schedule", l_schedule},
-  {"schedule_legacy", l_schedule_legacy},
+  {"schedule_explain", l_schedule_explain},
   {"dispatch", l_dispatch},
   {"experts", l_experts},
   {"logits", l_logits},

@@ -2,12 +2,17 @@
 -- expert, source rank) pair scanning that rank's routes twice), on the shapes of the MoK table.
 --
 --   lua scenarios/scheduler.lua [--device D] [--pad B] [--layout L] [--capacity C] [--calls N] [--reps R]
---                               [--json FILE]
+--                               [--kernel NAME] [--json FILE]
 --
 -- Each row: the ids of W ranks x T tokens routed by the model's router on router-like logits
--- (std 1.5); rank 0's schedule.  On a GPU each timing is N schedule calls captured in one CUDA
--- graph and replayed, timed with device events; the median over R replays, divided by N.  Both
--- schedulers are first checked equal to each other and to the CPU, bit for bit.  Exits 1 on a
+-- (std 1.5); rank 0's schedule, run by the kernel --kernel names (the context's schedule_kernel
+-- option; "auto", the library's choice, by default), so that every kernel can be timed on the
+-- same shapes.  On a GPU each timing is N schedule calls captured in one CUDA graph and replayed,
+-- timed with device events; the median over R replays, divided by N; the schedule is first
+-- checked equal to the CPU's, bit for bit.  The legacy column comes from build/bench/schedule_legacy
+-- (or $MOE_BUILD_DIR/bench/schedule_legacy) on the same W, T, E, K, pad and capacity, timed the
+-- same way: its own ids (softmax top-K of randn logits), checked there against moe_schedule bit
+-- for bit; n/a where the program or a GPU is absent, or with --layout peer_major.  Exits 1 on a
 -- mismatch; 2 on a bad flag or a configuration the library refuses (a --capacity one shape
 -- overflows, say: the number applies to every shape).
 local moe = require "moelab"
@@ -22,6 +27,7 @@ local opts = cli.parse(arg, {
     .. "(moe.layer's default, 2 T K + EL pad) or a number" },
   { "calls", "integer", 200, "schedule calls per timed graph" },
   { "reps", "integer", 9, "timed replays; the median is reported" },
+  { "kernel", "string", "auto", "the GPU kernel: auto (the library's choice) or a name of the schedule_kernel option" },
   { "json", "string", nil, "also write the table as JSON to this file" },
 }, "lua scenarios/scheduler.lua: the routed-token scheduler against the legacy baseline")
 for _, f in ipairs { "calls", "reps", "pad" } do
@@ -31,6 +37,7 @@ if opts.layout ~= "roundrobin" and opts.layout ~= "peer_major" then
   cli.fail(string.format("--layout must be roundrobin or peer_major, got '%s'", opts.layout))
 end
 local json_file = cli.output("json", opts.json)
+cli.guard("--kernel", moe.core.config, "schedule_kernel", opts.kernel)
 
 local dev = opts.device
 local function capacity_of(c)
@@ -60,6 +67,27 @@ local function route_ids(c, seed)
   local ids = moe.route { logits = logits, k = m.k, scoring = m.scoring, bias = bias, groups = m.groups,
     topk_groups = m.topk_groups, scale = m.scale }
   return ids:view(0, { c.W, c.T, m.k })
+end
+
+-- The legacy baseline, a bench program (bench/schedule_legacy.cu) outside the library.
+local build_dir = os.getenv("MOE_BUILD_DIR") or "build"
+local legacy_path = build_dir .. "/bench/schedule_legacy"
+local have_legacy = io.open(legacy_path, "r")
+if have_legacy then have_legacy:close() end
+local function shell_quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+
+-- µs a call of the legacy scheduler on c's shape, or nil and what went wrong (a mismatch against
+-- moe_schedule, found by the program, included).
+local function run_legacy(c, capacity)
+  local cmd = string.format("%s %d %d %d %d --capacity %d --pad %d --calls %d --reps %d --device %s 2>&1",
+    shell_quote(legacy_path), c.W, c.T, c.model.experts, c.model.k, capacity, opts.pad, opts.calls, opts.reps,
+    dev:match("%d+$") or "0")
+  local pipe = io.popen(cmd, "r")
+  local out = pipe:read("a")
+  local done, how, code = pipe:close()
+  local us = tonumber(out:match("legacy_us ([%d.]+)"))
+  if done and us then return us end
+  return nil, string.format("legacy (%s %s: %s)", how, tostring(code), (out:match("[^\n]+") or "no output"))
 end
 
 local function median(l)
@@ -105,28 +133,26 @@ for i, c in ipairs(cases) do
       if not same then ok, row.mismatch = false, f end
     end
   end
-  local legacy
-  if gpu and opts.layout == "roundrobin" then
-    legacy = moe.schedule_plan(plan)
-    legacy.legacy = true
-    legacy:run()
-    for _, f in ipairs { "peer_rank", "peer_route", "expert_offsets", "route_row" } do
-      if not pcall(moe.check.equal, legacy[f], s[f], f) then ok, row.mismatch = false, "legacy " .. f end
-    end
-  end
   row.ours_us = time_calls(function() s:run() end)
-  row.legacy_us = legacy and time_calls(function() legacy:run() end) or nil
+  if gpu and opts.layout == "roundrobin" and have_legacy then
+    local us, err = run_legacy(c, s.capacity)
+    if err then ok, row.mismatch = false, err end
+    row.legacy_us = us
+  end
   row.rows_used = s:read_stats().rows_used
   row.capacity = s.capacity
   rows[#rows + 1] = row
 end
 
 local function p(...) io.write(string.format(...), "\n") end
-p("moelab %s: routed-token scheduler on %s, rank 0's schedule, pad %d, %s, capacity %s", moe.version, dev, opts.pad,
-  opts.layout, opts.capacity == "worst" and "worst case (every route on this rank)" or opts.capacity == "layer"
-  and "the layer's default (2 T K + EL pad)" or opts.capacity)
+p("moelab %s: routed-token scheduler on %s (kernel %s), rank 0's schedule, pad %d, %s, capacity %s", moe.version,
+  dev, opts.kernel, opts.pad, opts.layout, opts.capacity == "worst" and "worst case (every route on this rank)"
+  or opts.capacity == "layer" and "the layer's default (2 T K + EL pad)" or opts.capacity)
 p("%s", gpu and string.format("µs per call: median of %d replays of a graph of %d calls", opts.reps, opts.calls)
   or "µs per call: median wall clock on the CPU (the legacy baseline is a GPU kernel: n/a)")
+if gpu and not have_legacy then
+  p("legacy µs: n/a (%s not found; it is built with CUDA: cmake --build %s)", legacy_path, build_dir)
+end
 p("")
 p("%-20s %4s %6s %5s %3s %9s %9s %10s %10s %8s", "model", "EP", "T", "E", "K", "rows", "capacity", "legacy µs", "ours µs",
   "speedup")
@@ -136,7 +162,7 @@ for _, r in ipairs(rows) do
     r.legacy_us and string.format("%.1fx", r.legacy_us / r.ours_us) or "", r.mismatch and ("  MISMATCH " .. r.mismatch) or "")
 end
 if json_file then
-  json_file:write(json.encode { device = dev, pad = opts.pad, layout = opts.layout,
+  json_file:write(json.encode { device = dev, kernel = opts.kernel, pad = opts.pad, layout = opts.layout,
     capacity = math.tointeger(tonumber(opts.capacity)) or opts.capacity, pass = ok, rows = rows }, "\n")
   json_file:close()
 end

@@ -1,11 +1,12 @@
 /* test_schedule_gpu.c -- the CUDA schedule against the CPU reference, every output bit for bit,
- * on random and adversarial routings of the shapes that matter (DESIGN.md section 2), for both
- * layouts, each through the library's choice of kernel and through each kernel forced
- * (MOE_SCHEDULE_KERNEL=grid, =cluster, =replicated and =bitmap where those take the problem); the
- * legacy kernel (moe_schedule_legacy) as well for roundrobin.  Outputs on the GPU
- * are views into larger buffers prefilled with a sentinel, so an element left unwritten or a
- * write past an output's end (past capacity, say) shows as a mismatch.  A few cases run from a
- * captured CUDA graph, replayed on changed routings.  Then the kernels are timed.
+ * on random and adversarial routings of the shapes that matter (docs/design.md, "The stages", 2),
+ * for both layouts, each through the library's choice of kernel and through each kernel forced
+ * (the context's schedule_kernel option: grid, and bitmap where it takes the problem); what
+ * moe_schedule_explain reports must name the kernel that ran.  Outputs on the GPU are views into
+ * larger buffers prefilled with a sentinel, so an element left unwritten or a write past an
+ * output's end (past capacity, say) shows as a mismatch.  A few cases run from a captured CUDA
+ * graph, replayed on changed routings.  Then the kernels are timed (the legacy baseline is timed
+ * by bench/schedule_legacy.cu, scenarios/scheduler.lua's "legacy µs").
  *
  *   test_schedule_gpu [--quick] [--max-routes N] [--only LABEL] [--trace] [--shape W,T]
  *     --quick: skip the cases over 200,000 routes, and the timing; --max-routes: skip those over N;
@@ -14,14 +15,13 @@
  *     --shape W,T: with --trace, only that shape (E 384, K 8): for a profiler (scenarios/device.sh)
  *
  * Exit status: 0 all passed, 1 a failure, 77 no GPU (skipped), 2 a setup error. */
-#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "moelab.h"
+#include "internal.h" /* moeI_schedule_set_trace and the trace readers: this program links the static library */
 
 static moe_ctx *ctx;
 static const moe_device CPU = {MOE_CPU, 0}, GPU = {MOE_CUDA, 0};
@@ -48,10 +48,9 @@ static uint64_t next(void) {
 static int below(int n) { return n <= 1 ? 0 : (int)(next() % (uint64_t)n); }
 static int chance(double p) { return (double)(next() >> 11) * (1.0 / 9007199254740992.0) < p; }
 
-/* MOE_SCHEDULE_KERNEL: NULL for the library's choice, "grid", "cluster", "replicated" or "bitmap" to force one. */
+/* The context's schedule_kernel option: NULL for the library's choice, "grid" or "bitmap" to force one. */
 static void use_kernel(const char *k) {
-  if (k) setenv("MOE_SCHEDULE_KERNEL", k, 1);
-  else unsetenv("MOE_SCHEDULE_KERNEL");
+  if (moe_ctx_config(ctx, "schedule_kernel", k ? k : "auto")) die("schedule_kernel option");
 }
 
 /* ---- a case ---- */
@@ -266,16 +265,28 @@ static void run_case(const spec *s) {
 
   int ok = 1;
   args_for(&a, &gpu, ids_gpu, s, capacity);
-  /* the library's choice, then each kernel forced: the cluster, replicated and bitmap ones refuse
-   * problems they do not take */
-  for (int k = 0; k < 5; k++) {
-    static const char *const kernels[] = {NULL, "grid", "cluster", "replicated", "bitmap"};
-    static const char *const whos[] = {"schedule", "schedule (grid)", "schedule (cluster)", "schedule (replicated)",
-                                       "schedule (bitmap)"};
+  /* the library's choice, then each kernel forced: the bitmap one refuses problems it cannot take,
+   * and the explain report says so for that very problem (the walk that picks is the one that
+   * reports) */
+  char report[1024];
+  if (moe_schedule_explain(ctx, &a, report, sizeof report)) {
+    printf("FAIL %s [explain]: %s\n", name, moe_errmsg(ctx));
+    ok = 0;
+    report[0] = '\0';
+  }
+  const int bitmap_cannot = strstr(report, "bitmap: cannot") != NULL;
+  for (int k = 0; k < 3; k++) {
+    static const char *const kernels[] = {NULL, "grid", "bitmap"};
+    static const char *const whos[] = {"schedule", "schedule (grid)", "schedule (bitmap)"};
     use_kernel(kernels[k]);
     outputs_fill(&gpu);
     const int rc = moe_schedule(ctx, &a);
-    if (rc == MOE_ERR_UNSUPPORTED && k >= 2) continue;
+    if (k == 2 && (rc == MOE_ERR_UNSUPPORTED) != bitmap_cannot) {
+      printf("FAIL %s [bitmap forced]: status %d, but explain said:\n%s", name, rc, report);
+      ok = 0;
+      continue;
+    }
+    if (rc == MOE_ERR_UNSUPPORTED && k == 2) continue;
     if (rc) {
       printf("FAIL %s [%s]: %s\n", name, whos[k], moe_errmsg(ctx));
       ok = 0;
@@ -284,15 +295,6 @@ static void run_case(const spec *s) {
     }
   }
   use_kernel(NULL);
-  if (s->layout == MOE_LAYOUT_ROUNDROBIN) {
-    outputs_fill(&gpu);
-    if (moe_schedule_legacy(ctx, &a)) {
-      printf("FAIL %s [legacy]: %s\n", name, moe_errmsg(ctx));
-      ok = 0;
-    } else {
-      ok &= same("legacy", &gpu, &cpu, name);
-    }
-  }
   if (ok) printf("PASS %s\n", name);
   ok ? passed++ : failed++;
   outputs_free(&cpu);
@@ -309,7 +311,10 @@ static void run_graph_case(const spec *s0, int fresh) {
   if (only && strcmp(only, s0->label)) return;
   spec s = *s0;
   moe_ctx *outer = ctx;
-  if (fresh && moe_ctx_open(&ctx)) exit(2);
+  /* a fresh context runs the kernel the outer one forces */
+  if (fresh && (moe_ctx_open(&ctx) ||
+                moe_ctx_config(ctx, "schedule_kernel", moe_ctx_config_value(outer, "schedule_kernel"))))
+    exit(2);
   rng = s.seed;
   int32_t *host_ids = make_ids(&s);
   const int capacity = capacity_for(&s, rows_needed(&s, host_ids)) + 4 * s.pad; /* room for other routings */
@@ -356,7 +361,7 @@ static void run_graph_case(const spec *s0, int fresh) {
   }
   if (ok)
     printf("PASS graph%s (%s kernel) %s\n", fresh ? " (fresh context)" : "",
-           getenv("MOE_SCHEDULE_KERNEL") ? getenv("MOE_SCHEDULE_KERNEL") : "chosen", name);
+           moe_ctx_config_value(ctx, "schedule_kernel"), name);
   ok ? passed++ : failed++;
   moe_graph_free(graph);
   outputs_free(&cpu);
@@ -522,22 +527,6 @@ static void long_rank_cases(void) { /* chunks larger than one shared-memory piec
     }
 }
 
-/* Worlds whose ranks do not divide evenly over the cluster kernel's blocks (W > 16: rpb ranks a
- * block, the last block with fewer), and a pad or capacity that keeps the rows out of its stage. */
-static void cluster_cases(void) {
-  static const struct { int w, t, k, el; } shapes[] = {{17, 100, 8, 12}, {20, 64, 8, 6}, {33, 50, 4, 3},
-                                                       {48, 128, 8, 8}, {63, 30, 6, 2}};
-  for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
-    for (int layout = 0; layout < 2; layout++) {
-      spec s = base(shapes[i].w, shapes[i].t, shapes[i].k, shapes[i].w * shapes[i].el, "cluster");
-      s.layout = layout, s.rank = (int)i % shapes[i].w, s.mode = i % 2 ? SKEW : TOPK;
-      s.pad = i == 3 ? 100000 : 1 + (int)i; /* 800,000 rows: no stage */
-      s.cap = layout ? CAP_SHORT : CAP_AMPLE;
-      s.masked = 0.05, s.invalid = i == 2 ? 0.01 : 0;
-      run_case(&s);
-    }
-}
-
 /* Four variants of each shape, both layouts: top-k routing with ample capacity; every route to one
  * local expert at capacity exactly met; skewed routing with pad 128, capacity short and invalid ids;
  * lopsided routing with zero capacity and expert_capacity = ecap.  Ids unaligned in two of the four,
@@ -561,16 +550,6 @@ static void ground_cases(const char *label, const case_shape *shapes, int n, int
         s.masked = 0.05, s.invalid = v == 2 ? 0.02 : 0;
         run_case(&s);
       }
-}
-
-/* The replicated kernel's ground (every block counts all ids: decode sizes, where the library picks
- * it past 128 experts a rank): odd route counts (no 16-byte rows), ids that are not 16-byte
- * aligned, every route to one expert, capacity met, exceeded and zero, expert_capacity, large
- * pads, W = 1, E = W. */
-static void replicated_cases(void) {
-  static const case_shape shapes[] = {{4, 512, 8, 384}, {8, 128, 8, 384}, {64, 32, 8, 384}, {16, 3, 7, 64},
-                                 {1, 300, 6, 96},  {5, 77, 3, 5},    {2, 1, 1, 1024},  {32, 9, 5, 4096}};
-  ground_cases("replicated", shapes, (int)(sizeof shapes / sizeof *shapes), 1, 8, 2);
 }
 
 /* The bitmap kernel's ground (one grid of units of up to 4,096 positions, up to 128 experts a
@@ -646,39 +625,26 @@ static float time_calls(int (*fn)(moe_ctx *, const moe_schedule_args *), const m
   return us[4];
 }
 
-int moeI_schedule_cuda_trace(long long *out, int max_blocks);       /* kernels/schedule.cu */
-int moeI_schedule_cluster_trace(long long *out, int max_blocks);    /* kernels/schedule_cluster.cu */
-int moeI_schedule_replicated_trace(long long *out, int max_blocks); /* kernels/schedule_replicated.cu */
-int moeI_schedule_bitmap_trace(long long *out, int max_blocks);     /* kernels/schedule_bitmap.cu */
-
 static int cmp_ll(const void *a, const void *b) {
   const long long x = *(const long long *)a, y = *(const long long *)b;
   return (x > y) - (x < y);
 }
 
 /* --trace: where one call's time goes.  Per phase, the median over blocks of its clock64 cycles
- * (grid kernel: load, rank, barrier, histogram reads, scan, place, route_row + clears; cluster
- * kernel: load, list + rank, cluster barrier, gather, segments, place + fill, barrier + rows;
- * replicated kernel: count, rank + segments, place + fill, stats; bitmap kernel: load, scan,
- * barrier, totals, segments + place + fill, stats); the span by %globaltimer
+ * (grid kernel: load, rank, barrier, histogram reads, scan, place, route_row + clears; bitmap
+ * kernel: load, scan, barrier, totals, segments + place + fill, stats); the span by %globaltimer
  * (first entry to last end); beside the per-call time in a graph of 200 calls. */
-enum { K_GRID, K_CLUSTER, K_REPLICATED, K_BITMAP };
+enum { K_GRID, K_BITMAP };
 static void print_trace(const char *label, float per_call_us, int kernel) {
   enum { MAXB = 1024 };
   static long long buf[MAXB * 10], col[MAXB];
-  const int n = kernel == K_CLUSTER      ? moeI_schedule_cluster_trace(buf, MAXB)
-                : kernel == K_GRID       ? moeI_schedule_cuda_trace(buf, MAXB)
-                : kernel == K_REPLICATED ? moeI_schedule_replicated_trace(buf, MAXB)
-                                         : moeI_schedule_bitmap_trace(buf, MAXB);
+  const int n = kernel == K_GRID ? moeI_schedule_grid_trace(buf, MAXB) : moeI_schedule_bitmap_trace(buf, MAXB);
   if (n <= 0) die("schedule trace");
-  const int phases = kernel == K_REPLICATED ? 4 : kernel == K_BITMAP ? 6 : 7;
+  const int phases = kernel == K_BITMAP ? 6 : 7;
   const int width = phases + 3; /* clocks, then two timers */
-  static const char *const names[4][7] = {
-      {"load", "rank", "barrier", "hist", "scan", "place", "rows+clears"},
-      {"load", "list+rank", "barrier", "gather", "segments", "place+fill", "barrier+rows"},
-      {"count", "rank+segments", "place+fill", "stats"},
-      {"load", "scan", "barrier", "totals", "segments+place+fill", "stats"}};
-  static const char *const kinds[] = {"grid", "cluster", "replicated", "bitmap"};
+  static const char *const names[2][7] = {{"load", "rank", "barrier", "hist", "scan", "place", "rows+clears"},
+                                          {"load", "scan", "barrier", "totals", "segments+place+fill", "stats"}};
+  static const char *const kinds[] = {"grid", "bitmap"};
   printf("trace %s, %s kernel: %d blocks, %.2f us per call;", label, kinds[kernel], n, per_call_us);
   for (int ph = 0; ph < phases; ph++) {
     for (int b = 0; b < n; b++) col[b] = buf[b * width + ph + 1] - buf[b * width + ph];
@@ -706,30 +672,23 @@ static void timing(int w, int t, float target_us) {
   outputs_new(&gpu, &s, capacity, GPU);
   moe_schedule_args a;
   args_for(&a, &gpu, ids, &s, capacity);
-  const float ours = time_calls(moe_schedule, &a), legacy = time_calls(moe_schedule_legacy, &a);
+  const float ours = time_calls(moe_schedule, &a);
   use_kernel("grid");
   const float grid = time_calls(moe_schedule, &a);
-  float forced[3] = {-1, -1, -1}; /* cluster, replicated, bitmap: -1 where the kernel does not take the problem */
-  static const char *const forced_names[] = {"cluster", "replicated", "bitmap"};
-  for (int k = 0; k < 3; k++) {
-    use_kernel(forced_names[k]);
-    if (moe_schedule(ctx, &a) == MOE_OK) forced[k] = time_calls(moe_schedule, &a);
-  }
+  use_kernel("bitmap");
+  const float bitmap = moe_schedule(ctx, &a) == MOE_OK ? time_calls(moe_schedule, &a) : -1; /* -1: it cannot */
   use_kernel(NULL);
-  char cl[3][48];
-  for (int k = 0; k < 3; k++) {
-    if (forced[k] >= 0) snprintf(cl[k], sizeof cl[k], "%.2f", forced[k]);
-    else snprintf(cl[k], sizeof cl[k], "does not take it");
-  }
+  char bm[48];
+  if (bitmap >= 0) snprintf(bm, sizeof bm, "%.2f", bitmap);
+  else snprintf(bm, sizeof bm, "does not take it");
   printf("time: schedule, Kimi K2 rank of EP%d (W %d, T %d, K 8, E 384, %d routes): %.2f us per call "
-         "(target <= %.0f us; grid kernel %.2f, cluster kernel %s, replicated kernel %s, bitmap kernel %s), "
-         "legacy %.2f us, %.1fx\n",
-         w, w, t, s.w * s.t * s.k, ours, target_us, grid, cl[0], cl[1], cl[2], legacy, legacy / ours);
-  if (getenv("MOE_SCHEDULE_TRACE"))
+         "(target <= %.0f us; grid kernel %.2f, bitmap kernel %s)\n",
+         w, w, t, s.w * s.t * s.k, ours, target_us, grid, bm);
+  if (trace)
     for (int k = K_GRID; k <= K_BITMAP; k++) {
-      const float per_call = k == K_GRID ? grid : forced[k - 1];
+      const float per_call = k == K_GRID ? grid : bitmap;
       if (per_call < 0) continue;
-      use_kernel(k == K_GRID ? "grid" : forced_names[k - 1]);
+      use_kernel(k == K_GRID ? "grid" : "bitmap");
       for (int again = 0; again < 2; again++) { /* after other calls, then once more */
         if (moe_schedule(ctx, &a)) die("traced call");
         char label[64];
@@ -765,7 +724,7 @@ int main(int argc, char **argv) {
   }
 
   if (trace) { /* timing only, with the phases of one call of each shape */
-    setenv("MOE_SCHEDULE_TRACE", "1", 1);
+    moeI_schedule_set_trace(ctx, 1);
     if (shape_w > 0 && shape_t > 0) {
       timing(shape_w, shape_t, shape_t > 512 ? 12 : 6);
       moe_ctx_close(ctx);
@@ -786,13 +745,11 @@ int main(int argc, char **argv) {
   one_expert_cases(); /* 48 */
   large_expert_cases(); /* 36 */
   long_rank_cases();  /* 6 */
-  cluster_cases();    /* 10 */
-  replicated_cases(); /* 64 */
   bitmap_cases();     /* 80 */
-  for (int kernel = 0; kernel < 4; kernel++) /* each kernel forced */
+  for (int kernel = 0; kernel < 2; kernel++) /* each kernel forced */
     for (int fresh = 1; fresh >= 0; fresh--)
       for (int layout = 0; layout < 2; layout++) {
-        static const char *const kernels[] = {"cluster", "grid", "replicated", "bitmap"};
+        static const char *const kernels[] = {"grid", "bitmap"};
         spec s = base(8, 1024, 8, 384, "graph");
         s.layout = layout, s.rank = 6, s.pad = 128;
         use_kernel(kernels[kernel]);
@@ -800,32 +757,47 @@ int main(int argc, char **argv) {
         use_kernel(NULL);
       }
   random_cases(540);
-  if (!only || !strcmp(only, "kernel-name")) { /* a kernel that does not exist is refused, naming the variable */
-    spec s = base(8, 16, 8, 384, "kernel-name");
-    rng = s.seed;
-    int32_t *host_ids = make_ids(&s);
-    const int64_t shape[3] = {s.w, s.t, s.k};
-    moe_tensor *ids;
-    if (moe_tensor_new(ctx, MOE_I32, 3, shape, GPU, &ids) ||
-        moe_tensor_write(ctx, ids, host_ids, (size_t)s.w * s.t * s.k * sizeof *host_ids))
-      die("ids");
-    outputs gpu;
-    outputs_new(&gpu, &s, 4096, GPU);
-    moe_schedule_args a;
-    args_for(&a, &gpu, ids, &s, 4096);
-    use_kernel("fast");
-    const int rc = moe_schedule(ctx, &a);
-    use_kernel(NULL);
-    if (rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), "MOE_SCHEDULE_KERNEL")) {
-      printf("PASS MOE_SCHEDULE_KERNEL=fast refused: %s\n", moe_errmsg(ctx));
+  if (!only || !strcmp(only, "kernel-name")) {
+    /* a kernel that does not exist is refused, with the table's names; explain names the choice */
+    const int rc = moe_ctx_config(ctx, "schedule_kernel", "fast");
+    if (rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), "bitmap, grid")) {
+      printf("PASS schedule_kernel fast refused: %s\n", moe_errmsg(ctx));
       passed++;
     } else {
-      printf("FAIL MOE_SCHEDULE_KERNEL=fast: status %d, %s\n", rc, moe_errmsg(ctx));
+      printf("FAIL schedule_kernel fast: status %d, %s\n", rc, moe_errmsg(ctx));
       failed++;
     }
-    outputs_free(&gpu);
-    moe_tensor_free(ids);
-    free(host_ids);
+    static const struct { int w, t, k, e; const char *want; } shapes[] = {
+        {8, 16, 8, 384, "bitmap\nbitmap: runs\ngrid: takes it, but an earlier kernel runs\n"},
+        {1, 512, 8, 384, "grid\nbitmap: cannot: more than 128 experts a rank\ngrid: runs\n"}};
+    for (int i = 0; i < 2; i++) {
+      spec s = base(shapes[i].w, shapes[i].t, shapes[i].k, shapes[i].e, "kernel-name");
+      rng = s.seed;
+      int32_t *host_ids = make_ids(&s);
+      const int64_t shape[3] = {s.w, s.t, s.k};
+      moe_tensor *ids;
+      if (moe_tensor_new(ctx, MOE_I32, 3, shape, GPU, &ids) ||
+          moe_tensor_write(ctx, ids, host_ids, (size_t)s.w * s.t * s.k * sizeof *host_ids))
+        die("ids");
+      const int capacity = s.w * s.t * s.k;
+      outputs gpu;
+      outputs_new(&gpu, &s, capacity, GPU);
+      moe_schedule_args a;
+      args_for(&a, &gpu, ids, &s, capacity);
+      char report[1024] = "";
+      const int erc = moe_schedule_explain(ctx, &a, report, sizeof report);
+      if (erc == MOE_OK && !strcmp(report, shapes[i].want)) {
+        printf("PASS explain W=%d T=%d E=%d: %s", s.w, s.t, s.experts, report);
+        passed++;
+      } else {
+        printf("FAIL explain W=%d T=%d E=%d: status %d (%s), report:\n%swanted:\n%s", s.w, s.t, s.experts, erc,
+               moe_errmsg(ctx), report, shapes[i].want);
+        failed++;
+      }
+      outputs_free(&gpu);
+      moe_tensor_free(ids);
+      free(host_ids);
+    }
   }
 
   printf("%d passed, %d failed\n", passed, failed);

@@ -1,20 +1,24 @@
-// schedule.cuh -- device helpers shared by the scheduler's kernels (schedule.cu, schedule_cluster.cu)
-// and their predecessor kept as a baseline (schedule_legacy.cu): warp ranking, block-wide scans and
-// reductions, and the segment arithmetic of DESIGN.md section 2 that all must compute alike.
+// schedule.cuh -- device helpers shared by the scheduler's kernels (bitmap.cu, grid.cu) and by the
+// legacy baseline of bench/schedule_legacy.cu: warp ranking, block-wide scans and reductions, and
+// the segment arithmetic of docs/design.md ("The stages", 2) that all must compute alike, so that
+// each is bit for bit the CPU reference.
 #pragma once
 
 #include <stdint.h>
 
-#include "common.cuh"
+#include "../common.cuh"
+#include "../select.cuh"
 
 #define MOE_FULL_MASK 0xffffffffu
 
-// The scheduler's part of the scratch header (internal.h, MOE_SCRATCH_HEADER) that the grid
-// kernels share: the barrier word at its start, then two buffers of c[e][q] totals (ints), one
-// per call parity.  Every call of either grid kernel adds into its parity's buffer and zeroes the
-// other one whole, so the two can follow each other in any order.
+// The scheduler's part of the scratch header (internal.h, MOE_SCRATCH_HEADER) that both kernels
+// share: the barrier word at its start, then two buffers of c[e][q] totals (ints), one per call
+// parity.  Every call of either kernel adds into its parity's buffer and zeroes the other one
+// whole, so the two can follow each other in any order.
 #define MOE_SCHED_TOT_OFFSET 64
 #define MOE_SCHED_TOT_STRIDE 4096
+static_assert(MOE_SCRATCH_HEADER >= (int)sizeof(int32_t) * (MOE_SCHED_TOT_OFFSET + 2 * MOE_SCHED_TOT_STRIDE),
+              "scratch header too small for the barrier and the totals");
 
 // What every scheduler kernel takes from a call (each kernel's parameters extend it): the tensors,
 // the sizes, this rank's first expert lo, and the options.
@@ -47,7 +51,7 @@ static inline ScheduleCall schedule_call(const moe_schedule_args *a) {
 
 // The launch of a scheduler kernel: `grid` blocks of `threads` on st, as a programmatic dependent
 // of the kernel before it (the kernels wait for it with griddepcontrol.wait, so the launch latency
-// overlaps its tail), with one more attribute, `first` (cooperative, or the cluster's shape).
+// overlaps its tail), with one more attribute, `first` (cooperative).
 // cfg points into attr.
 static inline void schedule_launch_config(cudaLaunchConfig_t *cfg, cudaLaunchAttribute attr[2], unsigned grid,
                                           unsigned threads, size_t smem, cudaStream_t st, cudaLaunchAttribute first) {
@@ -64,9 +68,9 @@ static inline void schedule_launch_config(cudaLaunchConfig_t *cfg, cudaLaunchAtt
   cfg->numAttrs = 2;
 }
 
-// The ranking of both kernels (schedule.cu, schedule_cluster.cu): the lanes below this one, and the
-// lanes whose key equals this lane's among the lanes in act, keys < 2^nbits, by log2(keys) ballots
-// (cheaper than __match_any_sync on sm_90: PERF.md).
+// The grid kernel's ranking: the lanes below this one, and the lanes whose key equals this lane's
+// among the lanes in act, keys < 2^nbits, by log2(keys) ballots (cheaper than __match_any_sync on
+// sm_90: docs/perf/schedule.md).
 __device__ __forceinline__ unsigned lanemask_lt() {
   unsigned m;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
@@ -128,7 +132,7 @@ __device__ __forceinline__ int block_min(int v, int *sh) {
   return m;
 }
 
-// An expert's segment (DESIGN.md 2): n_e = sum_p c[e][p], capped by expert_capacity when that is
+// An expert's segment (docs/design.md, stage 2): n_e = sum_p c[e][p], capped by expert_capacity when that is
 // set (>= 0); its padded size is roundup(n_e, pad), 0 when empty.
 __device__ __forceinline__ int segment_routes(int raw, int expert_capacity) {
   return expert_capacity >= 0 && raw > expert_capacity ? expert_capacity : raw;
@@ -170,9 +174,8 @@ __device__ __forceinline__ int roundrobin_position4(const int4 *c4, int world4, 
 }
 
 // Route i of peer p at position pos of its expert's rows [off, off + lim): its row, whose
-// peer_rank and peer_route it writes, or -1 past lim (dropped: over the capacity).  The bitmap
-// and legacy kernels' place step; the replicated kernel keeps its own lines, as through this
-// helper the compiler reloads a parameter in its place loop (PTX compared).
+// peer_rank and peer_route it writes, or -1 past lim (dropped: over the capacity).  The place step
+// of the bitmap kernel and of the legacy baseline.
 __device__ __forceinline__ int place_route(const ScheduleCall &P, int p, int i, int pos, int off, int lim) {
   if (pos >= lim) return -1;
   const int row = off + pos;
@@ -184,7 +187,7 @@ __device__ __forceinline__ int place_route(const ScheduleCall &P, int p, int i, 
 // Thread 0 of block b records phase point i in row b of a kernel's trace buffer (rows of POINTS
 // clock64 readings, then %globaltimer at the first and the last point), when tracing is on.
 // FITS: the launcher never makes more blocks than the buffer has rows, so no block checks (the
-// bitmap and one-cluster kernels, whose code size is their time: PERF.md).
+// bitmap kernel, whose code size is its time: docs/perf/schedule.md).
 template <bool FITS, int ROWS, int COLS>
 __device__ __forceinline__ void trace_record(long long (&buf)[ROWS][COLS], int on, int i) {
   constexpr int POINTS = COLS - 2;
@@ -210,8 +213,9 @@ static inline int log2_exact(long long x) {
 }
 
 // The last traced call's rows of a kernel's trace buffer (each kernel's own __device__ array of
-// [blocks][phase points + 2 timers], MOE_SCHEDULE_TRACE set) for the scheduler's GPU test
-// (--trace): copies min(grid, max_blocks, the buffer's rows) rows and returns their number, or -1.
+// [blocks][phase points + 2 timers], written while the context's trace switch is on:
+// moeI_schedule_set_trace) for the scheduler's GPU test (--trace): copies min(grid, max_blocks,
+// the buffer's rows) rows and returns their number, or -1.
 template <typename Rows> static inline int copy_trace(long long *out, const Rows &buf, int grid, int max_blocks) {
   const int rows = (int)(sizeof(Rows) / sizeof(buf[0]));
   int n = grid < max_blocks ? grid : max_blocks;
@@ -221,15 +225,7 @@ template <typename Rows> static inline int copy_trace(long long *out, const Rows
   return n;
 }
 
-// ---- the small-problem kernels' helpers (schedule_cluster.cu, schedule_replicated.cu) ----
-
-// n / d for 0 <= n < 2^24 and d >= 1, from inv = 1.0f / d: the float quotient, corrected by one.
-__device__ __forceinline__ int div_by(int n, int d, float inv) {
-  int q = __float2int_rz((float)n * inv);
-  q -= q * d > n;
-  q += (q + 1) * d <= n;
-  return q;
-}
+// ---- the bitmap kernel's helpers ----
 
 // segment_padded for n < 2^24 with 1 / pad precomputed: roundup(n, pad), 0 when empty.
 __device__ __forceinline__ long long padded_size(int n, int pad, float inv_pad) {
@@ -253,69 +249,10 @@ __device__ inline void fill_unused(int32_t *a, int lo, int hi, int th, int nth) 
   if (th < hi - tail) a[tail + th] = -1;
 }
 
-// The segments of el experts by one warp (every lane calls it): from raw[e] (n_e before
-// expert_capacity), off[e] = min(base[e], C), lim[e] = routes of e that get a row, off[el] = rows
-// used.  Lane l takes the run of experts segment_run(el, 0, 1) gives it.  What every lane gets
-// back: the rows needed (before the clamp), and the local and kept routes of all el experts.
-// (A version split over a group of warps met at a named barrier; compute-sanitizer's racecheck
-// reported hazards across the block-wide barrier that followed it, PERF.md.)
-struct Segments {
-  long long need;
-  int local, placed;
-};
-// Lane l of warp gw in a group of ng takes experts [e0, e1): a run of ceil(el / (32 ng)).
-__device__ __forceinline__ void segment_run(int el, int gw, int ng, int *e0, int *e1) {
-  const int per = (el + 32 * ng - 1) / (32 * ng);
-  *e0 = min(el, (gw * 32 + (int)(threadIdx.x & 31)) * per);
-  *e1 = min(el, *e0 + per);
-}
-__device__ inline Segments group_segments(const int *raw, int el, int pad, float inv_pad, int expert_capacity,
-                                          int capacity, int *off, int *lim) {
-  const int lane = threadIdx.x & 31;
-  int e0, e1;
-  segment_run(el, 0, 1, &e0, &e1);
-  long long sum = 0;
-#pragma unroll 1 // code size: each launch runs this once (PERF.md, instruction-cache misses)
-  for (int e = e0; e < e1; e++) sum += padded_size(segment_routes(raw[e], expert_capacity), pad, inv_pad);
-  const long long incl = warp_inclusive_scan(sum);
-  long long base = incl - sum;
-  const long long all = __shfl_sync(MOE_FULL_MASK, incl, 31);
-  Segments S = {all, 0, 0};
-#pragma unroll 1
-  for (int e = e0; e < e1; e++) {
-    const int ne = segment_routes(raw[e], expert_capacity), kept = segment_kept(ne, base, capacity);
-    lim[e] = kept;
-    off[e] = (int)(base < capacity ? base : capacity);
-    base += padded_size(ne, pad, inv_pad);
-    S.local += raw[e], S.placed += kept;
-  }
-  if (lane == 0) off[el] = (int)(all < capacity ? all : capacity);
-#pragma unroll
-  for (int o = 16; o; o >>= 1) {
-    S.local += __shfl_xor_sync(MOE_FULL_MASK, S.local, o);
-    S.placed += __shfl_xor_sync(MOE_FULL_MASK, S.placed, o);
-  }
-  return S;
-}
-
-// A warp ranks its run of a list of routes, list[wbase, wbase + 32 S) cut at n, in order: ord[idx]
-// = how many earlier entries of the run share the entry's key, and crow[key] (the warp's own row,
-// zero at the start) ends as the run's count of each key.  key_of(list entry) < 2^nbits.
-template <typename KeyOf>
-__device__ __forceinline__ void warp_rank_run(const int *list, int n, int wbase, int S, int nbits, int *crow, int *ord,
-                                              KeyOf key_of) {
-  const int lane = threadIdx.x & 31;
-  for (int s = 0; s < S; s++) {
-    const int idx = wbase + s * 32 + lane;
-    const bool ok = idx < n;
-    const unsigned act = __ballot_sync(MOE_FULL_MASK, ok);
-    if (!act) break;
-    const int key = ok ? key_of(list[idx]) : 0;
-    const unsigned peers = match_peers((unsigned)key, act, nbits);
-    const int before = ok ? crow[key] : 0, rank = __popc(peers & lanemask_lt());
-    __syncwarp();
-    if (ok && rank == 0) crow[key] = before + __popc(peers);
-    if (ok) ord[idx] = before + rank;
-    __syncwarp();
-  }
-}
+// ---- the kernels as candidates of the stage's table (select.cu, select.cuh) ----
+// fits: whether the kernel can take the problem, and why not; run: the launch, nothing decided.
+// run may assume that fits said TAKES or that the caller forced the kernel past a DECLINES.
+int moeI_schedule_bitmap_fits(moe_ctx *ctx, const moe_schedule_args *a, Fit *fit, char *why, size_t n);
+int moeI_schedule_bitmap_run(moe_ctx *ctx, const moe_schedule_args *a);
+int moeI_schedule_grid_fits(moe_ctx *ctx, const moe_schedule_args *a, Fit *fit, char *why, size_t n);
+int moeI_schedule_grid_run(moe_ctx *ctx, const moe_schedule_args *a);

@@ -1,5 +1,5 @@
-// grid_barrier.cuh -- the scheduler's grid barrier (kernels/schedule.cu), shared with the bench
-// of its floor (kernels/bench/launch_floor.cu) so that the bench measures this code, not a copy.
+// grid_barrier.cuh -- the scheduler's grid barrier (bitmap.cu, grid.cu), shared with the bench of
+// its floor (bench/launch_floor.cu) so that the bench measures this code, not a copy.
 #pragma once
 
 // All blocks of the (cooperative, so co-resident) grid.  bar counts arrivals: block 0 adds

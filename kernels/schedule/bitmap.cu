@@ -1,11 +1,11 @@
-// schedule_bitmap.cu -- the scheduler for everything up to 4,096 routes a block and 128 experts a
+// bitmap.cu -- the scheduler for everything up to 4,096 routes a block and 128 experts a
 // rank (decode, 512 tokens at any EP size, Kimi K2's 7,168 tokens at EP8), bit for bit the result of
 // moeI_schedule_cpu: one cooperative grid, every block's routes in registers, their ordinals ranked with
 // per-expert bitmaps, one exchange of counts between blocks.
 //
-// Why a fourth kernel.  At 512 tokens a call of the grid and cluster kernels is a chain of ten or
+// Why a kernel besides grid.cu's.  At 512 tokens a call of the grid kernel is a chain of ten or
 // more block-wide steps (lists of the local routes, block scans, ballot chains, scans over warps),
-// each a few hundred cycles of latency, and their code runs once per launch.  This one keeps the
+// each a few hundred cycles of latency, and its code runs once per launch.  This one keeps the
 // chain and the code short:
 //
 // Each source rank is cut into bpr units of NP positions (a power of two) in the order of j --
@@ -19,7 +19,7 @@
 //      prefix of its word plus the bits below it in the word -- two shared loads, whatever the
 //      routing; each row's total is the unit's count of that expert, stored in the scratch
 //      (hist[unit][e]) and added into this call's totals c[e][p] (atomics that only sum);
-//   3. the grid barrier (kernels/grid_barrier.cuh's protocol, the word shared with the grid
+//   3. the grid barrier (grid_barrier.cuh's protocol, the word shared with the grid
 //      kernel, so the parity and the totals' buffers alternate the same way whichever kernel
 //      runs); while thread 0 waits, the others form their routes' ordinals and list the routes;
 //   4. one round of loads: c[e][q] into shared memory (n_e summed as it arrives), the counts of the
@@ -33,13 +33,12 @@
 //      writes counts, tokens_per_expert, expert_offsets and stats.
 // Four block-wide barriers and one grid barrier after griddepcontrol.wait.  No atomics decide an
 // order, the host never waits, and nothing is cleared that the call does not clear itself (the
-// totals' other buffer, as the grid kernel does).  Launched as a programmatic dependent, like the
-// others; the shared memory is cleared before griddepcontrol.wait, so that it overlaps the
+// totals' other buffer, as the grid kernel does).  Launched as a programmatic dependent, as the
+// grid kernel is; the shared memory is cleared before griddepcontrol.wait, so that it overlaps the
 // previous kernel's tail.
 #include <limits.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include <stdio.h>
 
 #include <atomic>
 
@@ -79,7 +78,7 @@ __host__ __device__ inline Smem smem_layout(int words, int el, int wp, int np) {
 }
 
 struct Params : ScheduleCall {
-  int trace;        // record the phases' times (MOE_SCHEDULE_TRACE set): a measuring aid
+  int trace;        // record the phases' times (moeI_schedule_set_trace): a measuring aid
   unsigned *bar;    // scratch: the grid barrier (grid_barrier.cuh), bit 31 the call's parity
   int32_t *tot;     // scratch: c[e][q] totals, [2][MOE_SCHED_TOT_STRIDE] by the parity, [el][wp] each
   int32_t *hist;    // scratch: [G][hs]: a unit's count of each expert, then its invalid ids and the first
@@ -166,7 +165,8 @@ __device__ __forceinline__ void segment_of(const WarpSegments &S, int lgper, int
 
 // kS: positions a thread (1, 2, 4 or 8), so that the loops over them unroll to what the unit has:
 // code size is time here -- each launch runs its code once, and an early version unrolled to 8
-// everywhere (8,700 instructions) spent a third of its stall samples on instruction fetch (PERF.md)
+// everywhere (8,700 instructions) spent a third of its stall samples on instruction fetch
+// (docs/perf/schedule.md)
 template <int kS>
 __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Params P) {
   extern __shared__ int4 smem4[];
@@ -402,53 +402,91 @@ std::atomic<bool> raised[kDevices][4]; // an instance's dynamic shared memory li
 
 } // namespace
 
-// Runs the schedule as one grid of bitmap-ranked units when the problem fits it (and the choice,
-// automatic or MOE_SCHEDULE_KERNEL, is this kernel): *ran = 1 and the call's status.  Otherwise
-// *ran = 0 and MOE_OK, and another kernel takes the call; with MOE_SCHEDULE_KERNEL=bitmap that is
-// an error.
-extern "C" int moeI_schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *a, int *ran) {
-  *ran = 0;
-  const char *sel = getenv("MOE_SCHEDULE_KERNEL");
-  const bool forced = sel && !strcmp(sel, "bitmap");
-  if (sel && !forced) return MOE_OK; // moeI_schedule_cluster_cuda checks the name
-  const int device = a->ids->device.index;
-  const long long W = a->ids->shape[0], tk = a->ids->shape[1] * a->ids->shape[2];
-  const long long E = a->experts, el = E / W;
+namespace {
 
-  // units: about `target` in all, at most 4,096 positions each.  Measured at 512 tokens (PERF.md):
-  // fewer blocks make the exchange cheaper, more make each block's chain shorter; 8 W blocks up to
-  // EP8, 128 above.  MOE_SCHEDULE_BITMAP_BLOCKS overrides the target (a measuring aid).
-  static const int blocks = getenv("MOE_SCHEDULE_BITMAP_BLOCKS") ? atoi(getenv("MOE_SCHEDULE_BITMAP_BLOCKS")) : 0;
-  const long long target = blocks > 0 ? blocks : W <= 8 ? 8 * W : kMaxBlocks;
-  const bool rr = a->layout == MOE_LAYOUT_ROUNDROBIN;
-  const long long nc = tk < MOE_SCHED_THREADS ? tk : MOE_SCHED_THREADS;
-  const long long rp = rr ? pow2_ceil((tk + MOE_SCHED_THREADS - 1) / MOE_SCHED_THREADS) : 1;
-  const long long per_rank = rr ? pow2_ceil(nc) * rp : pow2_ceil(tk); // positions
+// A call's geometry: units, positions, the bitmap's shape.  why names the limit the problem passes
+// (NULL when it fits, as far as the problem alone tells; the device's SM count is checked apart).
+struct Plan {
+  long long W, tk, el, nc, rp, bpr, np, nwp, wp, hs;
+  bool rr;
+  const char *why;
+};
+Plan plan_of(const moe_schedule_args *a) {
+  Plan q;
+  q.W = a->ids->shape[0], q.tk = a->ids->shape[1] * a->ids->shape[2];
+  q.el = a->experts / q.W;
+  const long long W = q.W, tk = q.tk, el = q.el;
+  // units: about `target` in all, at most 4,096 positions each.  Measured at 512 tokens
+  // (docs/perf/schedule.md): fewer blocks make the exchange cheaper, more make each block's chain
+  // shorter; 8 W blocks up to EP8, 128 above.
+  const long long target = W <= 8 ? 8 * W : kMaxBlocks;
+  q.rr = a->layout == MOE_LAYOUT_ROUNDROBIN;
+  q.nc = tk < MOE_SCHED_THREADS ? tk : MOE_SCHED_THREADS;
+  q.rp = q.rr ? pow2_ceil((tk + MOE_SCHED_THREADS - 1) / MOE_SCHED_THREADS) : 1;
+  const long long per_rank = q.rr ? pow2_ceil(q.nc) * q.rp : pow2_ceil(tk); // positions
   long long bpr = 1;
-  while (W * bpr * 2 <= target && bpr * 2 <= per_rank / rp) bpr *= 2;
+  while (W * bpr * 2 <= target && bpr * 2 <= per_rank / q.rp) bpr *= 2;
   while (per_rank / bpr > (long long)kThreads * kMaxSlots && W * bpr * 2 <= kMaxBlocks) bpr *= 2;
-  const long long np = per_rank / bpr, nwp = np >= 32 ? np / 32 : 1;
-  const long long wp = W < 4 ? 4 : pow2_ceil(W), hs = pow2_ceil(el + 2);
+  q.bpr = bpr;
+  q.np = per_rank / bpr, q.nwp = q.np >= 32 ? q.np / 32 : 1;
+  q.wp = W < 4 ? 4 : pow2_ceil(W), q.hs = pow2_ceil(el + 2);
   const char *why = NULL;
   if (tk == 0) why = "a rank without routes";
   else if (el > 32 * kMaxPer) why = "more than 128 experts a rank";
   else if (W * bpr > kMaxBlocks) why = "more than 128 units";
-  else if (np > (long long)kThreads * kMaxSlots) why = "more than 4,096 positions a unit";
-  else if (el * wp > MOE_SCHED_TOT_STRIDE) why = "more than 4,096 (expert, source rank) totals";
-  else if (el * nwp > kMaxWords) why = "more than 8,192 bitmap words";
+  else if (q.np > (long long)kThreads * kMaxSlots) why = "more than 4,096 positions a unit";
+  else if (el * q.wp > MOE_SCHED_TOT_STRIDE) why = "more than 4,096 (expert, source rank) totals";
+  else if (el * q.nwp > kMaxWords) why = "more than 8,192 bitmap words";
   else if (a->capacity > INT_MAX - 65536) why = "a capacity within 2^16 of 2^31"; // 32-bit rows
   else if (W * tk + el * (long long)(a->pad - 1) > INT_MAX - 65536) why = "more than 2^31 - 65536 rows or routes";
-  if (why) {
-    if (forced)
-      return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
-                        STAGE ": MOE_SCHEDULE_KERNEL=bitmap, but the bitmap kernel does not take %s", why);
+  q.why = why;
+  return q;
+}
+
+// The SMs of the device that can hold cooperative blocks (0 when it cannot launch them), cached.
+int coop_sms(moe_ctx *ctx, int device, int *nsm) {
+  const bool cached = device >= 0 && device < kDevices;
+  *nsm = cached ? sm_count[device].load(std::memory_order_relaxed) - 1 : -1;
+  if (*nsm < 0) {
+    int coop = 0;
+    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(nsm, cudaDevAttrMultiProcessorCount, device));
+    if (!coop) *nsm = 0;
+    if (cached) sm_count[device].store(*nsm + 1, std::memory_order_relaxed);
+  }
+  return MOE_OK;
+}
+
+} // namespace
+
+// Every block resident at once (the grid barrier), one an SM: the problem's limits, then the device's.
+int moeI_schedule_bitmap_fits(moe_ctx *ctx, const moe_schedule_args *a, Fit *fit, char *why, size_t n) {
+  const Plan q = plan_of(a);
+  *fit = CANNOT;
+  if (q.why) {
+    snprintf(why, n, "%s", q.why);
     return MOE_OK;
   }
+  int nsm, rc = coop_sms(ctx, a->ids->device.index, &nsm);
+  if (rc) return rc;
+  const long long g = q.W * q.bpr;
+  if (g > nsm) {
+    snprintf(why, n, "cuda:%d cannot hold %lld cooperative blocks", a->ids->device.index, g);
+    return MOE_OK;
+  }
+  *fit = TAKES;
+  return MOE_OK;
+}
+
+int moeI_schedule_bitmap_run(moe_ctx *ctx, const moe_schedule_args *a) {
+  const int device = a->ids->device.index;
+  const Plan q = plan_of(a);
+  const long long W = q.W, el = q.el, bpr = q.bpr, np = q.np, nwp = q.nwp, wp = q.wp, hs = q.hs, rp = q.rp;
+  const bool rr = q.rr;
 
   Params P = {};
   static_cast<ScheduleCall &>(P) = schedule_call(a);
-  static const int trace = getenv("MOE_SCHEDULE_TRACE") != NULL;
-  P.trace = trace;
+  P.trace = ctx->schedule_trace;
   P.lghs = log2_exact(hs);
   P.lgbpr = log2_exact(bpr);
   P.np = (int)np;
@@ -457,7 +495,7 @@ extern "C" int moeI_schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *
                                  : lgs == 1 ? schedule_bitmap_kernel<2>
                                  : lgs == 2 ? schedule_bitmap_kernel<4>
                                             : schedule_bitmap_kernel<8>;
-  P.nc = rr ? (int)nc : INT_MAX;
+  P.nc = rr ? (int)q.nc : INT_MAX;
   P.lgrp = log2_exact(rp);
   P.lgnlt = rr ? log2_exact(np / rp) : 31;
   P.ltmask = rr ? (int)(np / rp) - 1 : -1;
@@ -482,20 +520,6 @@ extern "C" int moeI_schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *
   int rc = moeI_cuda_ctx_stream(ctx, device, &st);
   if (rc) return rc;
   const bool cached = device >= 0 && device < kDevices;
-  int nsm = cached ? sm_count[device].load(std::memory_order_relaxed) - 1 : -1;
-  if (nsm < 0) {
-    int coop = 0;
-    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
-    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, device));
-    if (!coop) nsm = 0;
-    if (cached) sm_count[device].store(nsm + 1, std::memory_order_relaxed);
-  }
-  if (g > nsm) { // one block an SM, all resident: the grid barrier
-    if (forced)
-      return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
-                        STAGE ": MOE_SCHEDULE_KERNEL=bitmap, but cuda:%d cannot hold %d cooperative blocks", device, g);
-    return MOE_OK;
-  }
   if (smem > 48 * 1024 && !(cached && raised[device][lgs].load())) {
     int optin = 0;
     MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
@@ -517,7 +541,6 @@ extern "C" int moeI_schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *
   coop.id = cudaLaunchAttributeCooperative;
   coop.val.cooperative = 1;
   schedule_launch_config(&cfg, attr, (unsigned)g, kThreads, smem, st, coop);
-  *ran = 1;
   trace_grid = g;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, P);
   rc = moeI_cuda_scratch_done(ctx, st, scratch, owned); // whether or not the launch went (in a capture, a free node)
@@ -530,7 +553,7 @@ extern "C" int moeI_schedule_bitmap_cuda(moe_ctx *ctx, const moe_schedule_args *
   return moeI_ok(ctx);
 }
 
-// The phase times of the last bitmap call made with MOE_SCHEDULE_TRACE set: trace_buf's rows (copy_trace).
+// The phase times of the last bitmap call made with the context's trace switch on: trace_buf's rows (copy_trace).
 extern "C" int moeI_schedule_bitmap_trace(long long *out, int max_blocks) {
   return copy_trace(out, trace_buf, trace_grid, max_blocks);
 }

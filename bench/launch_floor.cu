@@ -1,12 +1,12 @@
 // launch_floor.cu -- what a scheduler call costs before it does any work: the period of a kernel in
 // a CUDA graph of 200 back-to-back calls (as scenarios/scheduler.lua times schedule), for skeletons
 // of the scheduler's structure with nothing else in them.  A bench program, not part of the
-// library (PERF.md, "the floor under a call").  Each block has 512 threads, as schedule_kernel.
+// library (docs/perf/schedule.md, "The floor under a call").  Each block has 512 threads, as schedule_kernel.
 //
 //   empty   griddepcontrol.wait and nothing else
 //   nobar   one coalesced load per thread, a block count, one store: no exchange between blocks
 //   atomic  the same with one exchange the scheduler's way: 64 REDs per block into totals, the
-//           grid barrier of kernels/schedule.cu (one atom.add.release per block, acquiring polls),
+//           grid barrier of kernels/schedule/ (one atom.add.release per block, acquiring polls),
 //           then every block reads the totals back
 //   flags   the exchange by a flag per block (st.release of the call's epoch, every block polls
 //           all flags) instead of one counter
@@ -15,7 +15,7 @@
 //           clusters' words: no grid barrier, no atomics
 //   redundant  no exchange at all: every block reads all W x 4,096 ids (512 tokens of top-8, 384
 //           experts, EP W) and counts its rank's window into c[e][q] in shared memory, as a
-//           scheduler that computes the counts in every block would have to (PERF.md)
+//           scheduler that computes the counts in every block would have to (docs/perf/schedule.md)
 //
 // Launch attributes per row: cooperative (coop) and programmatic dependent launch (pdl).  Prints
 // µs per call: the median and the minimum of 9 replays of the graph, after 3.
@@ -27,7 +27,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "grid_barrier.cuh" // the scheduler's own
+#include "grid_barrier.cuh" // the scheduler's own (kernels/schedule/)
 
 namespace cg = cooperative_groups;
 

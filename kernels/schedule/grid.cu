@@ -1,4 +1,4 @@
-// schedule.cu -- stage 2 on the GPU: every rank's ids i32 [W, T, K] -> this rank's expert-major
+// grid.cu -- stage 2 on the GPU: every rank's ids i32 [W, T, K] -> this rank's expert-major
 // row layout, bit for bit the result of moeI_schedule_cpu (lib/schedule.c) for both layouts.
 //
 // The problem.  A route's row depends on its ordinal j inside its (local expert e, source rank p)
@@ -10,11 +10,9 @@
 // chunk is a run of that order -- a power-of-two group of columns for roundrobin, a run of rows
 // for peer_major -- and each source rank is cut into S chunks: W * S units, about one per SM.
 //
-// moeI_schedule_cuda asks the other kernels first, each declining what it does not take: the bitmap
-// kernel (kernels/schedule_bitmap.cu: up to 4,096 routes a block and 128 experts a rank, which
-// covers decode, 512 tokens and Kimi K2's shape), then for more experts a rank the replicated and
-// one-cluster kernels (kernels/schedule_replicated.cu, kernels/schedule_cluster.cu) at small
-// sizes.  Everything else: one cooperative kernel, one block per unit, in two phases around a grid
+// The stage's table (select.cu) tries the bitmap kernel first (bitmap.cu: up to 4,096 routes a
+// block and 128 experts a rank, which covers decode, 512 tokens and Kimi K2's shape).  This kernel
+// takes everything else: one cooperative kernel, one block per unit, in two phases around a grid
 // barrier:
 //
 //   1. The block loads its chunk into shared memory in column-major order (rows padded to an odd
@@ -42,8 +40,8 @@
 // host never waits, and a call is one launch.  Kimi K2 rank of EP8 (W 8, T 7168, K 8, E 384):
 // 128 blocks of 3,584 routes (64 logical threads x 56); ids read once (1.8 MB), route_row written
 // once (1.8 MB), peer_rank and peer_route once each (C rows), scratch ~30 KB.  So the time is
-// latency, not bandwidth: PERF.md has it per phase, as measured with --trace of the GPU test
-// (MOE_SCHEDULE_TRACE), and the histogram reads, the scattered peer_rank/peer_route stores and the
+// latency, not bandwidth: docs/perf/schedule.md has it per phase, as measured with --trace of the
+// GPU test (moeI_schedule_set_trace), and the histogram reads, the scattered peer_rank/peer_route stores and the
 // cooperative launch are where it goes.
 //
 // Where a block cannot keep its unit in shared memory across the barrier -- more units than
@@ -65,7 +63,6 @@
 // overlaps the end of that kernel.
 #include <limits.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include <atomic>
 
@@ -92,7 +89,7 @@ constexpr int kTotOffset = MOE_SCHED_TOT_OFFSET; // ints: after the barrier
 static_assert(MOE_SCRATCH_HEADER >= (int)sizeof(int32_t) * (kTotOffset + 2 * kStageC), "scratch header too small");
 
 struct Params : ScheduleCall {
-  int trace; // record the phases' times (MOE_SCHEDULE_TRACE set): a measuring aid
+  int trace; // record the phases' times (moeI_schedule_set_trace): a measuring aid
   unsigned *bar;             // scratch: the grid barrier's arrival count (bit 31: the call's parity)
   int32_t *tot;              // scratch: c[e][q] totals [2][kStageC], by the call's parity
   int32_t *inv, *hist, *acc; // scratch: [G][2], [units][EL], [units][EL] (only with pieces)
@@ -131,7 +128,7 @@ __host__ __device__ inline Smem smem_layout(int ts, int rwin, int world, int sta
 __device__ __forceinline__ int window_bits(int wsz) { return wsz > 1 ? 32 - __clz(wsz - 1) : 0; }
 
 // The last traced call, per block: clock64 at the phase points, then %globaltimer at entry and
-// at the end.  Read by moeI_schedule_cuda_trace (the scheduler's GPU test, --trace).
+// at the end.  Read by moeI_schedule_grid_trace (the scheduler's GPU test, --trace).
 constexpr int kTraceBlocks = 1024, kTracePoints = 8;
 __device__ long long trace_buf[kTraceBlocks][kTracePoints + 2];
 int trace_grid;
@@ -403,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
         if (P.stage_c && !kResident) {
           // a warp reads a unit's histogram row, lanes on consecutive experts (coalesced), kUnroll
           // rows in flight; the sums go into c[e][q] in shared memory.  Costly (S * E values and
-          // a division each: PERF.md), but only where units do not all fit at once.
+          // a division each: docs/perf/schedule.md), but only where units do not all fit at once.
           for (int x = tid; x < wsz * W; x += kThreads) cst[x] = 0;
           for (int e = tid; e < wsz; e += kThreads) run[e] = 0;
           __syncthreads();
@@ -493,7 +490,8 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
 
         // unused rows [rows used, C), striding with every block, as soon as the last window's scan
         // has the total: these stores then drain while the place loop runs (after it, they added
-        // ~0.25 us at Kimi's worst-case capacity; 16-byte stores were slower at T 512: PERF.md)
+        // ~0.25 us at Kimi's worst-case capacity; 16-byte stores were slower at T 512:
+        // docs/perf/schedule.md)
         if (first_unit && k == 0 && w0 + wsz == EL) {
           const long long used = carry < (long long)P.capacity ? carry : (long long)P.capacity;
           for (long long r = used + (long long)blk * kThreads + tid; r < P.capacity; r += (long long)G * kThreads) {
@@ -616,117 +614,18 @@ int device_limits(moe_ctx *ctx, int device, bool resident, size_t smem, int *nsm
   return MOE_OK;
 }
 
-// A retired scratch block: graphs captured before it was replaced may still use it.
-struct old_block {
-  void *p;
-  int device;
-  old_block *next;
-};
-
 } // namespace
 
-extern "C" int moeI_cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t nbytes, void **out, int *owned) {
-  *out = NULL;
-  *owned = 0;
-  if (nbytes < MOE_SCRATCH_HEADER) nbytes = MOE_SCRATCH_HEADER;
-  const cudaStream_t st = (cudaStream_t)stream;
-  moe_ctx::moe_scratch *slot = nullptr;
-  for (int i = 0; i < MOE_SCRATCH_SLOTS && !slot; i++)
-    if (ctx->scratch[i].p && ctx->scratch[i].device == device && ctx->scratch[i].stream == stream) slot = &ctx->scratch[i];
-  if (slot && slot->bytes >= nbytes) {
-    *out = slot->p;
-    return MOE_OK;
-  }
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  MOE_CUDA_TRY(ctx, "scratch", cudaStreamIsCapturing(st, &cs));
-  if (ctx->capturing || cs != cudaStreamCaptureStatusNone) {
-    // cudaMalloc is not allowed here; a stream-ordered allocation becomes the graph's own memory
-    void *p = NULL;
-    const cudaError_t err = cudaMallocAsync(&p, nbytes, st);
-    if (err != cudaSuccess)
-      return moeI_seterr(ctx, err == cudaErrorMemoryAllocation ? MOE_ERR_NOMEM : MOE_ERR_CUDA,
-                        "scratch: cudaMallocAsync of %zu bytes failed: %s: %s", nbytes, cudaGetErrorName(err),
-                        cudaGetErrorString(err));
-    MOE_CUDA_TRY(ctx, "scratch", cudaMemsetAsync(p, 0, MOE_SCRATCH_HEADER, st));
-    *out = p;
-    *owned = 1;
-    return MOE_OK;
-  }
-  // A (device, stream) seen for the first time takes a free slot, or the next one in turn.
-  // A block is replaced, never freed: work queued on it (on another stream, or in graphs
-  // captured earlier) may still run.  Sizes grow geometrically so that replacements stay few.
-  size_t size = slot ? slot->bytes * 2 : 0;
-  if (!slot) {
-    for (int i = 0; i < MOE_SCRATCH_SLOTS && !slot; i++)
-      if (!ctx->scratch[i].p) slot = &ctx->scratch[i];
-    if (!slot) slot = &ctx->scratch[ctx->scratch_next++ % MOE_SCRATCH_SLOTS];
-  }
-  if (size < nbytes) size = nbytes;
-  if (size < ((size_t)1 << 20)) size = (size_t)1 << 20;
-  old_block *ob = NULL;
-  if (slot->p) {
-    ob = (old_block *)malloc(sizeof *ob);
-    if (!ob) return moeI_seterr(ctx, MOE_ERR_NOMEM, "scratch: out of host memory");
-  }
-  void *p = NULL;
-  const cudaError_t err = cudaMalloc(&p, size);
-  if (err != cudaSuccess) {
-    free(ob);
-    (void)cudaGetLastError();
-    return moeI_seterr(ctx, err == cudaErrorMemoryAllocation ? MOE_ERR_NOMEM : MOE_ERR_CUDA,
-                      "scratch: cudaMalloc of %zu bytes failed: %s: %s", size, cudaGetErrorName(err),
-                      cudaGetErrorString(err));
-  }
-  if (ob) {
-    ob->p = slot->p;
-    ob->device = slot->device;
-    ob->next = (old_block *)ctx->scratch_old;
-    ctx->scratch_old = ob;
-  }
-  slot->p = p;
-  slot->bytes = size;
-  slot->device = device;
-  slot->stream = stream;
-  MOE_CUDA_TRY(ctx, "scratch", cudaMemsetAsync(p, 0, MOE_SCRATCH_HEADER, st));
-  *out = p;
+// Any problem within the stage's 32-bit bounds (select.cu checks them before any kernel is asked).
+int moeI_schedule_grid_fits(moe_ctx *ctx, const moe_schedule_args *a, Fit *fit, char *why, size_t n) {
+  (void)ctx, (void)a, (void)why, (void)n;
+  *fit = TAKES;
   return MOE_OK;
 }
 
-extern "C" int moeI_cuda_scratch_done(moe_ctx *ctx, void *stream, void *p, int owned) {
-  if (owned) MOE_CUDA_TRY(ctx, "scratch", cudaFreeAsync(p, (cudaStream_t)stream));
-  return MOE_OK;
-}
-
-extern "C" void moeI_cuda_scratch_release(moe_ctx *ctx) {
-  for (int i = 0; i < MOE_SCRATCH_SLOTS; i++)
-    if (ctx->scratch[i].p) moeI_cuda_free(ctx->scratch[i].device, ctx->scratch[i].p);
-  memset(ctx->scratch, 0, sizeof ctx->scratch);
-  for (old_block *ob = (old_block *)ctx->scratch_old; ob;) {
-    old_block *next = ob->next;
-    moeI_cuda_free(ob->device, ob->p);
-    free(ob);
-    ob = next;
-  }
-  ctx->scratch_old = NULL;
-}
-
-extern "C" int moeI_schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
+int moeI_schedule_grid_run(moe_ctx *ctx, const moe_schedule_args *a) {
   const int device = a->ids->device.index;
-  // The kernel indexes routes, rows of a chunk and experts in 32 bits, with loop steps of up to
-  // a few thousand past the end: sizes within 2^16 of 2^31 (legal on the CPU) are refused here.
-  const long long tk_all = a->ids->shape[1] * a->ids->shape[2], el_all = a->experts / a->ids->shape[0];
-  if (tk_all > INT_MAX - 65536 || el_all > INT_MAX - 65536)
-    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
-                      STAGE ": %lld routes a rank and %lld experts a rank; cuda takes at most 2^31 - 65536 of each",
-                      tk_all, el_all);
-  // the bitmap kernel where it takes the problem; past 128 experts a rank the replicated and the
-  // one-cluster kernels at small sizes
-  int ran, rc = moeI_schedule_bitmap_cuda(ctx, a, &ran);
-  if (ran || rc) return rc;
-  rc = moeI_schedule_replicated_cuda(ctx, a, &ran);
-  if (ran || rc) return rc;
-  rc = moeI_schedule_cluster_cuda(ctx, a, &ran);
-  if (ran || rc) return rc;
+  int rc;
   cudaStream_t st;
   if ((rc = moeI_cuda_ctx_stream(ctx, device, &st))) return rc;
   int nsm, per_sm;
@@ -734,8 +633,7 @@ extern "C" int moeI_schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
 
   Params P = {};
   static_cast<ScheduleCall &>(P) = schedule_call(a);
-  static const int trace = getenv("MOE_SCHEDULE_TRACE") != NULL;
-  P.trace = trace;
+  P.trace = ctx->schedule_trace;
   const int W = P.world, tk = P.tk;
 
   // windows: c[e][q] of a ranking window fits kStageC unless W alone is larger
@@ -854,14 +752,7 @@ extern "C" int moeI_schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) {
   return moeI_ok(ctx);
 }
 
-// The phase times of the last call made with MOE_SCHEDULE_TRACE set: trace_buf's rows (copy_trace).
-extern "C" int moeI_schedule_cuda_trace(long long *out, int max_blocks) {
+// The phase times of the last grid call made with the context's trace switch on: trace_buf's rows (copy_trace).
+extern "C" int moeI_schedule_grid_trace(long long *out, int max_blocks) {
   return copy_trace(out, trace_buf, trace_grid, max_blocks);
-}
-
-// PLACEHOLDER until the selector table (kernels/schedule/select.cu) replaces it.
-extern "C" const char *moeI_schedule_kernels(void) { return "bitmap, replicated, cluster, grid"; }
-extern "C" int moeI_schedule_explain_cuda(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n) {
-  (void)a, (void)report, (void)n;
-  return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "schedule: explain is not written yet");
 }
