@@ -95,8 +95,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.cuh"
-#include "wgmma_tr.cuh"
+#include "../common.cuh"
+#include "../sm90/wgmma.cuh"
 
 namespace {
 

@@ -34,7 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.cuh"
+#include "../common.cuh"
 
 namespace {
 
