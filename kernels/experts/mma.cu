@@ -246,7 +246,8 @@ __global__ void __launch_bounds__(THREADS, VEC ? 2 : 1)
 #pragma unroll
       for (int mi = 0; mi < 4; mi++)
 #pragma unroll
-        for (int j = 0; j < 4; j++) mma_bf16(acc[mi][j], af[mi], bfr[j >> 1][(j & 1) * 2], bfr[j >> 1][(j & 1) * 2 + 1]);
+        for (int j = 0; j < 4; j++)
+          mma_bf16(acc[mi][j], af[mi], bfr[j >> 1][(j & 1) * 2], bfr[j >> 1][(j & 1) * 2 + 1]);
     }
   }
   cp_async_wait<0>();

@@ -136,14 +136,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int nv = __shfl_sync(0xffffffffu, w.rows > 0 ? (w.rows + 7) & ~7 : 0, 0);
         const int col0 = MODE == GATE_UP ? w.n * (BN / 2) + 64 * cw : w.n * BN + 128 * cw;
         switch (nv) {
-#define MOE_W_TILE(n) \
+#define W_TILE_CASE(n) \
   case n: w_tile<MODE, n>(s, ph, ring, bars, stg, cw, t, KT, &tma_out, out, N, w.row0, w.rows, col0, sc); break;
-          MOE_W_TILE(8) MOE_W_TILE(16) MOE_W_TILE(24) MOE_W_TILE(32) MOE_W_TILE(40) MOE_W_TILE(48)
-          MOE_W_TILE(56) MOE_W_TILE(64) MOE_W_TILE(72) MOE_W_TILE(80) MOE_W_TILE(88) MOE_W_TILE(96)
-          MOE_W_TILE(104) MOE_W_TILE(112) MOE_W_TILE(120) MOE_W_TILE(128) MOE_W_TILE(136) MOE_W_TILE(144)
-          MOE_W_TILE(152) MOE_W_TILE(160) MOE_W_TILE(168) MOE_W_TILE(176) MOE_W_TILE(184) MOE_W_TILE(192)
-          MOE_W_TILE(200)
-#undef MOE_W_TILE
+          W_TILE_CASE(8) W_TILE_CASE(16) W_TILE_CASE(24) W_TILE_CASE(32) W_TILE_CASE(40) W_TILE_CASE(48)
+          W_TILE_CASE(56) W_TILE_CASE(64) W_TILE_CASE(72) W_TILE_CASE(80) W_TILE_CASE(88) W_TILE_CASE(96)
+          W_TILE_CASE(104) W_TILE_CASE(112) W_TILE_CASE(120) W_TILE_CASE(128) W_TILE_CASE(136) W_TILE_CASE(144)
+          W_TILE_CASE(152) W_TILE_CASE(160) W_TILE_CASE(168) W_TILE_CASE(176) W_TILE_CASE(184) W_TILE_CASE(192)
+          W_TILE_CASE(200)
+#undef W_TILE_CASE
         default: // no rows: keep the ring in step (as below)
           for (int kb = 0; kb < KT; kb++) {
             mbar_wait(full_bar(s), ph);
