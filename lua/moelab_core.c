@@ -981,9 +981,9 @@ static int l_dispatch(lua_State *L) {
   return 0;
 }
 
-static int l_experts(lua_State *L) {
-  moe_ctx *ctx = getctx(L);
-  Args A = args_open(L, "experts");
+/* The table of core.experts{...} and core.experts_explain{...}. */
+static moe_experts_args experts_fields(lua_State *L, const char *name) {
+  Args A = args_open(L, name);
   moe_experts_args a;
   memset(&a, 0, sizeof a);
   a.ys = tensor_field(&A, "ys", REQUIRED);
@@ -992,9 +992,26 @@ static int l_experts(lua_State *L) {
   a.w_gate_up = tensor_field(&A, "w_gate_up", REQUIRED);
   a.w_down = tensor_field(&A, "w_down", REQUIRED);
   args_still_open(L, A.fname, 2);
+  return a;
+}
+
+static int l_experts(lua_State *L) {
+  moe_ctx *ctx = getctx(L);
+  moe_experts_args a = experts_fields(L, "experts");
   int rc = moe_experts(ctx, &a);
   if (rc) return fail(L, ctx, rc);
   return 0;
+}
+
+/* core.experts_explain{...} -> the report of moe_experts_explain: which kernel would run, and why. */
+static int l_experts_explain(lua_State *L) {
+  moe_ctx *ctx = getctx(L);
+  moe_experts_args a = experts_fields(L, "experts_explain");
+  char report[2048];
+  int rc = moe_experts_explain(ctx, &a, report, sizeof report);
+  if (rc) return fail(L, ctx, rc);
+  lua_pushstring(L, report);
+  return 1;
 }
 
 static int l_logits(lua_State *L) {
@@ -1827,6 +1844,7 @@ static const luaL_Reg module_funcs[] = {
   {"schedule_explain", l_schedule_explain},
   {"dispatch", l_dispatch},
   {"experts", l_experts},
+  {"experts_explain", l_experts_explain},
   {"logits", l_logits},
   {"sigmoid_gate", l_sigmoid_gate},
   {"combine", l_combine},

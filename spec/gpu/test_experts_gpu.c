@@ -4,21 +4,23 @@
  * two contexts running the stage at the same time; then the Kimi K2 rank-of-EP8 shape and a decode
  * shape timed with device events (spot-checked on the CPU first).
  *
- * Every check runs once per kernel, chosen through MOE_EXPERTS_KERNEL: "mma" (the mma.sync
- * kernel), "sm90x1" (TMA + wgmma, one CTA per tile), "sm90x2" (the same in clusters of two with
- * multicast), "sm90w" (the weights-as-M tiles: weight rows as wgmma's M, tokens as its N) and the
- * automatic choice.  Shapes the Hopper kernel does not take (H or F not a multiple of 64, F = 0,
- * misaligned views) must be refused with MOE_ERR_UNSUPPORTED and leave ys untouched; off a
- * compute capability 9.0 device its runs are reported skipped.
+ * Every check runs once per kernel, forced through the context's experts_kernel option
+ * (moe_ctx_config): "mma" (the mma.sync kernel), "sm90x1" (TMA + wgmma, one CTA per tile),
+ * "sm90x2" (the same in clusters of two with multicast), "sm90w" (the weights-as-M tiles: weight
+ * rows as wgmma's M, tokens as its N) and the automatic choice ("auto").  Shapes the Hopper
+ * kernels do not take (H or F not a multiple of 64, F = 0, misaligned views) must be refused with
+ * MOE_ERR_UNSUPPORTED and leave ys untouched; off a compute capability 9.0 device their runs are
+ * reported skipped.  moe_experts_explain must name the kernel that runs.
  * Prints one PASS/FAIL line per check; exits 77 without a GPU, 1 on any failure.  --no-bench skips
- * the two timed shapes; --bench-only runs only them, and MOE_EXPERTS_BENCH=<kernel> times that
- * kernel alone (for a profiler: scenarios/device.sh's profile-experts step).  MOE_EXPERTS_PASSES=N
- * times N passes instead of the default and prints each in time order (the H200 here lowers its
- * clocks under its power cap after a few tens of ms of this load: PERF.md); MOE_EXPERTS_ROWS=N gives
- * the Kimi K2 shape's 48 experts N rows each instead of 57,344 rows in all; MOE_EXPERTS_CHECK=<kernel>
- * runs the checks through that kernel alone. */
-#define _POSIX_C_SOURCE 200809L /* setenv, unsetenv */
+ * the two timed shapes; --bench-only runs only them.  The program's own variables, read once when
+ * it starts: MOE_EXPERTS_BENCH=<kernel> times that kernel alone (for a profiler:
+ * scenarios/device.sh's profile-experts step); MOE_EXPERTS_PASSES=N times N passes instead of the
+ * default and prints each in time order (the H200 lowers its clocks under its power cap after a
+ * few tens of ms of this load: docs/perf/experts.md); MOE_EXPERTS_ROWS=N gives the Kimi K2 shape's
+ * 48 experts N rows each instead of 57,344 rows in all; MOE_EXPERTS_CHECK=<kernel> runs the checks
+ * through that kernel alone. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gpu_test.h"
@@ -48,9 +50,9 @@ static uint16_t *read_bf16(const moe_tensor *t) {
   return p;
 }
 
-/* The kernels every check runs through (MOE_EXPERTS_KERNEL; NULL = the automatic choice). */
+/* The kernels every check runs through (the experts_kernel option; NULL = the automatic choice). */
 typedef struct {
-  const char *name, *env;
+  const char *name, *option;
   int hopper; /* takes only the shapes sm90_supported accepts, on compute capability 9.0 */
 } kernel;
 static const kernel KERNELS[] = {
@@ -58,19 +60,22 @@ static const kernel KERNELS[] = {
 enum { NKERNELS = sizeof KERNELS / sizeof *KERNELS };
 static int no_hopper; /* set once the Hopper kernel said the device is not compute capability 9.0 */
 
-/* MOE_EXPERTS_CHECK=<kernel>: the checks run through that kernel alone (for compute-sanitizer,
- * where every kernel would take too long). */
-static int checked(const kernel *k) {
-  const char *only = getenv("MOE_EXPERTS_CHECK");
-  return !only || strcmp(only, k->name) == 0;
-}
+/* The program's variables (see the top), read once in main. */
+static const char *only_check; /* MOE_EXPERTS_CHECK: the checks run through that kernel alone (for
+                                * compute-sanitizer, where every kernel would take too long) */
+static const char *only_bench; /* MOE_EXPERTS_BENCH */
+static int bench_passes;       /* MOE_EXPERTS_PASSES; 0: the default */
+static int kimi_rows;          /* MOE_EXPERTS_ROWS; 0: the default */
 
-static void use_kernel(const kernel *k) {
-  if (k->env) setenv("MOE_EXPERTS_KERNEL", k->env, 1);
-  else unsetenv("MOE_EXPERTS_KERNEL");
-}
+static int checked(const kernel *k) { return !only_check || strcmp(only_check, k->name) == 0; }
 
-/* What kernels/experts_sm90.cu requires of the shapes (the device aside). */
+/* Forces k (NULL: back to the automatic choice) on context c. */
+static void use_kernel_on(moe_ctx *c, const kernel *k) {
+  TRY_ON(c, moe_ctx_config(c, "experts_kernel", k && k->option ? k->option : "auto"));
+}
+static void use_kernel(const kernel *k) { use_kernel_on(ctx, k); }
+
+/* What the Hopper kernels require of the shapes (kernels/experts/sm90.cuh; the device aside). */
 static int sm90_supported(int64_t H, int64_t F, int misaligned) {
   return H > 0 && F > 0 && H % 64 == 0 && F % 64 == 0 && !misaligned;
 }
@@ -227,7 +232,7 @@ static void run_case(const ecase *c, uint64_t seed) {
     }
     free(got);
   }
-  unsetenv("MOE_EXPERTS_KERNEL");
+  use_kernel(NULL);
   if (c->inplace) moe_tensor_free(xs_c);
   else moe_tensor_free(ref_c), moe_tensor_free(ys);
   moe_tensor_free(xs0_c), moe_tensor_free(wgu_c), moe_tensor_free(wd_c), moe_tensor_free(off_c);
@@ -313,7 +318,7 @@ static void test_graph(void) {
   for (int ki = 0; ki < NKERNELS; ki++) {
     const kernel *k = &KERNELS[ki];
     if ((k->hopper && no_hopper) || !checked(k)) continue;
-    use_kernel(k); /* read when the stage is captured */
+    use_kernel(k); /* read when the stage is captured: the graph keeps that kernel */
     moe_graph *graph = NULL;
     for (int pass = 0; pass < 2; pass++) {
       int32_t o[EL + 1];
@@ -340,7 +345,7 @@ static void test_graph(void) {
     }
     moe_graph_free(graph);
   }
-  unsetenv("MOE_EXPERTS_KERNEL");
+  use_kernel(NULL);
   moe_tensor *ts[] = {xs, ys, wgu, wd, off, xs_c, wgu_c, wd_c, off_c, ys_c};
   for (size_t i = 0; i < sizeof ts / sizeof *ts; i++) moe_tensor_free(ts[i]);
 }
@@ -387,6 +392,7 @@ static void test_concurrent(void) {
     const kernel *k = &KERNELS[ki];
     if ((k->hopper && no_hopper) || !checked(k)) continue;
     use_kernel(k);
+    use_kernel_on(other, k);
     uint16_t *first[2] = {NULL, NULL};
     int same[2] = {1, 1}, failed = 0;
     for (int round = 0; round < ROUNDS && !failed; round++) {
@@ -420,13 +426,66 @@ static void test_concurrent(void) {
             ROUNDS);
     free(first[0]), free(first[1]);
   }
-  unsetenv("MOE_EXPERTS_KERNEL");
+  use_kernel(NULL);
   for (int side = 0; side < 2; side++) {
     moe_tensor_free(xs[side]), moe_tensor_free(ys[side]), moe_tensor_free(wgu[side]), moe_tensor_free(wd[side]);
     moe_tensor_free(off[side]), moe_tensor_free(ref[side]);
     for (int i = 0; i < 4; i++) moe_tensor_free(cpu[side][i]);
   }
   moe_ctx_close(other);
+}
+
+/* moe_experts_explain names the kernel the same call runs: the forced one, or the automatic choice
+ * (on compute capability 9.0: sm90w where the experts average 256 rows or more, sm90x2 below, mma
+ * where the Hopper kernels cannot take the shape; elsewhere mma), and fails where the call fails. */
+static void test_explain(void) {
+  static const struct {
+    const char *name;
+    int64_t H, F;
+    int rows;
+    const char *hopper_auto;
+  } shapes[] = {
+      {"2 experts of 300 rows, H 256, F 128", 256, 128, 300, "sm90w"},
+      {"2 experts of 8 rows, H 256, F 128", 256, 128, 8, "sm90x2"},
+      {"2 experts of 8 rows, H 100, F 36", 100, 36, 8, "mma"},
+  };
+  enum { EL = 2 };
+  for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
+    const int64_t C = 2 * shapes[i].rows, H = shapes[i].H, F = shapes[i].F;
+    const int32_t o[EL + 1] = {0, shapes[i].rows, 2 * shapes[i].rows};
+    moe_tensor *xs = NEW(MOE_BF16, GPU, C, H), *ys = NEW(MOE_BF16, GPU, C, H);
+    moe_tensor *wgu = NEW(MOE_BF16, GPU, EL, 2 * F, H), *wd = NEW(MOE_BF16, GPU, EL, H, F);
+    moe_tensor *off = NEW(MOE_I32, GPU, EL + 1);
+    TRY(moe_tensor_fill(ctx, xs, 0.5f));
+    TRY(moe_tensor_fill(ctx, wgu, 0.01f));
+    TRY(moe_tensor_fill(ctx, wd, 0.01f));
+    TRY(moe_tensor_write(ctx, off, o, sizeof o));
+    moe_experts_args g = {.ys = ys, .xs = xs, .expert_offsets = off, .w_gate_up = wgu, .w_down = wd};
+    for (int ki = 0; ki < NKERNELS; ki++) {
+      const kernel *k = &KERNELS[ki];
+      if ((k->hopper && no_hopper) || !checked(k)) continue;
+      use_kernel(k);
+      char report[2048], first[64] = "";
+      const int erc = moe_experts_explain(ctx, &g, report, sizeof report);
+      char emsg[512];
+      snprintf(emsg, sizeof emsg, "%s", erc ? moe_errmsg(ctx) : "");
+      const int rc = moe_experts(ctx, &g);
+      TRY(moe_ctx_synchronize(ctx, GPU));
+      if (erc || rc) {
+        check(erc == rc, "experts explain [%s] [%s]: fails as the call does (explain rc %d: %s; call rc %d: %s)",
+              shapes[i].name, k->name, erc, emsg, rc, rc ? moe_errmsg(ctx) : "");
+        continue;
+      }
+      sscanf(report, "%63[^\n]", first);
+      const int hopper = !strstr(report, "needs compute capability 9.0");
+      const char *want = k->option ? k->option : hopper ? shapes[i].hopper_auto : "mma";
+      check(strcmp(first, want) == 0, "experts explain [%s] [%s]: names %s (expected %s); report:\n%s", shapes[i].name,
+            k->name, first, want, report);
+    }
+    use_kernel(NULL);
+    moe_tensor *ts[] = {xs, ys, wgu, wd, off};
+    for (size_t j = 0; j < sizeof ts / sizeof *ts; j++) moe_tensor_free(ts[j]);
+  }
 }
 
 static int cmp_float(const void *a, const void *b) {
@@ -440,8 +499,7 @@ static int cmp_float(const void *a, const void *b) {
  * warm-up, then iters runs back to back with an event between each, median.  decode: report the
  * weight bytes read per second (every expert's weights are read once per run); else TFLOP/s. */
 static void bench_shape(const char *label, int EL, const int *sizes, int64_t H, int64_t F, int iters, int decode) {
-  const char *passes = getenv("MOE_EXPERTS_PASSES"); /* more timed passes than the default */
-  if (passes && atoi(passes) > 0) iters = atoi(passes);
+  if (bench_passes > 0) iters = bench_passes;
   int32_t *o = malloc((size_t)(EL + 1) * sizeof *o);
   if (!o) {
     printf("FAIL out of host memory\n");
@@ -500,9 +558,8 @@ static void bench_shape(const char *label, int EL, const int *sizes, int64_t H, 
   for (int i = 0; i <= iters; i++) TRY(moe_event_new(ctx, GPU, &ev[i]));
   for (int ki = 0; ki < NKERNELS; ki++) {
     const kernel *k = &KERNELS[ki];
-    if (!k->env || (k->hopper && no_hopper)) continue; /* "auto" is one of the others */
-    const char *only = getenv("MOE_EXPERTS_BENCH");
-    if (only && strcmp(only, k->env)) continue;
+    if (!k->option || (k->hopper && no_hopper)) continue; /* "auto" is one of the others */
+    if (only_bench && strcmp(only_bench, k->option)) continue;
     use_kernel(k);
     char name[256];
     snprintf(name, sizeof name, "%s, %d rows of experts %d, %d, %d vs CPU] [%s", label, NE * NR, ex[0], ex[1], ex[2],
@@ -531,7 +588,7 @@ static void bench_shape(const char *label, int EL, const int *sizes, int64_t H, 
       TRY(moe_event_record(ctx, ev[i + 1]));
     }
     for (int i = 0; i < iters; i++) TRY(moe_event_elapsed(ctx, ev[i], ev[i + 1], &ms[i]));
-    if (passes) { /* every pass in time order: a measuring aid for run-to-run spread */
+    if (bench_passes > 0) { /* every pass in time order: a measuring aid for run-to-run spread */
       printf("passes [%s] ms:", k->name);
       for (int i = 0; i < iters; i++) printf(" %.3f", ms[i]);
       printf("\n");
@@ -554,7 +611,7 @@ static void bench_shape(const char *label, int EL, const int *sizes, int64_t H, 
     fflush(stdout);
     check(med > 0, "experts [%s] timing produced a time", k->name);
   }
-  unsetenv("MOE_EXPERTS_KERNEL");
+  use_kernel(NULL);
   for (int i = 0; i <= iters; i++) moe_event_free(ev[i]);
   free(ev), free(ms), free(o);
   moe_tensor *ts[] = {xs, ys, wgu, wd, off, xs_c, ys_c, got_c, off_c, wgu_c, wd_c};
@@ -565,9 +622,8 @@ static void bench_shape(const char *label, int EL, const int *sizes, int64_t H, 
  * evenly, H = 7168, F = 2048. */
 static void test_kimi(void) {
   enum { EL = 48, ROWS = 57344 };
-  const char *per = getenv("MOE_EXPERTS_ROWS"); /* rows per expert instead (a measuring aid) */
   int sizes[EL];
-  for (int e = 0; e < EL; e++) sizes[e] = per && atoi(per) > 0 ? atoi(per) : ROWS / EL + (e < ROWS % EL);
+  for (int e = 0; e < EL; e++) sizes[e] = kimi_rows > 0 ? kimi_rows : ROWS / EL + (e < ROWS % EL);
   bench_shape("Kimi K2 rank of EP8", EL, sizes, 7168, 2048, 10, 0);
 }
 
@@ -585,6 +641,12 @@ static void test_decode(void) {
 int main(int argc, char **argv) {
   const int bench = !(argc > 1 && strcmp(argv[1], "--no-bench") == 0);
   const int checks = !(argc > 1 && strcmp(argv[1], "--bench-only") == 0);
+  only_check = getenv("MOE_EXPERTS_CHECK");
+  only_bench = getenv("MOE_EXPERTS_BENCH");
+  const char *v = getenv("MOE_EXPERTS_PASSES");
+  bench_passes = v ? atoi(v) : 0;
+  v = getenv("MOE_EXPERTS_ROWS");
+  kimi_rows = v ? atoi(v) : 0;
   if (moe_ctx_open(&ctx) != MOE_OK) {
     printf("FAIL cannot open a context\n");
     return 1;
@@ -599,6 +661,7 @@ int main(int argc, char **argv) {
     test_cases();
     test_graph();
     test_concurrent();
+    test_explain();
   }
   if (bench) {
     test_kimi();

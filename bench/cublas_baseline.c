@@ -15,10 +15,10 @@
  * the traffic and the FLOPs are those of the stage without its elementwise epilogue.
  * Inputs are random bf16, by default as the experts stage's scenarios and tests draw them
  * (--data normal: x of sd 1, w_gate_up of sd 1/sqrt(H), w_down of sd 1/sqrt(F), each value the
- * centred sum of four uniforms); --data uniform: every value uniform in [-1, 1), as before
- * 2026-11-30.  Under the card's power cap the tensor cores' energy, which depends on the
- * operands' bits, sets the time; measured, the choice moves cuBLAS by under 1% (PERF.md).  The
- * results are not checked.
+ * centred sum of four uniforms); --data uniform: every value uniform in [-1, 1).  Under the
+ * card's power cap the tensor cores' energy, which depends on the operands' bits, sets the time,
+ * so the draw is the stage's (how much it moves each: docs/perf/experts.md).  The results are
+ * not checked.
  *
  * Output, one line per case and kind, key=value separated by blanks (a leading '#' marks a note):
  *   case=1 kind=dense experts=48 rows=57344 gemms=2 ms=8.123 tflops=621.6 min_ms=8.001 max_ms=8.250

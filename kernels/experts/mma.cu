@@ -1,4 +1,5 @@
-// experts.cu -- stage 4 on the GPU: the SwiGLU MLP of every local expert over its rows.
+// mma.cu -- the portable kernel of stage 4 (the "mma" candidate of select.cu): the SwiGLU MLP of
+// every local expert over its rows, on any GPU and any sizes.
 //
 // Three launches on the context's stream, all sized from the capacity C alone so that a CUDA
 // graph captured once stays right whatever offsets the schedule writes later:
@@ -16,13 +17,11 @@
 // The GEMM is the Ampere-style "simple but right" one: 128x128x64 block tiles, 8 warps of
 // 64x32, bf16 mma.sync.m16n8k16 with f32 accumulators, operands staged by cp.async three stages
 // deep in XOR-swizzled shared memory read with ldmatrix, the output tile staged in shared
-// memory and written with 16-byte stores.  On compute capability 9.0 the TMA/wgmma kernel of
-// experts_sm90.cu runs instead; this one is its fallback and cross-check.
+// memory and written with 16-byte stores.  Where the Hopper kernels (sm90.cuh) can run, they run
+// instead; this one runs everywhere else and is their cross-check.
 //
-// Rows: expert e owns [m_e, m_{e+1}) with m the running maximum of the offsets clamped to
-// [0, C], exactly as moeI_experts_cpu reads them, so bad offsets neither stray out of bounds nor
-// write a row twice.  Rows outside every segment are neither read nor written, so ys may be
-// xs itself (the down pass reads only h).
+// Rows: an expert's rows are those of experts.cuh.  Rows outside every segment are neither read
+// nor written, so ys may be xs itself (the down pass reads only h).
 //
 // Sizes: any H and F.  When H and F are multiples of 8 and every tensor is 16-byte aligned
 // (always true of whole tensors), operands move as 16-byte cp.async; otherwise (odd sizes, a
@@ -31,10 +30,8 @@
 // with cudaFreeAsync after the last launch (both are captured as graph memory nodes).
 #include <limits.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
-#include "common.cuh"
+#include "experts.cuh"
 
 namespace {
 
@@ -51,8 +48,6 @@ constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES; // 96 KiB: two blocks per SM
 constexpr int LOADS = BM * BK / 8 / THREADS;     // 16-byte chunks per thread per operand
 
-enum { GATE_UP = 0, DOWN = 1 };
-
 static_assert(BM == BN && LOADS * THREADS * 8 == BM * BK, "loader covers the tiles");
 
 template <int MODE> struct Shape {
@@ -62,10 +57,6 @@ template <int MODE> struct Shape {
 static_assert(BM * Shape<DOWN>::OUT_LD * 2 <= SMEM_BYTES, "output staging fits");
 
 // ---- small PTX wrappers ----
-
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
 
 // 16 bytes from global to shared; src_bytes = 0 fills zeros and reads nothing.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, int src_bytes) {
@@ -93,35 +84,7 @@ __device__ __forceinline__ void mma_bf16(float d[4], const uint32_t a[4], uint32
 // r & 7 so that both the cp.async writes and the ldmatrix reads of 8 rows hit 8 distinct bank groups.
 __device__ __forceinline__ int swz(int r, int ch) { return r * (BK * 2) + ((ch ^ (r & 7)) << 4); }
 
-// ---- warp and block scans for the tile map (1024 threads) ----
-
-template <bool MAX> __device__ __forceinline__ int combine2(int a, int b) { return MAX ? max(a, b) : a + b; }
-
-// Inclusive scan of v over the block; *total gets the block's reduction.  s holds 32 ints.
-template <bool MAX> __device__ int block_scan(int v, int *s, int *total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int o = 1; o < 32; o <<= 1) {
-    int t = __shfl_up_sync(0xffffffffu, v, o);
-    if (lane >= o) v = combine2<MAX>(v, t);
-  }
-  if (lane == 31) s[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    int w = s[lane];
-    for (int o = 1; o < 32; o <<= 1) {
-      int t = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w = combine2<MAX>(w, t);
-    }
-    s[lane] = w;
-  }
-  __syncthreads();
-  if (warp > 0) v = combine2<MAX>(v, s[warp - 1]);
-  *total = s[31];
-  __syncthreads(); // s is reused by the next scan
-  return v;
-}
-
-__device__ __forceinline__ int clamp_row(int v, int C) { return v < 0 ? 0 : v > C ? C : v; }
+// ---- the tile map ----
 
 // map[t] = {expert, first row, end of the expert's rows, 0} for t < tiles, {-1, 0, 0, 0} after.
 // start/lo/hi are scratch of EL + 1, EL, EL ints.
@@ -283,7 +246,8 @@ __global__ void __launch_bounds__(THREADS, VEC ? 2 : 1)
 #pragma unroll
       for (int mi = 0; mi < 4; mi++)
 #pragma unroll
-        for (int j = 0; j < 4; j++) mma_bf16(acc[mi][j], af[mi], bfr[j >> 1][(j & 1) * 2], bfr[j >> 1][(j & 1) * 2 + 1]);
+        for (int j = 0; j < 4; j++)
+          mma_bf16(acc[mi][j], af[mi], bfr[j >> 1][(j & 1) * 2], bfr[j >> 1][(j & 1) * 2 + 1]);
     }
   }
   cp_async_wait<0>();
@@ -348,43 +312,14 @@ cudaError_t launch_gemm(cudaStream_t stream, uint16_t *out, const uint16_t *A, c
   return cudaGetLastError();
 }
 
-bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
-
 } // namespace
 
-// The Hopper kernel (kernels/experts_sm90.cu): MOE_ERR_UNSUPPORTED, with nothing done, when the
-// device or the shapes do not suit it.
-extern "C" int moeI_experts_sm90_cuda(moe_ctx *ctx, const moe_experts_args *a);
-
-int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
-  static const char *stage = "experts";
+int moeI_experts_mma_run(moe_ctx *ctx, const moe_experts_args *a) {
   const long long C = a->xs->shape[0], H = a->xs->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
-  // Rows, columns and tile indices are ints on the device; one tile row past C must fit too.
-  const long long lim = 1ll << 30;
-  if (C >= lim || H >= lim || F >= lim || EL >= lim)
-    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED,
-                      "experts: the CUDA kernels take C, H, F and EL below 2^30, got C = %lld, H = %lld, F = %lld, EL = %lld",
-                      C, H, F, EL);
   cudaStream_t stream;
   int rc = moeI_cuda_ctx_stream(ctx, a->xs->device.index, &stream);
   if (rc) return rc;
-  if (C == 0 || H == 0 || EL == 0) return moeI_ok(ctx); // no row of ys to write
-
-  // On compute capability 9.0 the TMA/wgmma kernel goes first and this one is the fallback.
-  // MOE_EXPERTS_KERNEL=mma forces this kernel (the cross-check), =sm90 forces the Hopper one
-  // (=sm90x1, sm90x2 or sm90w one of its variants) and reports why when it cannot run.
-  const char *sel = getenv("MOE_EXPERTS_KERNEL");
-  const bool force_mma = sel && strcmp(sel, "mma") == 0, force_sm90 = sel && strncmp(sel, "sm90", 4) == 0;
-  if (!force_mma) {
-    int major = 0, minor = 0;
-    MOE_CUDA_TRY(ctx, stage, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a->xs->device.index));
-    MOE_CUDA_TRY(ctx, stage, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, a->xs->device.index));
-    if (force_sm90 || (major == 9 && minor == 0)) {
-      rc = moeI_experts_sm90_cuda(ctx, a);
-      if (rc != MOE_ERR_UNSUPPORTED || force_sm90) return rc;
-    }
-  }
 
   const long long tmax = (C + BM - 1) / BM + (EL < C ? EL : C);
   const long long ntn_gu = (F + BN / 2 - 1) / (BN / 2), ntn_dn = (H + BN - 1) / BN;
@@ -396,17 +331,7 @@ int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   const size_t map_bytes = ((size_t)tmax * sizeof(int4) + (size_t)(3 * EL + 1) * sizeof(int) + 255) & ~(size_t)255;
   const size_t h_bytes = (size_t)C * (size_t)F * 2;
   void *scratch = NULL;
-  cudaError_t err = cudaMallocAsync(&scratch, map_bytes + h_bytes, stream);
-  if (err == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError(); // not sticky: leave no stale error for the next launch check
-    return moeI_seterr(ctx, MOE_ERR_NOMEM, "experts: cannot allocate %zu bytes of device scratch on cuda:%d",
-                      map_bytes + h_bytes, a->xs->device.index);
-  }
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return moeI_seterr(ctx, MOE_ERR_CUDA, "%s: cudaMallocAsync(scratch, %zu bytes) failed at %s:%d: %s: %s", stage,
-                      map_bytes + h_bytes, __FILE__, __LINE__, cudaGetErrorName(err), cudaGetErrorString(err));
-  }
+  if ((rc = experts_scratch(ctx, stream, a->xs->device.index, map_bytes + h_bytes, &scratch))) return rc;
   int4 *map = (int4 *)scratch;
   int *start = (int *)(map + tmax), *lo = start + EL + 1, *hi = lo + EL;
   uint16_t *h = (uint16_t *)((char *)scratch + map_bytes);
@@ -419,7 +344,7 @@ int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   const char *what = "tile_map_kernel launch";
   tile_map_kernel<<<1, MAP_THREADS, 0, stream>>>(map, start, lo, hi, (const int *)a->expert_offsets->data, (int)EL,
                                                  (int)C, (int)tmax);
-  err = cudaGetLastError();
+  cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess && F > 0) {
     what = "gate_up launch";
     err = vec ? launch_gemm<GATE_UP, true>(stream, h, xs, wgu, map, (int)tmax, (int)ntn_gu, (int)H, (int)F, 2 * F * H)
@@ -431,21 +356,5 @@ int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
     err = vec ? launch_gemm<DOWN, true>(stream, ys, h, wdn, map, (int)tmax, (int)ntn_dn, (int)F, (int)H, H * F)
               : launch_gemm<DOWN, false>(stream, ys, h, wdn, map, (int)tmax, (int)ntn_dn, (int)F, (int)H, H * F);
   }
-  // Given back after the launches on the same stream, so the kernels are done with it first;
-  // on a failed launch it is given back all the same.
-  cudaError_t ferr = cudaFreeAsync(scratch, stream);
-  if (err == cudaSuccess && ferr != cudaSuccess) what = "cudaFreeAsync(scratch)", err = ferr;
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError(); // reported here, not again by the next stage's launch check
-    return moeI_seterr(ctx, MOE_ERR_CUDA, "%s: %s failed at %s:%d: %s: %s", stage, what, __FILE__, __LINE__,
-                      cudaGetErrorName(err), cudaGetErrorString(err));
-  }
-  return moeI_ok(ctx);
-}
-
-// PLACEHOLDER until the selector table (kernels/experts/select.cu) replaces it.
-extern "C" const char *moeI_experts_kernels(void) { return "mma, sm90x1, sm90x2, sm90w"; }
-extern "C" int moeI_experts_explain_cuda(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n) {
-  (void)a, (void)report, (void)n;
-  return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts: explain is not written yet");
+  return experts_finish(ctx, stream, scratch, err, what);
 }

@@ -3,13 +3,14 @@
  *   build/experts_energy [--passes N] [--warmup N] [--rows N] [--data normal|uniform]
  *
  * Under a power cap a pass's time is its energy divided by the cap, so energy is what a change
- * must lower (PERF.md).  The Kimi K2 rank-of-EP8 shape: 48 experts (1,195 rows for the first 32,
- * 1,194 for the others, 57,344 in all; --rows N gives each expert N), H = 7168, F = 2048, random
- * bf16 inputs (--data normal, the default: moe_tensor_randn, xs of sd 1 and the weights of sd
- * ~1/sqrt(H) and ~1/sqrt(F); --data uniform: every value uniform in [-1, 1), as cublas_baseline
- * drew them before 2026-11-30, a pool of 2^24 values repeated), the kernel the library chooses
- * (MOE_EXPERTS_KERNEL forces one).  After --warmup passes (default 5), --passes back-to-back passes (default 500, ~4 s) run between two readings
- * of NVML's total-energy counter, each after the stream has drained.  Prints one line:
+ * must lower (docs/perf/experts.md).  The Kimi K2 rank-of-EP8 shape: 48 experts (1,195 rows for
+ * the first 32, 1,194 for the others, 57,344 in all; --rows N gives each expert N), H = 7168,
+ * F = 2048, random bf16 inputs (--data normal, the default: moe_tensor_randn, xs of sd 1 and the
+ * weights of sd ~1/sqrt(H) and ~1/sqrt(F); --data uniform: every value uniform in [-1, 1), as cublas_baseline
+ * --data uniform draws them, a pool of 2^24 values repeated), the kernel the library chooses
+ * (MOE_EXPERTS_KERNEL, read when the context opens, forces one).  After --warmup passes (default
+ * 5), --passes back-to-back passes (default 500, ~4 s) run between two readings of NVML's
+ * total-energy counter, each after the stream has drained.  Prints one line:
  *   passes=500 s=4.102 ms=8.204 watts=695.1 joules=5.702 tflops=615.7 limit_watts=700
  * (joules and ms per pass; watts the mean over the timed passes; the counter is read from
  * libnvidia-ml.so.1, the driver's, loaded at run time so that nothing links against it).  The
@@ -70,7 +71,8 @@ static void nvml_open(void) {
 
 static unsigned long long energy_now(nvml_device dev) {
   unsigned long long mj = 0;
-  if (nvml_energy(dev, &mj) != 0) die("this GPU does not report its total energy (nvmlDeviceGetTotalEnergyConsumption)", NULL);
+  if (nvml_energy(dev, &mj) != 0)
+    die("this GPU does not report its total energy (nvmlDeviceGetTotalEnergyConsumption)", NULL);
   return mj;
 }
 
