@@ -1,6 +1,6 @@
 /* experts_energy.c -- the energy of one pass of the experts stage, from the GPU's own counter.
  *
- *   build/experts_energy [--passes N] [--warmup N] [--rows N] [--data normal|uniform]
+ *   build/bench/experts_energy [--passes N] [--warmup N] [--rows N] [--data normal|uniform]
  *
  * Under a power cap a pass's time is its energy divided by the cap, so energy is what a change
  * must lower (docs/perf/experts.md).  The Kimi K2 rank-of-EP8 shape: 48 experts (1,195 rows for

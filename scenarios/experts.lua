@@ -11,8 +11,8 @@
 -- Each configuration runs once and the first and last rows of the most and the least loaded
 -- expert are copied out before it is timed with moe.bench (device events, 3 warm-ups, the
 -- median); they are compared with the CPU reference, one CPU call per (model, distribution).  TFLOP/s counts rows used (padding included) x 6·H·F; "useful"
--- counts the routes only.  The cuBLAS numbers come from build/cublas_baseline (or
--- $MOE_BUILD_DIR/cublas_baseline), run once per preset; n/a where it or a GPU is absent.
+-- counts the routes only.  The cuBLAS numbers come from build/bench/cublas_baseline (or
+-- $MOE_BUILD_DIR/bench/cublas_baseline), run once per preset; n/a where it or a GPU is absent.
 -- On the CPU the presets keep their E and top-k but run at a tiny H, F and T, and the times are
 -- wall clock: only the GPU's are meaningful.  Exits 1 when a check fails, 2 on a bad flag or a
 -- configuration the library refuses.
@@ -315,7 +315,7 @@ end
 -- ---------------------------------------------------------------- the cuBLAS baselines
 
 local build_dir = os.getenv("MOE_BUILD_DIR") or "build"
-local baseline_path = build_dir .. "/cublas_baseline"
+local baseline_path = build_dir .. "/bench/cublas_baseline"
 local baseline_note
 do
   local f = io.open(baseline_path, "r")

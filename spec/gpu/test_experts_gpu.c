@@ -14,7 +14,7 @@
  * Prints one PASS/FAIL line per check; exits 77 without a GPU, 1 on any failure.  --no-bench skips
  * the two timed shapes; --bench-only runs only them.  The program's own variables, read once when
  * it starts: MOE_EXPERTS_BENCH=<kernel> times that kernel alone (for a profiler:
- * scenarios/device.sh's profile-experts step); MOE_EXPERTS_PASSES=N times N passes instead of the
+ * bench/device.sh's profile-experts step); MOE_EXPERTS_PASSES=N times N passes instead of the
  * default and prints each in time order (the H200 lowers its clocks under its power cap after a
  * few tens of ms of this load: docs/perf/experts.md); MOE_EXPERTS_ROWS=N gives the Kimi K2 shape's
  * 48 experts N rows each instead of 57,344 rows in all; MOE_EXPERTS_CHECK=<kernel> runs the checks

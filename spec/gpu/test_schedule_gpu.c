@@ -12,7 +12,7 @@
  *     --quick: skip the cases over 200,000 routes, and the timing; --max-routes: skip those over N;
  *     --only: run only the cases whose label (kimi-k2, 512-tokens, graph, random, ...) is LABEL
  *     --trace: no cases; the timings, each with where one call's time goes (the kernel's phases)
- *     --shape W,T: with --trace, only that shape (E 384, K 8): for a profiler (scenarios/device.sh)
+ *     --shape W,T: with --trace, only that shape (E 384, K 8): for a profiler (bench/device.sh)
  *
  * Exit status: 0 all passed, 1 a failure, 77 no GPU (skipped), 2 a setup error. */
 #include <limits.h>

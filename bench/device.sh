@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build for the H200, then run the steps named on the command line
-# (default: build programs specs kimi scheduler; the others are the cases below), each with a
-# time limit, logging under /tmp/moelab-logs, and print a
-# short table last.  Used as: source .device/env.sh && bash scenarios/device.sh build programs specs
+# Build for the H200, then run the steps named on the command line on a GPU machine (default:
+# build programs specs kimi scheduler; the others are the cases below), each with a time limit,
+# logging one file a step under MOE_LOG_DIR (default /tmp/moelab-logs), and print a short table
+# last.  From the repository root, with lua, busted and nvcc on the PATH:
+#   bash bench/device.sh build programs specs
+# MOE_LOG_TAR=file packs the logs into that tarball at the end.
 set -uo pipefail
-# logs go to a folder that is packed into $OUT/logs.tgz at the end ($OUT brings back 8 files);
-# it is not emptied, so two invocations in one call both come back (a step run twice keeps its last)
-out=/tmp/moelab-logs
+out=${MOE_LOG_DIR:-/tmp/moelab-logs}
 mkdir -p "$out"
 export LUA_CPATH="./build/?.so;${LUA_CPATH:-;}"
 steps=${*:-build programs specs kimi scheduler}
@@ -65,7 +65,7 @@ for s in $steps; do
       sizes=$(for e in $(seq 0 47); do echo $((e < 32 ? 1195 : 1194)); done | paste -sd' ')
       for i in $(seq "${SPREAD_RUNS:-4}"); do
         echo "cublas $i $(date +%H:%M:%S.%N)" >>"$out/smi.csv"
-        run "spread-cublas-$i" 120 build/cublas_baseline 7168 2048 --warmup 2 --iters "${MOE_EXPERTS_PASSES:-30}" $sizes
+        run "spread-cublas-$i" 120 build/bench/cublas_baseline 7168 2048 --warmup 2 --iters "${MOE_EXPERTS_PASSES:-30}" $sizes
       done
       nvidia-smi -q -d POWER,CLOCK,PERFORMANCE >"$out/smi-q.txt" 2>&1
       kill "$smi" ;;
@@ -75,8 +75,8 @@ for s in $steps; do
       run "dram-experts-$k" 200 env MOE_EXPERTS_BENCH="$k" ncu --clock-control none --metrics "$m" \
         -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/gpu_tests/test_experts_gpu --bench-only ;;
     energy) # joules per pass of the experts stage at the Kimi shape (the GPU's energy counter)
-      run energy 120 build/experts_energy ${ENERGY_ARGS:-} ;;
-    exchange) run exchange 400 build/exchange_bench ${EXCHANGE_ARGS:-} ;;
+      run energy 120 build/bench/experts_energy ${ENERGY_ARGS:-} ;;
+    exchange) run exchange 400 build/bench/exchange_bench ${EXCHANGE_ARGS:-} ;;
     kimi-world) # the layer over a real world: one rank per visible GPU (KIMI_DEVICES, default all)
       devs=${KIMI_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)}
       run kimi-world 500 lua scenarios/kimi.lua --devices "$devs" --json "$out/kimi-world.json" ;;
@@ -111,4 +111,4 @@ for s in $steps; do
 done
 echo "==== summary"
 for s in "${!result[@]}"; do echo "$s ${result[$s]}"; done | sort
-[ -n "${OUT:-}" ] && tar czf "$OUT/logs.tgz" -C "$out" .
+[ -n "${MOE_LOG_TAR:-}" ] && tar czf "$MOE_LOG_TAR" -C "$out" .

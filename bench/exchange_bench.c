@@ -1,7 +1,7 @@
 /* exchange_bench.c -- the expert-parallel exchange across real GPUs, in GB/s per GPU, beside
  * NCCL's own all-to-all of the same bytes in the same run.
  *
- *   build/exchange_bench [--ranks 2,4,8] [--tokens 7168] [--hidden 7168] [--k 8] [--experts 384]
+ *   build/bench/exchange_bench [--ranks 2,4,8] [--tokens 7168] [--hidden 7168] [--k 8] [--experts 384]
  *                        [--iters 20]
  *
  * For each world size W (default: 2, 4, 8 where that many GPUs are visible): W ranks in this
