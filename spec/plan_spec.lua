@@ -62,7 +62,8 @@ describe("layer:plan on a GPU [#gpu]", function()
   after_each(function() moe.config { schedule_kernel = "auto", experts_kernel = "auto" } end)
 
   it("names the kernels the library picks, follows a forced one, and the forward still checks", function()
-    local layer = cpu_layer { device = "cuda:0", tokens = 64 }
+    -- H and F multiples of 64, as the Hopper kernels take them
+    local layer = cpu_layer { device = "cuda:0", tokens = 64, hidden = 128, ffn = 64, shared_ffn = 64 }
     local p = layer:plan()[1]
     assert.are.equal("bitmap", p.schedule.kernel)
     assert.are.equal("sm90x2", p.experts.kernel) -- experts of a few rows: the row tiles
@@ -72,7 +73,7 @@ describe("layer:plan on a GPU [#gpu]", function()
     p = layer:plan()[1]
     assert.are.equal("mma", p.experts.kernel)
     assert.are.equal("grid", p.schedule.kernel)
-    local x = moe.randn({ 2, 64, 32 }, { dtype = "bf16", seed = 3, device = "cuda:0" })
+    local x = moe.randn({ 2, 64, 128 }, { dtype = "bf16", seed = 3, device = "cuda:0" })
     layer:check(x)
   end)
 end)
