@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Para
   for (int x = t; x < L.pre; x += kThreads) sm[x] = x == 1 || x == 5 ? INT_MAX : 0; // misc (two minima), bitmaps
   for (int x = L.c + t; x < L.la; x += kThreads) sm[x] = 0;                          // c, raw, pfx, cpre
   __syncthreads();
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  pdl_wait();
   trace_point(P, 0);
 
   // 1. this thread's positions: ids, bitmaps, route_row -1 for the routes that are not ours
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Para
   }
   __syncthreads();
   trace_point(P, 3);
-  asm volatile("griddepcontrol.launch_dependents;");
+  pdl_launch_dependents();
 
   // 4. one round of loads -- c[e][q] (n_e and peer_major's sum_{q<p} c[e][q] summed as they
   // arrive), the counts of this rank's earlier units, for block 0 every unit's invalid ids -- then

@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
 
   // launched as a programmatic dependent of the previous kernel in the stream: its outputs (our
   // ids) and this call's scratch are ours only from here
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  pdl_wait();
   trace_point(P, 0);
   // ---- phase 1: the histogram of every unit ----
   unsigned &parity_sh = *(unsigned *)(sm + kParitySlot); // dynamic, like the rest: the opt-in size is all of it
@@ -351,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
   const unsigned parity = parity_sh;
   grid_barrier(P.bar);
   trace_point(P, 3);
-  asm volatile("griddepcontrol.launch_dependents;");
+  pdl_launch_dependents();
   // the other buffer of totals is the next call's: zero it (this call's stays as it is until the
   // call after next zeroes it; the previous call, its last reader, has ended)
   for (int x = blk * kThreads + tid; x < kStageC; x += G * kThreads) P.tot[(parity ^ 1) * kStageC + x] = 0;

@@ -8,6 +8,7 @@
 
 #include "../common.cuh"
 #include "../select.cuh"
+#include "../sm90/ptx.cuh"
 
 #define MOE_FULL_MASK 0xffffffffu
 
@@ -194,9 +195,7 @@ __device__ __forceinline__ void trace_record(long long (&buf)[ROWS][COLS], int o
   if (!on || threadIdx.x || (!FITS && blockIdx.x >= ROWS)) return;
   buf[blockIdx.x][i] = clock64();
   if (i == 0 || i == POINTS - 1) {
-    long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    buf[blockIdx.x][POINTS + (i != 0)] = t;
+    buf[blockIdx.x][POINTS + (i != 0)] = (long long)global_ns();
   }
 }
 

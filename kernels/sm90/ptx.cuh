@@ -1,14 +1,31 @@
-// ptx.cuh -- the Hopper (sm_90a) primitives the kernels use, one inline-asm wrapper each:
-// mbarriers, the tensor memory accelerator (TMA) and bulk copies, clusters, setmaxnreg, fences,
-// shared-memory matrix descriptors and the wgmma group controls (the wgmma instructions
-// themselves: wgmma.cuh), stmatrix.  Defined only in the device pass for sm_90a, which alone has
-// them; code that uses them tests MOE_SM90A.
+// ptx.cuh -- the GPU primitives the kernels use, one inline-asm wrapper each.  For any kernel:
+// the global timer and programmatic dependent launch.  For the Hopper (sm_90a) kernels alone,
+// defined only in that device pass (code that uses them tests MOE_SM90A): mbarriers, the tensor
+// memory accelerator (TMA) and bulk copies, clusters, setmaxnreg, fences, shared-memory matrix
+// descriptors and the wgmma group controls (the wgmma instructions themselves: wgmma.cuh),
+// stmatrix.
 #pragma once
 
 #include <cuda.h> // CUtensorMap only; no libcuda symbol is used
 #include <stdint.h>
 
 #include "../common.cuh"
+
+#if defined(__CUDA_ARCH__)
+namespace {
+// The global nanosecond timer (traces, watchdogs).
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+// Programmatic dependent launch (compute capability 9.0): a kernel launched with the attribute
+// starts while the previous one in the stream ends, and waits here before it reads that one's
+// results; launch_dependents lets the next kernel start its own prologue.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
+} // namespace
+#endif
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MOE_SM90A 1
@@ -30,11 +47,6 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
                : "r"(bar), "r"(parity)
                : "memory");
   return done != 0;
-}
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  return t;
 }
 // Waits until the phase of parity `parity` has completed (the phase before the current one
 // counts as completed, which is how the producer's first pass through the ring goes through).
