@@ -11,7 +11,6 @@
 
 #include "../common.cuh"
 
-#if defined(__CUDA_ARCH__)
 namespace {
 // The global nanosecond timer (traces, watchdogs).
 __device__ __forceinline__ uint64_t global_ns() {
@@ -25,7 +24,6 @@ __device__ __forceinline__ uint64_t global_ns() {
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
 } // namespace
-#endif
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MOE_SM90A 1
