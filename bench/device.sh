@@ -29,9 +29,13 @@ run() { # name, limit in seconds, command...
 for s in $steps; do
   case $s in
     build) run build 300 bash -c 'cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a && cmake --build build' ;;
-    programs) for p in build/gpu_tests/$only; do run "$(basename "$p")" 240 "$p"; done ;;
+    programs) # the test programs, then (unless ONLY picks some) the programs that time the stages
+      for p in build/gpu_tests/$only; do run "$(basename "$p")" 240 "$p"; done
+      if [ "$only" = "*" ]; then
+        for p in experts_bench dispatch_combine_bench schedule_trace; do run "$p" 240 "build/bench/$p"; done
+      fi ;;
     specs) run specs 400 busted ;;
-    trace) run trace 120 build/gpu_tests/test_schedule_gpu --trace ;;
+    trace) run trace 120 build/bench/schedule_trace ;;
     gpuspecs) run gpuspecs 400 busted --tags=gpu ;;
     profile) # ncu on the scheduler's kernels at PROFILE_SHAPE (W,T; default 8,512): stall reasons per
       # source line (CSV) and the details page, each kernel once, packed with the logs
@@ -39,41 +43,42 @@ for s in $steps; do
       for k in ${PROFILE_KERNELS:-schedule_kernel}; do
         f="$out/$k-${shape/,/x}"
         run "ncu-$k-${shape/,/x}" 300 ncu -f -o "$f" --clock-control none --import-source yes --set full -k "regex:$k" --launch-skip 50 \
-          --launch-count 1 build/gpu_tests/test_schedule_gpu --trace --shape "$shape"
+          --launch-count 1 build/bench/schedule_trace --shape "$shape"
         ncu -i "$f.ncu-rep" --page raw --csv >"$f-raw.csv" 2>&1
         ncu_pages "$f"
       done ;;
-    profile-experts) # ncu on the experts GEMM at the Kimi shape, MOE_EXPERTS_BENCH's kernel (default
-      # sm90w, the one the library takes there):
-      # its gate_up and down launches of the third timed run
-      k=${MOE_EXPERTS_BENCH:-sm90w}
+    profile-experts) # ncu on the experts GEMM at the Kimi shape, EXPERTS_KERNEL's kernel (default
+      # sm90w, the one the library takes there): its gate_up and down launches of the third run
+      # (the checked one, then two warm-ups)
+      k=${EXPERTS_KERNEL:-sm90w}
       f="$out/experts-$k"
-      run "ncu-experts-$k" 300 env MOE_EXPERTS_BENCH="$k" ncu -f -o "$f" --clock-control none --import-source yes --set full \
-        -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/gpu_tests/test_experts_gpu --bench-only
+      run "ncu-experts-$k" 300 ncu -f -o "$f" --clock-control none --import-source yes --set full \
+        -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/bench/experts_bench --kernel "$k"
       ncu_pages "$f" ;;
-    spread) # run-to-run spread of the experts GEMM: SPREAD_RUNS processes of MOE_EXPERTS_PASSES passes
+    spread) # run-to-run spread of the experts GEMM: SPREAD_RUNS processes of SPREAD_PASSES passes
       # each, SM clock, power and clock-event reasons sampled every 20 ms beside them (smi.csv)
       q=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active
       nvidia-smi --query-gpu=$q --format=csv,noheader -lms 20 >"$out/smi.csv" 2>&1 &
       smi=$!
       for i in $(seq "${SPREAD_RUNS:-4}"); do
         echo "run $i $(date +%H:%M:%S.%N)" >>"$out/smi.csv"
-        run "spread-$i" 120 env MOE_EXPERTS_BENCH="${MOE_EXPERTS_BENCH:-sm90w}" \
-          MOE_EXPERTS_PASSES="${MOE_EXPERTS_PASSES:-30}" build/gpu_tests/test_experts_gpu --bench-only
+        run "spread-$i" 120 build/bench/experts_bench --kernel "${EXPERTS_KERNEL:-sm90w}" \
+          --passes "${SPREAD_PASSES:-30}"
       done
       # cuBLAS beside it, the same rows (Kimi K2, 48 experts of 1,194-1,195) and the same pass count
       sizes=$(for e in $(seq 0 47); do echo $((e < 32 ? 1195 : 1194)); done | paste -sd' ')
       for i in $(seq "${SPREAD_RUNS:-4}"); do
         echo "cublas $i $(date +%H:%M:%S.%N)" >>"$out/smi.csv"
-        run "spread-cublas-$i" 120 build/bench/cublas_baseline 7168 2048 --warmup 2 --iters "${MOE_EXPERTS_PASSES:-30}" $sizes
+        run "spread-cublas-$i" 120 build/bench/cublas_baseline 7168 2048 --warmup 2 --iters "${SPREAD_PASSES:-30}" \
+          $sizes
       done
       nvidia-smi -q -d POWER,CLOCK,PERFORMANCE >"$out/smi-q.txt" 2>&1
       kill "$smi" ;;
     dram-experts) # DRAM and L2 bytes of the experts GEMM's launches (gate_up, down) at the Kimi shape
-      k=${MOE_EXPERTS_BENCH:-sm90w}
+      k=${EXPERTS_KERNEL:-sm90w}
       m=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct
-      run "dram-experts-$k" 200 env MOE_EXPERTS_BENCH="$k" ncu --clock-control none --metrics "$m" \
-        -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/gpu_tests/test_experts_gpu --bench-only ;;
+      run "dram-experts-$k" 200 ncu --clock-control none --metrics "$m" \
+        -k regex:sm90_gemm --launch-skip 4 --launch-count 2 build/bench/experts_bench --kernel "$k" ;;
     energy) # joules per pass of the experts stage at the Kimi shape (the GPU's energy counter)
       run energy 120 build/bench/experts_energy ${ENERGY_ARGS:-} ;;
     exchange) run exchange 400 build/bench/exchange_bench ${EXCHANGE_ARGS:-} ;;
@@ -89,9 +94,9 @@ for s in $steps; do
     scheduler) run scheduler 300 lua scenarios/scheduler.lua --json "$out/scheduler.json" ;;
     experts) run experts 400 lua scenarios/experts.lua --json "$out/experts.json" ;;
     memcheck|racecheck)
-      # the programs without their timed shapes: experts takes --no-bench, the others --quick
+      # the test programs; the scheduler's without its cases over 200,000 routes (--quick)
       for p in build/gpu_tests/$only; do
-        flag=--quick; case $p in *experts*) flag=--no-bench ;; esac
+        flag=; case $p in *schedule*) flag=--quick ;; esac
         # racecheck runs the scheduler's cases up to RACE_MAX_ROUTES routes (20,000: ~210 s)
         case $s$p in racecheck*schedule*) flag="--quick --max-routes ${RACE_MAX_ROUTES:-20000}" ;; esac
         # NCCL's own start-up asks cudaFuncGetAttributes of kernels built for other chips (error

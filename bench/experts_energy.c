@@ -14,7 +14,7 @@
  *   passes=500 s=4.102 ms=8.204 watts=695.1 joules=5.702 tflops=615.7 limit_watts=700
  * (joules and ms per pass; watts the mean over the timed passes; the counter is read from
  * libnvidia-ml.so.1, the driver's, loaded at run time so that nothing links against it).  The
- * results are not checked: test_experts_gpu checks the same kernels on the same shape. */
+ * results are not checked: experts_bench checks the same kernels on the same shape. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <dlfcn.h>
 #include <errno.h>
@@ -132,7 +132,7 @@ int main(int argc, char **argv) {
     fill_uniform(wd);
   } else {
     TRY(moe_tensor_randn(ctx, xs, 1, 1.0f));
-    TRY(moe_tensor_randn(ctx, wgu, 2, 0.0118f)); /* ~1/sqrt(H), as test_experts_gpu */
+    TRY(moe_tensor_randn(ctx, wgu, 2, 0.0118f)); /* ~1/sqrt(H), as experts_bench */
     TRY(moe_tensor_randn(ctx, wd, 3, 0.0221f));  /* ~1/sqrt(F) */
   }
   TRY(moe_tensor_write(ctx, offsets, off, sizeof off));

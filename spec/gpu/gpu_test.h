@@ -1,5 +1,5 @@
-/* gpu_test.h -- what the GPU test programs (test_experts_gpu, test_route_dispatch_combine,
- * test_world_gpu) share: the context, one PASS/FAIL line per check, API calls that must
+/* gpu_test.h -- what the GPU programs (spec/gpu's tests, bench/'s programs that check a stage
+ * before timing it) share: the context, one PASS/FAIL line per check, API calls that must
  * succeed, and tensors made by shape.  Each program includes it once; its definitions are
  * static, so the ones a program does not use cost nothing. */
 #pragma once
@@ -35,7 +35,7 @@ static const moe_device GPU = {MOE_CUDA, 0};
 #define NEW(dt, dev, ...) tnew(dt, dev, NDIM(__VA_ARGS__), SHAPE(__VA_ARGS__))
 
 #if defined(__GNUC__)
-static void check(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void check(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3), unused));
 #endif
 /* One line "PASS ..." or "FAIL ..."; a failure is counted, the run goes on. */
 static void check(int ok, const char *fmt, ...) {
@@ -56,4 +56,18 @@ static inline moe_tensor *tnew_on(moe_ctx *c, moe_dtype dt, moe_device dev, int 
 }
 static inline moe_tensor *tnew(moe_dtype dt, moe_device dev, int ndim, const int64_t *shape) {
   return tnew_on(ctx, dt, dev, ndim, shape);
+}
+
+/* Opens the program's context; without a GPU, says so and exits 77 (skipped). */
+static inline void open_gpu_ctx(void) {
+  if (moe_ctx_open(&ctx) != MOE_OK) {
+    printf("FAIL cannot open a context\n");
+    exit(1);
+  }
+  int n = 0;
+  if (moe_device_count(ctx, MOE_CUDA, &n) != MOE_OK || n == 0) {
+    printf("SKIP: no GPU\n");
+    moe_ctx_close(ctx);
+    exit(77);
+  }
 }

@@ -1,8 +1,8 @@
 /* test_experts_gpu.c -- the experts stage on the GPU against moeI_experts_cpu, through the public API
  * only: fresh random inputs, ys poisoned with NaN so that rows the stage must not write are seen
  * to stay untouched, odd sizes, bad offsets, in place, a captured graph replayed on new offsets,
- * two contexts running the stage at the same time; then the Kimi K2 rank-of-EP8 shape and a decode
- * shape timed with device events (spot-checked on the CPU first).
+ * two contexts running the stage at the same time, and the shapes bench/experts_bench times at
+ * fewer experts (sampled rows against the CPU).
  *
  * Every check runs once per kernel, forced through the context's experts_kernel option
  * (moe_ctx_config): "mma" (the mma.sync kernel), "sm90x1" (TMA + wgmma, one CTA per tile),
@@ -11,25 +11,14 @@
  * kernels do not take (H or F not a multiple of 64, F = 0, misaligned views) must be refused with
  * MOE_ERR_UNSUPPORTED and leave ys untouched; off a compute capability 9.0 device their runs are
  * reported skipped.  moe_experts_explain must name the kernel that runs.
- * Prints one PASS/FAIL line per check; exits 77 without a GPU, 1 on any failure.  --no-bench skips
- * the two timed shapes; --bench-only runs only them.  The program's own variables, read once when
- * it starts: MOE_EXPERTS_BENCH=<kernel> times that kernel alone (for a profiler:
- * bench/device.sh's profile-experts step); MOE_EXPERTS_PASSES=N times N passes instead of the
- * default and prints each in time order (the H200 lowers its clocks under its power cap after a
- * few tens of ms of this load: docs/perf/experts.md); MOE_EXPERTS_ROWS=N gives the Kimi K2 shape's
- * 48 experts N rows each instead of 57,344 rows in all; MOE_EXPERTS_CHECK=<kernel> runs the checks
- * through that kernel alone. */
+ * Prints one PASS/FAIL line per check; exits 77 without a GPU, 1 on any failure.  The program's own
+ * variable, read once when it starts: MOE_EXPERTS_CHECK=<kernel> runs the checks through that
+ * kernel alone (compute-sanitizer runs one kernel a run: bench/device.sh's memcheck step). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpu_test.h"
-
-static moe_tensor *view(moe_tensor *base, int64_t offset, int ndim, const int64_t *shape) {
-  moe_tensor *t;
-  TRY(moe_tensor_view(ctx, base, offset, ndim, shape, &t));
-  return t;
-}
+#include "experts_test.h"
 
 /* A CPU copy of a tensor anywhere. */
 static moe_tensor *to_cpu(const moe_tensor *t) {
@@ -60,12 +49,9 @@ static const kernel KERNELS[] = {
 enum { NKERNELS = sizeof KERNELS / sizeof *KERNELS };
 static int no_hopper; /* set once the Hopper kernel said the device is not compute capability 9.0 */
 
-/* The program's variables (see the top), read once in main. */
-static const char *only_check; /* MOE_EXPERTS_CHECK: the checks run through that kernel alone (for
-                                * compute-sanitizer, where every kernel would take too long) */
-static const char *only_bench; /* MOE_EXPERTS_BENCH */
-static int bench_passes;       /* MOE_EXPERTS_PASSES; 0: the default */
-static int kimi_rows;          /* MOE_EXPERTS_ROWS; 0: the default */
+/* MOE_EXPERTS_CHECK (see the top), read once in main: compute-sanitizer through every kernel in
+ * one run would take too long. */
+static const char *only_check;
 
 static int checked(const kernel *k) { return !only_check || strcmp(only_check, k->name) == 0; }
 
@@ -103,42 +89,6 @@ static void written_rows(const int32_t *off, int EL, int64_t C, int64_t *lo, int
     if (v > m) m = v;
   }
   *hi = m;
-}
-
-/* got vs ref over [C, H]: rows in [lo, hi) finite and within the bf16 tolerance, every other row
- * untouched (NaN where ref is NaN, else the same bits). */
-static void compare(const char *name, const uint16_t *got, const uint16_t *ref, int64_t C, int64_t H, int64_t lo,
-                    int64_t hi) {
-  double maxd = 0, maxr = 0, sd = 0, sr = 0;
-  int64_t nonfinite = 0, strayed = 0, first_bad = -1;
-  for (int64_t r = 0; r < C; r++)
-    for (int64_t i = 0; i < H; i++) {
-      const int64_t k = r * H + i;
-      const float g = moe_bf16_to_f32(got[k]), f = moe_bf16_to_f32(ref[k]);
-      if (r < lo || r >= hi) {
-        if (isnan(f) ? !isnan(g) : got[k] != ref[k]) strayed++, first_bad = first_bad < 0 ? r : first_bad;
-        continue;
-      }
-      if (!isfinite(g)) {
-        nonfinite++, first_bad = first_bad < 0 ? r : first_bad;
-        continue;
-      }
-      const double d = fabs((double)g - f);
-      maxd = fmax(maxd, d), maxr = fmax(maxr, fabs(f));
-      sd += d * d, sr += (double)f * f;
-    }
-  const double rel_max = maxr > 0 ? maxd / maxr : maxd, rel_l2 = sr > 0 ? sqrt(sd / sr) : sqrt(sd);
-  const int ok = !nonfinite && !strayed && rel_max <= 2e-2 && rel_l2 <= 1e-2;
-  char where[64] = "";
-  if (first_bad >= 0) snprintf(where, sizeof where, ", first bad row %lld", (long long)first_bad);
-  check(ok, "experts [%s]: rows [%lld, %lld) of %lld, max|d|/max|ref| = %.3e, rel L2 = %.3e, non-finite %lld, "
-            "stray writes %lld%s",
-        name, (long long)lo, (long long)hi, (long long)C, rel_max, rel_l2, (long long)nonfinite, (long long)strayed, where);
-}
-
-static void offsets_of(int32_t *off, const int *sizes, int EL, int pad) {
-  off[0] = 0;
-  for (int e = 0; e < EL; e++) off[e + 1] = off[e] + (sizes[e] + pad - 1) / pad * pad;
 }
 
 typedef struct {
@@ -488,185 +438,46 @@ static void test_explain(void) {
   }
 }
 
-static int cmp_float(const void *a, const void *b) {
-  float x = *(const float *)a, y = *(const float *)b;
-  return (x > y) - (x < y);
+/* The shapes bench/experts_bench times, at fewer experts (the CPU reference of sampled rows,
+ * through every kernel): Kimi K2's H and F with experts of its 1,194-1,195 rows (several units of
+ * the weights-as-M tiles, ten row tiles), and its decode of 8 rows an expert (one row tile, the
+ * weights read once). */
+static void test_timed_shapes(void) {
+  static const struct {
+    const char *label;
+    int sizes[8];
+  } shapes[] = {
+      {"Kimi K2 rows and width, 4 experts", {1195, 1195, 1194, 1194}},
+      {"decode, Kimi K2 width, 8 experts x 8 rows", {8, 8, 8, 8, 8, 8, 8, 8}},
+  };
+  for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
+    int EL = 0;
+    while (EL < 8 && shapes[s].sizes[EL]) EL++;
+    experts_problem p;
+    experts_problem_new(&p, EL, shapes[s].sizes, 7168, 2048);
+    for (int ki = 0; ki < NKERNELS; ki++) {
+      const kernel *k = &KERNELS[ki];
+      if ((k->hopper && no_hopper) || !checked(k)) continue;
+      use_kernel(k);
+      TRY(moe_tensor_fill(ctx, p.ys, NAN));
+      const int rc = moe_experts(ctx, &p.args);
+      if (hopper_refused(k, shapes[s].label, rc)) continue;
+      if (rc != MOE_OK) check(0, "experts [%s] [%s]: %s", shapes[s].label, k->name, moe_errmsg(ctx));
+      else experts_problem_check(&p, shapes[s].label, k->name);
+    }
+    use_kernel(NULL);
+    experts_problem_free(&p);
+  }
 }
 
-/* One shape timed per kernel: EL experts of sizes[e] rows (C = their sum), H, F.  Three experts
- * (first, middle, last) are spot-checked on the CPU at six rows each (first rows, both sides of
- * the 128-row tile boundary when there is one, last rows) for every kernel before it is timed:
- * warm-up, then iters runs back to back with an event between each, median.  decode: report the
- * weight bytes read per second (every expert's weights are read once per run); else TFLOP/s. */
-static void bench_shape(const char *label, int EL, const int *sizes, int64_t H, int64_t F, int iters, int decode) {
-  if (bench_passes > 0) iters = bench_passes;
-  int32_t *o = malloc((size_t)(EL + 1) * sizeof *o);
-  if (!o) {
-    printf("FAIL out of host memory\n");
-    exit(1);
-  }
-  offsets_of(o, sizes, EL, 1);
-  const int64_t C = o[EL];
-  moe_tensor *xs = NEW(MOE_BF16, GPU, C, H), *ys = NEW(MOE_BF16, GPU, C, H);
-  moe_tensor *wgu = NEW(MOE_BF16, GPU, EL, 2 * F, H), *wd = NEW(MOE_BF16, GPU, EL, H, F), *off = NEW(MOE_I32, GPU, EL + 1);
-  TRY(moe_tensor_randn(ctx, xs, 11, 1.0f));
-  TRY(moe_tensor_randn(ctx, wgu, 12, (float)(1 / sqrt((double)H))));
-  TRY(moe_tensor_randn(ctx, wd, 13, (float)(1 / sqrt((double)F))));
-  TRY(moe_tensor_write(ctx, off, o, (size_t)(EL + 1) * sizeof *o));
-  moe_experts_args g = {.ys = ys, .xs = xs, .expert_offsets = off, .w_gate_up = wgu, .w_down = wd};
-
-  /* the CPU reference of the spot rows, once */
-  enum { NE = 3, NR = 6 };
-  const int ex[NE] = {0, EL / 2, EL - 1};
-  int64_t rows[NE][NR];
-  for (int i = 0; i < NE; i++) {
-    const int n = sizes[ex[i]];
-    const int64_t local[NR] = {0, 1, n > 129 ? 127 : 2, n > 129 ? 128 : 3, n - 2, n - 1};
-    for (int j = 0; j < NR; j++) rows[i][j] = o[ex[i]] + (local[j] < 0 ? 0 : local[j] >= n ? n - 1 : local[j]);
-  }
-  moe_tensor *xs_c = NEW(MOE_BF16, CPU, NE * NR, H), *ys_c = NEW(MOE_BF16, CPU, NE * NR, H);
-  moe_tensor *got_c = NEW(MOE_BF16, CPU, NE * NR, H), *off_c = NEW(MOE_I32, CPU, NE + 1);
-  moe_tensor *wgu_c = NEW(MOE_BF16, CPU, NE, 2 * F, H), *wd_c = NEW(MOE_BF16, CPU, NE, H, F);
-  int32_t oc[NE + 1];
-  for (int i = 0; i < NE; i++) {
-    for (int j = 0; j < NR; j++) {
-      moe_tensor *src = view(xs, rows[i][j] * H, 1, SHAPE(H)), *d = view(xs_c, (int64_t)(i * NR + j) * H, 1, SHAPE(H));
-      TRY(moe_tensor_copy(ctx, d, src));
-      moe_tensor_free(src), moe_tensor_free(d);
-    }
-    const int e = ex[i];
-    moe_tensor *wsrc = view(wgu, (int64_t)e * 2 * F * H, 3, SHAPE(1, 2 * F, H));
-    moe_tensor *wdst = view(wgu_c, (int64_t)i * 2 * F * H, 3, SHAPE(1, 2 * F, H));
-    moe_tensor *dsrc = view(wd, (int64_t)e * H * F, 3, SHAPE(1, H, F));
-    moe_tensor *ddst = view(wd_c, (int64_t)i * H * F, 3, SHAPE(1, H, F));
-    TRY(moe_tensor_copy(ctx, wdst, wsrc));
-    TRY(moe_tensor_copy(ctx, ddst, dsrc));
-    moe_tensor_free(wsrc), moe_tensor_free(wdst), moe_tensor_free(dsrc), moe_tensor_free(ddst);
-    oc[i] = i * NR;
-  }
-  oc[NE] = NE * NR;
-  TRY(moe_tensor_write(ctx, off_c, oc, sizeof oc));
-  moe_experts_args r = {.ys = ys_c, .xs = xs_c, .expert_offsets = off_c, .w_gate_up = wgu_c, .w_down = wd_c};
-  TRY(moe_experts(ctx, &r));
-
-  moe_event **ev = malloc((size_t)(iters + 1) * sizeof *ev);
-  float *ms = malloc((size_t)iters * sizeof *ms);
-  if (!ev || !ms) {
-    printf("FAIL out of host memory\n");
-    exit(1);
-  }
-  for (int i = 0; i <= iters; i++) TRY(moe_event_new(ctx, GPU, &ev[i]));
-  for (int ki = 0; ki < NKERNELS; ki++) {
-    const kernel *k = &KERNELS[ki];
-    if (!k->option || (k->hopper && no_hopper)) continue; /* "auto" is one of the others */
-    if (only_bench && strcmp(only_bench, k->option)) continue;
-    use_kernel(k);
-    char name[256];
-    snprintf(name, sizeof name, "%s, %d rows of experts %d, %d, %d vs CPU] [%s", label, NE * NR, ex[0], ex[1], ex[2],
-             k->name);
-    TRY(moe_tensor_fill(ctx, ys, NAN));
-    int rc = moe_experts(ctx, &g);
-    if (hopper_refused(k, label, rc)) continue;
-    if (rc != MOE_OK) {
-      check(0, "experts [%s]: %s", name, moe_errmsg(ctx));
-      continue;
-    }
-    TRY(moe_ctx_synchronize(ctx, GPU));
-    for (int i = 0; i < NE; i++)
-      for (int j = 0; j < NR; j++) {
-        moe_tensor *src = view(ys, rows[i][j] * H, 1, SHAPE(H)), *d = view(got_c, (int64_t)(i * NR + j) * H, 1, SHAPE(H));
-        TRY(moe_tensor_copy(ctx, d, src));
-        moe_tensor_free(src), moe_tensor_free(d);
-      }
-    compare(name, moe_tensor_data(got_c), moe_tensor_data(ys_c), NE * NR, H, 0, NE * NR);
-
-    /* no host synchronisation between the runs, so nothing but the stage is on the clock */
-    for (int i = 0; i < 2; i++) TRY(moe_experts(ctx, &g));
-    TRY(moe_event_record(ctx, ev[0]));
-    for (int i = 0; i < iters; i++) {
-      TRY(moe_experts(ctx, &g));
-      TRY(moe_event_record(ctx, ev[i + 1]));
-    }
-    for (int i = 0; i < iters; i++) TRY(moe_event_elapsed(ctx, ev[i], ev[i + 1], &ms[i]));
-    if (bench_passes > 0) { /* every pass in time order: a measuring aid for run-to-run spread */
-      printf("passes [%s] ms:", k->name);
-      for (int i = 0; i < iters; i++) printf(" %.3f", ms[i]);
-      printf("\n");
-    }
-    qsort(ms, (size_t)iters, sizeof *ms, cmp_float);
-    const double med = iters % 2 ? ms[iters / 2] : 0.5 * (ms[iters / 2 - 1] + ms[iters / 2]);
-    if (decode) {
-      const double bytes = (double)EL * 3 * F * H * 2;
-      printf("TIME experts [%s] %s (EL %d, %lld rows, H %lld, F %lld): median %.3f ms (min %.3f, max %.3f) = %.0f GB/s "
-             "of weights read (%.2f GB per run; HBM ~4300 GB/s, target 3800)\n",
-             k->name, label, EL, (long long)C, (long long)H, (long long)F, med, ms[0], ms[iters - 1],
-             bytes / (med * 1e-3) / 1e9, bytes / 1e9);
-    } else {
-      const double flops = (double)C * (2.0 * 2 * F * H + 2.0 * H * F);
-      printf("TIME experts [%s] %s (EL %d, %lld rows, H %lld, F %lld): median %.3f ms (min %.3f, max %.3f) = %.1f "
-             "TFLOP/s (dense bf16 on this H200: 680-790; target 660)\n",
-             k->name, label, EL, (long long)C, (long long)H, (long long)F, med, ms[0], ms[iters - 1],
-             flops / (med * 1e-3) / 1e12);
-    }
-    fflush(stdout);
-    check(med > 0, "experts [%s] timing produced a time", k->name);
-  }
-  use_kernel(NULL);
-  for (int i = 0; i <= iters; i++) moe_event_free(ev[i]);
-  free(ev), free(ms), free(o);
-  moe_tensor *ts[] = {xs, ys, wgu, wd, off, xs_c, ys_c, got_c, off_c, wgu_c, wd_c};
-  for (size_t i = 0; i < sizeof ts / sizeof *ts; i++) moe_tensor_free(ts[i]);
-}
-
-/* Kimi K2, one rank of EP8: 48 local experts, 57,344 rows (T = 7168 tokens x 8 routes) spread
- * evenly, H = 7168, F = 2048. */
-static void test_kimi(void) {
-  enum { EL = 48, ROWS = 57344 };
-  int sizes[EL];
-  for (int e = 0; e < EL; e++) sizes[e] = kimi_rows > 0 ? kimi_rows : ROWS / EL + (e < ROWS % EL);
-  bench_shape("Kimi K2 rank of EP8", EL, sizes, 7168, 2048, 10, 0);
-}
-
-/* Decode: the same experts with 8 rows each (384 rows, e.g. 48 tokens/rank x top-8): the floor
- * is reading the 4.2 GB of weights once. */
-static void test_decode(void) {
-  enum { EL = 48 };
-  int sizes[EL];
-  for (int e = 0; e < EL; e++) sizes[e] = 8;
-  bench_shape("decode, Kimi K2 experts x 8 rows", EL, sizes, 7168, 2048, 20, 1);
-}
-
-/* --no-bench: the correctness checks only (for compute-sanitizer runs, where the Kimi shape
- * would take hours). */
-int main(int argc, char **argv) {
-  const int bench = !(argc > 1 && strcmp(argv[1], "--no-bench") == 0);
-  const int checks = !(argc > 1 && strcmp(argv[1], "--bench-only") == 0);
+int main(void) {
   only_check = getenv("MOE_EXPERTS_CHECK");
-  only_bench = getenv("MOE_EXPERTS_BENCH");
-  const char *v = getenv("MOE_EXPERTS_PASSES");
-  bench_passes = v ? atoi(v) : 0;
-  v = getenv("MOE_EXPERTS_ROWS");
-  kimi_rows = v ? atoi(v) : 0;
-  if (moe_ctx_open(&ctx) != MOE_OK) {
-    printf("FAIL cannot open a context\n");
-    return 1;
-  }
-  int n = 0;
-  if (moe_device_count(ctx, MOE_CUDA, &n) != MOE_OK || n == 0) {
-    printf("SKIP: no GPU\n");
-    moe_ctx_close(ctx);
-    return 77;
-  }
-  if (checks) {
-    test_cases();
-    test_graph();
-    test_concurrent();
-    test_explain();
-  }
-  if (bench) {
-    test_kimi();
-    test_decode();
-  }
+  open_gpu_ctx();
+  test_cases();
+  test_graph();
+  test_concurrent();
+  test_explain();
+  test_timed_shapes();
   moe_ctx_close(ctx);
   printf("%s: test_experts_gpu, %d failure%s\n", failures ? "FAIL" : "PASS", failures, failures == 1 ? "" : "s");
   return failures ? 1 : 0;

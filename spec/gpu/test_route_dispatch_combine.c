@@ -5,95 +5,17 @@
  * designed to equal the CPU's bit for bit too (same operations in the same order); the checks
  * print the max relative error and the number of differing elements, and require equality
  * except for sigmoid_gate, whose sigmoid is a different (few-ulp) exp from the CPU's expf.
- * Then the Kimi K2 rank-of-EP8 shapes of dispatch and combine are timed with device events
- * (median of 21; skipped with --quick).  One PASS/FAIL line per check; exits 77 without a GPU, 1 on any
- * failure. */
+ * bench/dispatch_combine_bench times dispatch and combine at the Kimi K2 rank-of-EP8 shape.  One
+ * PASS/FAIL line per check; exits 77 without a GPU, 1 on any failure. */
 #include <math.h>
 #include <string.h>
 
-#include "gpu_test.h"
-
-/* A tensor like t (dtype, shape) on dev, holding t's values. */
-static moe_tensor *copy_to(const moe_tensor *t, moe_device dev) {
-  int64_t shape[4];
-  for (int i = 0; i < moe_tensor_ndim(t); i++) shape[i] = moe_tensor_dim(t, i);
-  moe_tensor *c = tnew(moe_tensor_dtype(t), dev, moe_tensor_ndim(t), shape);
-  TRY(moe_tensor_copy(ctx, c, t));
-  return c;
-}
+#include "dispatch_test.h"
 
 static moe_tensor *cpu_randn(moe_dtype dt, int ndim, const int64_t *shape, uint64_t seed, float std) {
   moe_tensor *t = tnew(dt, CPU, ndim, shape);
   TRY(moe_tensor_randn(ctx, t, seed, std));
   return t;
-}
-
-static void *xmalloc(size_t n) {
-  void *p = malloc(n ? n : 1);
-  if (!p) {
-    printf("FAIL out of host memory\n");
-    exit(1);
-  }
-  return p;
-}
-
-static float value_at(const moe_tensor *t, const void *data, int64_t i) {
-  if (moe_tensor_dtype(t) == MOE_BF16) return moe_bf16_to_f32(((const uint16_t *)data)[i]);
-  if (moe_tensor_dtype(t) == MOE_I32) return (float)((const int32_t *)data)[i];
-  return ((const float *)data)[i];
-}
-
-/* The comparison of a GPU tensor with its CPU reference. */
-typedef struct {
-  int64_t differ;  /* elements whose bits differ */
-  int64_t first;   /* the first of them, or -1 */
-  double rel_max;  /* max |got - ref| / max |ref| over finite values */
-  int64_t nan_mismatch; /* NaN in one and not the other */
-} cmp_t;
-
-static cmp_t compare(const moe_tensor *gpu, const moe_tensor *ref) {
-  cmp_t c = {0, -1, 0.0, 0};
-  const size_t nb = moe_tensor_nbytes(ref), es = moe_dtype_size(moe_tensor_dtype(ref));
-  unsigned char *got = xmalloc(nb);
-  TRY(moe_tensor_read(ctx, gpu, got, nb));
-  const unsigned char *want = moe_tensor_data((moe_tensor *)ref);
-  const int64_t n = moe_tensor_numel(ref);
-  double maxref = 0.0, maxdiff = 0.0;
-  for (int64_t i = 0; i < n; i++) {
-    if (memcmp(got + i * es, want + i * es, es)) {
-      if (c.first < 0) c.first = i;
-      c.differ++;
-    }
-    if (moe_tensor_dtype(ref) == MOE_I32) continue;
-    double g = value_at(ref, got, i), w = value_at(ref, want, i);
-    if (isnan(g) != isnan(w)) c.nan_mismatch++;
-    if (isfinite(w)) maxref = fmax(maxref, fabs(w));
-    if (isfinite(g) && isfinite(w)) maxdiff = fmax(maxdiff, fabs(g - w));
-  }
-  c.rel_max = maxref > 0 ? maxdiff / maxref : maxdiff;
-  free(got);
-  return c;
-}
-
-/* Prints a PASS/FAIL line; exact: every element's bits must match, else rel_max <= tol. */
-static void expect(const char *name, const moe_tensor *gpu, const moe_tensor *ref, int exact, double tol) {
-  cmp_t c = compare(gpu, ref);
-  int ok = c.nan_mismatch == 0 && (exact ? c.differ == 0 : c.rel_max <= tol);
-  if (c.first >= 0) {
-    const size_t es = moe_dtype_size(moe_tensor_dtype(ref));
-    unsigned char g[4] = {0};
-    /* read back the first differing element for the message */
-    unsigned char *all = xmalloc(moe_tensor_nbytes(ref));
-    TRY(moe_tensor_read(ctx, gpu, all, moe_tensor_nbytes(ref)));
-    memcpy(g, all + c.first * es, es);
-    free(all);
-    check(ok, "%s: %lld of %lld elements differ in their bits (first [%lld]: got %.9g, want %.9g), max rel err %.3e%s",
-          name, (long long)c.differ, (long long)moe_tensor_numel(ref), (long long)c.first,
-          (double)value_at(ref, g, 0), (double)value_at(ref, moe_tensor_data((moe_tensor *)ref), c.first), c.rel_max,
-          c.nan_mismatch ? ", NaN where the CPU has none or the reverse" : "");
-  } else {
-    check(ok, "%s: all %lld elements bit for bit, max rel err %.3e", name, (long long)moe_tensor_numel(ref), c.rel_max);
-  }
 }
 
 /* ---- randn and fill ---- */
@@ -273,40 +195,6 @@ static void test_logits(void) {
 }
 
 /* ---- dispatch ---- */
-
-/* Random ids i32 [W, T, K] in [0, E), a few masked (-1) and a few invalid. */
-static moe_tensor *random_ids(int W, int T, int K, int E, unsigned seed, int holes) {
-  moe_tensor *ids = NEW(MOE_I32, CPU, W, T, K);
-  int32_t *p = moe_tensor_data(ids);
-  srand(seed);
-  for (int64_t i = 0; i < (int64_t)W * T * K; i++) p[i] = rand() % E;
-  /* distinct experts per token are not required by the stages */
-  if (holes)
-    for (int64_t i = 5; i < (int64_t)W * T * K; i += 37) p[i] = (i % 3 == 0) ? E + 3 : -1;
-  return ids;
-}
-
-typedef struct {
-  moe_tensor *peer_rank, *peer_route, *counts, *tpe, *offsets, *route_row, *stats;
-  int64_t C;
-} sched_t;
-
-static sched_t schedule(const moe_tensor *ids, int E, int rank, int pad, int64_t C) {
-  const int64_t W = moe_tensor_dim(ids, 0), TK = moe_tensor_dim(ids, 1) * moe_tensor_dim(ids, 2), EL = E / W;
-  sched_t s = {NEW(MOE_I32, CPU, C), NEW(MOE_I32, CPU, C), NEW(MOE_I32, CPU, EL), NEW(MOE_I32, CPU, EL),
-               NEW(MOE_I32, CPU, EL + 1), NEW(MOE_I32, CPU, W, TK), NEW(MOE_I32, CPU, MOE_SCHED_STATS), C};
-  moe_schedule_args a = {.peer_rank = s.peer_rank, .peer_route = s.peer_route, .counts = s.counts,
-                         .tokens_per_expert = s.tpe, .expert_offsets = s.offsets, .route_row = s.route_row,
-                         .stats = s.stats, .ids = ids, .experts = E, .rank = rank, .pad = pad, .capacity = (int)C,
-                         .expert_capacity = -1, .layout = MOE_LAYOUT_ROUNDROBIN};
-  TRY(moe_schedule(ctx, &a));
-  return s;
-}
-
-static void sched_free(sched_t *s) {
-  moe_tensor *all[] = {s->peer_rank, s->peer_route, s->counts, s->tpe, s->offsets, s->route_row, s->stats};
-  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) moe_tensor_free(all[i]);
-}
 
 static void test_dispatch(void) {
   const int W = 4, T = 50, K = 4, E = 32;
@@ -488,94 +376,14 @@ static void test_graph_events(void) {
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) moe_tensor_free(all[i]);
 }
 
-/* ---- the Kimi K2 rank-of-EP8 shapes, timed ---- */
-
-static int cmp_float(const void *a, const void *b) {
-  float x = *(const float *)a, y = *(const float *)b;
-  return (x > y) - (x < y);
-}
-
-/* The median over iters runs (at most 64) after a warm-up, timed with device events. */
-static float time_ms(void (*fn)(void *), void *arg, int iters) {
-  moe_event *e0, *e1;
-  float ms[64];
-  if (iters > 64) iters = 64;
-  TRY(moe_event_new(ctx, GPU, &e0));
-  TRY(moe_event_new(ctx, GPU, &e1));
-  for (int i = 0; i < 3; i++) fn(arg);
-  for (int i = 0; i < iters; i++) {
-    TRY(moe_event_record(ctx, e0));
-    fn(arg);
-    TRY(moe_event_record(ctx, e1));
-    TRY(moe_event_elapsed(ctx, e0, e1, &ms[i]));
-  }
-  moe_event_free(e0), moe_event_free(e1);
-  qsort(ms, (size_t)iters, sizeof ms[0], cmp_float);
-  return iters % 2 ? ms[iters / 2] : (ms[iters / 2 - 1] + ms[iters / 2]) / 2;
-}
-
-static void run_dispatch(void *a) { TRY(moe_dispatch(ctx, a)); }
-static void run_combine(void *a) { TRY(moe_combine(ctx, a)); }
-
-static void bench(void) {
-  enum { W = 8, T = 7168, K = 8, E = 384, H = 7168 };
-  moe_tensor *ids = random_ids(W, T, K, E, 41, 0);
-  const int64_t C = (int64_t)T * K + 1024;
-  sched_t s[W];
-  moe_tensor *rr_g[W], *ys_g[W];
-  for (int o = 0; o < W; o++) {
-    s[o] = schedule(ids, E, o, 1, C);
-    rr_g[o] = copy_to(s[o].route_row, GPU);
-    ys_g[o] = NEW(MOE_BF16, GPU, C, H);
-    TRY(moe_tensor_randn(ctx, ys_g[o], 60 + o, 1.0f));
-  }
-  const int32_t used = ((const int32_t *)moe_tensor_data(s[0].stats))[MOE_STAT_ROWS_USED];
-
-  moe_tensor *xg = NEW(MOE_BF16, GPU, W, T, H), *xsg = NEW(MOE_BF16, GPU, C, H);
-  TRY(moe_tensor_randn(ctx, xg, 70, 1.0f));
-  moe_tensor *prg = copy_to(s[0].peer_rank, GPU), *ptg = copy_to(s[0].peer_route, GPU);
-  moe_dispatch_args da = {.xs = xsg, .x = xg, .peer_rank = prg, .peer_route = ptg, .k = K};
-  float ms = time_ms(run_dispatch, &da, 21);
-  double bytes = 2.0 * used * H * 2;
-  printf("PASS bench dispatch Kimi K2 rank 0 of EP8: %d rows x %d, %.3f ms, %.2f TB/s (read + write; H200 ~4.8 peak)\n",
-         used, H, ms, bytes / ms * 1e-9);
-
-  moe_tensor *idc = NEW(MOE_I32, CPU, T, K);
-  memcpy(moe_tensor_data(idc), moe_tensor_data(ids), sizeof(int32_t) * T * K);
-  moe_tensor *idg = copy_to(idc, GPU), *wg = NEW(MOE_F32, GPU, T, K), *og = NEW(MOE_BF16, GPU, T, H);
-  TRY(moe_tensor_randn(ctx, wg, 80, 0.1f));
-  moe_combine_args ca = {.out = og, .weights = wg, .ids = idg, .ys = (const moe_tensor *const *)ys_g,
-                         .route_row = (const moe_tensor *const *)rr_g, .world = W, .experts = E, .rank = 0};
-  ms = time_ms(run_combine, &ca, 21);
-  bytes = ((double)T * K + T) * H * 2;
-  printf("PASS bench combine Kimi K2 rank 0 of EP8: %d tokens x %d routes x %d, %.3f ms, %.2f TB/s (read + write)\n", T,
-         K, H, ms, bytes / ms * 1e-9);
-
-  moe_tensor *all[] = {ids, xg, xsg, prg, ptg, idc, idg, wg, og};
-  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) moe_tensor_free(all[i]);
-  for (int o = 0; o < W; o++) moe_tensor_free(rr_g[o]), moe_tensor_free(ys_g[o]), sched_free(&s[o]);
-}
-
-int main(int argc, char **argv) {
-  int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
-  if (moe_ctx_open(&ctx) != MOE_OK) {
-    printf("FAIL cannot open a context\n");
-    return 1;
-  }
-  int n = 0;
-  TRY(moe_device_count(ctx, MOE_CUDA, &n));
-  if (n == 0) {
-    printf("SKIP: no GPU\n");
-    moe_ctx_close(ctx);
-    return 77;
-  }
+int main(void) {
+  open_gpu_ctx();
   test_randn_fill();
   test_route();
   test_logits();
   test_dispatch();
   test_combine();
   test_graph_events();
-  if (!quick) bench();
   moe_ctx_close(ctx);
   printf("%s: %d failure%s\n", failures ? "FAIL" : "PASS", failures, failures == 1 ? "" : "s");
   return failures ? 1 : 0;

@@ -5,236 +5,23 @@
  * moe_schedule_explain reports must name the kernel that ran.  Outputs on the GPU are views into
  * larger buffers prefilled with a sentinel, so an element left unwritten or a write past an
  * output's end (past capacity, say) shows as a mismatch.  A few cases run from a captured CUDA
- * graph, replayed on changed routings.  Then the kernels are timed (the legacy baseline is timed
- * by bench/schedule_legacy.cu, scenarios/scheduler.lua's "legacy µs").
+ * graph, replayed on changed routings.  The kernels are timed by bench/schedule_trace.c, the
+ * legacy baseline by bench/schedule_legacy.cu.
  *
- *   test_schedule_gpu [--quick] [--max-routes N] [--only LABEL] [--trace] [--shape W,T]
- *     --quick: skip the cases over 200,000 routes, and the timing; --max-routes: skip those over N;
+ *   test_schedule_gpu [--quick] [--max-routes N] [--only LABEL]
+ *     --quick: skip the cases over 200,000 routes; --max-routes: skip those over N;
  *     --only: run only the cases whose label (kimi-k2, 512-tokens, graph, random, ...) is LABEL
- *     --trace: no cases; the timings, each with where one call's time goes (the kernel's phases)
- *     --shape W,T: with --trace, only that shape (E 384, K 8): for a profiler (bench/device.sh)
  *
  * Exit status: 0 all passed, 1 a failure, 77 no GPU (skipped), 2 a setup error. */
-#include <limits.h>
-#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h" /* moeI_schedule_set_trace and the trace readers: this program links the static library */
+#include "schedule_test.h"
 
-static moe_ctx *ctx;
-static const moe_device CPU = {MOE_CPU, 0}, GPU = {MOE_CUDA, 0};
-static int passed, failed, quick, trace, shape_w, shape_t;
+static int passed, failed;
 static long long max_routes = -1;
 static const char *only;
-
-#define SENTINEL 0x3c3c3c3c /* never a row, route, count or stat of these cases */
-#define GUARD 97            /* elements of sentinel after every GPU output */
-
-static void die(const char *what) {
-  fprintf(stderr, "setup: %s: %s\n", what, moe_errmsg(ctx));
-  exit(2);
-}
-
-/* ---- random numbers (splitmix64) ---- */
-static uint64_t rng;
-static uint64_t next(void) {
-  uint64_t z = (rng += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-static int below(int n) { return n <= 1 ? 0 : (int)(next() % (uint64_t)n); }
-static int chance(double p) { return (double)(next() >> 11) * (1.0 / 9007199254740992.0) < p; }
-
-/* The context's schedule_kernel option: NULL for the library's choice, "grid" or "bitmap" to force one. */
-static void use_kernel(const char *k) {
-  if (moe_ctx_config(ctx, "schedule_kernel", k ? k : "auto")) die("schedule_kernel option");
-}
-
-/* ---- a case ---- */
-enum { UNIFORM, TOPK, SKEW, ONE_LOCAL, ONE_REMOTE, LOPSIDED, NMODES };
-static const char *const mode_names[] = {"uniform", "topk", "skew", "one-local", "one-remote", "lopsided"};
-enum { CAP_AMPLE, CAP_EXACT, CAP_SHORT, CAP_ZERO, CAP_RANDOM, NCAPS };
-static const char *const cap_names[] = {"ample", "exact", "short", "zero", "random"};
-
-typedef struct {
-  int w, t, k, experts, rank, pad, expert_capacity, layout;
-  int unaligned;       /* the GPU ids a view one element into a larger tensor (not 16-byte aligned) */
-  int mode, cap;       /* ids distribution, capacity relative to the rows needed */
-  double masked, invalid;
-  uint64_t seed;
-  const char *label;
-} spec;
-
-static int32_t *make_ids(const spec *s) {
-  const size_t n = (size_t)s->w * s->t * s->k;
-  int32_t *ids = malloc((n ? n : 1) * sizeof *ids);
-  if (!ids) exit(2);
-  const int E = s->experts, el = E / s->w;
-  const int hot = below(E), target = s->mode == ONE_LOCAL ? s->rank * el + below(el)
-                                   : s->w > 1             ? ((s->rank + 1) % s->w) * el + below(el)
-                                                          : -1;
-  for (int p = 0; p < s->w; p++)
-    for (int t = 0; t < s->t; t++) {
-      int32_t *row = ids + ((size_t)p * s->t + t) * s->k;
-      for (int k = 0; k < s->k; k++) {
-        int id;
-        switch (s->mode) {
-        case TOPK: /* distinct experts per token, as top-k gives */
-          for (;;) {
-            id = below(E);
-            int dup = 0;
-            for (int j = 0; j < k; j++) dup |= row[j] == id;
-            if (!dup || k >= E) break;
-          }
-          break;
-        case SKEW: id = chance(0.6) ? (hot + below(3)) % E : below(E); break;
-        case ONE_LOCAL: id = target; break;
-        case ONE_REMOTE: id = target >= 0 ? target : below(E); break;
-        case LOPSIDED: /* source p favours the experts of one rank, and sends more the higher p is */
-          id = chance(0.7) ? ((p * 3) % s->w) * el + below(el) : below(E);
-          if (!chance((p + 1.0) / s->w)) id = -1;
-          break;
-        default: id = below(E);
-        }
-        if (s->masked > 0 && chance(s->masked)) id = -1;
-        if (s->invalid > 0 && chance(s->invalid)) {
-          static const int bad[] = {-2, -100, INT_MIN, INT_MAX};
-          const int r = below(6);
-          id = r < 4 ? bad[r] : r == 4 ? E : E + 1 + below(1000);
-        }
-        row[k] = id;
-      }
-    }
-  return ids;
-}
-
-/* Padded rows the local routes need (what stats[ROWS_NEEDED] reports, before the clamp). */
-static long long rows_needed(const spec *s, const int32_t *ids) {
-  const int el = s->experts / s->w, lo = s->rank * el;
-  long long *n = calloc((size_t)el, sizeof *n), total = 0;
-  if (!n) exit(2);
-  const size_t all = (size_t)s->w * s->t * s->k;
-  for (size_t i = 0; i < all; i++)
-    if (ids[i] >= lo && ids[i] < lo + el) n[ids[i] - lo]++;
-  for (int e = 0; e < el; e++) {
-    long long c = n[e];
-    if (s->expert_capacity >= 0 && c > s->expert_capacity) c = s->expert_capacity;
-    total += (c + s->pad - 1) / s->pad * s->pad;
-  }
-  free(n);
-  return total;
-}
-
-static int capacity_for(const spec *s, long long need) {
-  long long c;
-  switch (s->cap) {
-  case CAP_EXACT: c = need; break;
-  case CAP_SHORT: c = need - 1 - need / 4; break;
-  case CAP_ZERO: c = 0; break;
-  case CAP_RANDOM: c = need > 0 ? (long long)(next() % (uint64_t)(need + need / 2 + 1)) : below(5); break;
-  default: c = need + below(2 * s->pad + 3);
-  }
-  if (c < 0) c = 0;
-  if (c > INT_MAX - GUARD) c = INT_MAX - GUARD;
-  return (int)c;
-}
-
-/* ---- tensors ---- */
-enum { O_PEER_RANK, O_PEER_ROUTE, O_COUNTS, O_TPE, O_OFFSETS, O_ROUTE_ROW, O_STATS, NOUT };
-static const char *const out_names[] = {"peer_rank", "peer_route", "counts", "tokens_per_expert",
-                                        "expert_offsets", "route_row", "stats"};
-
-typedef struct {
-  moe_tensor *base[NOUT], *view[NOUT];
-  int64_t n[NOUT];
-  int on_gpu;
-} outputs;
-
-static moe_tensor *new_i32(int64_t n, moe_device dev) {
-  moe_tensor *t;
-  if (moe_tensor_new(ctx, MOE_I32, 1, &n, dev, &t)) die("tensor_new");
-  return t;
-}
-
-static void outputs_new(outputs *o, const spec *s, int capacity, moe_device dev) {
-  const int el = s->experts / s->w;
-  o->n[O_PEER_RANK] = o->n[O_PEER_ROUTE] = capacity;
-  o->n[O_COUNTS] = o->n[O_TPE] = el;
-  o->n[O_OFFSETS] = el + 1;
-  o->n[O_ROUTE_ROW] = (int64_t)s->w * s->t * s->k;
-  o->n[O_STATS] = MOE_SCHED_STATS;
-  o->on_gpu = dev.kind == MOE_CUDA;
-  for (int i = 0; i < NOUT; i++) {
-    const int64_t extra = o->on_gpu ? GUARD : 0;
-    o->base[i] = new_i32(o->n[i] + extra, dev);
-    int64_t shape[2] = {o->n[i], 0};
-    int ndim = 1;
-    if (i == O_ROUTE_ROW) shape[0] = s->w, shape[1] = (int64_t)s->t * s->k, ndim = 2;
-    if (moe_tensor_view(ctx, o->base[i], 0, ndim, shape, &o->view[i])) die("tensor_view");
-  }
-}
-
-static void outputs_fill(outputs *o) {
-  for (int i = 0; i < NOUT; i++)
-    if (moe_tensor_fill(ctx, o->base[i], SENTINEL)) die("tensor_fill");
-}
-
-static void outputs_free(outputs *o) {
-  for (int i = 0; i < NOUT; i++) moe_tensor_free(o->view[i]), moe_tensor_free(o->base[i]);
-}
-
-static void args_for(moe_schedule_args *a, const outputs *o, moe_tensor *ids, const spec *s, int capacity) {
-  memset(a, 0, sizeof *a);
-  a->peer_rank = o->view[O_PEER_RANK];
-  a->peer_route = o->view[O_PEER_ROUTE];
-  a->counts = o->view[O_COUNTS];
-  a->tokens_per_expert = o->view[O_TPE];
-  a->expert_offsets = o->view[O_OFFSETS];
-  a->route_row = o->view[O_ROUTE_ROW];
-  a->stats = o->view[O_STATS];
-  a->ids = ids;
-  a->experts = s->experts;
-  a->rank = s->rank;
-  a->pad = s->pad;
-  a->capacity = capacity;
-  a->expert_capacity = s->expert_capacity;
-  a->layout = s->layout;
-}
-
-/* Compares the GPU outputs (and their guards) with the CPU's; prints the first differences. */
-static int same(const char *who, const outputs *gpu, const outputs *cpu, const char *name) {
-  int ok = 1;
-  for (int i = 0; i < NOUT; i++) {
-    const int64_t n = gpu->n[i], total = n + GUARD;
-    int32_t *got = malloc((size_t)total * sizeof *got);
-    if (!got) exit(2);
-    if (moe_tensor_read(ctx, gpu->base[i], got, (size_t)total * sizeof *got)) die("tensor_read");
-    const int32_t *want = moe_tensor_data(cpu->view[i]);
-    int shown = 0;
-    for (int64_t j = 0; j < total && shown < 4; j++) {
-      const int32_t w = j < n ? want[j] : SENTINEL;
-      if (got[j] != w) {
-        if (ok) printf("FAIL %s [%s]\n", name, who);
-        ok = 0;
-        shown++;
-        printf("     %s[%lld] = %d, expected %d%s\n", out_names[i], (long long)j, got[j], w,
-               j >= n ? " (past the end)" : got[j] == SENTINEL ? " (never written)" : "");
-      }
-    }
-    free(got);
-  }
-  return ok;
-}
-
-static void describe(char *buf, size_t len, const spec *s, int capacity) {
-  snprintf(buf, len, "%s W=%d T=%d K=%d E=%d rank=%d pad=%d C=%d ec=%d %s %s cap=%s masked=%.2g invalid=%.2g seed=%llu",
-           s->label ? s->label : "random", s->w, s->t, s->k, s->experts, s->rank, s->pad, capacity,
-           s->expert_capacity, s->layout == MOE_LAYOUT_ROUNDROBIN ? "roundrobin" : "peer_major",
-           mode_names[s->mode], cap_names[s->cap], s->masked, s->invalid, (unsigned long long)s->seed);
-}
 
 static void run_case(const spec *s) {
   const long long routes = (long long)s->w * s->t * s->k;
@@ -376,17 +163,6 @@ static void run_graph_case(const spec *s0, int fresh) {
 }
 
 /* ---- the cases ---- */
-static uint64_t seed_counter = 1;
-static spec base(int w, int t, int k, int e, const char *label) {
-  spec s;
-  memset(&s, 0, sizeof s);
-  s.w = w, s.t = t, s.k = k, s.experts = e, s.pad = 1, s.expert_capacity = -1;
-  s.layout = MOE_LAYOUT_ROUNDROBIN, s.mode = TOPK, s.cap = CAP_AMPLE;
-  s.seed = 0x5eed0000ull + 7919 * seed_counter++;
-  s.label = label;
-  return s;
-}
-
 static void model_cases(void) {
   static const struct { const char *name; int e, k; } models[] = {
       {"kimi-k2", 384, 8}, {"glm-5", 256, 8}, {"qwen3.5", 512, 10}, {"deepseek-v4-pro", 384, 6}};
@@ -591,151 +367,19 @@ static void random_cases(int n) {
   }
 }
 
-/* ---- timing ---- */
-static int cmp_float(const void *x, const void *y) {
-  const float a = *(const float *)x, b = *(const float *)y;
-  return (a > b) - (a < b);
-}
-
-/* Median us per call: 9 replays of a CUDA graph of 200 calls (as scenarios/scheduler.lua times
- * schedule: no host launch in the timed span), after a warm-up. */
-static float time_calls(int (*fn)(moe_ctx *, const moe_schedule_args *), const moe_schedule_args *a) {
-  moe_event *start, *stop;
-  moe_graph *graph = NULL;
-  if (moe_event_new(ctx, GPU, &start) || moe_event_new(ctx, GPU, &stop)) die("event_new");
-  for (int i = 0; i < 20; i++)
-    if (fn(ctx, a)) die("warm-up");
-  if (moe_graph_begin(ctx, GPU)) die("graph_begin");
-  for (int i = 0; i < 200; i++)
-    if (fn(ctx, a)) die("captured call");
-  if (moe_graph_end(ctx, &graph) || moe_graph_replay(ctx, graph)) die("graph");
-  float us[9];
-  for (int r = 0; r < 9; r++) {
-    if (moe_event_record(ctx, start)) die("event_record");
-    if (moe_graph_replay(ctx, graph)) die("graph_replay");
-    if (moe_event_record(ctx, stop)) die("event_record");
-    float ms;
-    if (moe_event_elapsed(ctx, start, stop, &ms)) die("event_elapsed");
-    us[r] = ms * 1000.0f / 200;
-  }
-  qsort(us, 9, sizeof *us, cmp_float);
-  moe_graph_free(graph);
-  moe_event_free(start);
-  moe_event_free(stop);
-  return us[4];
-}
-
-static int cmp_ll(const void *a, const void *b) {
-  const long long x = *(const long long *)a, y = *(const long long *)b;
-  return (x > y) - (x < y);
-}
-
-/* --trace: where one call's time goes.  Per phase, the median over blocks of its clock64 cycles
- * (grid kernel: load, rank, barrier, histogram reads, scan, place, route_row + clears; bitmap
- * kernel: load, scan, barrier, totals, segments + place + fill, stats); the span by %globaltimer
- * (first entry to last end); beside the per-call time in a graph of 200 calls. */
-enum { K_GRID, K_BITMAP };
-static void print_trace(const char *label, float per_call_us, int kernel) {
-  enum { MAXB = 1024 };
-  static long long buf[MAXB * 10], col[MAXB];
-  const int n = kernel == K_GRID ? moeI_schedule_grid_trace(buf, MAXB) : moeI_schedule_bitmap_trace(buf, MAXB);
-  if (n <= 0) die("schedule trace");
-  const int phases = kernel == K_BITMAP ? 6 : 7;
-  const int width = phases + 3; /* clocks, then two timers */
-  static const char *const names[2][7] = {{"load", "rank", "barrier", "hist", "scan", "place", "rows+clears"},
-                                          {"load", "scan", "barrier", "totals", "segments+place+fill", "stats"}};
-  static const char *const kinds[] = {"grid", "bitmap"};
-  printf("trace %s, %s kernel: %d blocks, %.2f us per call;", label, kinds[kernel], n, per_call_us);
-  for (int ph = 0; ph < phases; ph++) {
-    for (int b = 0; b < n; b++) col[b] = buf[b * width + ph + 1] - buf[b * width + ph];
-    qsort(col, (size_t)n, sizeof *col, cmp_ll);
-    printf(" %s %lld", names[kernel][ph], col[n / 2]);
-  }
-  long long first = buf[width - 2], last = buf[width - 1];
-  for (int b = 0; b < n; b++) {
-    first = buf[b * width + width - 2] < first ? buf[b * width + width - 2] : first;
-    last = buf[b * width + width - 1] > last ? buf[b * width + width - 1] : last;
-  }
-  printf(" cycles (medians); span %.2f us\n", (last - first) / 1000.0);
-}
-
-static void timing(int w, int t, float target_us) {
-  spec s = base(w, t, 8, 384, "kimi-k2");
-  rng = s.seed;
-  int32_t *host_ids = make_ids(&s);
-  const int capacity = capacity_for(&s, rows_needed(&s, host_ids));
-  const int64_t shape[3] = {s.w, s.t, s.k};
-  moe_tensor *ids;
-  if (moe_tensor_new(ctx, MOE_I32, 3, shape, GPU, &ids)) die("tensor_new");
-  if (moe_tensor_write(ctx, ids, host_ids, (size_t)s.w * s.t * s.k * sizeof *host_ids)) die("ids");
-  outputs gpu;
-  outputs_new(&gpu, &s, capacity, GPU);
-  moe_schedule_args a;
-  args_for(&a, &gpu, ids, &s, capacity);
-  const float ours = time_calls(moe_schedule, &a);
-  use_kernel("grid");
-  const float grid = time_calls(moe_schedule, &a);
-  use_kernel("bitmap");
-  const float bitmap = moe_schedule(ctx, &a) == MOE_OK ? time_calls(moe_schedule, &a) : -1; /* -1: it cannot */
-  use_kernel(NULL);
-  char bm[48];
-  if (bitmap >= 0) snprintf(bm, sizeof bm, "%.2f", bitmap);
-  else snprintf(bm, sizeof bm, "does not take it");
-  printf("time: schedule, Kimi K2 rank of EP%d (W %d, T %d, K 8, E 384, %d routes): %.2f us per call "
-         "(target <= %.0f us; grid kernel %.2f, bitmap kernel %s)\n",
-         w, w, t, s.w * s.t * s.k, ours, target_us, grid, bm);
-  if (trace)
-    for (int k = K_GRID; k <= K_BITMAP; k++) {
-      const float per_call = k == K_GRID ? grid : bitmap;
-      if (per_call < 0) continue;
-      use_kernel(k == K_GRID ? "grid" : "bitmap");
-      for (int again = 0; again < 2; again++) { /* after other calls, then once more */
-        if (moe_schedule(ctx, &a)) die("traced call");
-        char label[64];
-        snprintf(label, sizeof label, "EP%d T %d%s", w, t, again ? " again" : "");
-        print_trace(label, per_call, k);
-      }
-      use_kernel(NULL);
-    }
-  outputs_free(&gpu);
-  moe_tensor_free(ids);
-  free(host_ids);
-}
-
 int main(int argc, char **argv) {
   for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--quick")) quick = 1, max_routes = max_routes < 0 ? 200000 : max_routes;
+    if (!strcmp(argv[i], "--quick")) max_routes = max_routes < 0 ? 200000 : max_routes;
     else if (!strcmp(argv[i], "--max-routes") && i + 1 < argc) max_routes = atoll(argv[++i]);
     else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
-    else if (!strcmp(argv[i], "--trace")) trace = 1;
-    else if (!strcmp(argv[i], "--shape") && i + 1 < argc && sscanf(argv[i + 1], "%d,%d", &shape_w, &shape_t) == 2) i++;
     else {
-      fprintf(stderr, "usage: %s [--quick] [--max-routes N] [--only LABEL] [--trace] [--shape W,T]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--quick] [--max-routes N] [--only LABEL]\n", argv[0]);
       return 2;
     }
   }
   setvbuf(stdout, NULL, _IOLBF, 0);
-  if (moe_ctx_open(&ctx)) return 2;
-  int gpus = 0;
-  if (moe_device_count(ctx, MOE_CUDA, &gpus) || gpus == 0) {
-    printf("SKIP: no GPU\n");
-    moe_ctx_close(ctx);
-    return 77;
-  }
+  open_gpu_ctx();
 
-  if (trace) { /* timing only, with the phases of one call of each shape */
-    moeI_schedule_set_trace(ctx, 1);
-    if (shape_w > 0 && shape_t > 0) {
-      timing(shape_w, shape_t, shape_t > 512 ? 12 : 6);
-      moe_ctx_close(ctx);
-      return 0;
-    }
-    timing(8, 7168, 12);
-    const int ws[] = {4, 8, 16, 32, 64};
-    for (int i = 0; i < 5; i++) timing(ws[i], 512, 6);
-    moe_ctx_close(ctx);
-    return 0;
-  }
   model_cases();      /* 32 */
   decode_cases();     /* 60 */
   token_cases();      /* 48 */
@@ -801,10 +445,6 @@ int main(int argc, char **argv) {
   }
 
   printf("%d passed, %d failed\n", passed, failed);
-  if (!quick && !only && !failed) {
-    timing(8, 7168, 12);
-    timing(8, 512, 6);
-  }
   moe_ctx_close(ctx);
   return failed ? 1 : 0;
 }
