@@ -221,7 +221,7 @@ int moeI_cuda_scratch_get(moe_ctx *ctx, int device, void *stream, size_t nbytes,
 int moeI_cuda_scratch_done(moe_ctx *ctx, void *stream, void *p, int owned);
 void moeI_cuda_scratch_release(moe_ctx *ctx); /* at close: frees every block */
 
-/* The scheduler's phase trace (kernels/schedule/), for its GPU test's --trace: with on set, every
+/* The scheduler's phase trace (kernels/schedule/), for bench/schedule_trace.c: with on set, every
  * later schedule call on ctx records per block the clock at its phase points; the _trace readers
  * copy the last such call's rows of the bitmap or grid kernel (each row: the phase points' clocks,
  * then %globaltimer at entry and end) into out and return the rows copied, or -1. */

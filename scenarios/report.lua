@@ -86,20 +86,21 @@ if gpu then
     local ours = text:match("\nE 384, top%-8%s+8%s+512[^\n]-([%d.]+)%s+[%d.]+x")
     return ours and (ours .. " µs a call")
   end, here)
-  local rdc = build .. "/gpu_tests/test_route_dispatch_combine"
+  local rdc = build .. "/bench/dispatch_combine_bench"
   row("dispatch gather, Kimi K2 rank 0 of EP8", rdc, function(text)
     return grab(text, "bench dispatch[^\n]-([%d.]+) ms, ([%d.]+) TB/s", "%s ms, %s TB/s (bytes read + written)")
   end, here)
   row("combine, 7,168 tokens x 8 routes x 7168", rdc, function(text)
     return grab(text, "bench combine[^\n]-([%d.]+) ms, ([%d.]+) TB/s", "%s ms, %s TB/s")
   end, here)
-  local ex = build .. "/gpu_tests/test_experts_gpu --bench-only"
+  local ex = build .. "/bench/experts_bench"
   row("experts (gate_up + SwiGLU + down), Kimi K2 rank of EP8, 57,344 rows", ex, function(text)
-    return grab(text, "Kimi K2 rank of EP8[^\n]-median ([%d.]+) ms[^\n]-= ([%d.]+) TFLOP/s",
-      "%s ms = %s TFLOP/s (median of back-to-back passes)")
+    return grab(text, "TIME experts %[([%w]+)%] Kimi K2 rank of EP8[^\n]-median ([%d.]+) ms[^\n]-= ([%d.]+) TFLOP/s",
+      "kernel %s: %s ms = %s TFLOP/s (median of back-to-back passes)")
   end, here)
   row("experts, decode: 48 experts x 8 rows", ex, function(text)
-    return grab(text, "decode[^\n]-median ([%d.]+) ms[^\n]-= (%d+) GB/s", "%s ms = %s GB/s of weights read")
+    return grab(text, "TIME experts %[([%w]+)%] decode[^\n]-median ([%d.]+) ms[^\n]-= (%d+) GB/s",
+      "kernel %s: %s ms = %s GB/s of weights read")
   end, here)
 end
 if opts.devices then

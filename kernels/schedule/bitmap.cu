@@ -101,7 +101,7 @@ struct Params : ScheduleCall {
 
 // The last traced call, per block: clock64 at the phase points (entry, loaded, scanned, past the
 // barrier, totals, placed, end), then %globaltimer at entry and end.  Read by
-// moeI_schedule_bitmap_trace (the scheduler's GPU test, --trace).
+// moeI_schedule_bitmap_trace (bench/schedule_trace.c).
 constexpr int kTracePoints = 7;
 __device__ long long trace_buf[kMaxBlocks][kTracePoints + 2];
 int trace_grid;

@@ -40,9 +40,9 @@
 // host never waits, and a call is one launch.  Kimi K2 rank of EP8 (W 8, T 7168, K 8, E 384):
 // 128 blocks of 3,584 routes (64 logical threads x 56); ids read once (1.8 MB), route_row written
 // once (1.8 MB), peer_rank and peer_route once each (C rows), scratch ~30 KB.  So the time is
-// latency, not bandwidth: docs/perf/schedule.md has it per phase, as measured with --trace of the
-// GPU test (moeI_schedule_set_trace), and the histogram reads, the scattered peer_rank/peer_route stores and the
-// cooperative launch are where it goes.
+// latency, not bandwidth: docs/perf/schedule.md has it per phase, as measured by
+// bench/schedule_trace.c (moeI_schedule_set_trace), and the histogram reads, the scattered
+// peer_rank/peer_route stores and the cooperative launch are where it goes.
 //
 // Where a block cannot keep its unit in shared memory across the barrier -- more units than
 // blocks that fit on the GPU at once (W in the hundreds), a chunk larger than the tile (placed in
@@ -128,7 +128,7 @@ __host__ __device__ inline Smem smem_layout(int ts, int rwin, int world, int sta
 __device__ __forceinline__ int window_bits(int wsz) { return wsz > 1 ? 32 - __clz(wsz - 1) : 0; }
 
 // The last traced call, per block: clock64 at the phase points, then %globaltimer at entry and
-// at the end.  Read by moeI_schedule_grid_trace (the scheduler's GPU test, --trace).
+// at the end.  Read by moeI_schedule_grid_trace (bench/schedule_trace.c).
 constexpr int kTraceBlocks = 1024, kTracePoints = 8;
 __device__ long long trace_buf[kTraceBlocks][kTracePoints + 2];
 int trace_grid;

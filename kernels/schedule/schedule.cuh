@@ -213,7 +213,7 @@ static inline int log2_exact(long long x) {
 
 // The last traced call's rows of a kernel's trace buffer (each kernel's own __device__ array of
 // [blocks][phase points + 2 timers], written while the context's trace switch is on:
-// moeI_schedule_set_trace) for the scheduler's GPU test (--trace): copies min(grid, max_blocks,
+// moeI_schedule_set_trace) for bench/schedule_trace.c: copies min(grid, max_blocks,
 // the buffer's rows) rows and returns their number, or -1.
 template <typename Rows> static inline int copy_trace(long long *out, const Rows &buf, int grid, int max_blocks) {
   const int rows = (int)(sizeof(Rows) / sizeof(buf[0]));

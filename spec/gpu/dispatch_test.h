@@ -1,4 +1,4 @@
-/* dispatch_test.h -- what test_route_dispatch_combine and bench/dispatch_combine_bench share:
+/* dispatch_test.h -- what test_route_dispatch_combine and bench/dispatch_combine_bench.c share:
  * tensors copied, the bit-for-bit comparison with the CPU reference, random routings
  * and their schedules on the CPU. */
 #pragma once

@@ -1,4 +1,4 @@
-/* schedule_test.h -- what test_schedule_gpu and bench/schedule_trace share: routings drawn from
+/* schedule_test.h -- what test_schedule_gpu and bench/schedule_trace.c share: routings drawn from
  * a seed (top-k, skewed, lopsided, to one expert; masked and invalid ids), capacities relative to
  * the rows they need, outputs on the GPU as views into larger buffers prefilled with a sentinel
  * (so an element left unwritten or a write past an output's end shows), and their comparison with

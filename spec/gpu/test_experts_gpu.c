@@ -1,7 +1,7 @@
 /* test_experts_gpu.c -- the experts stage on the GPU against moeI_experts_cpu, through the public API
  * only: fresh random inputs, ys poisoned with NaN so that rows the stage must not write are seen
  * to stay untouched, odd sizes, bad offsets, in place, a captured graph replayed on new offsets,
- * two contexts running the stage at the same time, and the shapes bench/experts_bench times at
+ * two contexts running the stage at the same time, and the shapes bench/experts_bench.c times at
  * fewer experts (sampled rows against the CPU).
  *
  * Every check runs once per kernel, forced through the context's experts_kernel option
@@ -438,7 +438,7 @@ static void test_explain(void) {
   }
 }
 
-/* The shapes bench/experts_bench times, at fewer experts (the CPU reference of sampled rows,
+/* The shapes bench/experts_bench.c times, at fewer experts (the CPU reference of sampled rows,
  * through every kernel): Kimi K2's H and F with experts of its 1,194-1,195 rows (several units of
  * the weights-as-M tiles, ten row tiles), and its decode of 8 rows an expert (one row tile, the
  * weights read once). */

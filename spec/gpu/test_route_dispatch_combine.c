@@ -5,7 +5,7 @@
  * designed to equal the CPU's bit for bit too (same operations in the same order); the checks
  * print the max relative error and the number of differing elements, and require equality
  * except for sigmoid_gate, whose sigmoid is a different (few-ulp) exp from the CPU's expf.
- * bench/dispatch_combine_bench times dispatch and combine at the Kimi K2 rank-of-EP8 shape.  One
+ * bench/dispatch_combine_bench.c times dispatch and combine at the Kimi K2 rank-of-EP8 shape.  One
  * PASS/FAIL line per check; exits 77 without a GPU, 1 on any failure. */
 #include <math.h>
 #include <string.h>
