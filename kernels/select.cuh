@@ -26,13 +26,19 @@ template <class Args> struct Candidate {
   int (*run)(moe_ctx *ctx, const Args *a);
 };
 
-// The table's names, ", "-separated, built once (the valid values of the stage's option).
+// The table's names, ", "-separated, built once (the valid values of the stage's option); a
+// function-local static, so that two threads asking first at once both see it whole.
 template <class Args, size_t N> const char *candidate_names(const Candidate<Args> (&table)[N]) {
-  static char names[256];
-  if (!names[0])
+  struct Names {
+    char s[256];
+  };
+  static const Names names = [&] {
+    Names all{};
     for (size_t i = 0; i < N; i++)
-      snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", i ? ", " : "", table[i].name);
-  return names;
+      snprintf(all.s + strlen(all.s), sizeof all.s - strlen(all.s), "%s%s", i ? ", " : "", table[i].name);
+    return all;
+  }();
+  return names.s;
 }
 
 // Picks the candidate for a: *chosen is its index, or the call's error.  With report non-NULL,
@@ -50,16 +56,20 @@ int select_candidate(moe_ctx *ctx, const char *stage, int option, const Candidat
       return moeI_seterr(ctx, MOE_ERR_ARG, "%s: kernel \"%s\" is not one of %s (the context's %s_kernel option)", stage,
                          forced, candidate_names(table), stage);
   }
-  // Every candidate is asked when a report is wanted; else only until one is picked.
+  // Every candidate is asked when a report is wanted; else only until one is picked.  A failure
+  // while asking one the call itself would not ask (past the pick, or not the forced one) is
+  // reported as its verdict, not as the call's error.
   char lines[N][200];
   size_t runs = N; // the candidate that runs
   for (size_t i = 0; i < N; i++) {
     lines[i][0] = '\0';
-    if (!report && (any ? runs < N : i != pick)) continue;
+    const bool asked_by_run = any ? runs == N : i == pick;
+    if (!report && !asked_by_run) continue;
     Fit fit = CANNOT;
     char why[160] = "";
     int rc = table[i].fits(ctx, a, &fit, why, sizeof why);
-    if (rc) return rc;
+    if (rc && asked_by_run) return rc;
+    if (rc) snprintf(why, sizeof why, "%s", moe_errmsg(ctx)), fit = CANNOT;
     const bool mine = any ? runs == N && fit == TAKES : i == pick;
     if (mine && fit == CANNOT)
       return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: kernel %s (forced by the context's %s_kernel option) cannot take "
@@ -71,7 +81,12 @@ int select_candidate(moe_ctx *ctx, const char *stage, int option, const Candidat
     snprintf(lines[i], sizeof lines[i], "%s%s%s", verdict, why[0] ? ": " : "", why);
   }
   pick = runs;
-  if (pick == N) return moeI_seterr(ctx, MOE_ERR_INTERNAL, "%s: no kernel takes this problem", stage);
+  if (pick == N) { // every candidate cannot: say why each
+    char all[N * (sizeof lines[0] + 16)] = "";
+    for (size_t i = 0; i < N; i++)
+      snprintf(all + strlen(all), sizeof all - strlen(all), "%s%s %s", i ? "; " : "", table[i].name, lines[i]);
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: no kernel takes this problem: %s", stage, all);
+  }
   *chosen = pick;
   if (report) {
     int used = snprintf(report, n, "%s\n", table[pick].name);

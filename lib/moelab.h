@@ -190,7 +190,9 @@ typedef struct moe_schedule_args {
 MOE_API int moe_schedule(moe_ctx *ctx, const moe_schedule_args *a);
 /* Which kernel moe_schedule would run for a, and why: "<kernel>\n" then one line per candidate in
  * the order they are tried, "<name>: <verdict>", into report (n bytes, truncated to fit).  The
- * arguments are checked as moe_schedule checks them; nothing runs.  On the CPU the kernel is "cpu". */
+ * arguments are checked as moe_schedule checks them; nothing is launched (the context's stream is
+ * made if the context had none).  On the CPU the kernel is "cpu"; where there is nothing to
+ * compute, "none". */
 MOE_API int moe_schedule_explain(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n);
 
 /* ---- 3. dispatch: x bf16 [W, T, H] -> xs bf16 [C, H] ---- */

@@ -10,6 +10,7 @@
 
 // The candidates of select.cu.  A run function is called only on a problem its kernel takes
 // (fits said TAKES or DECLINES) with C, H and EL nonzero and the context's stream on the device.
+int moeI_experts_mma_fits(moe_ctx *ctx, const moe_experts_args *a, Fit *fit, char *why, size_t n);
 int moeI_experts_mma_run(moe_ctx *ctx, const moe_experts_args *a);
 enum Sm90Variant { SM90W, SM90X2, SM90X1 }; // weights as M; row tiles in clusters of two; one CTA a tile
 int moeI_experts_sm90_fits(moe_ctx *ctx, const moe_experts_args *a, Sm90Variant v, Fit *fit, char *why, size_t n);

@@ -312,7 +312,28 @@ cudaError_t launch_gemm(cudaStream_t stream, uint16_t *out, const uint16_t *A, c
   return cudaGetLastError();
 }
 
+// The tiles of a call: tmax row tiles at most (each expert's last one partial), and the column
+// tiles of each pass; a launch has at most 2^31 blocks.
+struct MmaTiles {
+  long long tmax, ntn_gu, ntn_dn;
+  explicit MmaTiles(const moe_experts_args *a) {
+    const long long C = a->xs->shape[0], H = a->xs->shape[1];
+    const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
+    tmax = (C + BM - 1) / BM + (EL < C ? EL : C);
+    ntn_gu = (F + BN / 2 - 1) / (BN / 2), ntn_dn = (H + BN - 1) / BN;
+  }
+  bool fits() const { return tmax * (ntn_gu > ntn_dn ? ntn_gu : ntn_dn) <= INT_MAX; }
+};
+
 } // namespace
+
+int moeI_experts_mma_fits(moe_ctx *, const moe_experts_args *a, Fit *fit, char *why, size_t n) {
+  *fit = MmaTiles(a).fits() ? TAKES : CANNOT;
+  if (*fit == CANNOT)
+    snprintf(why, n, "C = %lld, H = %lld, F = %lld need more than 2^31 blocks", (long long)a->xs->shape[0],
+             (long long)a->xs->shape[1], (long long)a->w_gate_up->shape[1] / 2);
+  return MOE_OK;
+}
 
 int moeI_experts_mma_run(moe_ctx *ctx, const moe_experts_args *a) {
   const long long C = a->xs->shape[0], H = a->xs->shape[1];
@@ -321,11 +342,8 @@ int moeI_experts_mma_run(moe_ctx *ctx, const moe_experts_args *a) {
   int rc = moeI_cuda_ctx_stream(ctx, a->xs->device.index, &stream);
   if (rc) return rc;
 
-  const long long tmax = (C + BM - 1) / BM + (EL < C ? EL : C);
-  const long long ntn_gu = (F + BN / 2 - 1) / (BN / 2), ntn_dn = (H + BN - 1) / BN;
-  if (tmax * (ntn_gu > ntn_dn ? ntn_gu : ntn_dn) > INT_MAX)
-    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts: C = %lld, H = %lld, F = %lld need more than 2^31 blocks",
-                      C, H, F);
+  const MmaTiles tiles(a); // mma's fits has checked that they fit a launch
+  const long long tmax = tiles.tmax, ntn_gu = tiles.ntn_gu, ntn_dn = tiles.ntn_dn;
 
   // scratch: map [tmax] int4, start [EL + 1], lo [EL], hi [EL] ints, then h [C, F] bf16
   const size_t map_bytes = ((size_t)tmax * sizeof(int4) + (size_t)(3 * EL + 1) * sizeof(int) + 255) & ~(size_t)255;

@@ -7,9 +7,11 @@
 //   sm90x2  the row tiles in clusters of two (sm90_rows.cuh): the same requirements, and a
 //           cluster of two must be placeable
 //   sm90x1  the row tiles one CTA a tile
-//   mma     the portable kernel (mma.cu): any GPU, any sizes
+//   mma     the portable kernel (mma.cu): any GPU, up to 2^31 blocks a launch
 //
-// A name forced through the context's experts_kernel option runs that kernel unless it cannot.
+// Where the weights-as-M tiles cannot be placed, the next candidate that can runs (in practice
+// every Hopper part places both tiles, or neither).  A name forced through the context's
+// experts_kernel option runs that kernel unless it cannot.
 #include "experts.cuh"
 
 namespace {
@@ -26,16 +28,12 @@ int sm90x1_fits(moe_ctx *ctx, const moe_experts_args *a, Fit *fit, char *why, si
 int sm90w_run(moe_ctx *ctx, const moe_experts_args *a) { return moeI_experts_sm90_run(ctx, a, SM90W); }
 int sm90x2_run(moe_ctx *ctx, const moe_experts_args *a) { return moeI_experts_sm90_run(ctx, a, SM90X2); }
 int sm90x1_run(moe_ctx *ctx, const moe_experts_args *a) { return moeI_experts_sm90_run(ctx, a, SM90X1); }
-int mma_fits(moe_ctx *, const moe_experts_args *, Fit *fit, char *, size_t) {
-  *fit = TAKES;
-  return MOE_OK;
-}
 
 const Candidate<moe_experts_args> kernels[] = {
     {"sm90w", sm90w_fits, sm90w_run},
     {"sm90x2", sm90x2_fits, sm90x2_run},
     {"sm90x1", sm90x1_fits, sm90x1_run},
-    {"mma", mma_fits, moeI_experts_mma_run},
+    {"mma", moeI_experts_mma_fits, moeI_experts_mma_run},
 };
 
 // What every kernel requires, and the context's stream on the tensors' device (the candidates'
@@ -58,15 +56,23 @@ int prologue(moe_ctx *ctx, const moe_experts_args *a) {
 
 const char *moeI_experts_kernels(void) { return candidate_names(kernels); }
 
+static bool empty(const moe_experts_args *a) {
+  return a->xs->shape[0] == 0 || a->xs->shape[1] == 0 || a->w_gate_up->shape[0] == 0; // no row of ys to write
+}
+
 int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
   int rc = prologue(ctx, a);
   if (rc) return rc;
-  if (a->xs->shape[0] == 0 || a->xs->shape[1] == 0 || a->w_gate_up->shape[0] == 0)
-    return moeI_ok(ctx); // no row of ys to write
+  if (empty(a)) return moeI_ok(ctx);
   return select_run(ctx, "experts", MOEI_CFG_EXPERTS_KERNEL, kernels, a);
 }
 
 int moeI_experts_explain_cuda(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n) {
   int rc = prologue(ctx, a);
-  return rc ? rc : select_explain(ctx, "experts", MOEI_CFG_EXPERTS_KERNEL, kernels, a, report, n);
+  if (rc) return rc;
+  if (empty(a)) {
+    snprintf(report, n, "none\nnone: nothing runs (C, H or EL is 0: no row of ys to write)\n");
+    return moeI_ok(ctx);
+  }
+  return select_explain(ctx, "experts", MOEI_CFG_EXPERTS_KERNEL, kernels, a, report, n);
 }

@@ -47,11 +47,11 @@ end
 
 -- A timing event: device events on a GPU, a monotonic clock on the CPU.
 -- e:record(); stop:elapsed_since(start) -> milliseconds.
-function device.event(device)
-  if device ~= nil and not args.is_device(device) then
-    args.fail("event", "expected a device, 'cpu' or 'cuda:N', got " .. args.describe(device))
+function device.event(dev)
+  if dev ~= nil and not args.is_device(dev) then
+    args.fail("event", "expected a device, 'cpu' or 'cuda:N', got " .. args.describe(dev))
   end
-  return core.event_new(device or device.default_device())
+  return core.event_new(dev or device.default_device())
 end
 
 return device

@@ -31,10 +31,13 @@ local OPTIONS = { "schedule_kernel", "experts_kernel" }
 function explain.config(o)
   if o ~= nil then
     args.options("config", o, { schedule_kernel = "string", experts_kernel = "string" })
+    local before = {}
+    for _, name in ipairs(OPTIONS) do before[name] = core.config(name) end
     for _, name in ipairs(OPTIONS) do
       if o[name] ~= nil then
         local ok, err = pcall(core.config, name, o[name])
-        if not ok then
+        if not ok then -- all or nothing: the options set before this one go back
+          for _, back in ipairs(OPTIONS) do core.config(back, before[back]) end
           local why = tostring(err):gsub("^config: " .. name .. " ", "")
           args.fail("config", string.format("option '%s' %s", name, why))
         end

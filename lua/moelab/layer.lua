@@ -533,8 +533,11 @@ end
 
 -- Which kernel each stage with variants runs and why, per held rank (nothing runs):
 -- { { rank =, schedule = <choice>, experts = <choice>, shared = <choice> (with a shared expert) }, ... },
--- each choice printing as its report (moelab.explain).  The shared expert runs on each shard.
-function Layer:plan()
+-- each choice printing as its report (moelab.explain).  The shared expert runs on each shard, on
+-- the tokens forward is given: plan(x) asks about those; without x, about tokens laid out as the
+-- layer's own buffers are (a view of x at an odd offset can change the Hopper kernels' verdict).
+function Layer:plan(x)
+  if x ~= nil then x = self.space:inputs(self, "plan", "x", x, "bf16", self.shards[1].out.shape) end
   return on_ranks(self, function()
     local ranks = {}
     for j, h in ipairs(self.held) do
@@ -545,7 +548,7 @@ function Layer:plan()
     for i, sh in ipairs(self.shards) do
       if self.shared_ffn > 0 and ranks[i] then
         self.space:bind(i)
-        local xr = as_rows(sh.shared_y)
+        local xr = x and as_rows(x[i]) or sh.shared_y
         ranks[i].shared = explain.parse(core.experts_explain { ys = sh.shared_y, xs = xr,
           expert_offsets = sh.shared_offsets, w_gate_up = sh.shared_gate_up, w_down = sh.shared_down })
       end
