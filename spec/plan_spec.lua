@@ -77,8 +77,11 @@ describe("layer:plan on a GPU [#gpu]", function()
   after_each(function() moe.config { schedule_kernel = "auto", experts_kernel = "auto" } end)
 
   it("names the kernels the library picks, follows a forced one, and the forward still checks", function()
-    -- H and F multiples of 64, as the Hopper kernels take them
-    local layer = cpu_layer { device = "cuda:0", tokens = 64, hidden = 128, ffn = 64, shared_ffn = 64 }
+    -- H and F multiples of 64, as the Hopper kernels take them; 48 experts a rank, which the
+    -- bitmap scheduler takes (two ranks would hold 192: past its 128)
+    local layer = cpu_layer { device = "cuda:0", world = 8, tokens = 64, hidden = 128, ffn = 64, shared_ffn = 64 }
+    assert.truthy(cpu_layer({ device = "cuda:0" }):plan()[1].schedule.candidates[1].verdict
+      :find("^cannot: more than 128 experts a rank"))
     local p = layer:plan()[1]
     assert.are.equal("bitmap", p.schedule.kernel)
     assert.are.equal("sm90x2", p.experts.kernel) -- experts of a few rows: the row tiles
@@ -88,7 +91,7 @@ describe("layer:plan on a GPU [#gpu]", function()
     p = layer:plan()[1]
     assert.are.equal("mma", p.experts.kernel)
     assert.are.equal("grid", p.schedule.kernel)
-    local x = moe.randn({ 2, 64, 128 }, { dtype = "bf16", seed = 3, device = "cuda:0" })
+    local x = moe.randn({ 8, 64, 128 }, { dtype = "bf16", seed = 3, device = "cuda:0" })
     layer:check(x)
   end)
 end)
