@@ -61,8 +61,10 @@ local here = gpu and ("one " .. gpu_name:gsub("^NVIDIA ", "")) or "this machine,
 -- The layer: stage times, graph time, the check.
 local function layer_result(text)
   local eager, graph = text:match("\n  total%s+([%d.]+)"), text:match("\n  graph%s+([%d.]+)")
-  local check = text:match("check .-: (%u+)\n")
+  local check = text:match("check [^\n]-: (%u+)\n")
   if not eager or not check then return nil end
+  local err, l2 = text:match("check [^\n]-= ([%d.e+-]+) %(tol[^\n]-= ([%d.e+-]+) %(tol")
+  if err then check = string.format("%s (max err / max ref %s, relative L2 %s)", check, err, l2) end
   local experts = grab(text, "\n  experts%s+([%d.]+)%s+([%d.]+) TFLOP/s", "; experts %s ms = %s TFLOP/s") or ""
   return string.format("%s ms a pass%s%s; check %s", eager, graph and (", " .. graph .. " ms as one CUDA graph") or "",
     experts, check)
