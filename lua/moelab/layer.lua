@@ -3,7 +3,10 @@
 -- a forward pass allocates nothing and (on a GPU) can be captured as a CUDA graph.
 --
 -- One pipeline -- route, agree on NaN, schedule, agree on the check, dispatch, experts, shared
--- expert, combine -- over a world that says only where a rank's buffers live and how tokens cross:
+-- expert, combine -- over stage objects planned once (moelab.stages: Router and SharedExpert per
+-- shard, Experts per held rank; moelab.schedule: a Schedule per held rank), and over a world that
+-- says only where a rank's buffers live and how tokens cross (dispatch and combine are its
+-- methods: they are what differs between worlds):
 --
 --   world = W (a number, default 1): a simulated world, its W ranks side by side on one device
 --     (option device).  Rank r's tokens are x[r], its experts [r*EL, (r+1)*EL).  forward(x) takes
@@ -25,8 +28,8 @@ local models = require "moelab.models"
 local moe_device = require "moelab.device"
 local route = require "moelab.route"
 local schedule = require "moelab.schedule"
+local stages = require "moelab.stages"
 local world = require "moelab.world"
-local explain = require "moelab.explain"
 
 local Layer = { __name = "moelab.Layer" }
 Layer.__index = Layer
@@ -172,12 +175,7 @@ local function dims(lead, ...)
   return s
 end
 
--- t as rows [N, width]: a shard's [W, T, width] seen as W*T rows.
-local function as_rows(t)
-  if #t.shape == 2 then return t end
-  local s = t.shape
-  return t:view(0, { s[1] * s[2], s[3] })
-end
+local as_rows = stages.as_rows
 
 -- " of rank r" for a shard of one rank's tokens; nothing for the simulated world's shard of all.
 local function rank_label(sh)
@@ -445,6 +443,14 @@ local SHARD_FIELDS = { "w_router", "bias", "shared_gate_up", "shared_down", "sha
   "weights", "route_stats", "out", "shared_y", "shared_offsets", "gate", "all_ids", "verdict", "verdicts" }
 local HELD_FIELDS = { w_gate_up = "w_gate_up", w_down = "w_down", schedules = "schedule", xs = "xs", ys = "ys",
   route_rows = "route_row" }
+-- A shard's names for its stages' buffers (the worlds and the reference read them by these names).
+local ROUTER_FIELDS = { logits = "logits", ids = "ids", weights = "weights", route_stats = "stats_tensor" }
+local SHARED_EXPERT_FIELDS = { shared_gate_up = "w_gate_up", shared_down = "w_down", shared_gate_w = "gate_w",
+  shared_y = "ys", shared_offsets = "offsets", gate = "gate" }
+
+local function fields_of(sh, stage, names)
+  for name, key in pairs(names) do sh[name] = stage[key] end
+end
 
 function Layer.new(o)
   local r, group = resolve(o)
@@ -463,20 +469,16 @@ function Layer.new(o)
     h.w_down = init_weight(self, "w_down", h.device, h.rank)
   end
   for _, sh in ipairs(self.shards) do
-    local dev, N = sh.device, sh.rows
+    local dev = sh.device
     if self.shared_ffn > 0 then
-      sh.shared_gate_up = init_weight(self, "shared_gate_up", dev)
-      sh.shared_down = init_weight(self, "shared_down", dev)
-      if cfg.shared_gate then sh.shared_gate_w = init_weight(self, "shared_gate_w", dev) end
-      sh.shared_y = core.new("bf16", { N, H }, dev)
-      sh.shared_offsets = core.from_table({ 0, N }, "i32", dev)
-      if cfg.shared_gate then sh.gate = core.new("f32", { N }, dev) end
+      sh.shared = stages.SharedExpert.plan { device = dev, rows = sh.rows, hidden = H,
+        w_gate_up = init_weight(self, "shared_gate_up", dev), w_down = init_weight(self, "shared_down", dev),
+        gate_w = cfg.shared_gate and init_weight(self, "shared_gate_w", dev) or nil }
+      fields_of(sh, sh.shared, SHARED_EXPERT_FIELDS)
     end
-    sh.logits = core.new("f32", { N, E }, dev)
-    sh.ids = core.new("i32", dims(sh.lead, K), dev)
-    sh.weights = core.new("f32", dims(sh.lead, K), dev)
-    sh.ids_rows, sh.weights_rows = as_rows(sh.ids), as_rows(sh.weights)
-    sh.route_stats = core.new("i32", { 2 }, dev)
+    sh.router = stages.Router.plan { device = dev, lead = sh.lead, tokens = self.tokens, rank = sh.rank,
+      experts = E, k = K, w_router = sh.w_router, bias = sh.bias, cfg = cfg, nan = self.nan }
+    fields_of(sh, sh.router, ROUTER_FIELDS)
     space:alloc_shard(self, sh)
   end
   for j, h in ipairs(self.held) do
@@ -486,7 +488,11 @@ function Layer.new(o)
     h.xs = core.new("bf16", { C, H }, h.device)
   end
   for _, sh in ipairs(self.shards) do sh.out = core.new("bf16", dims(sh.lead, H), sh.device) end
-  space:connect(self)
+  space:connect(self) -- where the experts write: h.ys
+  for _, h in ipairs(self.held) do
+    h.experts = stages.Experts.plan { xs = h.xs, offsets = h.schedule.expert_offsets, w_gate_up = h.w_gate_up,
+      w_down = h.w_down, ys = h.ys }
+  end
   for _, name in ipairs(SHARD_FIELDS) do
     local list = shard_list(self, name)
     self[name] = space.lists and list or list[1]
@@ -542,15 +548,12 @@ function Layer:plan(x)
     local ranks = {}
     for j, h in ipairs(self.held) do
       self.space:bind(j)
-      ranks[j] = { rank = h.rank, schedule = h.schedule:explain(), experts = explain.parse(core.experts_explain {
-        ys = h.ys, xs = h.xs, expert_offsets = h.schedule.expert_offsets, w_gate_up = h.w_gate_up, w_down = h.w_down }) }
+      ranks[j] = { rank = h.rank, schedule = h.schedule:explain(), experts = h.experts:explain() }
     end
     for i, sh in ipairs(self.shards) do
-      if self.shared_ffn > 0 and ranks[i] then
+      if sh.shared and ranks[i] then
         self.space:bind(i)
-        local xr = x and as_rows(x[i]) or sh.shared_y
-        ranks[i].shared = explain.parse(core.experts_explain { ys = sh.shared_y, xs = xr,
-          expert_offsets = sh.shared_offsets, w_gate_up = sh.shared_gate_up, w_down = sh.shared_down })
+        ranks[i].shared = sh.shared:explain(x and as_rows(x[i]))
       end
     end
     return ranks
@@ -572,7 +575,7 @@ end
 -- shard, or nil), check = false: no read back.  Its errors carry no position: the caller's is
 -- given by forward.
 local function run(self, x, o)
-  local space, K, cfg = self.space, self.k, self.cfg
+  local space = self.space
   local eager = o.check ~= false
   self.times, self.timing = {}, eager
   self.routing_given = o.ids ~= nil or o.logits ~= nil -- check's reference then takes this routing
@@ -583,12 +586,10 @@ local function run(self, x, o)
       if o.ids then
         sh.ids:copy(o.ids[i])
         sh.weights:copy(o.weights[i])
+      elseif o.logits then
+        sh.router:run(nil, o.logits[i])
       else
-        local logits = o.logits and o.logits[i] or sh.logits
-        if not o.logits then core.logits(logits, as_rows(x[i]), sh.w_router) end
-        core.route { ids = sh.ids_rows, weights = sh.weights_rows, stats = sh.route_stats, logits = logits,
-          bias = sh.bias, k = K, scoring = cfg.scoring, groups = cfg.groups, topk_groups = cfg.topk_groups,
-          scale = cfg.scale }
+        sh.router:run(as_rows(x[i]))
       end
     end
   end)
@@ -598,13 +599,10 @@ local function run(self, x, o)
   if eager and self.routed and self.nan == "error" then
     for i, sh in ipairs(self.shards) do
       space:bind(i)
-      local st = sh.route_stats:flat()
-      nan[i] = st[1]
-      if st[1] > 0 then
-        own[i] = string.format("layer: route: router logits contain NaN or cannot be scored (+inf, all -inf) in %d "
-          .. "rows%s, the first is token %d%s", st[1], rank_label(sh), st[2] % self.tokens,
-          sh.rank and "" or string.format(" of rank %d", st[2] // self.tokens))
-      end
+      local ok, err = pcall(sh.router.check, sh.router)
+      if not sh.router.stats then error(err, 0) end -- the read back itself failed: not a verdict, raised as is
+      nan[i] = sh.router.stats.unscored
+      if not ok then own[i] = "layer: " .. tostring(err) end
     end
     if not space.collective then space:agree(own) end
   end
@@ -628,18 +626,14 @@ local function run(self, x, o)
   timed(self, "experts", function()
     for j, h in ipairs(self.held) do
       space:bind(j)
-      core.experts { ys = h.ys, xs = h.xs, expert_offsets = h.schedule.expert_offsets, w_gate_up = h.w_gate_up,
-        w_down = h.w_down }
+      h.experts:run()
     end
   end)
   if self.shared_ffn > 0 then
     timed(self, "shared", function()
       for i, sh in ipairs(self.shards) do
         space:bind(i)
-        local xr = as_rows(x[i])
-        core.experts { ys = sh.shared_y, xs = xr, expert_offsets = sh.shared_offsets,
-          w_gate_up = sh.shared_gate_up, w_down = sh.shared_down }
-        if sh.gate then core.sigmoid_gate(sh.gate, xr, sh.shared_gate_w) end
+        sh.shared:run(as_rows(x[i]))
       end
     end)
   end
@@ -852,10 +846,10 @@ local function policy_error(self)
     for i = 1, math.max(#self.shards, #self.held) do -- shard i and held rank i share a device
       self.space:bind(i)
       local sh, h = self.shards[i], self.held[i]
-      local st = sh and self.routed and self.nan == "error" and sh.route_stats:flat() or { 0 }
-      if st[1] > 0 then
+      local unscored = sh and self.routed and self.nan == "error" and sh.router:read_stats().unscored or 0
+      if unscored > 0 then
         return string.format("layer: route: router logits contained NaN or could not be scored (+inf, all -inf) in "
-          .. "%d rows%s (those tokens were routed nowhere)", st[1], rank_label(sh))
+          .. "%d rows%s (those tokens were routed nowhere)", unscored, rank_label(sh))
       end
       local ok, err = pcall(h.schedule.check, h.schedule)
       if not ok then return "layer: " .. tostring(err) end
@@ -931,7 +925,7 @@ function Layer:stats()
     on_ranks(self, function()
       for i, sh in ipairs(self.shards) do
         self.space:bind(i)
-        st.unscored = st.unscored + sh.route_stats:flat()[1]
+        st.unscored = st.unscored + sh.router:read_stats().unscored
       end
     end)
   end

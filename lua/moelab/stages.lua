@@ -1,0 +1,145 @@
+-- The layer's stages that hold buffers and state of their own, each shaped like schedule.Schedule:
+-- plan{...} allocates and owns the stage's outputs once, so that a forward allocates nothing;
+-- run(...) issues the stage on the bound stream and reads nothing back (capturable); check()
+-- reads the stage's device statistics and raises by its policy; explain() says which kernel run()
+-- would issue where the stage has several.  The weights are given, never made here: the layer's
+-- seed rule makes them.
+local core = require "moelab.core"
+local args = require "moelab.args"
+local explain = require "moelab.explain"
+
+local stages = {}
+
+-- t as rows [N, width]: a shard's [W, T, width] seen as W*T rows.
+function stages.as_rows(t)
+  if #t.shape == 2 then return t end
+  local s = t.shape
+  return t:view(0, { s[1] * s[2], s[3] })
+end
+
+-- ---------------------------------------------------------------- router
+
+-- Stage 1, route: the router's logits of a shard's tokens and their top-k experts.
+local Router = { __name = "moelab.Router" }
+Router.__index = Router
+stages.Router = Router
+
+-- o: device; lead, the tokens' shape ({W, T} or {T}); tokens, T per rank; rank, the rank whose
+-- tokens (nil: every rank's, W of them); experts E, k K; w_router [E, H], bias [E] or nil; cfg
+-- (scoring, groups, topk_groups, scale); nan, the policy on rows it cannot score.
+function Router.plan(o)
+  local dev, lead, E, K = o.device, o.lead, o.experts, o.k
+  local N = lead[1] * (lead[2] or 1)
+  local self = setmetatable({ device = dev, rows = N, tokens = o.tokens, rank = o.rank, experts = E, k = K,
+    w_router = o.w_router, bias = o.bias, cfg = o.cfg, nan = o.nan }, Router)
+  self.logits = core.new("f32", { N, E }, dev)
+  local shape = { table.unpack(lead) }
+  shape[#shape + 1] = K
+  self.ids = core.new("i32", shape, dev)
+  self.weights = core.new("f32", shape, dev)
+  self.ids_rows, self.weights_rows = stages.as_rows(self.ids), stages.as_rows(self.weights)
+  self.stats_tensor = core.new("i32", { 2 }, dev)
+  return self
+end
+
+-- Routes x_rows [N, H] (or the given logits [N, E], the router's own not computed) into ids and
+-- weights.
+function Router:run(x_rows, logits)
+  if not logits then
+    logits = self.logits
+    core.logits(logits, x_rows, self.w_router)
+  end
+  local cfg = self.cfg
+  core.route { ids = self.ids_rows, weights = self.weights_rows, stats = self.stats_tensor, logits = logits,
+    bias = self.bias, k = self.k, scoring = cfg.scoring, groups = cfg.groups, topk_groups = cfg.topk_groups,
+    scale = cfg.scale }
+  self.stats = nil
+  return self
+end
+
+-- Reads the stats back: {unscored = rows it could not score (NaN, +inf, all -inf), first_unscored
+-- = the first of them, a row over the shard's tokens}.
+function Router:read_stats()
+  local st = self.stats_tensor:flat()
+  self.stats = { unscored = st[1], first_unscored = st[2] }
+  return self.stats
+end
+
+-- Raises on rows it could not score where the policy (nan = "error") does not allow them; under
+-- nan = "mask" it reads nothing, those rows routed nowhere.
+function Router:check()
+  if self.nan ~= "error" then return self end
+  local st, T = self:read_stats(), self.tokens
+  if st.unscored > 0 then
+    -- the rank named once: the shard's, or the first row's among every rank's tokens
+    local rank = string.format(" of rank %d", self.rank or st.first_unscored // T)
+    args.raise(string.format("route: router logits contain NaN or cannot be scored (+inf, all -inf) in %d rows%s, "
+      .. "the first is token %d%s", st.unscored, self.rank and rank or "", st.first_unscored % T,
+      self.rank and "" or rank))
+  end
+  return self
+end
+
+-- ---------------------------------------------------------------- experts
+
+-- The C stage's arguments: the experts of expert_offsets' segments over xs into ys.
+local function experts_args(ys, xs, offsets, w_gate_up, w_down)
+  return { ys = ys, xs = xs, expert_offsets = offsets, w_gate_up = w_gate_up, w_down = w_down }
+end
+
+-- Stage 4, experts: a rank's experts over the rows its schedule placed in xs.
+local Experts = { __name = "moelab.Experts" }
+Experts.__index = Experts
+stages.Experts = Experts
+
+-- o: xs [C, H], offsets (the schedule's expert_offsets [EL + 1]), w_gate_up [EL, 2F, H], w_down
+-- [EL, H, F], ys [C, H]; ys is given, not made, where the world says where experts write (a real
+-- world's exchange windows).
+function Experts.plan(o)
+  return setmetatable({ xs = o.xs, offsets = o.offsets, w_gate_up = o.w_gate_up, w_down = o.w_down, ys = o.ys },
+    Experts)
+end
+
+function Experts:run()
+  core.experts(experts_args(self.ys, self.xs, self.offsets, self.w_gate_up, self.w_down))
+  return self
+end
+
+function Experts:explain()
+  return explain.parse(core.experts_explain(experts_args(self.ys, self.xs, self.offsets, self.w_gate_up,
+    self.w_down)))
+end
+
+-- ---------------------------------------------------------------- shared expert
+
+-- The shared expert: one expert over every token of a shard, and its sigmoid gate when it has one.
+local SharedExpert = { __name = "moelab.SharedExpert" }
+SharedExpert.__index = SharedExpert
+stages.SharedExpert = SharedExpert
+
+-- o: device, rows N, hidden H; w_gate_up [1, 2Fs, H], w_down [1, H, Fs], gate_w [H] or nil (no gate).
+function SharedExpert.plan(o)
+  local dev, N = o.device, o.rows
+  local self = setmetatable({ device = dev, rows = N, w_gate_up = o.w_gate_up, w_down = o.w_down, gate_w = o.gate_w },
+    SharedExpert)
+  self.ys = core.new("bf16", { N, o.hidden }, dev)
+  self.offsets = core.from_table({ 0, N }, "i32", dev)
+  if o.gate_w then self.gate = core.new("f32", { N }, dev) end
+  return self
+end
+
+-- The expert, then the gate, over x_rows [N, H].
+function SharedExpert:run(x_rows)
+  core.experts(experts_args(self.ys, x_rows, self.offsets, self.w_gate_up, self.w_down))
+  if self.gate then core.sigmoid_gate(self.gate, x_rows, self.gate_w) end
+  return self
+end
+
+-- The experts kernel run(x_rows) would issue; without x_rows, for tokens laid out as its own ys
+-- (the kernels' verdict can depend on where the rows start).
+function SharedExpert:explain(x_rows)
+  return explain.parse(core.experts_explain(experts_args(self.ys, x_rows or self.ys, self.offsets, self.w_gate_up,
+    self.w_down)))
+end
+
+return stages
