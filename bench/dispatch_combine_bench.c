@@ -66,8 +66,8 @@ int main(void) {
   moe_tensor *xc = copy_to(xg, CPU), *prg = copy_to(s[0].peer_rank, GPU), *ptg = copy_to(s[0].peer_route, GPU);
   TRY(moe_tensor_fill(ctx, xsg, -3.0));
   TRY(moe_tensor_fill(ctx, xsc, -3.0));
-  moe_dispatch_args dc = {.xs = xsc, .x = xc, .peer_rank = s[0].peer_rank, .peer_route = s[0].peer_route, .k = K};
-  moe_dispatch_args da = {.xs = xsg, .x = xg, .peer_rank = prg, .peer_route = ptg, .k = K};
+  moe_dispatch_args dc = {.out = xsc, .x = xc, .peer_rank = s[0].peer_rank, .peer_route = s[0].peer_route, .k = K};
+  moe_dispatch_args da = {.out = xsg, .x = xg, .peer_rank = prg, .peer_route = ptg, .k = K};
   TRY(moe_dispatch(ctx, &dc));
   TRY(moe_dispatch(ctx, &da));
   expect("dispatch Kimi K2 rank 0 of EP8 vs CPU", xsg, xsc, 1, 0);

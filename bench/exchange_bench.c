@@ -232,7 +232,7 @@ static void bench(int W, int T, int H, int K, int E, int iters) {
     moe_world_combine_args cb = {out[r], wts[r], id[r], wys[r], rrow[r], sr[r], rr[r], si[r], ri[r], E, NULL, NULL};
     run.da[r] = d, run.ca[r] = cb;
     run.dd[r] = d, run.dc[r] = cb;
-    run.dd[r].xs = dxs[r], run.dd[r].x_all = NULL, run.dc[r].out = dout[r];
+    run.dd[r].out = dxs[r], run.dd[r].x_all = NULL, run.dc[r].out = dout[r];
   }
 
   /* The context bound to rank 0's stream: the exchanges then never wait on the host (an unbound

@@ -136,7 +136,7 @@ int main(int argc, char **argv) {
     TRY(moe_tensor_randn(ctx, wd, 3, 0.0221f));  /* ~1/sqrt(F) */
   }
   TRY(moe_tensor_write(ctx, offsets, off, sizeof off));
-  const moe_experts_args a = {.ys = ys, .xs = xs, .expert_offsets = offsets, .w_gate_up = wgu, .w_down = wd};
+  const moe_experts_args a = {.out = ys, .x = xs, .offsets = offsets, .w_gate_up = wgu, .w_down = wd};
 
   for (long i = 0; i < warmup; i++) TRY(moe_experts(ctx, &a));
   TRY(moe_ctx_synchronize(ctx, gpu));

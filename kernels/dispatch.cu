@@ -1,4 +1,4 @@
-// dispatch.cu -- stage 3 on the GPU: xs[row] = x[peer_rank[row], peer_route[row] / k].
+// dispatch.cu -- stage 3 on the GPU: out[row] = x[peer_rank[row], peer_route[row] / k].
 //
 // A gather of whole rows: the only work is moving bytes, so the kernel is built for copy
 // bandwidth.  Each block takes a run of RB consecutive rows of xs and looks their sources up
@@ -66,7 +66,7 @@ dispatch_kernel(V *__restrict__ xs, const V *__restrict__ x, const int32_t *__re
 
 template <typename V>
 int launch(moe_ctx *ctx, cudaStream_t s, const moe_dispatch_args *a) {
-  const int64_t W = a->x->shape[0], T = a->x->shape[1], H = a->x->shape[2], C = a->xs->shape[0];
+  const int64_t W = a->x->shape[0], T = a->x->shape[1], H = a->x->shape[2], C = a->out->shape[0];
   const int64_t pieces = H * 2 / (int64_t)sizeof(V);
   if (pieces * MAX_RB >= ((int64_t)1 << 31))
     return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "dispatch: rows of %lld elements are too long for cuda", (long long)H);
@@ -76,7 +76,7 @@ int launch(moe_ctx *ctx, cudaStream_t s, const moe_dispatch_args *a) {
   const int64_t blocks = (C + rb - 1) / rb;
   if (blocks > INT32_MAX) return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "dispatch: %lld rows are too many for cuda", (long long)C);
   dispatch_kernel<V><<<(unsigned)blocks, THREADS, 0, s>>>(
-      (V *)a->xs->data, (const V *)a->x->data, (const int32_t *)a->peer_rank->data,
+      (V *)a->out->data, (const V *)a->x->data, (const int32_t *)a->peer_rank->data,
       (const int32_t *)a->peer_route->data, C, W, T, moeI_dispatch_routes(T, a->k), a->k, (uint32_t)pieces, (int)rb,
       a->zero_fill != 0);
   MOE_CUDA_LAUNCHED(ctx, "dispatch");
@@ -86,16 +86,16 @@ int launch(moe_ctx *ctx, cudaStream_t s, const moe_dispatch_args *a) {
 } // namespace
 
 int moeI_dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a) {
-  const int64_t H = a->x->shape[2], C = a->xs->shape[0];
-  const uintptr_t px = (uintptr_t)a->x->data, pxs = (uintptr_t)a->xs->data;
-  const size_t xbytes = moe_tensor_nbytes(a->x), xsbytes = moe_tensor_nbytes(a->xs);
-  // The CPU copies row after row (memmove), so xs over x has an order there; on the GPU the
+  const int64_t H = a->x->shape[2], C = a->out->shape[0];
+  const uintptr_t px = (uintptr_t)a->x->data, pxs = (uintptr_t)a->out->data;
+  const size_t xbytes = moe_tensor_nbytes(a->x), xsbytes = moe_tensor_nbytes(a->out);
+  // The CPU copies row after row (memmove), so out over x has an order there; on the GPU the
   // rows are copied at once and such a call would race.
   if (xbytes && xsbytes && px < pxs + xsbytes && pxs < px + xbytes)
-    return moeI_seterr(ctx, MOE_ERR_ARG, "dispatch: xs and x share memory, which cuda does not allow");
+    return moeI_seterr(ctx, MOE_ERR_ARG, "dispatch: out and x share memory, which cuda does not allow");
   if (!C || !H) return moeI_ok(ctx);
   cudaStream_t s;
-  int rc = moeI_cuda_ctx_stream(ctx, a->xs->device.index, &s);
+  int rc = moeI_cuda_ctx_stream(ctx, a->out->device.index, &s);
   if (rc) return rc;
   const size_t row = (size_t)H * 2;
   if (row % 16 == 0 && px % 16 == 0 && pxs % 16 == 0) return launch<uint4>(ctx, s, a);

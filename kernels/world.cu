@@ -402,7 +402,7 @@ int moeI_nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args
   for (int i = 0; i < w->nlocal; i++) {
     moe_dispatch_args d;
     memset(&d, 0, sizeof d);
-    d.xs = a[i].xs;
+    d.out = a[i].out;
     d.x = a[i].x_all;
     d.peer_rank = a[i].peer_rank;
     d.peer_route = a[i].peer_route;
@@ -751,16 +751,17 @@ int moeI_nccl_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_
     p.peer_rank = (const int32_t *)a[i].peer_rank->data;
     p.peer_route = (const int32_t *)a[i].peer_route->data;
     p.route_row = (const int32_t *)a[i].route_row->data;
-    p.C = a[i].xs->shape[0], p.W = w->size, p.T = ex->tokens, p.K = ex->k;
+    p.C = a[i].out->shape[0], p.W = w->size, p.T = ex->tokens, p.K = ex->k;
     p.zero_fill = a[i].zero_fill != 0;
     const int64_t H = ex->hidden;
     if (p.C && H) {
-      // the windows' regions start on 4096-byte boundaries: only xs decides the piece
-      const uintptr_t pxs = (uintptr_t)a[i].xs->data;
-      if (H % 8 == 0 && pxs % 16 == 0) rc = launch_pull<uint4>(ctx, xstream(ex, i), (uint4 *)a[i].xs->data, p, H, stage);
+      // the windows' regions start on 4096-byte boundaries: only out decides the piece
+      const uintptr_t pxs = (uintptr_t)a[i].out->data;
+      if (H % 8 == 0 && pxs % 16 == 0)
+        rc = launch_pull<uint4>(ctx, xstream(ex, i), (uint4 *)a[i].out->data, p, H, stage);
       else if (H % 2 == 0 && pxs % 4 == 0)
-        rc = launch_pull<uint32_t>(ctx, xstream(ex, i), (uint32_t *)a[i].xs->data, p, H, stage);
-      else rc = launch_pull<uint16_t>(ctx, xstream(ex, i), (uint16_t *)a[i].xs->data, p, H, stage);
+        rc = launch_pull<uint32_t>(ctx, xstream(ex, i), (uint32_t *)a[i].out->data, p, H, stage);
+      else rc = launch_pull<uint16_t>(ctx, xstream(ex, i), (uint16_t *)a[i].out->data, p, H, stage);
       if (rc) return rc;
     }
     if ((rc = barrier(ctx, ex, i, stage))) return rc; // no rank rewrites its window while a peer reads it

@@ -53,10 +53,11 @@ int moe_combine(moe_ctx *ctx, const moe_combine_args *a) {
   char what[32], got[160];
   int rc;
   if (!a) return moeI_seterr(ctx, MOE_ERR_ARG, "combine: args is NULL");
-  if ((rc = moeI_check_tensor(ctx, stage, "weights", a->weights, MOE_F32, 2, NULL))) return rc;
-  const int64_t T = a->weights->shape[0], K = a->weights->shape[1];
+  /* ids (the schedule's) first, so that weights of the wrong shape is named as such */
+  if ((rc = moeI_check_tensor(ctx, stage, "ids", a->ids, MOE_I32, 2, NULL))) return rc;
+  const int64_t T = a->ids->shape[0], K = a->ids->shape[1];
   const int64_t tk_shape[] = {T, K};
-  if ((rc = moeI_check_tensor(ctx, stage, "ids", a->ids, MOE_I32, 2, tk_shape))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "weights", a->weights, MOE_F32, 2, tk_shape))) return rc;
   if (a->world < 1) return moeI_seterr(ctx, MOE_ERR_ARG, "combine: world must be >= 1, got %d", a->world);
   if (a->experts < 1 || a->experts % a->world)
     return moeI_seterr(ctx, MOE_ERR_ARG, "combine: experts must be a positive multiple of world (%d), got %d", a->world,
@@ -66,18 +67,19 @@ int moe_combine(moe_ctx *ctx, const moe_combine_args *a) {
   if (!a->ys || !a->route_row)
     return moeI_seterr(ctx, MOE_ERR_ARG, "combine: ys and route_row must be arrays of world (%d) tensors, got NULL",
                       a->world);
-  if ((rc = moeI_check_tensor(ctx, stage, "ys[0]", a->ys[0], MOE_BF16, 2, NULL))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "ys of rank 0", a->ys[0], MOE_BF16, 2, NULL))) return rc;
   const int64_t H = a->ys[0]->shape[1];
   const int64_t ys_shape[] = {-1, H}, rr_shape[] = {a->world, T * K}, th_shape[] = {T, H}, t_shape[] = {T};
   const moe_device dev = a->weights->device;
   for (int o = 0; o < a->world; o++) {
-    snprintf(what, sizeof what, "ys[%d]", o);
+    snprintf(what, sizeof what, "ys of rank %d", o);
     if ((rc = moeI_check_tensor(ctx, stage, what, a->ys[o], MOE_BF16, 2, ys_shape))) return rc;
-    snprintf(what, sizeof what, "route_row[%d]", o);
+    snprintf(what, sizeof what, "route_row of rank %d", o);
     if ((rc = moeI_check_tensor(ctx, stage, what, a->route_row[o], MOE_I32, 2, rr_shape))) return rc;
   }
-  if ((rc = moeI_check_same_device(ctx, stage, dev, a->ys, a->world))) return rc;
-  if ((rc = moeI_check_same_device(ctx, stage, dev, a->route_row, a->world))) return rc;
+  if ((rc = moeI_check_same_device_list(ctx, stage, "weights", dev, a->ys, a->world, "ys")) ||
+      (rc = moeI_check_same_device_list(ctx, stage, "weights", dev, a->route_row, a->world, "route_row")))
+    return rc;
   if (!a->out || (a->out->dtype != MOE_BF16 && a->out->dtype != MOE_F32) || a->out->ndim != 2 ||
       a->out->shape[0] != T || a->out->shape[1] != H)
     return moeI_seterr(ctx, MOE_ERR_ARG, "combine: out must be bf16 or f32 [%lld, %lld], got %s", (long long)T,
@@ -89,8 +91,8 @@ int moe_combine(moe_ctx *ctx, const moe_combine_args *a) {
     if ((rc = moeI_check_tensor(ctx, stage, "shared_gate", a->shared_gate, MOE_F32, 1, t_shape))) return rc;
   }
   const moe_tensor *ts[] = {a->out, a->weights, a->ids, a->shared, a->shared_gate};
-  if ((rc = moeI_check_same_device(ctx, stage, dev, ts, 5))) return rc;
   static const char *const names[] = {"out", "weights", "ids", "shared", "shared_gate"};
+  if ((rc = moeI_check_same_device(ctx, stage, "weights", dev, ts, names, 5))) return rc;
   if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 5))) return rc;
   if ((rc = moeI_check_no_overlap_list(ctx, stage, a->out, "out", a->ys, a->world, "ys")) ||
       (rc = moeI_check_no_overlap_list(ctx, stage, a->out, "out", a->route_row, a->world, "route_row")))

@@ -333,17 +333,35 @@ int moeI_check_tensor(moe_ctx *ctx, const char *stage, const char *what, const m
                     moeI_tensor_describe(t, got, sizeof got));
 }
 
-int moeI_check_same_device(moe_ctx *ctx, const char *stage, moe_device dev, const moe_tensor *const *ts, int n) {
-  for (int i = 0; i < n; i++) {
-    const moe_tensor *t = ts[i];
-    if (t && (t->device.kind != dev.kind || (dev.kind != MOE_CPU && t->device.index != dev.index))) {
-      char want[32], got[160];
-      if (dev.kind == MOE_CPU) snprintf(want, sizeof want, "cpu");
-      else snprintf(want, sizeof want, "cuda:%d", dev.index);
-      return moeI_seterr(ctx, MOE_ERR_ARG, "%s: all tensors must be on %s, got %s", stage, want,
-                        moeI_tensor_describe(t, got, sizeof got));
+static int on_device(const moe_tensor *t, moe_device dev) {
+  return t->device.kind == dev.kind && (dev.kind == MOE_CPU || t->device.index == dev.index);
+}
+
+/* "<stage>: <what> must be on <dev>, where <ref> is, got <t>" */
+static int device_error(moe_ctx *ctx, const char *stage, const char *what, const char *ref, moe_device dev,
+                        const moe_tensor *t) {
+  char want[32], got[160];
+  if (dev.kind == MOE_CPU) snprintf(want, sizeof want, "cpu");
+  else snprintf(want, sizeof want, "cuda:%d", dev.index);
+  return moeI_seterr(ctx, MOE_ERR_ARG, "%s: %s must be on %s, where %s is, got %s", stage, what, want, ref,
+                    moeI_tensor_describe(t, got, sizeof got));
+}
+
+int moeI_check_same_device(moe_ctx *ctx, const char *stage, const char *ref, moe_device dev,
+                          const moe_tensor *const *ts, const char *const *names, int n) {
+  for (int i = 0; i < n; i++)
+    if (ts[i] && !on_device(ts[i], dev)) return device_error(ctx, stage, names[i], ref, dev, ts[i]);
+  return MOE_OK;
+}
+
+int moeI_check_same_device_list(moe_ctx *ctx, const char *stage, const char *ref, moe_device dev,
+                               const moe_tensor *const *list, int n, const char *what) {
+  char name[96];
+  for (int r = 0; r < n; r++)
+    if (list[r] && !on_device(list[r], dev)) {
+      snprintf(name, sizeof name, "%s of rank %d", what, r);
+      return device_error(ctx, stage, name, ref, dev, list[r]);
     }
-  }
   return MOE_OK;
 }
 
@@ -368,7 +386,8 @@ int moeI_check_no_overlap_list(moe_ctx *ctx, const char *stage, const moe_tensor
                               const moe_tensor *const *list, int n, const char *what) {
   for (int r = 0; r < n; r++)
     if (overlap(out, list[r]))
-      return moeI_seterr(ctx, MOE_ERR_ARG, "%s: %s and %s[%d] share memory; outputs must not overlap other arguments",
+      return moeI_seterr(ctx, MOE_ERR_ARG,
+                        "%s: %s and %s of rank %d share memory; outputs must not overlap other arguments",
                         stage, out_name, what, r);
   return MOE_OK;
 }

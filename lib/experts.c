@@ -185,11 +185,11 @@ void moeI_mlp_swiglu(float *const y[MLP_ROWS], const float *const x[MLP_ROWS], i
 static int64_t clamp_offset(int32_t v, int64_t C) { return v < 0 ? 0 : v > C ? C : v; }
 
 int moeI_experts_cpu(moe_ctx *ctx, const moe_experts_args *a) {
-  const int64_t C = a->xs->shape[0], H = a->xs->shape[1];
+  const int64_t C = a->x->shape[0], H = a->x->shape[1];
   const int64_t EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
-  const int32_t *off = a->expert_offsets->data;
-  const uint16_t *xs = a->xs->data, *wgu = a->w_gate_up->data, *wd = a->w_down->data;
-  uint16_t *ys = a->ys->data;
+  const int32_t *off = a->offsets->data;
+  const uint16_t *xs = a->x->data, *wgu = a->w_gate_up->data, *wd = a->w_down->data;
+  uint16_t *ys = a->out->data;
 
   if (C == 0 || H == 0 || EL == 0) return moeI_ok(ctx); /* no row to write (F may then be up to 2^39) */
   /* f32 copies of one expert's weights, converted once per expert, and one row block */
@@ -226,10 +226,10 @@ static int experts_check(moe_ctx *ctx, const moe_experts_args *a) {
   static const char *stage = "experts";
   if (!a) return moeI_seterr(ctx, MOE_ERR_ARG, "experts: args is NULL");
   int rc;
-  if ((rc = moeI_check_tensor(ctx, stage, "xs", a->xs, MOE_BF16, 2, NULL))) return rc;
-  const int64_t C = a->xs->shape[0], H = a->xs->shape[1];
-  const int64_t ys_shape[] = {C, H};
-  if ((rc = moeI_check_tensor(ctx, stage, "ys", a->ys, MOE_BF16, 2, ys_shape))) return rc;
+  if ((rc = moeI_check_tensor(ctx, stage, "x", a->x, MOE_BF16, 2, NULL))) return rc;
+  const int64_t C = a->x->shape[0], H = a->x->shape[1];
+  const int64_t out_shape[] = {C, H};
+  if ((rc = moeI_check_tensor(ctx, stage, "out", a->out, MOE_BF16, 2, out_shape))) return rc;
   const int64_t gu_shape[] = {-1, -1, H};
   if ((rc = moeI_check_tensor(ctx, stage, "w_gate_up", a->w_gate_up, MOE_BF16, 3, gu_shape))) return rc;
   const int64_t EL = a->w_gate_up->shape[0], F2 = a->w_gate_up->shape[1];
@@ -241,27 +241,27 @@ static int experts_check(moe_ctx *ctx, const moe_experts_args *a) {
   const int64_t down_shape[] = {EL, H, F2 / 2};
   if ((rc = moeI_check_tensor(ctx, stage, "w_down", a->w_down, MOE_BF16, 3, down_shape))) return rc;
   const int64_t off_shape[] = {EL + 1};
-  if ((rc = moeI_check_tensor(ctx, stage, "expert_offsets", a->expert_offsets, MOE_I32, 1, off_shape))) return rc;
-  const moe_tensor *ts[] = {a->ys, a->xs, a->expert_offsets, a->w_gate_up, a->w_down};
-  if ((rc = moeI_check_same_device(ctx, stage, a->xs->device, ts, 5))) return rc;
-  /* ys may be xs itself (in place: every backend reads a row block of xs before it writes that
-   * block of ys), but no other overlap */
-  static const char *const names[] = {"ys", "xs", "expert_offsets", "w_gate_up", "w_down"};
-  const int in_place = a->ys->data == a->xs->data; /* same shape: checked above; then xs stands for ys */
+  if ((rc = moeI_check_tensor(ctx, stage, "offsets", a->offsets, MOE_I32, 1, off_shape))) return rc;
+  const moe_tensor *ts[] = {a->out, a->x, a->offsets, a->w_gate_up, a->w_down};
+  static const char *const names[] = {"out", "x", "offsets", "w_gate_up", "w_down"};
+  if ((rc = moeI_check_same_device(ctx, stage, "x", a->x->device, ts, names, 5))) return rc;
+  /* out may be x itself (in place: every backend reads a row block of x before it writes that
+   * block of out), but no other overlap */
+  const int in_place = a->out->data == a->x->data; /* same shape: checked above; then x stands for out */
   return moeI_check_no_overlap(ctx, stage, ts + in_place, names + in_place, 1, 5 - in_place);
 }
 
 int moe_experts(moe_ctx *ctx, const moe_experts_args *a) {
   int rc = experts_check(ctx, a);
   if (rc) return rc;
-  return moeI_on_cpu(a->xs) ? moeI_experts_cpu(ctx, a) : moeI_experts_cuda(ctx, a);
+  return moeI_on_cpu(a->x) ? moeI_experts_cpu(ctx, a) : moeI_experts_cuda(ctx, a);
 }
 
 int moe_experts_explain(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n) {
   int rc = experts_check(ctx, a);
   if (rc) return rc;
   if (!report || n == 0) return moeI_seterr(ctx, MOE_ERR_ARG, "experts: report must hold at least one byte");
-  if (moeI_on_cpu(a->xs)) return moeI_explain_cpu(ctx, report, n);
+  if (moeI_on_cpu(a->x)) return moeI_explain_cpu(ctx, report, n);
   return moeI_experts_explain_cuda(ctx, a, report, n);
 }
 
@@ -301,8 +301,8 @@ int moe_logits(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_ten
   const int64_t out_shape[] = {N, w->shape[0]};
   if ((rc = moeI_check_tensor(ctx, stage, "out", out, MOE_F32, 2, out_shape))) return rc;
   const moe_tensor *ts[] = {out, x, w};
-  if ((rc = moeI_check_same_device(ctx, stage, x->device, ts, 3))) return rc;
   static const char *const names[] = {"out", "x", "w"};
+  if ((rc = moeI_check_same_device(ctx, stage, "x", x->device, ts, names, 3))) return rc;
   if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 3))) return rc;
   return moeI_on_cpu(x) ? moeI_logits_cpu(ctx, out, x, w) : moeI_logits_cuda(ctx, out, x, w);
 }
@@ -338,8 +338,8 @@ int moe_sigmoid_gate(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe
   if ((rc = moeI_check_tensor(ctx, stage, "w", w, MOE_BF16, 1, w_shape))) return rc;
   if ((rc = moeI_check_tensor(ctx, stage, "g", g, MOE_F32, 1, g_shape))) return rc;
   const moe_tensor *ts[] = {g, x, w};
-  if ((rc = moeI_check_same_device(ctx, stage, x->device, ts, 3))) return rc;
   static const char *const names[] = {"g", "x", "w"};
+  if ((rc = moeI_check_same_device(ctx, stage, "x", x->device, ts, names, 3))) return rc;
   if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 3))) return rc;
   return moeI_on_cpu(x) ? moeI_sigmoid_gate_cpu(ctx, g, x, w) : moeI_sigmoid_gate_cuda(ctx, g, x, w);
 }

@@ -95,9 +95,13 @@ const char *moeI_tensor_describe(const moe_tensor *t, char *buf, size_t n);
  * returns MOE_ERR_ARG.  ndim < 0 skips the rank check; a shape entry < 0 matches any size. */
 int moeI_check_tensor(moe_ctx *ctx, const char *stage, const char *what, const moe_tensor *t,
                      moe_dtype dtype, int ndim, const int64_t *shape);
-/* Every non-NULL tensor in ts lives on dev. */
-int moeI_check_same_device(moe_ctx *ctx, const char *stage, moe_device dev,
-                          const moe_tensor *const *ts, int n);
+/* Every non-NULL tensor in ts (named by names) lives on dev, the device of the tensor named ref;
+ * the error names the tensor that does not, where it is and where it should be. */
+int moeI_check_same_device(moe_ctx *ctx, const char *stage, const char *ref, moe_device dev,
+                          const moe_tensor *const *ts, const char *const *names, int n);
+/* As moeI_check_same_device for an array of one tensor per rank, named "<what> of rank r". */
+int moeI_check_same_device_list(moe_ctx *ctx, const char *stage, const char *ref, moe_device dev,
+                               const moe_tensor *const *list, int n, const char *what);
 /* The most ranks combine's CUDA kernel takes (their pointers travel in its parameters); the
  * world checks it before any traffic. */
 #define MOE_CUDA_COMBINE_MAX_WORLD 128

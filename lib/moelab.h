@@ -195,9 +195,9 @@ MOE_API int moe_schedule(moe_ctx *ctx, const moe_schedule_args *a);
  * compute, "none". */
 MOE_API int moe_schedule_explain(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n);
 
-/* ---- 3. dispatch: x bf16 [W, T, H] -> xs bf16 [C, H] ---- */
+/* ---- 3. dispatch: x bf16 [W, T, H] -> out bf16 [C, H] ---- */
 typedef struct moe_dispatch_args {
-  moe_tensor *xs;                /* out: bf16 [C, H] */
+  moe_tensor *out;               /* out: bf16 [C, H] */
   const moe_tensor *x;           /* bf16 [W, T, H] */
   const moe_tensor *peer_rank;   /* i32 [C] */
   const moe_tensor *peer_route;  /* i32 [C] */
@@ -208,9 +208,9 @@ MOE_API int moe_dispatch(moe_ctx *ctx, const moe_dispatch_args *a);
 
 /* ---- 4. experts: SwiGLU MLP per expert over its rows ---- */
 typedef struct moe_experts_args {
-  moe_tensor *ys;                    /* out: bf16 [C, H]; rows >= offsets[EL] untouched */
-  const moe_tensor *xs;              /* bf16 [C, H] */
-  const moe_tensor *expert_offsets;  /* i32 [EL + 1], read where the tensors live */
+  moe_tensor *out;                   /* out: bf16 [C, H], or x itself; rows >= offsets[EL] untouched */
+  const moe_tensor *x;               /* bf16 [C, H] */
+  const moe_tensor *offsets;         /* i32 [EL + 1], the schedule's expert_offsets, read where the tensors live */
   const moe_tensor *w_gate_up;       /* bf16 [EL, 2F, H]: F gate rows, then F up rows */
   const moe_tensor *w_down;          /* bf16 [EL, H, F] */
 } moe_experts_args;
@@ -331,7 +331,7 @@ MOE_API int moe_world_allgather_ids(moe_ctx *ctx, moe_world *w, moe_tensor *cons
  * rank), then the local dispatch of x_all by this rank's schedule, exactly as in a simulated
  * world whose x is x_all. */
 typedef struct moe_world_dispatch_args {
-  moe_tensor *xs;               /* out: bf16 [C, H] */
+  moe_tensor *out;              /* out: bf16 [C, H] */
   moe_tensor *x_all;            /* out: bf16 [W, T, H], every rank's tokens; x may be this
                                    rank's own slot of it (in place), nothing else may overlap it */
   const moe_tensor *x;          /* bf16 [T, H], this rank's tokens */

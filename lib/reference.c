@@ -149,10 +149,11 @@ int moe_reference(moe_ctx *ctx, const moe_reference_args *a) {
   }
   const moe_device dev = a->x->device;
   const moe_tensor *ts[] = {a->out, a->x, a->ids, a->weights, a->shared_gate_up, a->shared_down, a->shared_gate_w};
-  if ((rc = moeI_check_same_device(ctx, stage, dev, ts, 7)) || (rc = moeI_check_same_device(ctx, stage, dev, a->w_gate_up, a->world)) ||
-      (rc = moeI_check_same_device(ctx, stage, dev, a->w_down, a->world)))
-    return rc;
   static const char *const names[] = {"out", "x", "ids", "weights", "shared_gate_up", "shared_down", "shared_gate_w"};
+  if ((rc = moeI_check_same_device(ctx, stage, "x", dev, ts, names, 7)) ||
+      (rc = moeI_check_same_device_list(ctx, stage, "x", dev, a->w_gate_up, a->world, "w_gate_up")) ||
+      (rc = moeI_check_same_device_list(ctx, stage, "x", dev, a->w_down, a->world, "w_down")))
+    return rc;
   if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 7))) return rc;
   if ((rc = moeI_check_no_overlap_list(ctx, stage, a->out, "out", a->w_gate_up, a->world, "w_gate_up")) ||
       (rc = moeI_check_no_overlap_list(ctx, stage, a->out, "out", a->w_down, a->world, "w_down")))

@@ -86,9 +86,9 @@ int moe_route(moe_ctx *ctx, const moe_route_args *a) {
 
   const moe_device dev = a->logits->device;
   const moe_tensor *all[] = {a->ids, a->weights, a->stats, a->logits, a->bias};
-  if ((rc = moeI_check_same_device(ctx, STAGE, dev, all, 5))) return rc;
-  /* an output sharing memory with another argument would be overwritten while still read */
   static const char *const names[] = {"ids", "weights", "stats", "logits", "bias"};
+  if ((rc = moeI_check_same_device(ctx, STAGE, "logits", dev, all, names, 5))) return rc;
+  /* an output sharing memory with another argument would be overwritten while still read */
   if ((rc = moeI_check_no_overlap(ctx, STAGE, all, names, 3, 5))) return rc;
 
   return moeI_on_cpu(a->logits) ? moeI_route_cpu(ctx, a) : moeI_route_cuda(ctx, a);

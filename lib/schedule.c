@@ -62,7 +62,7 @@ static int schedule_check(moe_ctx *ctx, const moe_schedule_args *a) {
                              a->expert_offsets, a->route_row, a->stats,  a->ids};
   static const char *const names[] = {"peer_rank",      "peer_route", "counts", "tokens_per_expert",
                                       "expert_offsets", "route_row",  "stats",  "ids"};
-  if ((rc = moeI_check_same_device(ctx, STAGE, a->ids->device, all, 8))) return rc;
+  if ((rc = moeI_check_same_device(ctx, STAGE, "ids", a->ids->device, all, names, 8))) return rc;
   return moeI_check_no_overlap(ctx, STAGE, all, names, 7, 8);
 }
 

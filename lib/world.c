@@ -303,16 +303,16 @@ int moe_world_allgather_ids(moe_ctx *ctx, moe_world *w, moe_tensor *const *all_i
   return moeI_nccl_allgather(ctx, w, all_ids, ids);
 }
 
-/* The dispatch arguments of local rank i that both exchanges take: x, xs, peer_rank, peer_route,
+/* The dispatch arguments of local rank i that both exchanges take: x, out, peer_rank, peer_route,
  * k, on the rank's GPU; the direct exchange also route_row. */
 static int check_dispatch(moe_ctx *ctx, const char *stage, const moe_world *w, int i, const moe_world_dispatch_args *a,
                           int direct) {
   int rc;
   if ((rc = moeI_check_tensor(ctx, stage, "x", a->x, MOE_BF16, 2, NULL))) return rc;
   const int64_t T = a->x->shape[0], H = a->x->shape[1];
-  const int64_t xs_shape[] = {-1, H};
-  if ((rc = moeI_check_tensor(ctx, stage, "xs", a->xs, MOE_BF16, 2, xs_shape))) return rc;
-  const int64_t row_shape[] = {a->xs->shape[0]};
+  const int64_t out_shape[] = {-1, H};
+  if ((rc = moeI_check_tensor(ctx, stage, "out", a->out, MOE_BF16, 2, out_shape))) return rc;
+  const int64_t row_shape[] = {a->out->shape[0]};
   if ((rc = moeI_check_tensor(ctx, stage, "peer_rank", a->peer_rank, MOE_I32, 1, row_shape))) return rc;
   if ((rc = moeI_check_tensor(ctx, stage, "peer_route", a->peer_route, MOE_I32, 1, row_shape))) return rc;
   if (a->k < 1) return moeI_seterr(ctx, MOE_ERR_ARG, "%s: k must be >= 1, got %d", stage, a->k);
@@ -323,8 +323,8 @@ static int check_dispatch(moe_ctx *ctx, const char *stage, const moe_world *w, i
     const int64_t rr[] = {w->size, T * a->k};
     if ((rc = moeI_check_tensor(ctx, stage, "route_row", a->route_row, MOE_I32, 2, rr))) return rc;
   }
-  const moe_tensor *ts[] = {a->xs, a->x, a->peer_rank, a->peer_route, direct ? a->route_row : NULL};
-  static const char *names[] = {"xs", "x", "peer_rank", "peer_route", "route_row"};
+  const moe_tensor *ts[] = {a->out, a->x, a->peer_rank, a->peer_route, direct ? a->route_row : NULL};
+  static const char *names[] = {"out", "x", "peer_rank", "peer_route", "route_row"};
   for (int j = 0; j < 5; j++)
     if (ts[j] && (rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
   return moeI_check_no_overlap(ctx, stage, ts, names, 1, 5);
@@ -344,8 +344,8 @@ int moe_world_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args
      * in moe_world_allgather) and nothing else may share its memory */
     const char *own_slot = (const char *)a->x_all->data + moe_tensor_nbytes(a->x) * (size_t)w->ranks[i];
     const int in_place = (const char *)a->x->data == own_slot;
-    const moe_tensor *ts[] = {a->x_all, a->xs, a->peer_rank, a->peer_route, in_place ? NULL : a->x};
-    static const char *names[] = {"x_all", "xs", "peer_rank", "peer_route", "x"};
+    const moe_tensor *ts[] = {a->x_all, a->out, a->peer_rank, a->peer_route, in_place ? NULL : a->x};
+    static const char *names[] = {"x_all", "out", "peer_rank", "peer_route", "x"};
     if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 5))) return rc;
   }
   return moeI_nccl_dispatch(ctx, w, args);
@@ -533,9 +533,10 @@ int moe_world_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_
   for (int i = 0; i < w->nlocal; i++) {
     const moe_world_dispatch_args *a = &args[i];
     if ((rc = check_dispatch(ctx, stage, w, i, a, 1))) return rc;
-    if ((rc = check_sizes(ctx, stage, ex, i, a->x->shape[0], a->k, a->x->shape[1], a->xs->shape[0]))) return rc;
-    if (in_window(ex, i, a->xs))
-      return moeI_seterr(ctx, MOE_ERR_ARG, "%s: xs may not lie in the exchange's window (its x, ys, route_row)", stage);
+    if ((rc = check_sizes(ctx, stage, ex, i, a->x->shape[0], a->k, a->x->shape[1], a->out->shape[0]))) return rc;
+    if (in_window(ex, i, a->out))
+      return moeI_seterr(ctx, MOE_ERR_ARG, "%s: out may not lie in the exchange's window (its x, ys, route_row)",
+                        stage);
   }
   return moeI_nccl_exchange_dispatch(ctx, ex, args);
 }

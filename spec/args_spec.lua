@@ -207,12 +207,12 @@ local ROWS = {
   { "dispatch: k differs from the schedule's", function() moe.dispatch { x = X, schedule = s0, k = 3 } end,
     "option 'k' (3) differs from the schedule's top-k (2)" },
   { "dispatch: out of the wrong shape", function() moe.dispatch { x = X, schedule = s0, out = bf16 { 5, 4 } } end,
-    string.format("option 'out' must be bf16 [%d, 4], got moelab.Tensor(bf16 [5, 4] on cpu)", s0.capacity) },
+    string.format("bad argument #1 to 'dispatch' (out must be bf16 [%d, 4], got bf16 [5, 4] on cpu)", s0.capacity) },
 
   { "dispatch: out overlapping x", function()
     local buf = bf16 { 2 * 3 * 4 + s0.capacity * 4 }
     moe.dispatch { x = buf:view(0, { 2, 3, 4 }), schedule = s0, out = buf:view(4, { s0.capacity, 4 }) }
-  end, "options 'out' and 'x' share memory; an output must not overlap another argument" },
+  end, "bad argument #1 to 'dispatch' (out and x share memory; outputs must not overlap other arguments)" },
 
   -- experts
   { "experts: unknown option", function() experts { bias = L } end, "unknown option 'bias'" },
@@ -220,24 +220,24 @@ local ROWS = {
   { "experts: x f32", function() experts { x = moe.zeros({ 6, 8 }) } end,
     "option 'x' must be bf16 [_, _], got moelab.Tensor(f32 [6, 8] on cpu)" },
   { "experts: odd gate_up rows", function() experts { w_gate_up = bf16 { 2, 7, 8 } } end,
-    "option 'w_gate_up' must have an even number of rows (gate, then up), got moelab.Tensor(bf16 [2, 7, 8] on cpu)" },
+    "w_gate_up must be bf16 [EL, 2F, 8] (F gate rows, then F up rows), got bf16 [2, 7, 8] on cpu" },
   { "experts: gate_up of another H", function() experts { w_gate_up = bf16 { 2, 8, 5 } } end,
-    "option 'w_gate_up' must be bf16 [_, _, 8], got moelab.Tensor(bf16 [2, 8, 5] on cpu)" },
+    "bad argument #1 to 'experts' (w_gate_up must be bf16 [_, _, 8], got bf16 [2, 8, 5] on cpu)" },
   { "experts: w_down transposed", function() experts { w_down = bf16 { 2, 4, 8 } } end,
-    "option 'w_down' must be bf16 [2, 8, 4], got moelab.Tensor(bf16 [2, 4, 8] on cpu)" },
+    "w_down must be bf16 [2, 8, 4], got bf16 [2, 4, 8] on cpu" },
   { "experts: offsets too short", function() experts { offsets = i32 { 2 } } end,
-    "option 'offsets' must be i32 [3], got moelab.Tensor(i32 [2] on cpu)" },
+    "offsets must be i32 [3], got i32 [2] on cpu" },
   { "experts: offsets f32", function() experts { offsets = moe.zeros({ 3 }) } end,
-    "option 'offsets' must be i32 [3], got moelab.Tensor(f32 [3] on cpu)" },
+    "offsets must be i32 [3], got f32 [3] on cpu" },
   { "experts: out of the wrong shape", function() experts { out = bf16 { 6, 4 } } end,
-    "option 'out' must be bf16 [6, 8], got moelab.Tensor(bf16 [6, 4] on cpu)" },
+    "bad argument #1 to 'experts' (out must be bf16 [6, 8], got bf16 [6, 4] on cpu)" },
 
   { "experts: out overlapping w_down", function() experts { out = WD:view(0, { 6, 8 }) } end,
-    "options 'out' and 'w_down' share memory" },
+    "out and w_down share memory" },
   { "experts: out overlapping x, shifted by a row", function()
     local buf = bf16 { 7, 8 }
     experts { x = buf:view(0, { 6, 8 }), out = buf:view(8, { 6, 8 }) }
-  end, "options 'out' and 'x' share memory" },
+  end, "bad argument #1 to 'experts' (out and x share memory" },
 
   -- combine
   { "combine: unknown option", function() combine { weight = W3 } end, "unknown option 'weight'" },
@@ -253,18 +253,17 @@ local ROWS = {
   { "combine: a schedule that is not one", function() combine { schedules = { s0, {} } } end,
     "option 'schedules[2]' must be a moelab.Schedule (from moe.schedule), got table" },
   { "combine: weights of the wrong shape", function() combine { weights = moe.zeros({ 3, 3 }) } end,
-    "option 'weights' must be f32 [3, 2], got moelab.Tensor(f32 [3, 3] on cpu)" },
+    "bad argument #1 to 'combine' (weights must be f32 [3, 2], got f32 [3, 3] on cpu)" },
   { "combine: rank = W", function() combine { rank = 2 } end, "option 'rank' must be between 0 and 1, got 2" },
   { "combine: ys of another H", function() combine { ys = { YS[1], bf16 { s1.capacity, 5 } } } end,
-    string.format("option 'ys[2]' must be bf16 [%d, 4], got moelab.Tensor(bf16 [%d, 5] on cpu)", s1.capacity,
-      s1.capacity) },
+    string.format("ys of rank 1 must be bf16 [_, 4], got bf16 [%d, 5] on cpu", s1.capacity) },
   { "combine: ys of another capacity", function() combine { ys = { bf16 { s0.capacity + 1, 4 }, YS[2] } } end,
-    string.format("option 'ys[1]' must be bf16 [%d, _], got moelab.Tensor(bf16 [%d, 4] on cpu)", s0.capacity,
+    string.format("option 'ys[1]' must be a tensor [%d, _], got moelab.Tensor(bf16 [%d, 4] on cpu)", s0.capacity,
       s0.capacity + 1) },
   { "combine: shared of the wrong shape", function() combine { shared = bf16 { 3, 5 } } end,
-    "option 'shared' must be bf16 [3, 4], got moelab.Tensor(bf16 [3, 5] on cpu)" },
+    "bad argument #1 to 'combine' (shared must be bf16 [3, 4], got bf16 [3, 5] on cpu)" },
   { "combine: shared_gate of the wrong shape", function() combine { shared = bf16 { 3, 4 }, shared_gate = moe.zeros({ 2 }) } end,
-    "option 'shared_gate' must be f32 [3], got moelab.Tensor(f32 [2] on cpu)" },
+    "shared_gate must be f32 [3], got f32 [2] on cpu" },
   { "combine: unknown dtype", function() combine { dtype = "i32" } end,
     "option 'dtype' must be one of 'bf16', 'f32', got \"i32\"" },
   { "combine: a closed out", function()
@@ -285,9 +284,9 @@ local ROWS = {
     "option 'dtype' is 'f32' but option 'out' is bf16" },
 
   { "combine: out overlapping a ys", function() combine { out = YS[2]:view(0, { 3, 4 }) } end,
-    "options 'out' and 'ys[2]' share memory" },
+    "out and ys of rank 1 share memory" },
   { "combine: out overlapping weights", function() combine { out = W3:view(0, { 3, 2 }), ys = { bf16 { s0.capacity, 2 },
-    bf16 { s1.capacity, 2 } }, dtype = "f32" } end, "options 'out' and 'weights' share memory" },
+    bf16 { s1.capacity, 2 } }, dtype = "f32" } end, "out and weights share memory" },
   { "route: weights overlapping logits", function() moe.route { logits = L, k = 2, weights = L:view(0, { 4, 2 }) } end,
     "options 'weights' and 'logits' share memory" },
 

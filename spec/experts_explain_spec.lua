@@ -8,9 +8,9 @@ local function experts_args(EL, rows, H, F)
   local offsets = {}
   for e = 0, EL do offsets[e + 1] = e * rows end
   return {
-    ys = moe.full({ C, H }, 0, { dtype = "bf16" }),
-    xs = moe.full({ C, H }, 0.5, { dtype = "bf16" }),
-    expert_offsets = moe.tensor(offsets, { dtype = "i32", shape = { EL + 1 } }),
+    out = moe.full({ C, H }, 0, { dtype = "bf16" }),
+    x = moe.full({ C, H }, 0.5, { dtype = "bf16" }),
+    offsets = moe.tensor(offsets, { dtype = "i32", shape = { EL + 1 } }),
     w_gate_up = moe.full({ EL, 2 * F, H }, 0.25, { dtype = "bf16" }),
     w_down = moe.full({ EL, H, F }, 0.25, { dtype = "bf16" }),
   }

@@ -28,7 +28,7 @@ local function stand_in(W)
       local x_all = moe.zeros({ W, T, H }, { dtype = "bf16" })
       for r, c in ipairs(calls) do x_all:select(r):copy(c.x) end
       for _, c in ipairs(calls) do
-        moe.core.dispatch { xs = c.xs, x = x_all, peer_rank = c.peer_rank, peer_route = c.peer_route, k = c.k,
+        moe.core.dispatch { out = c.out, x = x_all, peer_rank = c.peer_rank, peer_route = c.peer_route, k = c.k,
           zero_fill = c.zero_fill }
       end
     end

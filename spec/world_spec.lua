@@ -317,14 +317,14 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     end)
   end
 
-  it("dispatch refuses an x_all that shares memory with xs, and takes x in its own slot of x_all", function()
+  it("dispatch refuses an x_all that shares memory with out, and takes x in its own slot of x_all", function()
     local s = moe.schedule { ids = world:allgather_ids(ids_on(dev)), experts = E, rank = 0, pad = 4, capacity = 256 }
     local x = moe.randn({ T, H }, { dtype = "bf16", seed = 21, device = dev })
     local both = moe.zeros({ T * H + 256 * H }, { dtype = "bf16", device = dev })
     local ok, err = pcall(world.dispatch, world, { x = x, schedule = s, x_all = both:view(0, { 1, T, H }),
       out = both:view(T * H - H, { 256, H }) })
     assert.is_false(ok)
-    assert.truthy(tostring(err):find("x_all and xs share memory", 1, true), tostring(err))
+    assert.truthy(tostring(err):find("x_all and out share memory", 1, true), tostring(err))
     local base = moe.zeros({ T * H + H }, { dtype = "bf16", device = dev })
     ok, err = pcall(world.dispatch, world, { x = base:view(H, { T, H }), schedule = s, x_all = base:view(0, { 1, T, H }) })
     assert.is_false(ok) -- one row off its slot: overwritten while it is sent

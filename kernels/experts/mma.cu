@@ -317,7 +317,7 @@ cudaError_t launch_gemm(cudaStream_t stream, uint16_t *out, const uint16_t *A, c
 struct MmaTiles {
   long long tmax, ntn_gu, ntn_dn;
   explicit MmaTiles(const moe_experts_args *a) {
-    const long long C = a->xs->shape[0], H = a->xs->shape[1];
+    const long long C = a->x->shape[0], H = a->x->shape[1];
     const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
     tmax = (C + BM - 1) / BM + (EL < C ? EL : C);
     ntn_gu = (F + BN / 2 - 1) / (BN / 2), ntn_dn = (H + BN - 1) / BN;
@@ -330,16 +330,16 @@ struct MmaTiles {
 int moeI_experts_mma_fits(moe_ctx *, const moe_experts_args *a, Fit *fit, char *why, size_t n) {
   *fit = MmaTiles(a).fits() ? TAKES : CANNOT;
   if (*fit == CANNOT)
-    snprintf(why, n, "C = %lld, H = %lld, F = %lld need more than 2^31 blocks", (long long)a->xs->shape[0],
-             (long long)a->xs->shape[1], (long long)a->w_gate_up->shape[1] / 2);
+    snprintf(why, n, "C = %lld, H = %lld, F = %lld need more than 2^31 blocks", (long long)a->x->shape[0],
+             (long long)a->x->shape[1], (long long)a->w_gate_up->shape[1] / 2);
   return MOE_OK;
 }
 
 int moeI_experts_mma_run(moe_ctx *ctx, const moe_experts_args *a) {
-  const long long C = a->xs->shape[0], H = a->xs->shape[1];
+  const long long C = a->x->shape[0], H = a->x->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
   cudaStream_t stream;
-  int rc = moeI_cuda_ctx_stream(ctx, a->xs->device.index, &stream);
+  int rc = moeI_cuda_ctx_stream(ctx, a->x->device.index, &stream);
   if (rc) return rc;
 
   const MmaTiles tiles(a); // mma's fits has checked that they fit a launch
@@ -349,18 +349,18 @@ int moeI_experts_mma_run(moe_ctx *ctx, const moe_experts_args *a) {
   const size_t map_bytes = ((size_t)tmax * sizeof(int4) + (size_t)(3 * EL + 1) * sizeof(int) + 255) & ~(size_t)255;
   const size_t h_bytes = (size_t)C * (size_t)F * 2;
   void *scratch = NULL;
-  if ((rc = experts_scratch(ctx, stream, a->xs->device.index, map_bytes + h_bytes, &scratch))) return rc;
+  if ((rc = experts_scratch(ctx, stream, a->x->device.index, map_bytes + h_bytes, &scratch))) return rc;
   int4 *map = (int4 *)scratch;
   int *start = (int *)(map + tmax), *lo = start + EL + 1, *hi = lo + EL;
   uint16_t *h = (uint16_t *)((char *)scratch + map_bytes);
 
-  const uint16_t *xs = (const uint16_t *)a->xs->data, *wgu = (const uint16_t *)a->w_gate_up->data;
+  const uint16_t *xs = (const uint16_t *)a->x->data, *wgu = (const uint16_t *)a->w_gate_up->data;
   const uint16_t *wdn = (const uint16_t *)a->w_down->data;
-  uint16_t *ys = (uint16_t *)a->ys->data;
+  uint16_t *ys = (uint16_t *)a->out->data;
   const bool vec = H % 8 == 0 && F % 8 == 0 && aligned16(xs) && aligned16(ys) && aligned16(wgu) && aligned16(wdn);
 
   const char *what = "tile_map_kernel launch";
-  tile_map_kernel<<<1, MAP_THREADS, 0, stream>>>(map, start, lo, hi, (const int *)a->expert_offsets->data, (int)EL,
+  tile_map_kernel<<<1, MAP_THREADS, 0, stream>>>(map, start, lo, hi, (const int *)a->offsets->data, (int)EL,
                                                  (int)C, (int)tmax);
   cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess && F > 0) {

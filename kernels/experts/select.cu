@@ -39,7 +39,7 @@ const Candidate<moe_experts_args> kernels[] = {
 // What every kernel requires, and the context's stream on the tensors' device (the candidates'
 // occupancy queries read the current device).
 int prologue(moe_ctx *ctx, const moe_experts_args *a) {
-  const long long C = a->xs->shape[0], H = a->xs->shape[1];
+  const long long C = a->x->shape[0], H = a->x->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
   // Rows, columns and tile indices are ints on the device; one tile row past C must fit too.
   const long long lim = 1ll << 30;
@@ -49,7 +49,7 @@ int prologue(moe_ctx *ctx, const moe_experts_args *a) {
                        "EL = %lld",
                        C, H, F, EL);
   cudaStream_t stream;
-  return moeI_cuda_ctx_stream(ctx, a->xs->device.index, &stream);
+  return moeI_cuda_ctx_stream(ctx, a->x->device.index, &stream);
 }
 
 } // namespace
@@ -57,7 +57,7 @@ int prologue(moe_ctx *ctx, const moe_experts_args *a) {
 const char *moeI_experts_kernels(void) { return candidate_names(kernels); }
 
 static bool empty(const moe_experts_args *a) {
-  return a->xs->shape[0] == 0 || a->xs->shape[1] == 0 || a->w_gate_up->shape[0] == 0; // no row of ys to write
+  return a->x->shape[0] == 0 || a->x->shape[1] == 0 || a->w_gate_up->shape[0] == 0; // no row of out to write
 }
 
 int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a) {
@@ -71,7 +71,7 @@ int moeI_experts_explain_cuda(moe_ctx *ctx, const moe_experts_args *a, char *rep
   int rc = prologue(ctx, a);
   if (rc) return rc;
   if (empty(a)) {
-    snprintf(report, n, "none\nnone: nothing runs (C, H or EL is 0: no row of ys to write)\n");
+    snprintf(report, n, "none\nnone: nothing runs (C, H or EL is 0: no row of out to write)\n");
     return moeI_ok(ctx);
   }
   return select_explain(ctx, "experts", MOEI_CFG_EXPERTS_KERNEL, kernels, a, report, n);

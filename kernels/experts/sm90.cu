@@ -94,11 +94,11 @@ cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, 
 
 // WT (CM = 2 only): the weights-as-M kernel (decode_w); else the row tiles (decode).
 template <int CM, bool WT> int run(moe_ctx *ctx, const moe_experts_args *a) {
-  const long long C = a->xs->shape[0], H = a->xs->shape[1];
+  const long long C = a->x->shape[0], H = a->x->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
-  const int dev = a->xs->device.index;
+  const int dev = a->x->device.index;
   CUtensorMap t_xs, t_wgu, t_wdn; // as moeI_experts_sm90_fits encoded them, so these succeed too
-  if (!encode_ab(&t_xs, a->xs->data, C, H) || !encode_ab(&t_wgu, a->w_gate_up->data, EL * 2 * F, H) ||
+  if (!encode_ab(&t_xs, a->x->data, C, H) || !encode_ab(&t_wgu, a->w_gate_up->data, EL * 2 * F, H) ||
       !encode_ab(&t_wdn, a->w_down->data, EL * H, F))
     return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts (sm90): cuTensorMapEncodeTiled refused a tensor");
   // units per column tile, whatever the offsets: row tiles, or WT units (at most ceil(rows / (2
@@ -124,7 +124,7 @@ template <int CM, bool WT> int run(moe_ctx *ctx, const moe_experts_args *a) {
   // the wave gate (see sm90.cuh): where CTAs share operands, and its counts fit an int
   const bool gate = C >= 2 * BM * EL && tmax * (nt_gu > nt_dn ? nt_gu : nt_dn) * CM < INT_MAX;
   uint16_t *h = (uint16_t *)((char *)scratch + meta_bytes);
-  uint16_t *ys = (uint16_t *)a->ys->data;
+  uint16_t *ys = (uint16_t *)a->out->data;
 
   const char *what = "map launch";
   cudaError_t err = cudaSuccess;
@@ -136,8 +136,8 @@ template <int CM, bool WT> int run(moe_ctx *ctx, const moe_experts_args *a) {
   bool maps = encode_ab(&t_h, h, C, F);
   t_h_half = t_h8 = t_h_out = t_ys_out = t_h;
   const int half = WT ? 32 : BM / 2;
-  if (maps && CM > 1) maps = encode_ab(&t_h_half, h, C, F, half) && encode_ab(&t_xs_half, a->xs->data, C, H, half);
-  if (maps && WT) maps = encode_ab(&t_h8, h, C, F, 8) && encode_ab(&t_xs8, a->xs->data, C, H, 8);
+  if (maps && CM > 1) maps = encode_ab(&t_h_half, h, C, F, half) && encode_ab(&t_xs_half, a->x->data, C, H, half);
+  if (maps && WT) maps = encode_ab(&t_h8, h, C, F, 8) && encode_ab(&t_xs8, a->x->data, C, H, 8);
   if (maps && WT)
     maps = encode_2d(&t_h_out, h, C, F, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B) &&
            encode_2d(&t_ys_out, ys, C, H, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B);
@@ -145,7 +145,7 @@ template <int CM, bool WT> int run(moe_ctx *ctx, const moe_experts_args *a) {
     what = "cuTensorMapEncodeTiled(h, or the smaller boxes)";
     err = cudaErrorInvalidValue;
   } else {
-    sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->expert_offsets->data, (int)EL, (int)C, CM,
+    sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->offsets->data, (int)EL, (int)C, CM,
                                                    WT);
     err = cudaGetLastError();
   }
@@ -172,9 +172,9 @@ template <int CM, bool WT> bool placeable(int dev) {
 // Everything that can keep a variant from running is checked here, before anything is allocated
 // or launched, so that a variant that CANNOT leaves no trace and the next candidate runs instead.
 int moeI_experts_sm90_fits(moe_ctx *ctx, const moe_experts_args *a, Sm90Variant v, Fit *fit, char *why, size_t n) {
-  const long long C = a->xs->shape[0], H = a->xs->shape[1];
+  const long long C = a->x->shape[0], H = a->x->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
-  const int dev = a->xs->device.index;
+  const int dev = a->x->device.index;
   *fit = CANNOT;
 
   int major = 0, minor = 0, optin = 0;
@@ -201,9 +201,9 @@ int moeI_experts_sm90_fits(moe_ctx *ctx, const moe_experts_args *a, Sm90Variant 
     snprintf(why, n, "needs H and F positive multiples of %d, got H = %lld, F = %lld", BK, H, F);
     return MOE_OK;
   }
-  if (!aligned16(a->xs->data) || !aligned16(a->ys->data) || !aligned16(a->w_gate_up->data) ||
+  if (!aligned16(a->x->data) || !aligned16(a->out->data) || !aligned16(a->w_gate_up->data) ||
       !aligned16(a->w_down->data)) {
-    snprintf(why, n, "needs xs, ys, w_gate_up and w_down 16-byte aligned");
+    snprintf(why, n, "needs x, out, w_gate_up and w_down 16-byte aligned");
     return MOE_OK;
   }
   const long long lim = 1ll << 30;
@@ -224,7 +224,7 @@ int moeI_experts_sm90_fits(moe_ctx *ctx, const moe_experts_args *a, Sm90Variant 
       return MOE_OK;
     }
     CUtensorMap t;
-    if (!encode_ab(&t, a->xs->data, C, H) || !encode_ab(&t, a->w_gate_up->data, EL * 2 * F, H) ||
+    if (!encode_ab(&t, a->x->data, C, H) || !encode_ab(&t, a->w_gate_up->data, EL * 2 * F, H) ||
         !encode_ab(&t, a->w_down->data, EL * H, F)) {
       snprintf(why, n, "cuTensorMapEncodeTiled refused a tensor");
       return MOE_OK;

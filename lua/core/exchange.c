@@ -79,7 +79,7 @@ static int x_dispatch(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   int n;
   moe_world_exchange *ex = check_exchange(L, 1, &n);
-  lc_pin_object(L, 1); /* a graph of this call writes into the windows, whatever x and xs are */
+  lc_pin_object(L, 1); /* a graph of this call writes into the windows, whatever x and out are */
   lua_settop(L, 2);
   moe_world_dispatch_args *a = lc_world_dispatch_args(L, n, 1);
   lc_args_still_open(L, "dispatch", 3);

@@ -70,6 +70,17 @@ int lc_fail(lua_State *L, moe_ctx *ctx, int rc) {
   return lua_error(L);
 }
 
+/* A stage's failure: its argument errors (MOE_ERR_ARG, "<stage>: <what is wrong>") read as the
+ * front-end's own, "bad argument #1 to 'fname' (<what is wrong>)" at the caller's line, since the
+ * stage's fields are the options the user wrote; any other failure as lc_fail. */
+int lc_stage_fail(lua_State *L, moe_ctx *ctx, int rc, const char *fname, const char *stage) {
+  const char *msg = moe_errmsg(ctx);
+  const size_t n = strlen(stage);
+  if (rc != MOE_ERR_ARG || !msg || strncmp(msg, stage, n) != 0 || strncmp(msg + n, ": ", 2) != 0)
+    return lc_fail(L, ctx, rc);
+  return lc_arg_error(L, fname, 1, "%s", msg + n + 2);
+}
+
 /* "bad argument #arg to 'fname' (...)" under a fixed name: the user-facing names of the
  * front-end, which survive the front-end's tail calls (luaL_argerror would then print '?' or
  * 'moelab.core.x'). */

@@ -134,7 +134,7 @@ static int l_route(lua_State *L) {
   a.scale = (float)number_field(&A, "scale", 1.0);
   lc_args_still_open(L, A.fname, 2);
   int rc = moe_route(ctx, &a);
-  if (rc) return lc_fail(L, ctx, rc);
+  if (rc) return lc_stage_fail(L, ctx, rc, "route", "route");
   return 0;
 }
 
@@ -165,12 +165,12 @@ static int schedule_call(lua_State *L, const char *name, int explain) {
   if (explain) {
     char report[1024];
     int rc = moe_schedule_explain(ctx, &a, report, sizeof report);
-    if (rc) return lc_fail(L, ctx, rc);
+    if (rc) return lc_stage_fail(L, ctx, rc, name, "schedule");
     lua_pushstring(L, report);
     return 1;
   }
   int rc = moe_schedule(ctx, &a);
-  if (rc) return lc_fail(L, ctx, rc);
+  if (rc) return lc_stage_fail(L, ctx, rc, name, "schedule");
   return 0;
 }
 
@@ -182,7 +182,7 @@ static int l_dispatch(lua_State *L) {
   Args A = args_open(L, "dispatch");
   moe_dispatch_args a;
   memset(&a, 0, sizeof a);
-  a.xs = tensor_field(&A, "xs", REQUIRED);
+  a.out = tensor_field(&A, "out", REQUIRED);
   a.x = tensor_field(&A, "x", REQUIRED);
   a.peer_rank = tensor_field(&A, "peer_rank", REQUIRED);
   a.peer_route = tensor_field(&A, "peer_route", REQUIRED);
@@ -190,7 +190,7 @@ static int l_dispatch(lua_State *L) {
   a.zero_fill = bool_field(&A, "zero_fill");
   lc_args_still_open(L, A.fname, 2);
   int rc = moe_dispatch(ctx, &a);
-  if (rc) return lc_fail(L, ctx, rc);
+  if (rc) return lc_stage_fail(L, ctx, rc, "dispatch", "dispatch");
   return 0;
 }
 
@@ -199,9 +199,9 @@ static moe_experts_args experts_fields(lua_State *L, const char *name) {
   Args A = args_open(L, name);
   moe_experts_args a;
   memset(&a, 0, sizeof a);
-  a.ys = tensor_field(&A, "ys", REQUIRED);
-  a.xs = tensor_field(&A, "xs", REQUIRED);
-  a.expert_offsets = tensor_field(&A, "expert_offsets", REQUIRED);
+  a.out = tensor_field(&A, "out", REQUIRED);
+  a.x = tensor_field(&A, "x", REQUIRED);
+  a.offsets = tensor_field(&A, "offsets", REQUIRED);
   a.w_gate_up = tensor_field(&A, "w_gate_up", REQUIRED);
   a.w_down = tensor_field(&A, "w_down", REQUIRED);
   lc_args_still_open(L, A.fname, 2);
@@ -212,7 +212,7 @@ static int l_experts(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   moe_experts_args a = experts_fields(L, "experts");
   int rc = moe_experts(ctx, &a);
-  if (rc) return lc_fail(L, ctx, rc);
+  if (rc) return lc_stage_fail(L, ctx, rc, "experts", "experts");
   return 0;
 }
 
@@ -222,7 +222,7 @@ static int l_experts_explain(lua_State *L) {
   moe_experts_args a = experts_fields(L, "experts_explain");
   char report[2048];
   int rc = moe_experts_explain(ctx, &a, report, sizeof report);
-  if (rc) return lc_fail(L, ctx, rc);
+  if (rc) return lc_stage_fail(L, ctx, rc, "experts_explain", "experts");
   lua_pushstring(L, report);
   return 1;
 }
@@ -262,7 +262,7 @@ static int l_combine(lua_State *L) {
   a.shared_gate = tensor_field(&A, "shared_gate", OPTIONAL);
   lc_args_still_open(L, A.fname, 2);
   int rc = moe_combine(ctx, &a);
-  if (rc) return lc_fail(L, ctx, rc);
+  if (rc) return lc_stage_fail(L, ctx, rc, "combine", "combine");
   return 0;
 }
 
@@ -284,7 +284,7 @@ static int l_reference(lua_State *L) {
   a.shared_gate_w = tensor_field(&A, "shared_gate_w", OPTIONAL);
   lc_args_still_open(L, A.fname, 2);
   int rc = moe_reference(ctx, &a);
-  if (rc) return lc_fail(L, ctx, rc);
+  if (rc) return lc_stage_fail(L, ctx, rc, "reference", "reference");
   return 0;
 }
 

@@ -319,7 +319,7 @@ moe_world_dispatch_args *lc_world_dispatch_args(lua_State *L, int n, int direct)
     lua_rawgeti(L, 2, i + 1);
     int t = lua_gettop(L);
     memset(&a[i], 0, sizeof a[i]);
-    a[i].xs = w_tensor(L, "dispatch", t, i + 1, "xs", REQUIRED);
+    a[i].out = w_tensor(L, "dispatch", t, i + 1, "out", REQUIRED);
     if (!direct) a[i].x_all = w_tensor(L, "dispatch", t, i + 1, "x_all", REQUIRED);
     a[i].x = w_tensor(L, "dispatch", t, i + 1, "x", REQUIRED);
     a[i].peer_rank = w_tensor(L, "dispatch", t, i + 1, "peer_rank", REQUIRED);
@@ -332,7 +332,7 @@ moe_world_dispatch_args *lc_world_dispatch_args(lua_State *L, int n, int direct)
   return a;
 }
 
-/* dispatch({{xs=, x_all=, x=, peer_rank=, peer_route=, k=, zero_fill=}, ...}) */
+/* dispatch({{out=, x_all=, x=, peer_rank=, peer_route=, k=, zero_fill=}, ...}) */
 static int w_dispatch(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   moe_world *w = lc_check_world(L, 1);

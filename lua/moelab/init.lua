@@ -73,7 +73,11 @@ function moe.randn(shape, opts)
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu"):randn(opts.seed or 0, opts.std or 1.0)
 end
 
--- ---------------------------------------------------------------- 3. dispatch
+-- ---------------------------------------------------------------- 3. dispatch, 4. experts, 5. combine
+--
+-- Each front-end checks what only it can see (its options, x against the schedule, the schedules
+-- against each other) and what it needs to allocate out; every tensor's dtype, shape, device and
+-- overlap the C stage checks, whose fields are these options, and its errors name them.
 
 function moe.dispatch(o)
   args.options("dispatch", o, { x = "tensor", schedule = "table", k = "integer", zero_fill = "boolean", out = "tensor" },
@@ -87,51 +91,29 @@ function moe.dispatch(o)
   if o.k and o.k ~= s.k then
     args.fail("dispatch", string.format("option 'k' (%d) differs from the schedule's top-k (%d)", o.k, s.k))
   end
-  local H = x.shape[3]
-  local out = o.out and args.tensor("dispatch", "out", o.out, "bf16", { s.capacity, H })
-    or core.new("bf16", { s.capacity, H }, x.device)
-  args.same_device("dispatch", { x = x, out = out, schedule = s.peer_rank }, { "x", "out", "schedule" })
-  args.disjoint("dispatch", { x = x, out = out }, { "out" }, { "x" })
-  core.dispatch { xs = out, x = x, peer_rank = s.peer_rank, peer_route = s.peer_route, k = s.k,
+  -- the schedule's device is x's: the stage would name the schedule's peer_rank, not an option
+  args.same_device("dispatch", { x = x, schedule = s.peer_rank }, { "x", "schedule" })
+  local out = o.out or core.new("bf16", { s.capacity, x.shape[3] }, x.device)
+  core.dispatch { out = out, x = x, peer_rank = s.peer_rank, peer_route = s.peer_route, k = s.k,
     zero_fill = o.zero_fill or false }
   return out
 end
 
--- ---------------------------------------------------------------- 4. experts
-
--- moe.experts's options checked -> the C stage's arguments (ys = out, or x itself where only
--- the choice of kernel is asked: explain runs nothing).
+-- moe.experts's options -> the C stage's arguments (out, or x itself where only the choice of
+-- kernel is asked: explain runs nothing).
 local function experts_args(o, explaining)
   args.options("experts", o, { x = "tensor", offsets = "tensor", w_gate_up = "tensor", w_down = "tensor", out = "tensor" },
     { "x", "offsets", "w_gate_up", "w_down" })
   local x = args.tensor("experts", "x", o.x, "bf16", { false, false })
-  local C, H = x.shape[1], x.shape[2]
-  local wgu = args.tensor("experts", "w_gate_up", o.w_gate_up, "bf16", { false, false, H })
-  local EL, F2 = wgu.shape[1], wgu.shape[2]
-  if F2 % 2 ~= 0 then
-    args.fail("experts", string.format("option 'w_gate_up' must have an even number of rows (gate, then up), got %s",
-      tostring(wgu)))
-  end
-  args.tensor("experts", "w_down", o.w_down, "bf16", { EL, H, F2 // 2 })
-  args.tensor("experts", "offsets", o.offsets, "i32", { EL + 1 })
-  local out = o.out and args.tensor("experts", "out", o.out, "bf16", { C, H })
-    or explaining and x or core.new("bf16", { C, H }, x.device)
-  args.same_device("experts", { x = x, offsets = o.offsets, w_gate_up = wgu, w_down = o.w_down, out = out },
-    { "x", "offsets", "w_gate_up", "w_down", "out" })
-  -- out may be x itself (in place: every row block of x is read before it is written), else disjoint
-  local in_place = o.out ~= nil and out:address() == x:address()
-  args.disjoint("experts", o, { "out" }, in_place and { "offsets", "w_gate_up", "w_down" }
-    or { "x", "offsets", "w_gate_up", "w_down" })
-  return { ys = out, xs = x, expert_offsets = o.offsets, w_gate_up = wgu, w_down = o.w_down }
+  local out = o.out or explaining and x or core.new("bf16", x.shape, x.device)
+  return { out = out, x = x, offsets = o.offsets, w_gate_up = o.w_gate_up, w_down = o.w_down }
 end
 
 function moe.experts(o)
   local a = experts_args(o)
   core.experts(a)
-  return a.ys
+  return a.out
 end
-
--- ---------------------------------------------------------------- 5. combine
 
 function moe.combine(o)
   args.options("combine", o, {
@@ -172,26 +154,15 @@ function moe.combine(o)
       args.fail("combine", string.format("schedules[%d] was made from other ids than schedules[1] (every rank's "
         .. "schedule must come from the same all-gathered ids)", i))
     end
-    local y = args.tensor("combine", "ys[" .. i .. "]", ys[i], "bf16", { s.capacity, H or false })
+    -- a rank's ys holds its schedule's rows (the stage checks dtype, H and device); H sizes out
+    local y = args.tensor("combine", "ys[" .. i .. "]", ys[i], nil, { s.capacity, false })
     H = H or y.shape[2]
     route_rows[i] = s.route_row
   end
-  local T, K = s1.tokens, s1.k
   local rank = o.rank or 0
   args.range("combine", "rank", rank, 0, W - 1)
-  args.tensor("combine", "weights", o.weights, "f32", { T, K })
-  if o.shared then args.tensor("combine", "shared", o.shared, "bf16", { T, H }) end
-  if o.shared_gate then args.tensor("combine", "shared_gate", o.shared_gate, "f32", { T }) end
-  local dev = s1.device
-  local out = o.out and args.tensor("combine", "out", o.out, nil, { T, H }) or core.new(o.dtype or "bf16", { T, H }, dev)
-  if out.dtype == "i32" then
-    args.fail("combine", string.format("option 'out' must be bf16 or f32 [%d, %d], got %s", T, H, tostring(out)))
-  end
   args.same_dtype("combine", o.out, o.dtype)
-  args.same_device("combine", { ids = s1.ids, weights = o.weights, out = out, shared = o.shared,
-    shared_gate = o.shared_gate, y = ys[1] }, { "ids", "weights", "out", "shared", "shared_gate", "y" })
-  args.disjoint("combine", { out = out, weights = o.weights, y = o.y, ys = o.ys, shared = o.shared,
-    shared_gate = o.shared_gate }, { "out" }, { "weights", "y", "ys", "shared", "shared_gate" })
+  local out = o.out or core.new(o.dtype or "bf16", { s1.tokens, H }, s1.device)
   core.combine { out = out, weights = o.weights, ids = s1.ids:select(rank + 1), ys = ys, route_row = route_rows,
     world = W, experts = s1.experts, rank = rank, shared = o.shared, shared_gate = o.shared_gate }
   return out

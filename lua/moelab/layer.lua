@@ -231,7 +231,7 @@ end
 function Simulated:dispatch(layer, x)
   for _, h in ipairs(self.held) do
     local s = h.schedule
-    core.dispatch { xs = h.xs, x = x[1], peer_rank = s.peer_rank, peer_route = s.peer_route, k = layer.k,
+    core.dispatch { out = h.xs, x = x[1], peer_rank = s.peer_rank, peer_route = s.peer_route, k = layer.k,
       zero_fill = false }
   end
 end

@@ -82,9 +82,9 @@ end
 
 -- ---------------------------------------------------------------- experts
 
--- The C stage's arguments: the experts of expert_offsets' segments over xs into ys.
-local function experts_args(ys, xs, offsets, w_gate_up, w_down)
-  return { ys = ys, xs = xs, expert_offsets = offsets, w_gate_up = w_gate_up, w_down = w_down }
+-- The C stage's arguments: the experts of offsets' segments over x into out.
+local function experts_args(out, x, offsets, w_gate_up, w_down)
+  return { out = out, x = x, offsets = offsets, w_gate_up = w_gate_up, w_down = w_down }
 end
 
 -- Stage 4, experts: a rank's experts over the rows its schedule placed in xs.

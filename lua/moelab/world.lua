@@ -285,14 +285,14 @@ local function dispatch_calls(self, o, direct)
     local H = x.shape[2]
     outs[i] = a.out or core.new("bf16", { s.capacity, H }, x.device)
     if not direct then alls[i] = a.x_all or core.new("bf16", { self.size, s.tokens, H }, x.device) end
-    calls[i] = { xs = outs[i], x_all = alls[i], x = x, peer_rank = s.peer_rank, peer_route = s.peer_route,
+    calls[i] = { out = outs[i], x_all = alls[i], x = x, peer_rank = s.peer_rank, peer_route = s.peer_route,
       route_row = s.route_row, k = s.k, zero_fill = a.zero_fill or false }
   end
   return calls, outs, alls, one
 end
 
 -- {x = bf16 [T, H], schedule = this rank's moe.Schedule (of the all-gathered ids), out=, x_all=,
--- zero_fill=} per local rank -> xs bf16 [C, H] (and x_all, every rank's tokens).
+-- zero_fill=} per local rank -> out bf16 [C, H] (and x_all, every rank's tokens).
 function World:dispatch(o)
   local calls, outs, alls, one = dispatch_calls(self, o, false)
   self.handle:dispatch(calls)

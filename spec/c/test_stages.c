@@ -100,7 +100,7 @@ static void test_dispatch(void) {
 
   for (int zero_fill = 0; zero_fill <= 1; zero_fill++) {
     moe_tensor *xs = BF16(poison, C, H);
-    moe_dispatch_args a = {.xs = xs, .x = x, .peer_rank = pr, .peer_route = pt, .k = K, .zero_fill = zero_fill};
+    moe_dispatch_args a = {.out = xs, .x = x, .peer_rank = pr, .peer_route = pt, .k = K, .zero_fill = zero_fill};
     OK(moe_dispatch(ctx, &a));
     for (int r = 0; r < C; r++) {
       float row[H];
@@ -110,14 +110,14 @@ static void test_dispatch(void) {
   }
 
   moe_tensor *xs = BF16(NULL, C, H), *xs_f32 = F32(NULL, C, H), *x_f32 = F32(NULL, 2, 3);
-  moe_dispatch_args a = {.xs = xs, .x = x_f32, .peer_rank = pr, .peer_route = pt, .k = K};
-  ARG_ERROR(moe_dispatch(ctx, &a), "dispatch", "x must be bf16 [_, _, 4], got f32 [2, 3] on cpu");
+  moe_dispatch_args a = {.out = xs, .x = x_f32, .peer_rank = pr, .peer_route = pt, .k = K};
+  ARG_ERROR(moe_dispatch(ctx, &a), "dispatch", "x must be bf16 [_, _, _], got f32 [2, 3] on cpu");
   a.x = BF16(NULL, W, T, H + 1);
-  ARG_ERROR(moe_dispatch(ctx, &a), "dispatch", "x must be bf16 [_, _, 4]");
-  a.x = x, a.xs = xs_f32;
-  ARG_ERROR(moe_dispatch(ctx, &a), "dispatch", "xs must be bf16");
-  a.xs = xs, a.peer_rank = I32(NULL, C - 1);
-  ARG_ERROR(moe_dispatch(ctx, &a), "dispatch", "peer_rank must be i32 [8]");
+  ARG_ERROR(moe_dispatch(ctx, &a), "dispatch", "out must be bf16 [8, 5], got bf16 [8, 4] on cpu");
+  a.x = x, a.out = xs_f32;
+  ARG_ERROR(moe_dispatch(ctx, &a), "dispatch", "out must be bf16 [8, 4], got f32 [8, 4] on cpu");
+  a.out = xs, a.peer_rank = I32(NULL, C - 1);
+  ARG_ERROR(moe_dispatch(ctx, &a), "dispatch", "peer_route must be i32 [7], got i32 [8] on cpu");
   a.peer_rank = pr, a.peer_route = F32(NULL, C);
   ARG_ERROR(moe_dispatch(ctx, &a), "dispatch", "peer_route must be i32 [8]");
   a.peer_route = pt, a.k = 0;
@@ -125,9 +125,9 @@ static void test_dispatch(void) {
   ARG_ERROR(moe_dispatch(ctx, NULL), "dispatch", "NULL");
   /* an output overlapping an input would be overwritten while still read */
   moe_tensor *both = BF16(NULL, C * H + W * T * H);
-  a.k = K, a.xs = VIEW(both, W * T * H - 1, C, H), a.x = VIEW(both, 0, W, T, H);
-  ARG_ERROR(moe_dispatch(ctx, &a), "dispatch", "xs and x share memory");
-  a.xs = VIEW(both, W * T * H, C, H); /* adjacent, not overlapping */
+  a.k = K, a.out = VIEW(both, W * T * H - 1, C, H), a.x = VIEW(both, 0, W, T, H);
+  ARG_ERROR(moe_dispatch(ctx, &a), "dispatch", "out and x share memory");
+  a.out = VIEW(both, W * T * H, C, H); /* adjacent, not overlapping */
   OK(moe_dispatch(ctx, &a));
   moe_tensor *view, *big = BF16(NULL, 4);
   ARG_ERROR(moe_tensor_view(ctx, big, 0, 2, SHAPE((int64_t)1 << 62, 4), &view), "view", "more than 2^40 elements");
@@ -159,13 +159,13 @@ static void test_experts(void) {
   const float poison[C * H] = {-9, -9, -9, -9, -9, -9, -9, -9};
   moe_tensor *xs = BF16(xv, C, H), *ys = BF16(poison, C, H), *off = I32(offv, EL + 1);
   moe_tensor *gu = BF16(wgu, EL, 2 * F, H), *dn = BF16(wdn, EL, H, F);
-  moe_experts_args a = {.ys = ys, .xs = xs, .expert_offsets = off, .w_gate_up = gu, .w_down = dn};
+  moe_experts_args a = {.out = ys, .x = xs, .offsets = off, .w_gate_up = gu, .w_down = dn};
   OK(moe_experts(ctx, &a));
   check_values("experts ys", ys, 0, want, C * H);
 
   /* In place: each row block is read before it is written. */
   moe_tensor *inplace = BF16(xv, C, H);
-  moe_experts_args b = {.ys = inplace, .xs = inplace, .expert_offsets = off, .w_gate_up = gu, .w_down = dn};
+  moe_experts_args b = {.out = inplace, .x = inplace, .offsets = off, .w_gate_up = gu, .w_down = dn};
   OK(moe_experts(ctx, &b));
   const float want_inplace[C * H] = {5.28125f, -10.5625f, -0.134765625f, 0.26953125f, 1.4296875f, 22.875f, 1, 1};
   check_values("experts in place", inplace, 0, want_inplace, C * H);
@@ -174,7 +174,7 @@ static void test_experts(void) {
    * Expert e owns [m_e, m_e+1), m the running maximum of offsets clamped to [0, C]. */
   const int32_t badv[EL + 1] = {-5, 3, 1, 99};
   moe_tensor *ys2 = BF16(poison, C, H);
-  a.ys = ys2, a.expert_offsets = I32(badv, EL + 1);
+  a.out = ys2, a.offsets = I32(badv, EL + 1);
   OK(moe_experts(ctx, &a));
   check_values("experts bad offsets rows 0-1", ys2, 0, want, 4); /* rows 0, 1 by expert 0 */
   /* row 3 = [1, 1] by expert 2: g = 1, u = 0, h = 0, y = 0 */
@@ -191,14 +191,14 @@ static void test_experts(void) {
   const int32_t blockv[EL2 + 1] = {0, 9, C2};
   moe_tensor *yblock = BF16(NULL, C2, H2), *yrow = BF16(NULL, C2, H2);
   moe_tensor *single = I32(NULL, EL2 + 1);
-  moe_experts_args c = {.ys = yblock, .xs = xs3, .expert_offsets = I32(blockv, EL2 + 1), .w_gate_up = gu3, .w_down = dn3};
+  moe_experts_args c = {.out = yblock, .x = xs3, .offsets = I32(blockv, EL2 + 1), .w_gate_up = gu3, .w_down = dn3};
   OK(moe_experts(ctx, &c));
   for (int r = 0; r < C2; r++) {
     const int e = r < 9 ? 0 : 1;
     int32_t one[EL2 + 1] = {r, r, r}; /* row r alone, in expert e */
     for (int j = e + 1; j <= EL2; j++) one[j] = r + 1;
     OK(moe_tensor_write(ctx, single, one, sizeof one));
-    c.ys = yrow, c.expert_offsets = single;
+    c.out = yrow, c.offsets = single;
     OK(moe_experts(ctx, &c));
     int same = !memcmp((const uint16_t *)moe_tensor_data(yrow) + r * H2, (const uint16_t *)moe_tensor_data(yblock) + r * H2,
                        H2 * sizeof(uint16_t));
@@ -219,24 +219,24 @@ static void test_experts(void) {
     }
   }
 
-  moe_experts_args e = {.ys = ys, .xs = xs, .expert_offsets = off, .w_gate_up = gu, .w_down = dn};
-  e.xs = F32(NULL, C, H);
-  ARG_ERROR(moe_experts(ctx, &e), "experts", "xs must be bf16 [_, _], got f32 [4, 2] on cpu");
-  e.xs = xs, e.ys = BF16(NULL, C + 1, H);
-  ARG_ERROR(moe_experts(ctx, &e), "experts", "ys must be bf16 [4, 2]");
-  e.ys = ys, e.w_gate_up = BF16(NULL, EL, 3, H);
+  moe_experts_args e = {.out = ys, .x = xs, .offsets = off, .w_gate_up = gu, .w_down = dn};
+  e.x = F32(NULL, C, H);
+  ARG_ERROR(moe_experts(ctx, &e), "experts", "x must be bf16 [_, _], got f32 [4, 2] on cpu");
+  e.x = xs, e.out = BF16(NULL, C + 1, H);
+  ARG_ERROR(moe_experts(ctx, &e), "experts", "out must be bf16 [4, 2]");
+  e.out = ys, e.w_gate_up = BF16(NULL, EL, 3, H);
   ARG_ERROR(moe_experts(ctx, &e), "experts", "w_gate_up must be bf16 [EL, 2F, 2]");
   e.w_gate_up = BF16(NULL, EL, 2, H + 1);
   ARG_ERROR(moe_experts(ctx, &e), "experts", "w_gate_up must be bf16 [_, _, 2]");
   e.w_gate_up = gu, e.w_down = BF16(NULL, EL, H, 2);
   ARG_ERROR(moe_experts(ctx, &e), "experts", "w_down must be bf16 [3, 2, 1]");
-  e.w_down = dn, e.expert_offsets = I32(NULL, EL);
-  ARG_ERROR(moe_experts(ctx, &e), "experts", "expert_offsets must be i32 [4]");
-  e.expert_offsets = off, e.ys = VIEW(gu, 0, C, H);
-  ARG_ERROR(moe_experts(ctx, &e), "experts", "ys and w_gate_up share memory");
-  e.ys = VIEW(xs, H, C - 1, H), e.xs = VIEW(xs, 0, C - 1, H); /* shifted by a row: not in place */
-  ARG_ERROR(moe_experts(ctx, &e), "experts", "ys and xs share memory");
-  e.ys = ys, e.xs = xs, e.expert_offsets = NULL;
+  e.w_down = dn, e.offsets = I32(NULL, EL);
+  ARG_ERROR(moe_experts(ctx, &e), "experts", "offsets must be i32 [4]");
+  e.offsets = off, e.out = VIEW(gu, 0, C, H);
+  ARG_ERROR(moe_experts(ctx, &e), "experts", "out and w_gate_up share memory");
+  e.out = VIEW(xs, H, C - 1, H), e.x = VIEW(xs, 0, C - 1, H); /* shifted by a row: not in place */
+  ARG_ERROR(moe_experts(ctx, &e), "experts", "out and x share memory");
+  e.out = ys, e.x = xs, e.offsets = NULL;
   ARG_ERROR(moe_experts(ctx, &e), "experts", "got nothing");
   ARG_ERROR(moe_experts(ctx, NULL), "experts", "NULL");
 }
@@ -293,9 +293,9 @@ static void test_combine(void) {
 
   moe_combine_args e = a;
   e.weights = I32(NULL, T, K);
-  ARG_ERROR(moe_combine(ctx, &e), "combine", "weights must be f32 [_, _], got i32 [3, 2] on cpu");
+  ARG_ERROR(moe_combine(ctx, &e), "combine", "weights must be f32 [3, 2], got i32 [3, 2] on cpu");
   e = a, e.ids = I32(NULL, T, K + 1);
-  ARG_ERROR(moe_combine(ctx, &e), "combine", "ids must be i32 [3, 2]");
+  ARG_ERROR(moe_combine(ctx, &e), "combine", "weights must be f32 [3, 3], got f32 [3, 2] on cpu");
   e = a, e.out = I32(NULL, T, H);
   ARG_ERROR(moe_combine(ctx, &e), "combine", "out must be bf16 or f32 [3, 2], got i32");
   e = a, e.experts = 5;
@@ -304,10 +304,10 @@ static void test_combine(void) {
   ARG_ERROR(moe_combine(ctx, &e), "combine", "rank must be in [0, 2), got 2");
   const moe_tensor *bad_rr[W] = {rr[0], I32(NULL, W, T)};
   e = a, e.route_row = bad_rr;
-  ARG_ERROR(moe_combine(ctx, &e), "combine", "route_row[1] must be i32 [2, 6]");
+  ARG_ERROR(moe_combine(ctx, &e), "combine", "route_row of rank 1 must be i32 [2, 6]");
   const moe_tensor *bad_ys[W] = {ys[0], BF16(NULL, 2, H + 1)};
   e = a, e.ys = bad_ys;
-  ARG_ERROR(moe_combine(ctx, &e), "combine", "ys[1] must be bf16 [_, 2]");
+  ARG_ERROR(moe_combine(ctx, &e), "combine", "ys of rank 1 must be bf16 [_, 2]");
   e = a, e.shared = NULL;
   ARG_ERROR(moe_combine(ctx, &e), "combine", "shared_gate is given without shared");
   e = a, e.shared_gate = F32(NULL, T + 1);
@@ -316,7 +316,7 @@ static void test_combine(void) {
   ARG_ERROR(moe_combine(ctx, &e), "combine", "ys and route_row");
   moe_tensor *ys_big[W] = {BF16(y0v, 3, H), BF16(NULL, 4, H)};
   e = a, e.ys = (const moe_tensor *const *)ys_big, e.out = VIEW(ys_big[1], 0, T, H);
-  ARG_ERROR(moe_combine(ctx, &e), "combine", "out and ys[1] share memory");
+  ARG_ERROR(moe_combine(ctx, &e), "combine", "out and ys of rank 1 share memory");
   e = a, e.out = VIEW(shared, 0, T, H);
   ARG_ERROR(moe_combine(ctx, &e), "combine", "out and shared share memory");
 }
@@ -404,9 +404,10 @@ static void test_layer(void) {
     offv[EL] = n;
     moe_tensor *xs = BF16(NULL, C, H);
     ys[o] = BF16(NULL, C, H), rr[o] = I32(rrv, W, T * K);
-    moe_dispatch_args d = {.xs = xs, .x = x, .peer_rank = I32(prank, C), .peer_route = I32(proute, C), .k = K, .zero_fill = 1};
+    moe_dispatch_args d = {.out = xs, .x = x, .peer_rank = I32(prank, C), .peer_route = I32(proute, C), .k = K,
+                           .zero_fill = 1};
     OK(moe_dispatch(ctx, &d));
-    moe_experts_args ex = {.ys = ys[o], .xs = xs, .expert_offsets = I32(offv, EL + 1), .w_gate_up = gu[o], .w_down = dn[o]};
+    moe_experts_args ex = {.out = ys[o], .x = xs, .offsets = I32(offv, EL + 1), .w_gate_up = gu[o], .w_down = dn[o]};
     OK(moe_experts(ctx, &ex));
   }
   for (int p = 0; p < W; p++) {
@@ -481,7 +482,7 @@ static void test_empty_extremes(void) {
   const int64_t big = (int64_t)1 << 40;
   /* dispatch: T * k past 2^63; the one row's route points at no token of an empty x: zeroed */
   moe_tensor *xs = BF16(((const float[]){7}), 1, 1);
-  moe_dispatch_args d = {.xs = xs, .x = BF16(NULL, 0, big, 1), .peer_rank = I32(((const int32_t[]){0}), 1),
+  moe_dispatch_args d = {.out = xs, .x = BF16(NULL, 0, big, 1), .peer_rank = I32(((const int32_t[]){0}), 1),
                          .peer_route = I32(((const int32_t[]){5}), 1), .k = INT32_MAX, .zero_fill = 1};
   OK(moe_dispatch(ctx, &d));
   check_values("dispatch from an empty x of 2^40 tokens", xs, 0, (const float[]){0}, 1);
@@ -496,11 +497,11 @@ static void test_empty_extremes(void) {
                         .route_row = rr, .world = 1, .experts = 1, .rank = 0};
   OK(moe_combine(ctx, &c));
   /* experts: H = 0 and F = 2^37 -- f32 scratch for one expert's weights would be 2^39 floats */
-  moe_experts_args e = {.ys = BF16(NULL, 1, 0), .xs = BF16(NULL, 1, 0), .expert_offsets = I32(((const int32_t[]){0, 1}), 2),
+  moe_experts_args e = {.out = BF16(NULL, 1, 0), .x = BF16(NULL, 1, 0), .offsets = I32(((const int32_t[]){0, 1}), 2),
                         .w_gate_up = BF16(NULL, 1, (int64_t)1 << 38, 0), .w_down = BF16(NULL, 1, 0, (int64_t)1 << 37)};
   OK(moe_experts(ctx, &e));
   /* experts: no expert, F = 2^39 */
-  moe_experts_args e0 = {.ys = BF16(NULL, 1, 1), .xs = BF16(NULL, 1, 1), .expert_offsets = I32(((const int32_t[]){0}), 1),
+  moe_experts_args e0 = {.out = BF16(NULL, 1, 1), .x = BF16(NULL, 1, 1), .offsets = I32(((const int32_t[]){0}), 1),
                          .w_gate_up = BF16(NULL, 0, big, 1), .w_down = BF16(NULL, 0, 1, big / 2)};
   OK(moe_experts(ctx, &e0));
   /* logits: no token and no expert of 2^40 columns; 2^40 tokens of no column and no expert */

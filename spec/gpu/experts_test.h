@@ -84,7 +84,7 @@ static void experts_problem_new(experts_problem *p, int EL, const int *sizes, in
   TRY(moe_tensor_randn(ctx, p->wgu, 12, (float)(1 / sqrt((double)H))));
   TRY(moe_tensor_randn(ctx, p->wd, 13, (float)(1 / sqrt((double)F))));
   TRY(moe_tensor_write(ctx, p->off, p->offsets, (size_t)(EL + 1) * sizeof *p->offsets));
-  p->args = (moe_experts_args){.ys = p->ys, .xs = p->xs, .expert_offsets = p->off, .w_gate_up = p->wgu,
+  p->args = (moe_experts_args){.out = p->ys, .x = p->xs, .offsets = p->off, .w_gate_up = p->wgu,
                                .w_down = p->wd};
 
   const int ex[SPOT_E] = {0, EL / 2, EL - 1};
@@ -119,7 +119,7 @@ static void experts_problem_new(experts_problem *p, int EL, const int *sizes, in
   }
   oc[SPOT_E] = SPOT_E * SPOT_R;
   TRY(moe_tensor_write(ctx, p->off_c, oc, sizeof oc));
-  moe_experts_args r = {.ys = p->ref_c, .xs = p->xs_c, .expert_offsets = p->off_c, .w_gate_up = p->wgu_c,
+  moe_experts_args r = {.out = p->ref_c, .x = p->xs_c, .offsets = p->off_c, .w_gate_up = p->wgu_c,
                         .w_down = p->wd_c};
   TRY(moe_experts(ctx, &r));
 }

@@ -134,13 +134,13 @@ static void run_case(const ecase *c, uint64_t seed) {
   moe_tensor *xs_c = c->inplace ? to_cpu(xs) : xs0_c;
   moe_tensor *ref_c = c->inplace ? xs_c : NEW(MOE_BF16, CPU, C, H);
   if (!c->inplace) TRY(moe_tensor_fill(ctx, ref_c, NAN));
-  moe_experts_args r = {.ys = ref_c, .xs = xs_c, .expert_offsets = off_c, .w_gate_up = wgu_c, .w_down = wd_c};
+  moe_experts_args r = {.out = ref_c, .x = xs_c, .offsets = off_c, .w_gate_up = wgu_c, .w_down = wd_c};
   TRY(moe_experts(ctx, &r));
   int64_t lo, hi;
   written_rows(c->offsets, c->EL, C, &lo, &hi);
   const int sm90_ok = sm90_supported(H, F, c->misalign);
 
-  moe_experts_args g = {.ys = ys, .xs = xs, .expert_offsets = off, .w_gate_up = wgu, .w_down = wd};
+  moe_experts_args g = {.out = ys, .x = xs, .offsets = off, .w_gate_up = wgu, .w_down = wd};
   for (int ki = 0; ki < NKERNELS; ki++) {
     const kernel *k = &KERNELS[ki];
     if ((k->hopper && no_hopper) || !checked(k)) continue;
@@ -263,8 +263,8 @@ static void test_graph(void) {
   moe_tensor *xs_c = to_cpu(xs), *wgu_c = to_cpu(wgu), *wd_c = to_cpu(wd), *off_c = NEW(MOE_I32, CPU, EL + 1);
   moe_tensor *ys_c = NEW(MOE_BF16, CPU, C, H);
   const int sizes[2][EL] = {{2, 0, 3, 2}, {0, 4, 1, 6}};
-  moe_experts_args g = {.ys = ys, .xs = xs, .expert_offsets = off, .w_gate_up = wgu, .w_down = wd};
-  moe_experts_args r = {.ys = ys_c, .xs = xs_c, .expert_offsets = off_c, .w_gate_up = wgu_c, .w_down = wd_c};
+  moe_experts_args g = {.out = ys, .x = xs, .offsets = off, .w_gate_up = wgu, .w_down = wd};
+  moe_experts_args r = {.out = ys_c, .x = xs_c, .offsets = off_c, .w_gate_up = wgu_c, .w_down = wd_c};
   for (int ki = 0; ki < NKERNELS; ki++) {
     const kernel *k = &KERNELS[ki];
     if ((k->hopper && no_hopper) || !checked(k)) continue;
@@ -331,11 +331,11 @@ static void test_concurrent(void) {
     cpu[side][3] = to_cpu(off[side]);
     ref[side] = NEW(MOE_BF16, CPU, C, H);
     TRY(moe_tensor_fill(ctx, ref[side], NAN));
-    moe_experts_args r = {.ys = ref[side], .xs = cpu[side][0], .expert_offsets = cpu[side][3],
+    moe_experts_args r = {.out = ref[side], .x = cpu[side][0], .offsets = cpu[side][3],
                           .w_gate_up = cpu[side][1], .w_down = cpu[side][2]};
     TRY(moe_experts(ctx, &r));
     written_rows(o, EL, C, &lo[side], &hi[side]);
-    g[side] = (moe_experts_args){.ys = ys[side], .xs = xs[side], .expert_offsets = off[side], .w_gate_up = wgu[side],
+    g[side] = (moe_experts_args){.out = ys[side], .x = xs[side], .offsets = off[side], .w_gate_up = wgu[side],
                                  .w_down = wd[side]};
   }
   for (int ki = 0; ki < NKERNELS; ki++) {
@@ -410,7 +410,7 @@ static void test_explain(void) {
     TRY(moe_tensor_fill(ctx, wgu, 0.01f));
     TRY(moe_tensor_fill(ctx, wd, 0.01f));
     TRY(moe_tensor_write(ctx, off, o, sizeof o));
-    moe_experts_args g = {.ys = ys, .xs = xs, .expert_offsets = off, .w_gate_up = wgu, .w_down = wd};
+    moe_experts_args g = {.out = ys, .x = xs, .offsets = off, .w_gate_up = wgu, .w_down = wd};
     for (int ki = 0; ki < NKERNELS; ki++) {
       const kernel *k = &KERNELS[ki];
       if ((k->hopper && no_hopper) || !checked(k)) continue;

@@ -217,10 +217,10 @@ static void test_dispatch(void) {
       /* poison: untouched rows keep it */
       TRY(moe_tensor_fill(ctx, xsc, -3.0));
       TRY(moe_tensor_fill(ctx, xsg, -3.0));
-      moe_dispatch_args a = {.xs = xsc, .x = xc, .peer_rank = s.peer_rank, .peer_route = s.peer_route, .k = K,
+      moe_dispatch_args a = {.out = xsc, .x = xc, .peer_rank = s.peer_rank, .peer_route = s.peer_route, .k = K,
                              .zero_fill = zf};
       TRY(moe_dispatch(ctx, &a));
-      a.xs = xsg, a.x = xg, a.peer_rank = prg, a.peer_route = ptg;
+      a.out = xsg, a.x = xg, a.peer_rank = prg, a.peer_route = ptg;
       TRY(moe_dispatch(ctx, &a));
       char name[96];
       snprintf(name, sizeof name, "dispatch H=%d%s (C=%lld rows)", H, zf ? " zero_fill" : "", (long long)C);
@@ -233,9 +233,9 @@ static void test_dispatch(void) {
     TRY(moe_tensor_fill(ctx, baseg, 1.0));
     TRY(moe_tensor_view(ctx, basec, 1, 2, SHAPE(C, H), &vc));
     TRY(moe_tensor_view(ctx, baseg, 1, 2, SHAPE(C, H), &vg));
-    moe_dispatch_args a = {.xs = vc, .x = xc, .peer_rank = s.peer_rank, .peer_route = s.peer_route, .k = K};
+    moe_dispatch_args a = {.out = vc, .x = xc, .peer_rank = s.peer_rank, .peer_route = s.peer_route, .k = K};
     TRY(moe_dispatch(ctx, &a));
-    a.xs = vg, a.x = xg, a.peer_rank = prg, a.peer_route = ptg;
+    a.out = vg, a.x = xg, a.peer_rank = prg, a.peer_route = ptg;
     TRY(moe_dispatch(ctx, &a));
     char name[96];
     snprintf(name, sizeof name, "dispatch H=%d into a view at an odd offset", H);
@@ -327,7 +327,7 @@ static void test_graph_events(void) {
   moe_tensor *xc = NEW(MOE_BF16, CPU, W, T, H), *xsc = NEW(MOE_BF16, CPU, C, H);
 
   TRY(moe_graph_begin(ctx, GPU));
-  moe_dispatch_args a = {.xs = xsg, .x = xg, .peer_rank = prg, .peer_route = ptg, .k = K, .zero_fill = 1};
+  moe_dispatch_args a = {.out = xsg, .x = xg, .peer_rank = prg, .peer_route = ptg, .k = K, .zero_fill = 1};
   int rc_d = moe_dispatch(ctx, &a);
   /* a host copy inside the capture is refused, without breaking the capture */
   int rc_copy = moe_tensor_copy(ctx, xg, xc);
@@ -351,7 +351,7 @@ static void test_graph_events(void) {
     TRY(moe_tensor_fill(ctx, xsg, 9.0));
     TRY(moe_graph_replay(ctx, graph));
     TRY(moe_ctx_synchronize(ctx, GPU));
-    moe_dispatch_args ac = {.xs = xsc, .x = xc, .peer_rank = s.peer_rank, .peer_route = s.peer_route, .k = K,
+    moe_dispatch_args ac = {.out = xsc, .x = xc, .peer_rank = s.peer_rank, .peer_route = s.peer_route, .k = K,
                             .zero_fill = 1};
     TRY(moe_dispatch(ctx, &ac));
     char name[64];

@@ -174,10 +174,10 @@ static void direct_one_rank(moe_world *w, const char *how, moe_device d, Sched *
   check(rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), "differ from the exchange's"),
         "%s: a capacity other than the exchange's is refused: %s", how, moe_errmsg(ctx));
   moe_world_dispatch_args bd = da;
-  bd.xs = wys;
+  bd.out = wys;
   rc = moe_world_exchange_dispatch(ctx, ex, &bd);
-  check(rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), "xs may not lie in the exchange's window"),
-        "%s: xs in the window is refused: %s", how, moe_errmsg(ctx));
+  check(rc == MOE_ERR_ARG && strstr(moe_errmsg(ctx), "out may not lie in the exchange's window"),
+        "%s: out in the window is refused: %s", how, moe_errmsg(ctx));
   /* and an out that starts inside the window, a row past the start of its ys */
   moe_tensor *inside = NULL;
   TRY(moe_tensor_view(ctx, wys, H, 2, (const int64_t[]){moe_tensor_dim(ca.out, 0), H}, &inside));
@@ -415,7 +415,7 @@ static void ranks(int W, int hard) {
       TRY_ON(rc_[r], moe_tensor_fill(rc_[r], dxs[r], 7.0f));
       TRY_ON(rc_[r], moe_tensor_fill(rc_[r], dout[r], 7.0f));
       dd[r] = da[r], dc[r] = ca[r];
-      dd[r].xs = dxs[r], dd[r].x_all = NULL, dc[r].out = dout[r];
+      dd[r].out = dxs[r], dd[r].x_all = NULL, dc[r].out = dout[r];
     }
     TRY(moe_world_exchange_dispatch(ctx, ex, dd));
     TRY(moe_world_exchange_combine(ctx, ex, dc));
