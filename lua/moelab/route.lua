@@ -47,15 +47,14 @@ function route.route(o)
   local logits = args.tensor("route", "logits", o.logits, "f32", { false, false })
   local N, E = logits.shape[1], logits.shape[2]
   local scoring, groups, topk_groups, scale = route.options("route", E, o)
-  if o.bias ~= nil then
-    if scoring == "softmax" then args.fail("route", "option 'bias' needs scoring = 'sigmoid' or 'sqrtsoftplus'") end
-    args.tensor("route", "bias", o.bias, "f32", { E })
+  if o.bias ~= nil and scoring == "softmax" then
+    args.fail("route", "option 'bias' needs scoring = 'sigmoid' or 'sqrtsoftplus'")
   end
-  local dev = args.same_device("route", o, { "logits", "bias", "ids", "weights" })
-  args.disjoint("route", o, { "ids", "weights" }, { "logits", "bias" })
-  local ids = o.ids and args.tensor("route", "ids", o.ids, "i32", { N, o.k }) or core.new("i32", { N, o.k }, dev)
-  local weights = o.weights and args.tensor("route", "weights", o.weights, "f32", { N, o.k })
-    or core.new("f32", { N, o.k }, dev)
+  -- bias, ids and weights (dtype, shape, device, overlap) are the C stage's to check: its fields
+  -- are these options
+  local dev = logits.device
+  local ids = o.ids or core.new("i32", { N, o.k }, dev)
+  local weights = o.weights or core.new("f32", { N, o.k }, dev)
   local stats = core.new("i32", { 2 }, dev)
   core.route { ids = ids, weights = weights, stats = stats, logits = logits, bias = o.bias, k = o.k,
     scoring = scoring, groups = groups, topk_groups = topk_groups, scale = scale }
