@@ -405,7 +405,7 @@ for _, dev in ipairs(ALL_DEVICES) do
       it("route: bias on another device", function()
         local ok, err = pcall(moe.route, { logits = L:to(dev), k = 2, scoring = "sigmoid", bias = moe.zeros({ 8 }) })
         assert.is_false(ok)
-        assert.truthy(err:find("option 'bias' is on cpu but 'logits' is on " .. dev, 1, true), err)
+        assert.truthy(err:find("bias must be on " .. dev .. ", where logits is, got f32 [8] on cpu", 1, true), err)
       end)
       it("dispatch: x on another device than the schedule", function()
         local ok, err = pcall(moe.dispatch, { x = X:to(dev), schedule = s0 })
