@@ -173,38 +173,5 @@ function args.same_device(fname, opts, names)
   return dev
 end
 
--- No output named in outs (fields of opts) shares memory with another tensor named in outs or
--- ins (nil ones skipped): it would be overwritten while still read.  A field may hold a list of
--- tensors (combine's ys).
-function args.disjoint(fname, opts, outs, ins)
-  local ts, names = {}, {}
-  local function put(t, name)
-    local n = #ts + 1
-    ts[n], names[n] = t, name
-  end
-  local function add(list)
-    for _, name in ipairs(list) do
-      local v = opts[name]
-      if is_tensor(v) then put(v, name)
-      elseif type(v) == "table" then
-        for i, t in ipairs(v) do
-          if is_tensor(t) then put(t, string.format("%s[%d]", name, i)) end
-        end
-      end
-    end
-  end
-  add(outs)
-  local nout = #ts
-  add(ins)
-  for i = 1, nout do
-    for j = i + 1, #ts do
-      if ts[i]:overlaps(ts[j]) then
-        args.fail(fname, string.format("options '%s' and '%s' share memory; an output must not overlap another argument",
-          names[i], names[j]))
-      end
-    end
-  end
-end
-
 args.core = core
 return args
