@@ -36,21 +36,18 @@ end
 local rows, ok = {}, true
 -- A row: what is measured, the command, and how to read the result from its output.  Several rows
 -- may share one command: it runs once.
-local outputs = {}
+local outputs = {} -- command -> { text, exited 0 }
 local function row(what, command, read, machine)
-  local text, status = outputs[command], nil
-  if not text then
-    text, status = run(command)
-    outputs[command] = status and text or ("FAILED: " .. text)
-  end
-  text = outputs[command]
-  local result = not text:find("^FAILED: ") and read(text) or nil
+  outputs[command] = outputs[command] or { run(command) }
+  local text, done = table.unpack(outputs[command])
+  local result = done and read(text) or nil
   if not result then
     ok = false
     local last = text:gsub("%s+$", ""):match("([^\n]*)$") or ""
     result = "not measured: " .. last:sub(1, 80)
   end
-  local shown = command:gsub("^" .. lua:gsub("%p", "%%%0") .. " ", "lua "):gsub(build .. "/", "build/")
+  local function literal(str) return (str:gsub("%p", "%%%0")) end
+  local shown = command:gsub("^" .. literal(lua) .. " ", "lua "):gsub(literal(build) .. "/", "build/")
   rows[#rows + 1] = { what, result, "`" .. shown .. "`", machine }
 end
 
