@@ -1,22 +1,24 @@
 -- The README's results table, regenerated: runs the scenarios and measuring programs that
 -- produce each number, on this machine, and prints one markdown row per measurement.
 --
---   lua scenarios/report.lua [--devices 0,1,...] [--out FILE]
+--   lua scenarios/report.lua [--cpu] [--devices 0,1,...] [--out FILE]
 --
--- Without a GPU it reports the CPU rows; with one, the single-GPU rows as well (a few minutes
--- on an H200); --devices adds the layer over real GPUs.  The experts sweep over presets,
--- routings and pads has its own report: lua scenarios/experts.lua.  A measurement whose command fails or prints no number shows the failure in its
--- row; the table is still written, and the exit status is 1.
+-- Without a GPU (or with --cpu) it reports the CPU rows; with one, the single-GPU rows (a few
+-- minutes on an H200); --devices adds the layer over real GPUs.  The experts sweep over presets,
+-- routings and pads has its own report: lua scenarios/experts.lua.  A measurement whose command
+-- fails or prints no number shows the failure in its row; the table is still written, and the
+-- exit status is 1.
 local moe = require "moelab"
 local cli = require "moelab.cli"
 
 local opts = cli.parse(arg, {
+  { "cpu", "flag", false, "the CPU rows only, even where a GPU is usable" },
   { "devices", "string", nil, "also run the Kimi K2 layer over these GPUs, one rank each" },
   { "out", "string", nil, "write the table to this file as well" },
 }, "lua scenarios/report.lua: the results table, measured now")
 local out_file = cli.output("out", opts.out)
 local build = os.getenv("MOE_BUILD_DIR") or "build"
-local gpu = moe.default_device() ~= "cpu"
+local gpu = not opts.cpu and moe.default_device() ~= "cpu"
 local lua = arg[-1] or "lua"
 
 -- Runs a shell command; returns its output (stdout and stderr) and whether it exited 0.
@@ -68,7 +70,7 @@ local function layer_result(text)
 end
 
 row("Kimi K2 layer, 8 ranks simulated" .. (gpu and " on one GPU (8 x 7,168 tokens)" or " (H, F, tokens reduced)"),
-  lua .. " scenarios/kimi.lua", layer_result, here)
+  lua .. " scenarios/kimi.lua" .. (gpu and "" or " --device cpu"), layer_result, here)
 if gpu then
   row("Kimi K2 layer, decode (8 x 128 tokens)", lua .. " scenarios/kimi.lua --tokens 128", layer_result, here)
   local function sched(label)

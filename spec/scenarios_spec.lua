@@ -33,3 +33,32 @@ describe("scenarios/experts.lua, its exit status [#cpu]", function()
     assert.truthy(out:find("status=2", 1, true), out)
   end)
 end)
+
+-- scenarios/report.lua, the README's results table: a row a measurement, with its command, and
+-- exit status 1 when a measurement cannot be made.
+describe("scenarios/report.lua [#cpu]", function()
+  local build = os.getenv("MOE_BUILD_DIR") or "build"
+  local function run(env)
+    local cmd = string.format("%s LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;' "
+      .. "lua scenarios/report.lua --cpu 2>&1; echo \"status=$?\"", env, build)
+    local f = assert(io.popen(cmd))
+    local out = f:read("a")
+    f:close()
+    return out
+  end
+
+  it("measures the CPU layer and writes its row", function()
+    local out = run("")
+    assert.truthy(out:find("| what | result | command | machine |", 1, true), out)
+    assert.truthy(out:find("\n| Kimi K2 layer, 8 ranks simulated %(H, F, tokens reduced%) | [%d.]+ ms a pass; check PASS "
+      .. "%(max err / max ref [%d.e+-]+, relative L2 [%d.e+-]+%) | `lua scenarios/kimi.lua %-%-device cpu` |"), out)
+    assert.truthy(out:find("status=0", 1, true), out)
+  end)
+
+  it("a measurement that fails shows in its row and in the exit status", function()
+    -- the scenario the report runs stops before it starts (LUA_INIT runs in every interpreter)
+    local out = run("LUA_INIT='if arg[0]:find(\"kimi\") then os.exit(3) end'")
+    assert.truthy(out:find("| not measured: ", 1, true), out)
+    assert.truthy(out:find("status=1", 1, true), out)
+  end)
+end)
