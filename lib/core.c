@@ -190,34 +190,52 @@ int moe_ctx_synchronize(moe_ctx *ctx, moe_device device) {
   return moeI_cuda_synchronize(ctx, device.index);
 }
 
-int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape, moe_device device,
-                   moe_tensor **out) {
-  if (!out) return moeI_seterr(ctx, MOE_ERR_ARG, "tensor: out is NULL");
-  *out = NULL;
+/* The checks every new tensor's dtype and shape pass (what names the call in messages); the
+ * element count in *numel. */
+static int check_layout(moe_ctx *ctx, const char *what, moe_dtype dtype, int ndim, const int64_t *shape,
+                        int64_t *numel) {
   if (dtype != MOE_F32 && dtype != MOE_BF16 && dtype != MOE_I32)
-    return moeI_seterr(ctx, MOE_ERR_ARG, "tensor: unknown dtype %d", (int)dtype);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: unknown dtype %d", what, (int)dtype);
   if (ndim < 0 || ndim > MOE_MAX_DIMS)
-    return moeI_seterr(ctx, MOE_ERR_ARG, "tensor: %d dimensions, expected 0 to %d", ndim, MOE_MAX_DIMS);
-  if (ndim > 0 && !shape) return moeI_seterr(ctx, MOE_ERR_ARG, "tensor: shape is NULL");
+    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: %d dimensions, expected 0 to %d", what, ndim, MOE_MAX_DIMS);
+  if (ndim > 0 && !shape) return moeI_seterr(ctx, MOE_ERR_ARG, "%s: shape is NULL", what);
   /* span: the product of the non-zero dimensions, bounded like a size even where a zero makes the
    * tensor empty, so that no stage's arithmetic on an empty tensor's other dimensions overflows */
-  int64_t numel = 1, span = 1;
+  int64_t n = 1, span = 1;
   for (int i = 0; i < ndim; i++) {
-    if (shape[i] < 0) return moeI_seterr(ctx, MOE_ERR_ARG, "tensor: dimension %d is %lld, expected >= 0", i + 1, (long long)shape[i]);
+    if (shape[i] < 0)
+      return moeI_seterr(ctx, MOE_ERR_ARG, "%s: dimension %d is %lld, expected >= 0", what, i + 1, (long long)shape[i]);
     if (shape[i] > 0 && span > ((int64_t)1 << 40) / shape[i])
-      return moeI_seterr(ctx, MOE_ERR_ARG, "tensor: more than 2^40 elements (the dimensions other than 0 multiplied)");
+      return moeI_seterr(ctx, MOE_ERR_ARG, "%s: more than 2^40 elements (the dimensions other than 0 multiplied)", what);
     if (shape[i] > 0) span *= shape[i];
-    numel *= shape[i];
+    n *= shape[i];
   }
-  int rc = check_device(ctx, "tensor", device);
-  if (rc) return rc;
+  *numel = n;
+  return MOE_OK;
+}
+
+static moe_tensor *tensor_header(moe_dtype dtype, int ndim, const int64_t *shape, int64_t numel, moe_device device) {
   moe_tensor *t = calloc(1, sizeof *t);
-  if (!t) return moeI_seterr(ctx, MOE_ERR_NOMEM, "tensor: out of host memory");
+  if (!t) return NULL;
   t->dtype = dtype;
   t->ndim = ndim;
   for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
   t->numel = numel;
   t->device = device;
+  return t;
+}
+
+int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape, moe_device device,
+                   moe_tensor **out) {
+  if (!out) return moeI_seterr(ctx, MOE_ERR_ARG, "tensor: out is NULL");
+  *out = NULL;
+  int64_t numel;
+  int rc = check_layout(ctx, "tensor", dtype, ndim, shape, &numel);
+  if (rc) return rc;
+  rc = check_device(ctx, "tensor", device);
+  if (rc) return rc;
+  moe_tensor *t = tensor_header(dtype, ndim, shape, numel, device);
+  if (!t) return moeI_seterr(ctx, MOE_ERR_NOMEM, "tensor: out of host memory");
   size_t nbytes = (size_t)numel * moe_dtype_size(dtype);
   if (device.kind == MOE_CPU) {
     /* zeroed, and never a NULL data pointer, even for an empty tensor */
@@ -234,6 +252,29 @@ int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape
     }
   }
   t->owns_data = 1;
+  *out = t;
+  return moeI_ok(ctx);
+}
+
+int moe_tensor_wrap(moe_ctx *ctx, void *data, moe_dtype dtype, int ndim, const int64_t *shape, moe_device device,
+                    moe_tensor **out) {
+  if (!out) return moeI_seterr(ctx, MOE_ERR_ARG, "wrap: out is NULL");
+  *out = NULL;
+  int64_t numel;
+  int rc = check_layout(ctx, "wrap", dtype, ndim, shape, &numel);
+  if (rc) return rc;
+  rc = check_device(ctx, "wrap", device);
+  if (rc) return rc;
+  size_t align = moe_dtype_size(dtype);
+  if (!data && numel > 0) return moeI_seterr(ctx, MOE_ERR_ARG, "wrap: data is NULL for %lld elements", (long long)numel);
+  /* the kernels load elements (and vectors of them) at their natural alignment */
+  if ((uintptr_t)data % align)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "wrap: data %p is not aligned to its dtype %s (%zu bytes)", data,
+                       moe_dtype_name(dtype), align);
+  moe_tensor *t = tensor_header(dtype, ndim, shape, numel, device);
+  if (!t) return moeI_seterr(ctx, MOE_ERR_NOMEM, "wrap: out of host memory");
+  t->data = data;
+  t->owns_data = 0;
   *out = t;
   return moeI_ok(ctx);
 }

@@ -128,6 +128,13 @@ MOE_API int moe_tensor_copy(moe_ctx *ctx, moe_tensor *dst, const moe_tensor *src
  * owns nothing, and base must outlive it (the Lua binding keeps base alive for it). */
 MOE_API int moe_tensor_view(moe_ctx *ctx, moe_tensor *base, int64_t offset, int ndim, const int64_t *shape,
                             moe_tensor **out);
+/* A tensor over memory the caller owns: data (host memory for MOE_CPU, a device pointer of that
+ * GPU for MOE_CUDA) holding prod(shape) contiguous row-major elements, aligned to the dtype.
+ * moelab never frees data; the caller keeps it alive and unmoved until the tensor is freed and,
+ * where a CUDA graph captured a stage that uses the tensor, until that graph is freed too.
+ * NULL data is allowed only for an empty tensor. */
+MOE_API int moe_tensor_wrap(moe_ctx *ctx, void *data, moe_dtype dtype, int ndim, const int64_t *shape,
+                            moe_device device, moe_tensor **out);
 /* Every element set to value, rounded to the dtype (NaN allowed for float dtypes); an i32
  * tensor takes only integers in its range (MOE_ERR_ARG otherwise). */
 MOE_API int moe_tensor_fill(moe_ctx *ctx, moe_tensor *t, double value);

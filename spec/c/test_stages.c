@@ -163,6 +163,28 @@ static void test_experts(void) {
   OK(moe_experts(ctx, &a));
   check_values("experts ys", ys, 0, want, C * H);
 
+  /* The same call over buffers this program owns, wrapped: the same bits, and the caller's
+   * memory is written in place (moelab neither copies nor frees it). */
+  uint16_t own_x[C * H], own_y[C * H];
+  OK(moe_tensor_read(ctx, xs, own_x, sizeof own_x));
+  for (int i = 0; i < C * H; i++) own_y[i] = moe_f32_to_bf16(-9);
+  moe_tensor *wx, *wy;
+  const moe_device cpu = {MOE_CPU, 0};
+  OK(moe_tensor_wrap(ctx, own_x, MOE_BF16, 2, SHAPE(C, H), cpu, &wx));
+  OK(moe_tensor_wrap(ctx, own_y, MOE_BF16, 2, SHAPE(C, H), cpu, &wy));
+  pool[npool++] = wx, pool[npool++] = wy;
+  CHECK(moe_tensor_data(wy) == (void *)own_y, "a wrapped tensor's data is the caller's pointer");
+  moe_experts_args w = {.out = wy, .x = wx, .offsets = off, .w_gate_up = gu, .w_down = dn};
+  OK(moe_experts(ctx, &w));
+  for (int i = 0; i < C * H; i++) CHECK(moe_bf16_to_f32(own_y[i]) == want[i], "wrapped ys[%d] = %g", i, moe_bf16_to_f32(own_y[i]));
+  moe_tensor *refused = wx;
+  ARG_ERROR(moe_tensor_wrap(ctx, (char *)own_x + 1, MOE_BF16, 2, SHAPE(C, H), cpu, &refused), "wrap", "not aligned");
+  CHECK(refused == NULL, "a refused wrap is NULL");
+  ARG_ERROR(moe_tensor_wrap(ctx, NULL, MOE_F32, 1, SHAPE(3), cpu, &refused), "wrap", "data is NULL for 3 elements");
+  ARG_ERROR(moe_tensor_wrap(ctx, own_x, MOE_BF16, 5, SHAPE(1, 1, 1, 1, 1), cpu, &refused), "wrap", "5 dimensions");
+  OK(moe_tensor_wrap(ctx, NULL, MOE_F32, 2, SHAPE(0, 3), cpu, &refused)); /* empty: nothing to point at */
+  pool[npool++] = refused;
+
   /* In place: each row block is read before it is written. */
   moe_tensor *inplace = BF16(xv, C, H);
   moe_experts_args b = {.out = inplace, .x = inplace, .offsets = off, .w_gate_up = gu, .w_down = dn};
