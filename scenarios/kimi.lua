@@ -12,8 +12,8 @@
 -- of the 8 ranks) and reports rows, padding waste and expert-load imbalance there.
 -- Exits 1 when the layer does not match the reference (or, on a GPU, the router's ids differ
 -- from the CPU's); 2 on a bad flag or a configuration the library refuses.
-local moe = require "moelab"
 local cli = require "moelab.cli"
+local moe = cli.require "moelab"
 local json = require "moelab.json"
 
 local model = moe.models.kimi_k2
@@ -125,7 +125,8 @@ local function median(list)
   local l = { table.unpack(list) }
   table.sort(l)
   local n = #l
-  return n % 2 == 1 and l[(n + 1) // 2] or (l[n // 2] + l[n // 2 + 1]) / 2
+  local h = math.floor(n / 2)
+  return n % 2 == 1 and l[h + 1] or (l[h] + l[h + 1]) / 2
 end
 
 -- The whole pass as one CUDA graph, replayed on the same input (routing recomputed each time).
@@ -204,7 +205,7 @@ else
   p("moelab %s: %s MoE layer, %d expert-parallel ranks, simulated on %s", moe.version, model.name, W, opts.device)
 end
 p("  model     E = %d experts (%d per rank), top-%d, %s + bias, scale %g, 1 shared expert", model.experts,
-  model.experts // W, model.k, model.scoring, model.scale)
+  math.floor(model.experts / W), model.k, model.scoring, model.scale)
 p("  shape     H = %d, F = %d, %d tokens per rank%s", H, F, T,
   reduced and string.format("  (real: H = %d, F = %d, T = 7168; reduced so the %s run takes seconds)", model.hidden,
     model.ffn, opts.device) or "")

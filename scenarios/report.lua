@@ -8,8 +8,8 @@
 -- routings and pads has its own report: lua scenarios/experts.lua.  A measurement whose command
 -- fails or prints no number shows the failure in its row; the table is still written, and the
 -- exit status is 1.
-local moe = require "moelab"
 local cli = require "moelab.cli"
+local moe = cli.require "moelab"
 
 local opts = cli.parse(arg, {
   { "cpu", "flag", false, "the CPU rows only, even where a GPU is usable" },

@@ -15,8 +15,8 @@
 -- for bit; n/a where the program or a GPU is absent, or with --layout peer_major.  Exits 1 on a
 -- mismatch; 2 on a bad flag or a configuration the library refuses (a --capacity one shape
 -- overflows, say: the number applies to every shape).
-local moe = require "moelab"
 local cli = require "moelab.cli"
+local moe = cli.require "moelab"
 local json = require "moelab.json"
 
 local opts = cli.parse(arg, {
@@ -93,7 +93,8 @@ end
 local function median(l)
   table.sort(l)
   local n = #l
-  return n % 2 == 1 and l[(n + 1) // 2] or (l[n // 2] + l[n // 2 + 1]) / 2
+  local h = math.floor(n / 2)
+  return n % 2 == 1 and l[h + 1] or (l[h] + l[h + 1]) / 2
 end
 
 -- Median µs per call of fn, over reps replays of a graph holding `calls` calls of it.

@@ -8,8 +8,8 @@
 -- within the timeout and a margin, a call after that says the world was aborted, and close
 -- returns.  Prints one line per check; exits 1 on a failure, 2 on a bad flag, a world that
 -- cannot be made, or a world of one rank (no other rank to leave).
-local moe = require "moelab"
 local cli = require "moelab.cli"
+local moe = cli.require "moelab"
 
 cli.parse(arg, {}, "MOE_WORLD_TIMEOUT=5 scenarios/launch.sh 2 lua scenarios/world_fault.lua: the last rank leaves "
   .. "mid-run, the others must fail within the timeout")

@@ -14,8 +14,8 @@
 -- eager forward of the same tokens bit for bit; NaN logits on one rank stop every rank's forward
 -- at once; a layer built with another seed on one rank is refused on every rank.  Prints one
 -- line per check; exits 1 on a failure, 2 on a bad flag or a world that cannot be made.
-local moe = require "moelab"
 local cli = require "moelab.cli"
+local moe = cli.require "moelab"
 
 local opts = cli.parse(arg, {
   { "model", "string", "kimi_k2", "a preset of moe.models" },

@@ -36,6 +36,27 @@ function support.filled(n, v)
   return t
 end
 
+-- The interpreter that runs the suite (busted starts again under the one .busted names), for
+-- the programs a suite starts: plain `lua` may be another version.
+support.lua = (function()
+  local i = 0
+  while arg and arg[i - 1] do i = i - 1 end
+  return arg and i < 0 and arg[i] or "lua5.4"
+end)()
+
+-- Runs `lua <script> <flags>` from the repository root as a user would, against this checkout's
+-- front-end and build (MOE_BUILD_DIR), with env (text put before the command: "A=1 B=2"), lua
+-- the interpreter (default the suite's) -> its output (stdout and stderr) and exit status.
+function support.run_lua(script, flags, env, lua)
+  local cmd = string.format("%s LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;' %s %s %s 2>&1; "
+    .. "echo \"status=$?\"", env or "", os.getenv("MOE_BUILD_DIR") or "build", lua or support.lua, script, flags or "")
+  local f = assert(io.popen(cmd))
+  local out = f:read("a")
+  f:close()
+  local status = tonumber(out:match("status=(%d+)%s*$"))
+  return out:gsub("status=%d+%s*$", ""), status
+end
+
 -- A tensor of dtype and shape on dev from a flat Lua table.
 function support.tensor(flat, dtype, shape, dev)
   return moe.tensor(flat, { dtype = dtype, shape = shape, device = dev or "cpu" })

@@ -19,7 +19,7 @@ local function run_with_env(env, code)
   for _, v in ipairs(vars) do cmd[#cmd + 1] = "-u " .. v end
   for k, v in pairs(env) do cmd[#cmd + 1] = string.format("%s='%s'", k, v) end
   cmd[#cmd + 1] = string.format("LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;'", build)
-  cmd[#cmd + 1] = string.format("lua -e '%s' 2>&1; echo \"exit=$?\"", code)
+  cmd[#cmd + 1] = string.format("%s -e '%s' 2>&1; echo \"exit=$?\"", S.lua, code)
   local p = io.popen(table.concat(cmd, " "))
   local out = p:read("a")
   p:close()
@@ -169,14 +169,9 @@ end)
 describe("scenarios/kimi.lua --devices, its flag errors [#cpu]", function()
   -- the scenario as a user runs it, against this checkout's front-end and module (the
   -- sanitizer run's preload stays: that module is instrumented)
-  local build = os.getenv("MOE_BUILD_DIR") or "build"
   local function run(flags)
-    local cmd = string.format("LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;' "
-      .. "lua scenarios/kimi.lua %s 2>&1; echo \"status=$?\"", build, flags)
-    local f = assert(io.popen(cmd))
-    local out = f:read("a")
-    f:close()
-    return out
+    local out, status = S.run_lua("scenarios/kimi.lua", flags)
+    return out .. "status=" .. tostring(status)
   end
   for _, row in ipairs {
     { "--devices 0,x", "--devices: 'x' is not a GPU index" },

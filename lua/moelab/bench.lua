@@ -26,7 +26,7 @@ local function bench(fn, opts)
   table.sort(sorted)
   local sum = 0
   for _, t in ipairs(times) do sum = sum + t end
-  local mid = #sorted // 2
+  local mid = math.floor(#sorted / 2)
   local median = #sorted % 2 == 1 and sorted[mid + 1] or (sorted[mid] + sorted[mid + 1]) / 2
   return { median_ms = median, min_ms = sorted[1], max_ms = sorted[#sorted], mean_ms = sum / iters,
     iters = iters, times_ms = times }

@@ -1,8 +1,20 @@
 -- Command-line flags for scenarios: `--name value` or `--name=value`, typed by a spec, with
 -- --help.  An unknown flag or a bad value prints the usage and exits with status 2; a
 -- configuration the library refuses (cli.guard) prints its message and exits 2 as well, so that
--- status 1 stays a failed check.
+-- status 1 stays a failed check.  In the syntax and library of Lua 5.1 (LuaJIT's too): a scenario
+-- loads this before moelab, so that an interpreter moelab refuses ends in status 2 as well.
 local cli = {}
+
+local unpack = table.unpack or unpack
+local function pack(...) return { n = select("#", ...), ... } end
+
+-- The integer a flag's text names ("3", "3.0"), or nil.
+local function tointeger(text)
+  local v = tonumber(text)
+  if v and math.tointeger then return math.tointeger(v) end
+  if v and v == math.floor(v) and math.abs(v) < 2 ^ 53 then return v end
+end
+cli.tointeger = tointeger
 
 -- spec: list of {name, kind ("integer"|"number"|"string"|"list"|"flag"), default, help}
 function cli.parse(argv, spec, title)
@@ -40,7 +52,7 @@ function cli.parse(argv, spec, title)
         if value == nil or value:match("^%-%-") then usage("flag --" .. name .. " needs a value") end
       end
       if f[2] == "integer" then
-        local v = math.tointeger(tonumber(value))
+        local v = tointeger(value)
         if not v then usage(string.format("flag --%s needs an integer, got '%s'", name, value)) end
         opts[name] = v
       elseif f[2] == "number" then
@@ -73,9 +85,19 @@ end
 function cli.guard(what, fn, ...)
   local tb = os.getenv("MOE_TRACEBACK")
   tb = tb ~= nil and tb ~= "" and tb ~= "0"
-  local res = table.pack(xpcall(fn, function(e) return tb and debug.traceback(tostring(e), 2) or tostring(e) end, ...))
-  if not res[1] then cli.fail(string.format("%s: %s", what, res[2])) end
-  return table.unpack(res, 2, res.n)
+  local argv = pack(...)
+  local res = pack(xpcall(function() return fn(unpack(argv, 1, argv.n)) end,
+    function(e) return tb and debug.traceback(tostring(e), 2) or tostring(e) end))
+  if not res[1] then cli.fail(string.format("%s: %s", what, tostring(res[2]))) end
+  return unpack(res, 2, res.n)
+end
+
+-- require(name) for a scenario: a module that cannot load here (moelab on an interpreter it does
+-- not run on, a C module not built) is a configuration, not a failed check: its message, status 2.
+function cli.require(name)
+  local ok, mod = pcall(require, name)
+  if not ok then cli.fail(tostring(mod)) end
+  return mod
 end
 
 -- The report file of an output flag (--json): checked writable now (a bad path is a usage error

@@ -4,6 +4,20 @@
 -- options (a typo is an error, never ignored), allocates outputs, runs a stage where its tensors
 -- live, and turns the conditions a stage records in its stats (NaN logits, invalid ids,
 -- capacity overflow) into errors unless the caller asked for them to be tolerated.
+
+-- The interpreter first: the front-end runs on Lua 5.4 (through the C module moelab.core) and on
+-- LuaJIT 2.1; anywhere else it stops here with one sentence, before it reaches code this
+-- interpreter cannot run or a C module built for another Lua.  This block, and the file up to it,
+-- stays in the syntax of Lua 5.1, which every other interpreter parses.
+do
+  local jit = rawget(_G, "jit")
+  local luajit = type(jit) == "table" and type(jit.version) == "string" and jit.version or nil
+  if not (_VERSION == "Lua 5.4" or luajit and luajit:find("^LuaJIT 2%.1")) then
+    error(string.format("moelab runs on Lua 5.4 or LuaJIT 2.1, and this is %s: run it with lua5.4 (or luajit)",
+      luajit or _VERSION), 0)
+  end
+end
+
 local core = require "moelab.core"
 local args = require "moelab.args"
 local device = require "moelab.device"
