@@ -88,6 +88,13 @@ int moeI_explain_cpu(moe_ctx *ctx, char *report, size_t n);
 int moeI_schedule_explain_cuda(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n);
 int moeI_experts_explain_cuda(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n);
 
+/* NVTX ranges (lib/nvtx.c).  moeI_range_pop closes the innermost range and returns rc, so that a
+ * stage reads return MOE_IN_RANGE("route", backend(...)): the comma puts the push before the
+ * call, and the pop runs after it, the call being its argument. */
+void moeI_range_push(const char *name);
+int moeI_range_pop(int rc);
+#define MOE_IN_RANGE(name, call) (moeI_range_push(name), moeI_range_pop(call))
+
 /* "f32 [2, 3] on cuda:0" into buf; returns buf. */
 const char *moeI_tensor_describe(const moe_tensor *t, char *buf, size_t n);
 

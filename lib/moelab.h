@@ -104,6 +104,16 @@ MOE_API int moe_event_record(moe_ctx *ctx, moe_event *event);
 MOE_API int moe_event_elapsed(moe_ctx *ctx, const moe_event *start, const moe_event *stop, float *ms);
 MOE_API void moe_event_free(moe_event *event);
 
+/* ---- NVTX ranges, for Nsight Systems and Nsight Compute (--nvtx): every stage pushes a range
+ * named after it (route, logits, schedule, dispatch, experts, sigmoid_gate, combine, reference,
+ * allgather) around its work, in the NVTX domain "moelab".  A host names its compositions the same
+ * way (the Lua layer: "layer", and each of its stages around the calls that make it up): ranges
+ * nest per thread, and pop closes the innermost range this thread's push opened (MOE_ERR_ARG when
+ * none is open).  Without a tool attached a range costs next to nothing; a build that did not find
+ * the NVTX header (nvtx3/nvToolsExt.h) has none, and push and pop only count. ---- */
+MOE_API int moe_range_push(moe_ctx *ctx, const char *name);
+MOE_API int moe_range_pop(moe_ctx *ctx);
+
 /* ---- tensors: contiguous, row-major, 0..4 dims ---- */
 MOE_API int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape,
                            moe_device device, moe_tensor **out);

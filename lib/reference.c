@@ -169,5 +169,5 @@ int moe_reference(moe_ctx *ctx, const moe_reference_args *a) {
     if (ids[i] != -1 && (ids[i] < 0 || ids[i] >= a->experts))
       return moeI_seterr(ctx, MOE_ERR_ARG, "reference: ids[%lld, %lld] is %d, not an expert in [0, %d) nor -1 (masked)",
                         (long long)(i / K), (long long)(i % K), ids[i], a->experts);
-  return reference_cpu(ctx, a);
+  return MOE_IN_RANGE(stage, reference_cpu(ctx, a));
 }

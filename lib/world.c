@@ -287,7 +287,7 @@ int moe_world_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, cons
   int rc;
   for (int i = 0; i < w->nlocal; i++)
     if ((rc = check_gather(ctx, stage, w, i, out[i], in[i]))) return rc;
-  return moeI_nccl_allgather(ctx, w, out, in);
+  return MOE_IN_RANGE("allgather", moeI_nccl_allgather(ctx, w, out, in));
 }
 
 int moe_world_allgather_ids(moe_ctx *ctx, moe_world *w, moe_tensor *const *all_ids, const moe_tensor *const *ids) {
@@ -300,7 +300,7 @@ int moe_world_allgather_ids(moe_ctx *ctx, moe_world *w, moe_tensor *const *all_i
     if ((rc = moeI_check_tensor(ctx, stage, what, ids[i], MOE_I32, 2, NULL))) return rc;
     if ((rc = check_gather(ctx, stage, w, i, all_ids[i], ids[i]))) return rc;
   }
-  return moeI_nccl_allgather(ctx, w, all_ids, ids);
+  return MOE_IN_RANGE("allgather", moeI_nccl_allgather(ctx, w, all_ids, ids));
 }
 
 /* The dispatch arguments of local rank i that both exchanges take: x, out, peer_rank, peer_route,
@@ -348,7 +348,7 @@ int moe_world_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args
     static const char *names[] = {"x_all", "out", "peer_rank", "peer_route", "x"};
     if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 5))) return rc;
   }
-  return moeI_nccl_dispatch(ctx, w, args);
+  return MOE_IN_RANGE("dispatch", moeI_nccl_dispatch(ctx, w, args));
 }
 
 /* The combine arguments of local rank i that both exchanges take, on the rank's GPU. */
@@ -407,7 +407,7 @@ int moe_world_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *
       if ((rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
     if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 4, 11))) return rc;
   }
-  return moeI_nccl_combine(ctx, w, args);
+  return MOE_IN_RANGE("combine", moeI_nccl_combine(ctx, w, args));
 }
 
 /* ---- the direct exchange ---- */
@@ -538,7 +538,7 @@ int moe_world_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_
       return moeI_seterr(ctx, MOE_ERR_ARG, "%s: out may not lie in the exchange's window (its x, ys, route_row)",
                         stage);
   }
-  return moeI_nccl_exchange_dispatch(ctx, ex, args);
+  return MOE_IN_RANGE("dispatch", moeI_nccl_exchange_dispatch(ctx, ex, args));
 }
 
 int moe_world_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_combine_args *args) {
@@ -555,7 +555,7 @@ int moe_world_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_w
     if (in_window(ex, i, a->out))
       return moeI_seterr(ctx, MOE_ERR_ARG, "%s: out may not lie in the exchange's window (its x, ys, route_row)", stage);
   }
-  return moeI_nccl_exchange_combine(ctx, ex, args);
+  return MOE_IN_RANGE("combine", moeI_nccl_exchange_combine(ctx, ex, args));
 }
 
 /* ---- a build without NCCL, or without CUDA at all: MOE_WORLD_STUBS names what is missing ---- */

@@ -1,6 +1,7 @@
 /*
- * event_graph.c -- timing (core.now, core.sleep), events (moelab.Event) and CUDA graphs
- * (moelab.Graph): a graph holds the pins of its capture (PINS) and undoes them when it goes.
+ * event_graph.c -- timing (core.now, core.sleep), NVTX ranges (core.range_push, core.range_pop),
+ * events (moelab.Event) and CUDA graphs (moelab.Graph): a graph holds the pins of its capture
+ * (PINS) and undoes them when it goes.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime for core.now */
 #include <errno.h>
@@ -32,6 +33,19 @@ static int l_sleep(lua_State *L) {
     }
   }
   return 0;
+}
+
+/* core.range_push(name), core.range_pop(): a range of the host's own around calls (moelab.h) */
+static int l_range_push(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  int rc = moe_range_push(ctx, luaL_checkstring(L, 1));
+  return rc ? lc_fail(L, ctx, rc) : 0;
+}
+
+static int l_range_pop(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  int rc = moe_range_pop(ctx);
+  return rc ? lc_fail(L, ctx, rc) : 0;
 }
 
 static Handle *new_object(lua_State *L, const char *tname) {
@@ -187,6 +201,8 @@ static const luaL_Reg graph_methods[] = {
 static const luaL_Reg event_graph_funcs[] = {
   {"now", l_now},
   {"sleep", l_sleep},
+  {"range_push", l_range_push},
+  {"range_pop", l_range_pop},
   {"event_new", l_event_new},
   {"graph_begin", l_graph_begin},
   {"graph_end", l_graph_end},

@@ -513,10 +513,20 @@ local function on_ranks(self, fn)
   return res
 end
 
+-- fn(...) inside an NVTX range named name (moelab.h: moe_range_push), closed on an error too -> its
+-- first result.
+local function in_range(name, fn, ...)
+  core.range_push(name)
+  local ok, res = pcall(fn, ...)
+  core.range_pop()
+  if not ok then error(res, 0) end
+  return res
+end
+
 -- Device events (a monotonic clock on the CPU) around a stage on every shard's device, read back
 -- only when asked (stage_times), so a forward never waits for the device.  Nothing is timed while
 -- a graph is being captured.
-local function timed(self, name, fn)
+local function time_stage(self, name, fn)
   if not self.timing then return fn() end
   self.events = self.events or {}
   local ev = self.events[name]
@@ -536,6 +546,9 @@ local function timed(self, name, fn)
   end
   self.times[name] = ev
 end
+
+-- A stage of the pipeline: inside its NVTX range, timed.
+local function timed(self, name, fn) in_range(name, time_stage, self, name, fn) end
 
 -- Which kernel each stage with variants runs and why, per held rank (nothing runs):
 -- { { rank =, schedule = <choice>, experts = <choice>, shared = <choice> (with a shared expert) }, ... },
@@ -663,7 +676,7 @@ function Layer:forward(x, o)
   end
   if o.logits then given.logits = space:inputs(self, "forward", "logits", o.logits, "f32", sh.logits.shape) end
   self.forwarded = false -- until this pass completes the buffers hold part of it
-  local ok, res = pcall(on_ranks, self, function() return run(self, x, given) end)
+  local ok, res = pcall(in_range, "layer", on_ranks, self, function() return run(self, x, given) end)
   if not ok then args.raise(tostring(res)) end
   return res
 end
@@ -947,7 +960,8 @@ function Layer:capture(x)
   -- a capture runs nothing: the buffers hold what they held before it, until a replay
   local forwarded, routing_given, routed = self.forwarded, self.routing_given, self.routed
   space:bind(1)
-  local ok, graph = pcall(moe_device.graph, function() run(self, x, { check = false }) end, { device = self.device })
+  local ok, graph = pcall(moe_device.graph, function() in_range("layer", run, self, x, { check = false }) end,
+    { device = self.device })
   self.forwarded, self.routing_given, self.routed = forwarded, routing_given, routed
   space:release()
   if not ok then args.raise(graph) end
