@@ -226,6 +226,13 @@ void launch_pack(cudaStream_t s, const moe_world_combine_args *a, int64_t W, int
 
 int moeI_nccl_available(moe_ctx *ctx) { return moeI_ok(ctx); }
 
+int moeI_nccl_version(char *buf, size_t n) {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess) return MOE_ERR_CUDA;
+  snprintf(buf, n, "%d.%d.%d", v / 10000, v / 100 % 100, v % 100); // NCCL_VERSION(X, Y, Z) since 2.9
+  return MOE_OK;
+}
+
 int moeI_nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]) {
   ncclUniqueId u;
   NCCL_TRY(ctx, nullptr, -1, "ncclGetUniqueId", ncclGetUniqueId(&u));

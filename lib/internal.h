@@ -180,6 +180,8 @@ int moeI_combine_cpu(moe_ctx *ctx, const moe_combine_args *a);
 /* ---- CUDA launchers (kernels/<stage>.cu), same arguments, stream from ctx.  In a build without
  * CUDA, lib/nocuda.c defines them to return MOE_ERR_UNSUPPORTED. ---- */
 int moeI_cuda_device_count(int *count);
+/* The cuda:N lines of moe_device_info's report (moelab.h), from "kind: cuda" on. */
+int moeI_cuda_device_info(moe_ctx *ctx, int device, char *report, size_t n);
 void moeI_cuda_ctx_release(moe_ctx *ctx); /* destroys an owned stream */
 int moeI_cuda_graph_begin(moe_ctx *ctx, int device);
 int moeI_cuda_graph_end(moe_ctx *ctx, moe_graph **out);

@@ -69,6 +69,14 @@ MOE_API const char *moe_errmsg(const moe_ctx *ctx);
 /* Number of usable devices of a kind: 1 for MOE_CPU, the visible GPUs for MOE_CUDA
  * (0 in a build without CUDA or on a machine without a GPU). */
 MOE_API int moe_device_count(moe_ctx *ctx, int kind, int *count);
+/* What a device is, for a report: "key: value" lines into report (n bytes, truncated to fit).
+ *   every device  kind (cpu or cuda), name (the GPU's, or the CPU's model from /proc/cpuinfo)
+ *   cpu           threads (the CPU backend's: MOE_THREADS or the online CPUs)
+ *   cuda:N        sm_count, sm_clock_mhz (the peak SM clock), memory_mib, compute_capability ("9.0"),
+ *                 driver and runtime (the CUDA versions of the driver and of the runtime linked in,
+ *                 "12.8"), nccl (the NCCL linked in, "2.27.3", in a build with NCCL)
+ * A GPU that is not there fails as a tensor on it would. */
+MOE_API int moe_device_info(moe_ctx *ctx, moe_device device, char *report, size_t n);
 /* The CUDA stream (a cudaStream_t) stages are issued on.  NULL (the default) lets the context
  * make a non-blocking stream of its own on first use, which moe_ctx_stream then returns. */
 MOE_API int moe_ctx_set_stream(moe_ctx *ctx, void *stream);

@@ -8,6 +8,10 @@ int moeI_cuda_device_count(int *count) {
   *count = 0;
   return MOE_OK;
 }
+int moeI_cuda_device_info(moe_ctx *ctx, int device, char *report, size_t n) {
+  (void)device, (void)report, (void)n;
+  return NO_CUDA("device_info");
+}
 void moeI_cuda_ctx_release(moe_ctx *ctx) { (void)ctx; }
 int moeI_cuda_graph_begin(moe_ctx *ctx, int device) {
   (void)device;

@@ -563,6 +563,10 @@ int moe_world_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_w
 #define NO_NCCL(what) \
   moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "world: %s: this moelab was built without %s", what, MOE_WORLD_STUBS)
 int moeI_nccl_available(moe_ctx *ctx) { return NO_NCCL("expert parallelism across GPUs"); }
+int moeI_nccl_version(char *buf, size_t n) {
+  (void)buf, (void)n;
+  return MOE_ERR_UNSUPPORTED;
+}
 int moeI_nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]) {
   (void)id;
   return NO_NCCL("unique_id");

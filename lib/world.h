@@ -43,6 +43,8 @@ struct moe_world_exchange {
 
 /* MOE_OK when this build can open a world, else MOE_ERR_UNSUPPORTED with the reason. */
 int moeI_nccl_available(moe_ctx *ctx);
+/* The version of the NCCL linked in ("2.27.3") into buf; MOE_ERR_UNSUPPORTED without NCCL. */
+int moeI_nccl_version(char *buf, size_t n);
 /* Fills id with a new ncclUniqueId. */
 int moeI_nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]);
 /* Makes w's streams and communicators for its nlocal ranks: ncclCommInitAll when id is NULL

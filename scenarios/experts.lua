@@ -4,6 +4,7 @@
 --
 --   lua scenarios/experts.lua [--device D] [--models a,b] [--dists a,b] [--pads 1,128,256]
 --                             [--iters N] [--tokens T] [--hidden H] [--ffn F] [--seed S] [--json FILE]
+--                             [--svg FILE] [--progress auto|on|off]
 --
 -- For each (model, distribution): the ids of all 8 ranks x T tokens (T = 7168 on a GPU), rank 0's
 -- schedule at each pad with capacity = the rows it needs, xs = randn [rows, H], the preset's
@@ -14,11 +15,15 @@
 -- counts the routes only.  The cuBLAS numbers come from build/bench/cublas_baseline (or
 -- $MOE_BUILD_DIR/bench/cublas_baseline), run once per preset; n/a where it or a GPU is absent.
 -- On the CPU the presets keep their E and top-k but run at a tiny H, F and T, and the times are
--- wall clock: only the GPU's are meaningful.  Exits 1 when a check fails, 2 on a bad flag or a
--- configuration the library refuses.
+-- wall clock: only the GPU's are meaningful.  --svg draws each preset's TFLOP/s beside cuBLAS's;
+-- --progress writes a line per configuration with the time left on stderr (auto: where it is a
+-- terminal).  Exits 1 when a check fails, 2 on a bad flag or a configuration the library refuses.
 local cli = require "moelab.cli"
 local moe = cli.require "moelab"
 local json = require "moelab.json"
+local runinfo = require "moelab.runinfo"
+local progress = require "moelab.progress"
+local svg = require "moelab.svg"
 
 local MODEL_KEYS = { "kimi_k2", "deepseek_v3", "deepseek_v4_pro", "glm5", "qwen3_235b", "qwen3_5_397b" }
 local DISTS = { "uniform", "zipf", "hotspot", "router" }
@@ -38,6 +43,8 @@ local opts = cli.parse(arg, {
   { "ffn", "integer", nil, "override every preset's F (default the preset's; 64 on the CPU)" },
   { "seed", "integer", 1, "seed of the ids, inputs and weights" },
   { "json", "string", nil, "also write the table as JSON to this file" },
+  { "svg", "string", nil, "also draw the table as an SVG picture in this file" },
+  { "progress", "string", "auto", "a line per configuration on stderr: auto (where it is a terminal), on or off" },
 }, "lua scenarios/experts.lua: the experts stage per preset x routing distribution x pad, beside cuBLAS")
 
 local function usage_error(msg)
@@ -81,7 +88,8 @@ if T < 1 or iters < 1 then usage_error("--tokens and --iters must be >= 1") end
 for _, f in ipairs { "hidden", "ffn" } do
   if opts[f] and opts[f] < 1 then usage_error(string.format("--%s must be >= 1, got %d", f, opts[f])) end
 end
-local json_file = cli.output("json", opts.json)
+local json_file, svg_file = cli.output("json", opts.json), cli.output("svg", opts.svg)
+local steps = cli.guard("--progress", progress.new, #model_keys * #dists * #pads, { mode = opts.progress })
 
 local function p(...) io.write(string.format(...), "\n") io.flush() end
 
@@ -307,6 +315,7 @@ local function run_model(key)
       end
       dist_rows[i] = row
       rows[#rows + 1] = row
+      steps:step(string.format("%s %s pad %d: %s ms", m.name, dist, pad, row.ms and string.format("%.3f", row.ms) or "-"))
       cases[#cases + 1] = sc.padded
     end
     for i, ck in pairs(check:finish()) do dist_rows[i].check = ck end
@@ -434,9 +443,33 @@ for _, e in ipairs(baseline_errors) do p("  cuBLAS baseline failed, %s", e) end
 if failed then p("  a check FAILED: see the check column") end
 
 if json_file then
-  json_file:write(json.encode { device = dev, world = W, tokens = T, iters = iters, warmup = warmup, seed = opts.seed,
+  json_file:write(json.encode { run = runinfo.collect { device = dev }, device = dev, world = W, tokens = T, iters = iters, warmup = warmup, seed = opts.seed,
     zipf_s = ZIPF_S, hot_share = HOT_SHARE, router_std = ROUTER_STD, models = shapes, rows = all_rows,
     baseline = { path = baseline_path, note = baseline_note, notes = baseline_notes, errors = baseline_errors } }, "\n")
   json_file:close()
+end
+if svg_file then
+  local doc = svg.new(960, 0)
+  doc:text(20, 28, string.format("moelab %s: the experts stage, rank 0 of EP%d, %d tokens per rank, on %s", moe.version,
+    W, T, dev), { ["font-weight"] = "bold", ["font-size"] = 15 })
+  doc:text(20, 48, gpu and "TFLOP/s = rows used x 6·H·F / median time; cuBLAS over the same rows"
+    or "TFLOP/s from wall clock at a tiny shape on the CPU (only the GPU's are meaningful); cuBLAS n/a")
+  local y = 64
+  for _, sh in ipairs(shapes) do
+    local bars = {}
+    for _, r in ipairs(all_rows) do
+      if r.key == sh.key then
+        bars[#bars + 1] = { label = string.format("%s, pad %d", r.dist, r.pad),
+          values = { r.tflops, r.dense_tflops, r.per_expert_tflops },
+          marks = gpu and { { value = 790, label = "dense bf16 ceiling of an H200" } } or nil }
+      end
+    end
+    y = y + svg.bars(doc, { x = 20, y = y, width = 920, rows = bars, unit = "TFLOP/s",
+      series = { "ours", "cuBLAS dense", "cuBLAS per expert" }, mark_name = gpu and "H200 bf16 ceiling" or nil,
+      title = string.format("%s: E = %d (%d on rank 0), top-%d, H = %d, F = %d", sh.name, sh.E, sh.EL, sh.K, sh.H,
+        sh.F) }) + 12
+  end
+  doc.height = y
+  svg_file:write(doc:render()):close()
 end
 os.exit(failed and 1 or 0)

@@ -2,7 +2,7 @@
 -- expert, source rank) pair scanning that rank's routes twice), on the shapes of the MoK table.
 --
 --   lua scenarios/scheduler.lua [--device D] [--pad B] [--layout L] [--capacity C] [--calls N] [--reps R]
---                               [--kernel NAME] [--json FILE]
+--                               [--kernel NAME] [--json FILE] [--svg FILE] [--progress auto|on|off]
 --
 -- Each row: the ids of W ranks x T tokens routed by the model's router on router-like logits
 -- (std 1.5); rank 0's schedule, run by the kernel --kernel names (the context's schedule_kernel
@@ -12,12 +12,17 @@
 -- checked equal to the CPU's, bit for bit.  The legacy column comes from build/bench/schedule_legacy
 -- (or $MOE_BUILD_DIR/bench/schedule_legacy) on the same W, T, E, K, pad and capacity, timed the
 -- same way: its own ids (softmax top-K of randn logits), checked there against moe_schedule bit
--- for bit; n/a where the program or a GPU is absent, or with --layout peer_major.  Exits 1 on a
+-- for bit; n/a where the program or a GPU is absent, or with --layout peer_major.  --svg draws
+-- both columns per shape; --progress writes a line per shape on stderr (auto: where it is a
+-- terminal).  Exits 1 on a
 -- mismatch; 2 on a bad flag or a configuration the library refuses (a --capacity one shape
 -- overflows, say: the number applies to every shape).
 local cli = require "moelab.cli"
 local moe = cli.require "moelab"
 local json = require "moelab.json"
+local runinfo = require "moelab.runinfo"
+local progress = require "moelab.progress"
+local svg = require "moelab.svg"
 
 local opts = cli.parse(arg, {
   { "device", "string", moe.default_device(), "cpu or cuda:N" },
@@ -29,6 +34,8 @@ local opts = cli.parse(arg, {
   { "reps", "integer", 9, "timed replays; the median is reported" },
   { "kernel", "string", "auto", "the GPU kernel: auto (the library's choice) or a name of the schedule_kernel option" },
   { "json", "string", nil, "also write the table as JSON to this file" },
+  { "svg", "string", nil, "also draw the table as an SVG picture in this file" },
+  { "progress", "string", "auto", "a line per shape on stderr: auto (where it is a terminal), on or off" },
 }, "lua scenarios/scheduler.lua: the routed-token scheduler against the legacy baseline")
 for _, f in ipairs { "calls", "reps", "pad" } do
   if opts[f] < 1 then cli.fail(string.format("--%s must be >= 1, got %d", f, opts[f])) end
@@ -36,7 +43,7 @@ end
 if opts.layout ~= "roundrobin" and opts.layout ~= "peer_major" then
   cli.fail(string.format("--layout must be roundrobin or peer_major, got '%s'", opts.layout))
 end
-local json_file = cli.output("json", opts.json)
+local json_file, svg_file = cli.output("json", opts.json), cli.output("svg", opts.svg)
 cli.guard("--kernel", moe.core.config, "schedule_kernel", opts.kernel)
 
 local dev = opts.device
@@ -118,6 +125,7 @@ end
 
 local rows = {}
 local ok = true
+local steps = cli.guard("--progress", progress.new, #cases, { mode = opts.progress })
 for i, c in ipairs(cases) do
   local m = c.model
   local shape = string.format("%s, EP%d, T %d", c.label, c.W, c.T)
@@ -143,6 +151,7 @@ for i, c in ipairs(cases) do
   row.rows_used = s:read_stats().rows_used
   row.capacity = s.capacity
   rows[#rows + 1] = row
+  steps:step(string.format("%s: %.2f µs", shape, row.ours_us))
 end
 
 local function p(...) io.write(string.format(...), "\n") end
@@ -163,8 +172,21 @@ for _, r in ipairs(rows) do
     r.legacy_us and string.format("%.1fx", r.legacy_us / r.ours_us) or "", r.mismatch and ("  MISMATCH " .. r.mismatch) or "")
 end
 if json_file then
-  json_file:write(json.encode { device = dev, kernel = opts.kernel, pad = opts.pad, layout = opts.layout,
+  json_file:write(json.encode { run = runinfo.collect { device = dev }, device = dev, kernel = opts.kernel, pad = opts.pad, layout = opts.layout,
     capacity = math.tointeger(tonumber(opts.capacity)) or opts.capacity, pass = ok, rows = rows }, "\n")
   json_file:close()
+end
+if svg_file then
+  local bars = {}
+  for i, r in ipairs(rows) do
+    bars[i] = { label = string.format("%s, EP%d, T %d", r.label, r.W, r.T), values = { r.ours_us, r.legacy_us } }
+  end
+  local doc = svg.new(900, 0)
+  doc:text(20, 28, string.format("moelab %s: the routed-token scheduler on %s, rank 0's schedule, pad %d, %s",
+    moe.version, dev, opts.pad, opts.layout), { ["font-weight"] = "bold", ["font-size"] = 15 })
+  doc.height = 48 + svg.bars(doc, { x = 20, y = 44, width = 860, rows = bars, unit = "µs", series = { "ours",
+    "legacy" }, title = gpu and string.format("µs per call (median of %d replays of %d calls); no legacy bar: n/a",
+    opts.reps, opts.calls) or "µs per call, wall clock on the CPU (the legacy baseline is a GPU kernel: n/a)" })
+  svg_file:write(doc:render()):close()
 end
 os.exit(ok and 0 or 1)

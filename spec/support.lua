@@ -45,16 +45,104 @@ support.lua = (function()
 end)()
 
 -- Runs `lua <script> <flags>` from the repository root as a user would, against this checkout's
--- front-end and build (MOE_BUILD_DIR), with env (text put before the command: "A=1 B=2"), lua
--- the interpreter (default the suite's) -> its output (stdout and stderr) and exit status.
+-- front-end and build (MOE_BUILD_DIR), with env (variables put before the command, after the
+-- paths, which they may override: "A=1 B=2"), lua the interpreter (default the suite's) -> its
+-- output (stdout and stderr) and exit status.
 function support.run_lua(script, flags, env, lua)
-  local cmd = string.format("%s LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;' %s %s %s 2>&1; "
-    .. "echo \"status=$?\"", env or "", os.getenv("MOE_BUILD_DIR") or "build", lua or support.lua, script, flags or "")
+  local cmd = string.format("LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;' %s %s %s %s 2>&1; "
+    .. "echo \"status=$?\"", os.getenv("MOE_BUILD_DIR") or "build", env or "", lua or support.lua, script, flags or "")
   local f = assert(io.popen(cmd))
   local out = f:read("a")
   f:close()
   local status = tonumber(out:match("status=(%d+)%s*$"))
   return out:gsub("status=%d+%s*$", ""), status
+end
+
+-- A well-formedness check of XML (the scenarios' SVG pictures), strict where they could go wrong:
+-- one root element, every tag closed in order, attributes quoted and not repeated, no '<' or
+-- bare '&' in text or values, only the five predefined entities and character references.
+-- -> the root {tag =, attrs = {...}, children = {...}, text =}; raises "xml: <what> at byte N".
+function support.parse_xml(text)
+  local pos, root, stack = 1, nil, {}
+  local function fail(what) error(string.format("xml: %s at byte %d", what, pos), 2) end
+  local function check_chars(s, where)
+    if s:find("<", 1, true) then fail("'<' in " .. where) end
+    local i = s:find("&", 1, true)
+    while i do
+      local ref = s:match("^&([#%w]+);", i)
+      if not (ref == "amp" or ref == "lt" or ref == "gt" or ref == "quot" or ref == "apos"
+          or ref and (ref:match("^#%d+$") or ref:match("^#x%x+$"))) then
+        fail("a bare '&' or an unknown entity in " .. where)
+      end
+      i = s:find("&", i + 1, true)
+    end
+  end
+  if text:sub(1, 5) == "<?xml" then
+    local stop = text:find("?>", 1, true)
+    if not stop then fail("an unterminated XML declaration") end
+    pos = stop + 2
+  end
+  while pos <= #text do
+    local lt = text:find("<", pos, true)
+    local chunk = text:sub(pos, (lt or #text + 1) - 1)
+    if #stack == 0 and chunk:find("%S") then fail("text outside the root element") end
+    check_chars(chunk, "text")
+    if #stack > 0 then stack[#stack].text = stack[#stack].text .. chunk end
+    if not lt then break end
+    pos = lt
+    if text:sub(pos, pos + 3) == "<!--" then
+      local stop = text:find("-->", pos, true)
+      if not stop then fail("an unterminated comment") end
+      pos = stop + 3
+    elseif text:sub(pos, pos + 1) == "</" then
+      local name, stop = text:match("^</([%w_:%-%.]+)%s*>()", pos)
+      if not name then fail("a malformed end tag") end
+      local open = table.remove(stack)
+      if not open or open.tag ~= name then fail("</" .. name .. "> closes " .. (open and ("<" .. open.tag .. ">") or "nothing")) end
+      pos = stop
+    else
+      local name, rest = text:match("^<([%a_][%w_:%-%.]*)()", pos)
+      if not name then fail("a malformed start tag") end
+      if #stack == 0 and root then fail("a second root element") end
+      local node = { tag = name, attrs = {}, children = {}, text = "" }
+      pos = rest
+      while true do
+        local ws, after = text:match("^(%s*)()", pos)
+        pos = after
+        local c = text:sub(pos, pos)
+        if c == ">" or text:sub(pos, pos + 1) == "/>" then break end
+        if ws == "" then fail("attributes not separated by space") end
+        local key, q, after_eq = text:match("^([%a_][%w_:%-%.]*)%s*=%s*(['\"])()", pos)
+        if not key then fail("a malformed attribute") end
+        local close = text:find(q, after_eq, true)
+        if not close then fail("an unterminated attribute value") end
+        local value = text:sub(after_eq, close - 1)
+        check_chars(value, "attribute " .. key)
+        if node.attrs[key] ~= nil then fail("attribute " .. key .. " repeated") end
+        node.attrs[key] = value
+        pos = close + 1
+      end
+      local parent = stack[#stack]
+      if parent then parent.children[#parent.children + 1] = node else root = node end
+      if text:sub(pos, pos + 1) == "/>" then pos = pos + 2
+      else
+        pos = pos + 1
+        stack[#stack + 1] = node
+      end
+    end
+  end
+  if #stack > 0 then fail("<" .. stack[#stack].tag .. "> is never closed") end
+  if not root then fail("no root element") end
+  return root
+end
+
+-- Every element of an XML tree (support.parse_xml) whose tag is tag and, where given, whose
+-- class attribute is class.
+function support.xml_find(node, tag, class, out)
+  out = out or {}
+  if node.tag == tag and (class == nil or node.attrs.class == class) then out[#out + 1] = node end
+  for _, c in ipairs(node.children) do support.xml_find(c, tag, class, out) end
+  return out
 end
 
 -- A tensor of dtype and shape on dev from a flat Lua table.

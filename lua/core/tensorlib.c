@@ -1,6 +1,6 @@
 /*
  * tensorlib.c -- the module's functions of tensors and devices: new, from_table, is_tensor,
- * device_count, synchronize, and the context's options (config).
+ * device_count, device_info, synchronize, and the context's options (config).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -16,6 +16,17 @@ static int l_device_count(lua_State *L) {
   int rc = moe_device_count(ctx, kind, &n);
   if (rc) return lc_fail(L, ctx, rc);
   lua_pushinteger(L, n);
+  return 1;
+}
+
+/* core.device_info(device) -> moe_device_info's report, "key: value" lines */
+static int l_device_info(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  moe_device dev = lc_check_device(L, 1);
+  char report[1024];
+  int rc = moe_device_info(ctx, dev, report, sizeof report);
+  if (rc) return lc_fail(L, ctx, rc);
+  lua_pushstring(L, report);
   return 1;
 }
 
@@ -206,6 +217,7 @@ static int l_synchronize(lua_State *L) {
 
 static const luaL_Reg tensorlib_funcs[] = {
   {"device_count", l_device_count},
+  {"device_info", l_device_info},
   {"config", l_config},
   {"new", l_new},
   {"from_table", l_from_table},

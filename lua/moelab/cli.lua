@@ -16,9 +16,11 @@ local function tointeger(text)
 end
 cli.tointeger = tointeger
 
--- spec: list of {name, kind ("integer"|"number"|"string"|"list"|"flag"), default, help}
-function cli.parse(argv, spec, title)
-  local by_name, opts = {}, {}
+-- spec: list of {name, kind ("integer"|"number"|"string"|"list"|"flag"), default, help};
+-- positional: what the arguments that are not flags are (shown in the usage), or nil where there
+-- are none -> the options, and the list of those arguments.
+function cli.parse(argv, spec, title, positional)
+  local by_name, opts, rest = {}, {}, {}
   for _, f in ipairs(spec) do
     by_name[f[1]] = f
     opts[f[1]] = f[3]
@@ -26,7 +28,7 @@ function cli.parse(argv, spec, title)
   local function usage(msg)
     local out = msg and io.stderr or io.stdout
     if msg then out:write(msg, "\n\n") end
-    out:write(title, "\n\nflags:\n")
+    out:write(title, "\n\n", positional and ("arguments: " .. positional .. "\n") or "", "flags:\n")
     for _, f in ipairs(spec) do
       out:write(string.format("  --%-12s %s%s\n", f[1] .. (f[2] == "flag" and "" or " X"), f[4],
         f[3] ~= nil and f[2] ~= "flag" and string.format(" (default %s)", tostring(f[3])) or ""))
@@ -38,11 +40,13 @@ function cli.parse(argv, spec, title)
     local a = argv[i]
     local name, value = a:match("^%-%-([%w_%-]+)=(.*)$")
     if not name then name = a:match("^%-%-([%w_%-]+)$") end
-    if not name then usage("unexpected argument '" .. a .. "'") end
+    if not name and not positional then usage("unexpected argument '" .. a .. "'") end
     if name == "help" then usage() end
     local f = by_name[name]
-    if not f then usage("unknown flag --" .. name) end
-    if f[2] == "flag" then
+    if name and not f then usage("unknown flag --" .. name) end
+    if not name then
+      rest[#rest + 1] = a
+    elseif f[2] == "flag" then
       opts[name] = true
     else
       if value == nil then
@@ -70,7 +74,7 @@ function cli.parse(argv, spec, title)
     end
     i = i + 1
   end
-  return opts
+  return opts, rest
 end
 
 -- A combination of flags that parse cannot judge on its own: the message, status 2.

@@ -182,6 +182,25 @@ local function rank_label(sh)
   return sh.rank and string.format(" of rank %d", sh.rank) or ""
 end
 
+-- forward{trace = true}: before each rank's share of a stage, an event on the device where held
+-- rank j's work runs (shard j's; the simulated world's one shard), so that trace() can split the
+-- stage into one span per rank.  A stage that one call makes for every rank (the router and the
+-- shared expert of a simulated world) has no marks: its span is every rank's.
+local function mark(self, j, rank)
+  local tr = self.tracing
+  if not tr then return end
+  local i = self.shards[j] and j or 1
+  local dev = self.shards[i].device
+  local list = tr[tr.stage]
+  local k = #list + 1
+  self.trace_pool = self.trace_pool or {}
+  local pool = self.trace_pool[tr.stage] or {}
+  self.trace_pool[tr.stage] = pool
+  if not pool[k] or pool[k].device ~= dev then pool[k] = { device = dev, event = core.event_new(dev) } end
+  pool[k].event:record()
+  list[k] = { shard = i, rank = rank, event = pool[k].event }
+end
+
 -- ---------------------------------------------------------------- worlds
 
 -- A simulated world: W ranks side by side on one device, in this process.  Nothing to agree on
@@ -229,7 +248,8 @@ function Simulated:agree(own)
 end
 
 function Simulated:dispatch(layer, x)
-  for _, h in ipairs(self.held) do
+  for j, h in ipairs(self.held) do
+    mark(layer, j, h.rank)
     local s = h.schedule
     core.dispatch { out = h.xs, x = x[1], peer_rank = s.peer_rank, peer_route = s.peer_route, k = layer.k,
       zero_fill = false }
@@ -239,6 +259,7 @@ end
 function Simulated:combine(layer)
   local sh, W, T, H = self.shards[1], layer.world, layer.tokens, layer.hidden
   for p = 1, W do
+    mark(layer, 1, p - 1)
     core.combine { out = sh.out:select(p), weights = sh.weights:select(p), ids = sh.ids:select(p), ys = self.ys,
       route_row = self.route_rows, world = W, experts = layer.experts, rank = p - 1,
       shared = sh.shared_y and sh.shared_y:view((p - 1) * T * H, { T, H }),
@@ -528,6 +549,8 @@ end
 -- a graph is being captured.
 local function time_stage(self, name, fn)
   if not self.timing then return fn() end
+  local tr = self.tracing
+  if tr then tr.stage, tr[name], tr.order[#tr.order + 1] = name, {}, name end
   self.events = self.events or {}
   local ev = self.events[name]
   if not ev then
@@ -584,6 +607,48 @@ function Layer:stage_times()
   return t
 end
 
+-- The last forward's stages as spans of time, one per stage and rank, from device events (the
+-- host's clock on the CPU), in ms since that forward began on the rank's device:
+-- { { stage =, rank =, start_ms =, dur_ms =, device =, all_ranks = (one call made it for every rank) }, ... }
+-- in the order the stages ran, ranks ascending.  That forward must have been given trace = true.
+function Layer:trace()
+  local tr = self.traced
+  if not tr then
+    args.fail("trace", "the last forward was not traced: run layer:forward(x, { trace = true }) first")
+  end
+  local spans, times = {}, self.times
+  local origin = times[tr.order[1]]
+  local function add(stage, shard, rank, start, stop, all)
+    spans[#spans + 1] = { stage = stage, rank = rank, start_ms = start:elapsed_since(origin[shard][1]),
+      dur_ms = stop:elapsed_since(start), device = self.shards[shard].device, all_ranks = all }
+  end
+  for _, name in ipairs(tr.order) do
+    local ev, marks = times[name], tr[name]
+    local first = #spans + 1
+    if #marks == 0 then
+      for i, sh in ipairs(self.shards) do
+        if sh.rank then add(name, i, sh.rank, ev[i][1], ev[i][2], false)
+        else for r = 0, self.world - 1 do add(name, i, r, ev[i][1], ev[i][2], true) end end
+      end
+    end
+    for k, m in ipairs(marks) do
+      local stop = ev[m.shard][2] -- a rank's share ends where the next one on its device begins
+      for k2 = k + 1, #marks do
+        if marks[k2].shard == m.shard then
+          stop = marks[k2].event
+          break
+        end
+      end
+      add(name, m.shard, m.rank, m.event, stop, false)
+    end
+    local stage = {}
+    for k = first, #spans do stage[#stage + 1] = spans[k] end
+    table.sort(stage, function(a, b) return a.rank < b.rank end)
+    for k, sp in ipairs(stage) do spans[first + k - 1] = sp end
+  end
+  return spans
+end
+
 -- One forward pass over x (one tensor per shard) and o = {logits=, ids=, weights=} (one per
 -- shard, or nil), check = false: no read back.  Its errors carry no position: the caller's is
 -- given by forward.
@@ -591,6 +656,7 @@ local function run(self, x, o)
   local space = self.space
   local eager = o.check ~= false
   self.times, self.timing = {}, eager
+  self.tracing, self.traced = eager and o.trace and { order = {} } or nil, nil
   self.routing_given = o.ids ~= nil or o.logits ~= nil -- check's reference then takes this routing
   self.routed = o.ids == nil -- the router ran: route_stats are this pass's
   timed(self, "route", function()
@@ -623,6 +689,7 @@ local function run(self, x, o)
     space:gather_ids()
     for j, h in ipairs(self.held) do
       space:bind(j)
+      mark(self, j, h.rank)
       h.schedule:run()
     end
   end)
@@ -639,6 +706,7 @@ local function run(self, x, o)
   timed(self, "experts", function()
     for j, h in ipairs(self.held) do
       space:bind(j)
+      mark(self, j, h.rank)
       h.experts:run()
     end
   end)
@@ -651,24 +719,30 @@ local function run(self, x, o)
     end)
   end
   timed(self, "combine", function() space:combine(self) end)
+  self.traced, self.tracing = self.tracing, nil
   self.forwarded = true -- its buffers now hold a pass (capture puts the flag back: nothing ran)
   local out = {}
   for i, sh in ipairs(self.shards) do out[i] = sh.out:view(0, sh.out.shape) end
   return #out == 1 and out[1] or out
 end
 
--- forward(x [, {logits=} or {ids=, weights=}, check=]): x, logits, ids and weights as the world
--- takes them (see the top of this file); simulated: logits f32 [W*T, E], ids i32 and weights f32
--- [W, T, K]; real: [T, E] and [T, K] per local rank.  check = false reads nothing back (a
--- capture's pass): check() then raises what the pass broke.  Leaves the module's context unbound.
+-- forward(x [, {logits=} or {ids=, weights=}, check=, trace=]): x, logits, ids and weights as the
+-- world takes them (see the top of this file); simulated: logits f32 [W*T, E], ids i32 and weights
+-- f32 [W, T, K]; real: [T, E] and [T, K] per local rank.  check = false reads nothing back (a
+-- capture's pass): check() then raises what the pass broke.  trace = true records the spans that
+-- trace() returns.  Leaves the module's context unbound.
 function Layer:forward(x, o)
   local space = self.space
   local kind = space.lists and "any" or "tensor"
-  o = args.options("forward", o or {}, { logits = kind, ids = kind, weights = kind, check = "boolean" })
+  o = args.options("forward", o or {}, { logits = kind, ids = kind, weights = kind, check = "boolean",
+    trace = "boolean" })
+  if o.trace and o.check == false then
+    args.fail("forward", "trace = true times the pass, and check = false passes are not timed: give one of them")
+  end
   if (o.ids == nil) ~= (o.weights == nil) then args.fail("forward", "give 'ids' and 'weights' together") end
   if o.ids and o.logits then args.fail("forward", "give either 'logits' or 'ids' and 'weights', not both") end
   local sh = self.shards[1]
-  local given = { check = o.check }
+  local given = { check = o.check, trace = o.trace }
   x = space:inputs(self, "forward", "x", x, "bf16", sh.out.shape)
   if o.ids then
     given.ids = space:inputs(self, "forward", "ids", o.ids, "i32", sh.ids.shape)
