@@ -136,11 +136,11 @@ moe.experts { x = moe.randn({ s.capacity, 8 }, { dtype = "bf16" }), offsets = s.
 
   it("ranges of the host's own nest around the library's", function()
     local roots = ranges_of([[
-moe.core.range_push("outer")
-moe.core.range_push("inner")
+moe.range_push("outer")
+moe.range_push("inner")
 moe.route { logits = moe.randn({ 2, 4 }), k = 1 }
-moe.core.range_pop()
-moe.core.range_pop()
+moe.range_pop()
+moe.range_pop()
 ]])
     assert.are.same({ "outer" }, names(roots))
     assert.are.same({ "inner" }, names(roots[1].children))
@@ -148,12 +148,12 @@ moe.core.range_pop()
   end)
 end)
 
-describe("core.range_push and core.range_pop, their errors [#cpu]", function()
+describe("moe.range_push and moe.range_pop, their errors [#cpu]", function()
   for _, row in ipairs {
-    { "a pop with no range open", function() moe.core.range_pop() end,
+    { "a pop with no range open", function() moe.range_pop() end,
       "range_pop: no range that moe_range_push opened is open on this thread" },
-    { "a name that is not a string", function() moe.core.range_push({}) end, "string expected, got table" },
-    { "no name", function() moe.core.range_push() end, "string expected, got no value" },
+    { "a name that is not a string", function() moe.range_push({}) end, "string expected, got table" },
+    { "no name", function() moe.range_push() end, "string expected, got no value" },
   } do
     it(row[1], function()
       local ok, err = pcall(row[2])
@@ -163,8 +163,8 @@ describe("core.range_push and core.range_pop, their errors [#cpu]", function()
   end
 
   it("a pop closes the one push open, then refuses again", function()
-    moe.core.range_push("x")
-    moe.core.range_pop()
-    assert.is_false(pcall(moe.core.range_pop))
+    moe.range_push("x")
+    moe.range_pop()
+    assert.is_false(pcall(moe.range_pop))
   end)
 end)

@@ -32,6 +32,7 @@ local DTYPES = { "f32", "bf16", "i32" }
 
 moe.devices, moe.default_device = device.devices, device.default_device
 moe.device_info = require("moelab.runinfo").device_info
+moe.range_push, moe.range_pop = core.range_push, core.range_pop
 moe.graph, moe.event = device.graph, device.event
 moe.routing_options, moe.route = route.options, route.route
 moe.Schedule, moe.schedule_plan, moe.schedule = schedule.Schedule, schedule.plan, schedule.schedule

@@ -8,18 +8,6 @@ local args = require "moelab.args"
 
 local runinfo = {}
 
----@class moe.DeviceInfo
----@field kind "cpu"|"cuda"
----@field name string the GPU's name, or the CPU's model
----@field threads? integer the CPU backend's threads
----@field sm_count? integer
----@field sm_clock_mhz? integer the peak SM clock
----@field memory_mib? integer
----@field compute_capability? string "9.0"
----@field driver? string the driver's CUDA version, "12.8"
----@field runtime? string the CUDA runtime's version
----@field nccl? string the NCCL linked in, in a build with NCCL
-
 -- What a device is (moe_device_info): "key: value" lines into a table, counts as numbers and
 -- versions as text ("12.10" is not 12.1).
 ---@param device string "cpu" or "cuda:N"

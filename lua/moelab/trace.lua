@@ -7,14 +7,6 @@ local json = require "moelab.json"
 
 local trace = {}
 
----@class moe.Span
----@field stage string
----@field rank integer
----@field start_ms number since the forward began on the rank's device
----@field dur_ms number
----@field device string
----@field all_ranks boolean one call made this stage for every rank (the span is the call's)
-
 -- The events of spans: metadata naming each process ("rank r on cpu") and each stage's lane, then
 -- the spans; o.metadata goes under "otherData" (the run's, moelab.runinfo).
 ---@param spans moe.Span[]
