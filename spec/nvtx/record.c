@@ -40,13 +40,26 @@ static const char *message_of(const nvtxEventAttributes_t *a) {
   return "(not ASCII)";
 }
 
+/* The domains made so far, one per name: the tool owns them for the life of the process (a program
+ * may drop its handle, a module unloaded at exit takes its copy with it). */
+enum { MAX_DOMAINS = 64 };
+static struct nvtxDomainRegistration_st domains[MAX_DOMAINS];
+static int ndomains;
+
 static nvtxDomainHandle_t domain_create(const char *name) {
-  nvtxDomainHandle_t d = calloc(1, sizeof *d);
-  if (d) snprintf(d->name, sizeof d->name, "%s", name ? name : "");
+  nvtxDomainHandle_t d = NULL;
+  pthread_mutex_lock(&lock);
+  for (int i = 0; i < ndomains && !d; i++)
+    if (strncmp(domains[i].name, name ? name : "", sizeof domains[i].name) == 0) d = &domains[i];
+  if (!d && ndomains < MAX_DOMAINS) {
+    d = &domains[ndomains++];
+    snprintf(d->name, sizeof d->name, "%s", name ? name : "");
+  }
+  pthread_mutex_unlock(&lock);
   return d;
 }
 
-static void domain_destroy(nvtxDomainHandle_t d) { free(d); }
+static void domain_destroy(nvtxDomainHandle_t d) { (void)d; }
 
 static int domain_push(nvtxDomainHandle_t d, const nvtxEventAttributes_t *a) {
   record("push", d, message_of(a));
