@@ -20,7 +20,8 @@ local opts, files = cli.parse(arg, {
   { "svg", "string", nil, "also draw the changes as an SVG picture in this file" },
 }, "lua5.4 scenarios/compare.lua: what changed between two reports", "A.json B.json, the reports")
 if #files ~= 2 then
-  cli.fail(string.format("compare.lua takes two reports (A.json B.json), got %d argument%s", #files, #files == 1 and "" or "s"))
+  cli.fail(string.format("compare.lua takes two reports (A.json B.json), got %d argument%s", #files,
+    #files == 1 and "" or "s"))
 end
 if opts.threshold < 0 then cli.fail(string.format("--threshold must be >= 0, got %g", opts.threshold)) end
 local svg_file = cli.output("svg", opts.svg)
@@ -44,7 +45,9 @@ local function row_name(v)
   if type(v) ~= "table" then return nil end
   local parts = {}
   for _, f in ipairs(ID_FIELDS) do
-    if v[f] ~= nil and type(v[f]) ~= "table" then parts[#parts + 1] = (#parts > 0 and f .. " " or "") .. tostring(v[f]) end
+    if v[f] ~= nil and type(v[f]) ~= "table" then
+      parts[#parts + 1] = (#parts > 0 and f .. " " or "") .. tostring(v[f])
+    end
   end
   return #parts > 0 and table.concat(parts, ", ") or nil
 end
@@ -99,12 +102,15 @@ p("  b          %s", describe(B.run))
 local ra, rb = type(A.run) == "table" and A.run or {}, type(B.run) == "table" and B.run or {}
 local da, db = type(ra.device) == "table" and ra.device or {}, type(rb.device) == "table" and rb.device or {}
 if script_of(ra) ~= script_of(rb) then
-  p("  warning    different scenarios (%s, %s): few numbers will match", tostring(script_of(ra)), tostring(script_of(rb)))
+  p("  warning    different scenarios (%s, %s): few numbers will match", tostring(script_of(ra)),
+    tostring(script_of(rb)))
 end
 if da.name ~= db.name or da.sm_clock_mhz ~= db.sm_clock_mhz then
   p("  warning    different devices (%s, %s): the times are not comparable", tostring(da.name), tostring(db.name))
 end
-if ra.moelab ~= rb.moelab then p("  note       different moelab versions (%s, %s)", tostring(ra.moelab), tostring(rb.moelab)) end
+if ra.moelab ~= rb.moelab then
+  p("  note       different moelab versions (%s, %s)", tostring(ra.moelab), tostring(rb.moelab))
+end
 
 -- ---------------------------------------------------------------- what changed
 

@@ -315,7 +315,8 @@ local function run_model(key)
       end
       dist_rows[i] = row
       rows[#rows + 1] = row
-      steps:step(string.format("%s %s pad %d: %s ms", m.name, dist, pad, row.ms and string.format("%.3f", row.ms) or "-"))
+      steps:step(string.format("%s %s pad %d: %s ms", m.name, dist, pad,
+        row.ms and string.format("%.3f", row.ms) or "-"))
       cases[#cases + 1] = sc.padded
     end
     for i, ck in pairs(check:finish()) do dist_rows[i].check = ck end
@@ -443,7 +444,8 @@ for _, e in ipairs(baseline_errors) do p("  cuBLAS baseline failed, %s", e) end
 if failed then p("  a check FAILED: see the check column") end
 
 if json_file then
-  json_file:write(json.encode { run = runinfo.collect { device = dev }, device = dev, world = W, tokens = T, iters = iters, warmup = warmup, seed = opts.seed,
+  json_file:write(json.encode { run = runinfo.collect { device = dev }, device = dev, world = W, tokens = T,
+    iters = iters, warmup = warmup, seed = opts.seed,
     zipf_s = ZIPF_S, hot_share = HOT_SHARE, router_std = ROUTER_STD, models = shapes, rows = all_rows,
     baseline = { path = baseline_path, note = baseline_note, notes = baseline_notes, errors = baseline_errors } }, "\n")
   json_file:close()

@@ -321,11 +321,12 @@ if svg_file then
   end
   y = y + svg.bars(doc, { x = 20, y = y, width = 920, rows = rows, unit = "ms", series = { "median time" },
     mark_name = "time at the H200 ceiling",
-    title = string.format("stage times, median ms of %d %s", iters, small and "(wall clock)" or "(device events)") }) + 16
-  doc:text(20, y + 12, string.format("expert load at the real shape (%d ranks x %d tokens, top-%d): experts per "
-    .. "number of routes, each rank's %d experts", real.W, real.T, real.K, math.floor(real.E / real.W)), { ["font-weight"] = "bold" })
-  y = y + 22
+    title = string.format("stage times, median ms of %d %s", iters, small and "(wall clock)" or "(device events)") })
+    + 16
   local EL = math.floor(real.E / real.W)
+  doc:text(20, y + 12, string.format("expert load at the real shape (%d ranks x %d tokens, top-%d): experts per "
+    .. "number of routes, each rank's %d experts", real.W, real.T, real.K, EL), { ["font-weight"] = "bold" })
+  y = y + 22
   for r = 0, real.W - 1 do
     local loads = {}
     for e = 1, EL do loads[e] = real.loads[r * EL + e] end
@@ -340,7 +341,8 @@ if svg_file then
     pad_rows[r] = { label = "rank " .. (r - 1), parts = { v.routes, v.padding },
       note = string.format("%d rows, %.1f%% padding", v.rows, v.rows > 0 and 100 * v.padding / v.rows or 0) }
   end
-  y = y + svg.stacked(doc, { x = 20, y = y, width = 920, rows = pad_rows, unit = "rows", series = { "routes", "padding" },
+  y = y + svg.stacked(doc, { x = 20, y = y, width = 920, rows = pad_rows, unit = "rows",
+    series = { "routes", "padding" },
     title = string.format("rows per rank at the real shape, pad %d (%s)", opts.pad, opts.layout) })
   doc.height = y + 10
   svg_file:write(doc:render()):close()

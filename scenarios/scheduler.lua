@@ -172,7 +172,8 @@ for _, r in ipairs(rows) do
     r.legacy_us and string.format("%.1fx", r.legacy_us / r.ours_us) or "", r.mismatch and ("  MISMATCH " .. r.mismatch) or "")
 end
 if json_file then
-  json_file:write(json.encode { run = runinfo.collect { device = dev }, device = dev, kernel = opts.kernel, pad = opts.pad, layout = opts.layout,
+  json_file:write(json.encode { run = runinfo.collect { device = dev }, device = dev, kernel = opts.kernel,
+    pad = opts.pad, layout = opts.layout,
     capacity = math.tointeger(tonumber(opts.capacity)) or opts.capacity, pass = ok, rows = rows }, "\n")
   json_file:close()
 end

@@ -75,7 +75,9 @@ describe("the LuaLS definitions (" .. DEFS .. ") [#cpu]", function()
           if not documented[p] then bad[#bad + 1] = cname .. "." .. fname .. ": no @param " .. p end
           documented[p] = nil
         end
-        for p in pairs(documented) do bad[#bad + 1] = cname .. "." .. fname .. ": @param " .. p .. " is not a parameter" end
+        for p in pairs(documented) do
+          bad[#bad + 1] = cname .. "." .. fname .. ": @param " .. p .. " is not a parameter"
+        end
       end
     end
     table.sort(bad)
@@ -107,7 +109,9 @@ describe("the LuaLS definitions (" .. DEFS .. ") [#cpu]", function()
     assert.are.same(registered("lua/core/tensor.c", "tensor_methods"), keys(classes["moe.Tensor"].functions))
     assert.are.same(registered("lua/core/event_graph.c", "graph_methods"), keys(classes["moe.Graph"].functions))
     local layer_graph = {}
-    for name in read("lua/moelab/layer.lua"):gmatch("\nfunction Graph:([%w_]+)%(") do layer_graph[#layer_graph + 1] = name end
+    for name in read("lua/moelab/layer.lua"):gmatch("\nfunction Graph:([%w_]+)%(") do
+      layer_graph[#layer_graph + 1] = name
+    end
     table.sort(layer_graph)
     assert.are.same(layer_graph, keys(classes["moe.LayerGraph"].functions))
     local t = moe.zeros({ 2, 3 })

@@ -183,7 +183,8 @@ describe("scenarios/compare.lua [#cpu]", function()
 
   it("matches rows by what names them, not by their place", function()
     local a = { rows = { { model = "A", pad = 1, ms = 1 }, { model = "B", pad = 1, ms = 2 } } }
-    local b = { rows = { { model = "B", pad = 1, ms = 2 }, { model = "A", pad = 1, ms = 1 }, { model = "C", pad = 1, ms = 3 } } }
+    local b = { rows = { { model = "B", pad = 1, ms = 2 }, { model = "A", pad = 1, ms = 1 },
+      { model = "C", pad = 1, ms = 3 } } }
     local out, status = compare(a, b, "--threshold 0")
     assert.are.equal(0, status, out)
     assert.truthy(out:find("numbers that moved by 0% or more: 0 ", 1, true), out)
@@ -194,7 +195,8 @@ describe("scenarios/compare.lua [#cpu]", function()
   for _, row in ipairs {
     { "one report", function() return S.run_lua("scenarios/compare.lua", "a.json") end,
       "compare.lua takes two reports (A.json B.json), got 1 argument" },
-    { "a file that is not there", function() return S.run_lua("scenarios/compare.lua", "/nonexistent/a.json b.json") end,
+    { "a file that is not there",
+      function() return S.run_lua("scenarios/compare.lua", "/nonexistent/a.json b.json") end,
       "cannot read /nonexistent/a.json" },
     { "a file that is not JSON", function()
       local f = os.tmpname()
@@ -203,7 +205,8 @@ describe("scenarios/compare.lua [#cpu]", function()
       os.remove(f)
       return out, status
     end, "json: expected a key (a string) at byte 3" },
-    { "a negative threshold", function() return compare({}, {}, "--threshold -1") end, "--threshold must be >= 0, got -1" },
+    { "a negative threshold", function() return compare({}, {}, "--threshold -1") end,
+      "--threshold must be >= 0, got -1" },
   } do
     it("exits 2 on " .. row[1], function()
       local out, status = row[2]()

@@ -96,8 +96,8 @@ describe("run metadata [#cpu]", function()
   it("is in every scenario's JSON report", function()
     local json = require "moelab.json"
     local file = os.tmpname()
-    local out, status = S.run_lua("scenarios/experts.lua", "--models kimi_k2 --dists uniform --pads 1 --tokens 4 --json "
-      .. file)
+    local out, status = S.run_lua("scenarios/experts.lua",
+      "--models kimi_k2 --dists uniform --pads 1 --tokens 4 --json " .. file)
     assert.are.equal(0, status, out)
     local report = json.decode(assert(io.open(file)):read("a"))
     os.remove(file)

@@ -98,7 +98,9 @@ function support.parse_xml(text)
       local name, stop = text:match("^</([%w_:%-%.]+)%s*>()", pos)
       if not name then fail("a malformed end tag") end
       local open = table.remove(stack)
-      if not open or open.tag ~= name then fail("</" .. name .. "> closes " .. (open and ("<" .. open.tag .. ">") or "nothing")) end
+      if not open or open.tag ~= name then
+        fail("</" .. name .. "> closes " .. (open and ("<" .. open.tag .. ">") or "nothing"))
+      end
       pos = stop
     else
       local name, rest = text:match("^<([%a_][%w_:%-%.]*)()", pos)

@@ -79,7 +79,8 @@ describe("layer:trace() [#cpu]", function()
     end, "the last forward was not traced" },
     { "trace with check = false", function(l, x) l:forward(x, { trace = true, check = false }) end,
       "trace = true times the pass, and check = false passes are not timed" },
-    { "trace not a boolean", function(l, x) l:forward(x, { trace = 1 }) end, "option 'trace' must be a boolean, got 1" },
+    { "trace not a boolean", function(l, x) l:forward(x, { trace = 1 }) end,
+      "option 'trace' must be a boolean, got 1" },
   } do
     it("refuses " .. row[1], function()
       local layer = moe.layer { model = moe.models.kimi_k2, world = 2, tokens = 4, hidden = 32, ffn = 16 }

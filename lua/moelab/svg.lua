@@ -170,9 +170,9 @@ function svg.bars(doc, o)
     end
     for _, m in ipairs(r.marks or {}) do
       local mx = plot_x + m.value * scale
-      doc:add("line", { class = "mark", ["data-value"] = m.value, x1 = mx, x2 = mx, y1 = y - 2, y2 = y + bar_h * #series,
-        stroke = "#000000", ["stroke-width"] = 2 }, nil, string.format("%s: %s %s", m.label or "mark",
-        svg.value(m.value), o.unit or ""))
+      doc:add("line", { class = "mark", ["data-value"] = m.value, x1 = mx, x2 = mx, y1 = y - 2,
+        y2 = y + bar_h * #series, stroke = "#000000", ["stroke-width"] = 2 }, nil,
+        string.format("%s: %s %s", m.label or "mark", svg.value(m.value), o.unit or ""))
     end
     y = y + row_h
   end
@@ -274,9 +274,9 @@ function svg.changes(o)
     local dir = (o.better and o.better(c.path) or 0) * (c.b - c.a)
     local fill = dir > 0 and PALETTE[3] or dir < 0 and PALETTE[4] or PALETTE[1]
     doc:text(10, y + 12, c.path, { class = "label", ["font-size"] = FONT - 1 })
-    doc:add("rect", { class = "bar", ["data-value"] = c.pct, x = pct < 0 and mid - w or mid, y = y + 2, width = math.max(w, 0.5),
-      height = row_h - 5, fill = fill }, nil, string.format("%s: %s -> %s (%+.1f%%)", c.path, svg.value(c.a),
-      svg.value(c.b), c.pct))
+    doc:add("rect", { class = "bar", ["data-value"] = c.pct, x = pct < 0 and mid - w or mid, y = y + 2,
+      width = math.max(w, 0.5), height = row_h - 5, fill = fill }, nil,
+      string.format("%s: %s -> %s (%+.1f%%)", c.path, svg.value(c.a), svg.value(c.b), c.pct))
     doc:text(mid + half + 10, y + 12, string.format("%+.1f%%", c.pct), { ["font-size"] = FONT - 1 })
   end
   if #rows == 0 then doc:text(10, 56, "nothing moved") end
