@@ -307,6 +307,20 @@ describe("checkpoint errors [#cpu]", function()
       end },
       err = "checkpoint's " .. p .. "experts.0.down_proj.weight_scale_inv is F32 [2, 1], its weight [32, 16] in "
         .. "128x128 blocks wants F32 [1, 1]" },
+    { "an FP8 scale in BF16",
+      ck = { fp8 = true, change = function(t)
+        local s = t[p .. "experts.0.up_proj.weight_scale_inv"]
+        s.dtype, s.data = "BF16", s.data:sub(3, 4)
+      end },
+      err = "checkpoint's " .. p .. "experts.0.up_proj.weight_scale_inv is BF16 [1, 1], its weight [16, 32] in "
+        .. "128x128 blocks wants F32 [1, 1]" },
+    { "an index nested past the parser's depth", ck = { shards = 2 },
+      post = function(dir)
+        local f = io.open(dir .. "/model.safetensors.index.json", "wb")
+        f:write('{"weight_map": {}, "x": ' .. string.rep("[", 70) .. string.rep("]", 70) .. "}")
+        f:close()
+      end,
+      err = "is not valid JSON at byte 87: values nested more than 64 deep" },
     { "a sigmoid router without its bias", ck = { bias = false },
       err = "has no tensor '" .. p .. "gate.e_score_correction_bias'" },
     { "a shared expert the checkpoint does not have", ck = { shared_ffn = 0 },

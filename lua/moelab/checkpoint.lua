@@ -79,13 +79,15 @@ local function decode_json(text, fail)
       end
     end
   end
-  local value
+  local value, depth = nil, 0
   local function container(close)
     local t, n = {}, 0
+    depth = depth + 1
+    if depth > 64 then bad("values nested more than 64 deep") end
     pos = pos + 1
     ws()
     if text:sub(pos, pos) == close then
-      pos = pos + 1
+      pos, depth = pos + 1, depth - 1
       return t
     end
     while true do
@@ -105,7 +107,10 @@ local function decode_json(text, fail)
       ws()
       local c = text:sub(pos, pos)
       pos = pos + 1
-      if c == close then return t end
+      if c == close then
+        depth = depth - 1
+        return t
+      end
       if c ~= "," then
         pos = pos - 1
         bad(string.format("expected ',' or '%s'", close))
@@ -344,8 +349,7 @@ function Checkpoint:checked(name, dims)
       name, args.shape_str(info.shape)))
   end
   local blocks = { math.ceil(info.shape[1] / BLOCK), math.ceil(info.shape[2] / BLOCK) }
-  if #sinfo.shape ~= 2 or sinfo.shape[1] ~= blocks[1] or sinfo.shape[2] ~= blocks[2] or not READABLE[sinfo.dtype]
-    or sinfo.dtype == "F8_E4M3" then
+  if #sinfo.shape ~= 2 or sinfo.shape[1] ~= blocks[1] or sinfo.shape[2] ~= blocks[2] or sinfo.dtype ~= "F32" then
     args.fail(self.fname, string.format("checkpoint's %s is %s %s, its weight %s in %dx%d blocks wants F32 %s",
       scale_name, sinfo.dtype, args.shape_str(sinfo.shape), args.shape_str(info.shape), BLOCK, BLOCK,
       args.shape_str(blocks)))
