@@ -94,6 +94,17 @@ describe("safetensors reader [#cpu]", function()
     assert.has_error(function() moe.safetensors(42) end, "bad argument #1 to 'safetensors' (path must be a string, got 42)")
   end)
 
+  it("the writer's own rounding (its decode of FP8) rounds as the library does, ties to even", function()
+    -- f32 values halfway between two bf16 values, either parity, either sign; and a subnormal
+    local xs = { 1 + 2 ^ -8, 1 + 3 * 2 ^ -8, -(1 + 2 ^ -8), 3 + 2 ^ -7, 2 ^ -130 + 2 ^ -140, 1 + 2 ^ -9 }
+    local mine = {}
+    for i, x in ipairs(xs) do mine[i] = W.bf16(x) end
+    assert_values(moe.tensor(xs, { dtype = "bf16" }), mine, "bf16 rounding")
+    assert.are.same({ 1, 1 + 2 ^ -6, -1 }, { mine[1], mine[2], mine[3] })
+    assert.are.equal(W.f32(1 + 2 ^ -24), 1)
+    assert.are.equal(W.f32(1 + 3 * 2 ^ -24), 1 + 2 ^ -22)
+  end)
+
   it("decodes F8_E4M3 with its block scale to exactly bf16(q x scale), zero blocks and partial blocks included",
     function()
       local fdir = W.tempdir()

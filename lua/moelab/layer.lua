@@ -300,6 +300,7 @@ local function agree_on_build(layer, group)
   field("overflow", index({ "error", "drop" }, layer.overflow))
   field("invalid", index({ "error", "skip" }, layer.invalid))
   field("nan", index({ "error", "mask" }, layer.nan))
+  field("checkpoint layer (-1: none)", layer.checkpoint and layer.checkpoint.layer or -1)
   local mine, all = {}, {}
   for i = 1, n do
     mine[i] = core.from_table({ values }, "i32", group.devices[i])
