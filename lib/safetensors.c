@@ -26,9 +26,9 @@ enum { MAX_DIMS = 8 };       /* the shape of moe_safetensors_info */
 enum { MAX_DEPTH = 64 };     /* nesting of the values inside "__metadata__" */
 enum { BLOCK = 128 };        /* the side of a block of an F8_E4M3 tensor's scale */
 enum { CHUNK = 1 << 20 };    /* elements converted per read: a few MiB of buffers at most */
-/* A header past this is not a checkpoint's (the format's own reader has the same limit), and
+/* A header past this (100 MB, the format's own reader's limit) is not a checkpoint's, and
  * would only make the parser allocate for it. */
-#define MAX_HEADER ((uint64_t)100 << 20)
+#define MAX_HEADER ((uint64_t)100000000)
 
 /* The dtypes of the format and their element sizes.  Those with a reader in convert() are
  * marked readable; the others are listed so that their offsets are checked all the same. */
@@ -682,7 +682,8 @@ static void convert(void *arg, int64_t begin, int64_t end) {
       break;
     case ST_F16: v = f16_to_f32((uint16_t)(b[2 * i] | b[2 * i + 1] << 8)); break;
     case ST_F32:
-      u = (uint32_t)b[4 * i] | (uint32_t)b[4 * i + 1] << 8 | (uint32_t)b[4 * i + 2] << 16 | (uint32_t)b[4 * i + 3] << 24;
+      u = (uint32_t)b[4 * i] | (uint32_t)b[4 * i + 1] << 8 | (uint32_t)b[4 * i + 2] << 16 |
+          (uint32_t)b[4 * i + 3] << 24;
       if (!c->to_bf16) {
         ((uint32_t *)c->out)[i] = u;
         continue;

@@ -223,8 +223,8 @@ if group then
 else
   p("moelab %s: %s MoE layer, %d expert-parallel ranks, simulated on %s", moe.version, model.name, W, opts.device)
 end
-p("  model     E = %d experts (%d per rank), top-%d, %s + bias, scale %g, %s", E, layer.local_experts, model.k, model.scoring,
-  model.scale, layer.shared_ffn > 0 and "1 shared expert" or "no shared expert")
+p("  model     E = %d experts (%d per rank), top-%d, %s + bias, scale %g, %s", E, layer.local_experts, model.k,
+  model.scoring, model.scale, layer.shared_ffn > 0 and "1 shared expert" or "no shared expert")
 if ckpt then p("  weights   layer %d of checkpoint %s (%s)", opts.layer, opts.checkpoint, ckpt.dtype) end
 p("  shape     H = %d, F = %d, %d tokens per rank%s", H, F, T,
   reduced and string.format("  (real: H = %d, F = %d, T = 7168; reduced so the %s run takes seconds)", model.hidden,
@@ -282,7 +282,8 @@ p("  expert load over the world: max %d, mean %.1f (max/mean %.2f)", real.max_lo
 
 if json_file then
   json_file:write(json.encode {
-    model = model.name, checkpoint = opts.checkpoint, layer = opts.layer, device = opts.device, devices = group and group.devices or nil, world = W, tokens = T,
+    model = model.name, checkpoint = opts.checkpoint, layer = opts.layer, device = opts.device,
+    devices = group and group.devices or nil, world = W, tokens = T,
     hidden = H, ffn = F, pad = layer.pad,
     layout = layer.layout, capacity = layer.capacity,
     stage_ms = (function()

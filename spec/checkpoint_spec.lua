@@ -56,7 +56,8 @@ describe("safetensors reader [#cpu]", function()
     assert.are.equal(n, #names)
     for i = 2, #names do assert.is_true(names[i - 1] < names[i], "names in order") end
     assert.is_nil(f:info("model.layers.9.mlp.gate.weight"))
-    assert.truthy(tostring(f):find("moelab.SafeTensors('" .. dir .. "/model.safetensors', " .. n .. " tensors)", 1, true))
+    assert.truthy(tostring(f):find("moelab.SafeTensors('" .. dir .. "/model.safetensors', " .. n .. " tensors)", 1,
+      true))
     f:close()
     f:close() -- closing twice does nothing
     assert.are.equal("moelab.SafeTensors(closed)", tostring(f))
@@ -91,7 +92,8 @@ describe("safetensors reader [#cpu]", function()
       assert.is_false(ok)
       assert.truthy(tostring(err):find(row[4], 1, true), tostring(err))
     end
-    assert.has_error(function() moe.safetensors(42) end, "bad argument #1 to 'safetensors' (path must be a string, got 42)")
+    assert.has_error(function() moe.safetensors(42) end,
+      "bad argument #1 to 'safetensors' (path must be a string, got 42)")
   end)
 
   it("the writer's own rounding (its decode of FP8) rounds as the library does, ties to even", function()
@@ -135,10 +137,12 @@ describe("safetensors reader [#cpu]", function()
             return all
           end
           if e == 0 and proj == "gate" then zero_block = zeros(0, 127, 0, 127) and not zeros(0, 127, 128, C - 1) end
-          if e == 1 and proj == "up" then zero_scale = s[1] == 0 and zeros(0, 127, 0, 127) and not zeros(128, 131, 0, 127) end
+          if e == 1 and proj == "up" then
+            zero_scale = s[1] == 0 and zeros(0, 127, 0, 127) and not zeros(128, 131, 0, 127)
+          end
         end
       end
-      assert.are.same({ true, true }, { zero_block, zero_scale }, "the zero block and the zero scale were written and read")
+      assert.are.same({ true, true }, { zero_block, zero_scale }, "the zero block and the zero scale, written and read")
       -- a weight and its scale in different files: the index says where each is
       local f1, f2 = ck:locate("model.layers.1.mlp.experts.0.gate_proj.weight"),
         ck:locate("model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv")
@@ -344,7 +348,8 @@ describe("checkpoint errors [#cpu]", function()
       err = "option 'checkpoint' needs option 'layer' (N of the checkpoint's model.layers.N)" },
     { "a layer without a checkpoint", opts = { checkpoint = false },
       err = "option 'layer' picks a layer of a checkpoint: give option 'checkpoint' too" },
-    { "a checkpoint that is not a path", opts = { checkpoint = 7 }, err = "option 'checkpoint' must be a string, got 7" },
+    { "a checkpoint that is not a path", opts = { checkpoint = 7 },
+      err = "option 'checkpoint' must be a string, got 7" },
     { "Qwen's gated shared expert", opts = { model = "qwen3_5_397b" },
       err = "the shared expert's sigmoid gate (Qwen's shared_expert_gate) cannot be read from a checkpoint: give "
         .. "shared = false" },

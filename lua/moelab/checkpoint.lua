@@ -303,7 +303,8 @@ function Checkpoint:sizes(n)
     args.fail(self.fname, string.format("checkpoint '%s' has no tensor '%s'", self.path, names.expert(0, "gate")))
   end
   local _, shared = self:locate(names.shared("gate"))
-  for _, t in ipairs { { names.router, router }, { names.expert(0, "gate"), gate }, { names.shared("gate"), shared } } do
+  local matrices = { { names.router, router }, { names.expert(0, "gate"), gate }, { names.shared("gate"), shared } }
+  for _, t in ipairs(matrices) do
     if t[2] and #t[2].shape ~= 2 then
       args.fail(self.fname, string.format("checkpoint's %s is %s, not a matrix", t[1], args.shape_str(t[2].shape)))
     end

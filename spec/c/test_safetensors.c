@@ -110,7 +110,8 @@ static void test_malformed(void) {
     {"{\"a\":{\"dtype\":\"F32\",\"dtype\":\"F32\"}}", "\"dtype\" given twice"},
     {"{\"a\":{\"dtype\":\"F32\",\"kind\":1}}", "unknown key \"kind\""},
     {"{\"a\":{\"dtype\":\"Q4\",\"shape\":[1],\"data_offsets\":[0,4]}}", "unknown dtype \"Q4\""},
-    {"{\"a\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,4]}}", "shape must be a non-negative integer, got '-'"},
+    {"{\"a\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,4]}}",
+     "shape must be a non-negative integer, got '-'"},
     {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1.5],\"data_offsets\":[0,4]}}", "shape must be an integer"},
     {"{\"a\":{\"dtype\":\"F32\",\"shape\":[01],\"data_offsets\":[0,4]}}", "leading zero"},
     {"{\"a\":{\"dtype\":\"F32\",\"shape\":[99999999999999999999],\"data_offsets\":[0,4]}}", "larger than 2^62"},
@@ -294,7 +295,8 @@ static void test_reads(void) {
 
   /* misuse: each refused with MOE_ERR_ARG, nothing written */
   moe_tensor *wrong = cpu(MOE_BF16, 2, SHAPE(3, 2)), *i32 = cpu(MOE_I32, 2, SHAPE(2, 3));
-  moe_tensor *s_bad = cpu(MOE_F32, 2, SHAPE(1, 2)), *s_bf = cpu(MOE_BF16, 2, SHAPE(2, 2)), *g = cpu(MOE_F32, 1, SHAPE(1));
+  moe_tensor *s_bad = cpu(MOE_F32, 2, SHAPE(1, 2)), *s_bf = cpu(MOE_BF16, 2, SHAPE(2, 2));
+  moe_tensor *g = cpu(MOE_F32, 1, SHAPE(1));
   moe_tensor *cb = cpu(MOE_BF16, 1, SHAPE(7));
   EXPECT_ERROR(moe_safetensors_read(ctx, f, "zz", NULL, ab), MOE_ERR_ARG, "has no tensor 'zz'");
   EXPECT_ERROR(moe_safetensors_read(ctx, f, "a", NULL, wrong), MOE_ERR_ARG,
