@@ -110,6 +110,7 @@ describe("safetensors reader [#cpu]", function()
   it("decodes F8_E4M3 with its block scale to exactly bf16(q x scale), zero blocks and partial blocks included",
     function()
       local fdir = W.tempdir()
+      finally(function() W.remove(fdir) end)
       -- F 132 and H 136: 128 x 128 blocks, the last ones partial in both dimensions
       local fts = W.checkpoint(fdir, { experts = 2, hidden = 136, ffn = 132, layers = { 1 }, fp8 = true, shards = 2 })
       local ck = moe.checkpoint(fdir)
@@ -148,7 +149,6 @@ describe("safetensors reader [#cpu]", function()
         ck:locate("model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv")
       assert.are_not.equal(f1:path(), f2:path())
       ck:close()
-      W.remove(fdir)
     end)
 
   it("a checkpoint lists its MoE layers and their sizes", function()
@@ -192,6 +192,7 @@ for _, dev in ipairs(ALL_DEVICES) do
     for _, case in ipairs(CASES) do
       it(case.what .. ": its weights are the file's, and its output the dense reference of them", function()
         local dir, ts = small(case.ck)
+        finally(function() W.remove(dir) end)
         local H, F, E, Wn, Fs = case.H, case.F, case.E, case.world, case.Fs
         local layer = moe.layer { model = "kimi_k2", checkpoint = dir, layer = 2, world = Wn, tokens = 6, hidden = H,
           ffn = F, experts = E, k = case.k, shared_ffn = Fs, device = dev }
@@ -222,12 +223,12 @@ for _, dev in ipairs(ALL_DEVICES) do
           ids = layer.ids:to("cpu"):view(0, { N, case.k }), weights = layer.weights:to("cpu"):view(0, { N, case.k }),
           w_gate_up = gus, w_down = downs, world = Wn, experts = E, shared_gate_up = sgu, shared_down = sdown }
         assert.close(out, ref:view(0, { Wn, 6, H }))
-        W.remove(dir)
       end)
     end
 
     it("takes the model by name or as a table, and a softmax model reads no bias", function()
       local dir = small { bias = false, shared_ffn = 0 }
+      finally(function() W.remove(dir) end)
       local o = { checkpoint = dir, layer = 1, world = 2, tokens = 4, hidden = 32, ffn = 16, experts = 8, device = dev }
       o.model = "qwen3_235b"
       local a = moe.layer(o)
@@ -237,7 +238,6 @@ for _, dev in ipairs(ALL_DEVICES) do
       local x = moe.randn({ 2, 4, 32 }, { dtype = "bf16", seed = 6, device = dev })
       assert.tensor_equal(a:forward(x), b:forward(x))
       a:check(x)
-      W.remove(dir)
     end)
   end)
 end
