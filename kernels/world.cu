@@ -460,10 +460,10 @@ int moeI_nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *
     for (int64_t o = 0; o < W; o++) {
       moe_tensor &y = views[(size_t)(2 * o)], &r = views[(size_t)(2 * o + 1)];
       y = *a[i].recv_rows;
-      y.ndim = 2, y.shape[0] = TK, y.shape[1] = H, y.shape[2] = 0, y.numel = TK * H, y.owns_data = 0;
+      y.ndim = 2, y.shape[0] = TK, y.shape[1] = H, y.shape[2] = 0, y.numel = TK * H, y.storage = nullptr;
       y.data = (uint16_t *)a[i].recv_rows->data + o * TK * H;
       r = *a[i].recv_index;
-      r.ndim = 2, r.shape[0] = 1, r.shape[1] = TK, r.numel = TK, r.owns_data = 0;
+      r.ndim = 2, r.shape[0] = 1, r.shape[1] = TK, r.numel = TK, r.storage = nullptr;
       r.data = (int32_t *)a[i].recv_index->data + o * TK;
       ys[(size_t)o] = &y;
       rr[(size_t)o] = &r;
@@ -793,7 +793,7 @@ int moeI_nccl_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_w
       y = ex->ys[i];
       y.data = base + ex->ys_off;
       r = *a[i].route_row;
-      r.owns_data = 0;
+      r.storage = nullptr;
       r.data = base + ex->rr_off;
       ys[(size_t)o] = &y;
       rr[(size_t)o] = &r;

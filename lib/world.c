@@ -468,7 +468,7 @@ int moe_world_exchange_open(moe_ctx *ctx, moe_world *w, int64_t tokens, int k, i
       v[j]->numel = rows[j] * hidden;
       v[j]->device.kind = MOE_CUDA, v[j]->device.index = w->devices[i];
       v[j]->data = (char *)ex->base[i] + off[j];
-      v[j]->owns_data = 0;
+      v[j]->storage = NULL;
     }
   }
   *out = ex;
