@@ -307,7 +307,8 @@ MOE_API int moe_reference(moe_ctx *ctx, const moe_reference_args *a);
  * NCCL communicator and a stream of its own (created on the rank's device).  One process may
  * hold all W ranks (moe_world_open_local, ncclCommInitAll) or one rank of a multi-process
  * launch (moe_world_open_rank, ncclCommInitRank with an id made once by moe_world_unique_id
- * and passed to every process).  Functions that act on "each local rank" take arrays with one
+ * and passed to every process), or one rank over the caller's own communicator
+ * (moe_world_open_comm).  Functions that act on "each local rank" take arrays with one
  * entry per rank of this process, in the order of moe_world_local_rank.
  *
  * The exchange functions enqueue their work on the world's streams and never wait on the host,
@@ -329,6 +330,16 @@ MOE_API int moe_world_open_local(moe_ctx *ctx, int ndev, const int *devices, moe
  * Blocks until all world_size ranks have joined (NCCL's bootstrap). */
 MOE_API int moe_world_open_rank(moe_ctx *ctx, int rank, int world_size, int device, const char *unique_id_hex,
                                 moe_world **out);
+/* One rank of a world over a communicator the caller made (an ncclComm_t, blocking, as NCCL's
+ * default config makes it), for a program that runs NCCL itself: rank and size are the
+ * communicator's (ncclCommUserRank, ncclCommCount), and its GPU (ncclCommCuDevice) must be
+ * `device`.  moelab uses the communicator and never finalises, destroys or aborts it: the caller
+ * keeps it alive until the world is closed (and the graphs that captured its exchanges are
+ * freed), and destroys it after.  Every rank of the communicator opens its world the same way
+ * and calls the world's collectives in the same order.  After a timeout or a peer's failure the
+ * world is aborted as any other, but the communicator is left as it is: aborting it
+ * (ncclCommAbort), which ends the work stuck on it, is the caller's call. */
+MOE_API int moe_world_open_comm(moe_ctx *ctx, void *nccl_comm, int device, moe_world **out);
 /* Waits for the world's streams, then frees everything; NULL is a no-op.  w may not be used
  * after the call; but where a graph that captured its exchange is still alive, the
  * communicators stay for that graph and are freed with the last such graph (moe_graph_free). */
