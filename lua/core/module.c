@@ -168,8 +168,7 @@ void *lc_check_address(lua_State *L, int idx, const char *fname, const char *wha
   int isint = 0;
   lua_Integer v = lua_type(L, idx) == LUA_TNUMBER ? lua_tointegerx(L, idx, &isint) : 0;
   if (!isint || v < 0)
-    lc_arg_error(L, fname, 1, "%s must be an address (an integer >= 0 or a light userdata), got %s", what,
-                 lc_got_value(L, idx));
+    lc_arg_error(L, fname, 1, "%s must be an integer >= 0 or a light userdata, got %s", what, lc_got_value(L, idx));
   return (void *)(uintptr_t)v;
 }
 

@@ -228,7 +228,7 @@ static int l_wrap(lua_State *L) {
  * raise between the library's taking it and the return, so the handle always gets it. */
 static int l_from_dlpack(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
-  void *managed = lc_check_address(L, 1, "from_dlpack", "the address");
+  void *managed = lc_check_address(L, 1, "from_dlpack", "the managed tensor's address");
   int versioned = lua_toboolean(L, 2);
   Tensor *u = lc_new_handle(L, 1);
   int rc = versioned ? moe_tensor_from_dlpack_versioned(ctx, managed, &u->t)

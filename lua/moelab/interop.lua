@@ -16,10 +16,9 @@ function interop.is_address(v)
   return type(v) == "userdata" and not args.is_tensor(v)
 end
 
-local function check_address(fname, what, v)
+function interop.check_address(fname, what, v)
   if not interop.is_address(v) then
-    args.fail(fname, string.format("%s must be an address (an integer >= 0 or a light userdata), got %s", what,
-      args.describe(v)))
+    args.fail(fname, string.format("%s must be an integer >= 0 or a light userdata, got %s", what, args.describe(v)))
   end
 end
 
@@ -28,7 +27,7 @@ end
 function interop.wrap(o, check_shape)
   args.options("wrap", o, { address = "any", dtype = DTYPES, shape = "table", device = "device", keep = "any" },
     { "address", "dtype", "shape" })
-  check_address("wrap", "option 'address'", o.address)
+  interop.check_address("wrap", "option 'address'", o.address)
   check_shape("wrap", o.shape)
   return core.wrap(o.address, o.dtype, o.shape, o.device or "cpu", o.keep)
 end
@@ -38,7 +37,7 @@ end
 -- when it raises, the caller still owns it.
 function interop.from_dlpack(address, o)
   o = args.options("from_dlpack", o or {}, { versioned = "boolean" })
-  check_address("from_dlpack", "the address", address)
+  interop.check_address("from_dlpack", "the managed tensor's address", address)
   return core.from_dlpack(address, o.versioned or false)
 end
 
