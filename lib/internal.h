@@ -19,8 +19,9 @@ struct moe_tensor {
   int64_t numel;
   moe_device device;
   void *data;
-  moe_storage *storage; /* one reference held; NULL for memory the caller owns (moe_tensor_wrap)
-                           and for headers made inside the library, which are never freed */
+  moe_storage *storage; /* one reference held; NULL where the tensor owns nothing: the caller's
+                           memory (moe_tensor_wrap), a world's windows, the library's own copies
+                           of a header on the stack */
 };
 
 enum { MOE_CAPTURE_WORLDS = 4 }; /* worlds one capture may use */
