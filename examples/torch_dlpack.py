@@ -353,7 +353,7 @@ def run_layer(torch, m, dev, device, W):
     same_ids = bool((got_ids == want_ids).all().item())
     print("%-34s %s" % ("layer, routed experts", "equal to torch's top-K: PASS" if same_ids else "differ: FAIL"))
     ok = ok and same_ids
-    ok = report("layer, routing weights", weights.gather(-1, got_order), want_w, rtol=1e-5, l2=1e-6) and ok
+    ok = report("layer, routing weights", weights.gather(-1, got_order), want_w, rtol=1e-4, l2=1e-5) and ok
     # the layer: out[t] = sum over k of w[t, k] * expert_{id[t, k]}(x[t]), the expert output bf16
     ref = torch.zeros(W * T, H, dtype=torch.float32, device=dev)
     xr = x.view(W * T, H)
@@ -460,9 +460,13 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     stream = torch.cuda.Stream(device=dev)
     m.check(m.lib.moe_ctx_set_stream(m.ctx, c_void_p(stream.cuda_stream)), "moe_ctx_set_stream")
-    with torch.cuda.device(dev), torch.cuda.stream(stream):
-        ok = run_experts(torch, m, dev)
-        ok = run_layer(torch, m, dev, device, o.world) and ok
+    try:
+        with torch.cuda.device(dev), torch.cuda.stream(stream):
+            ok = run_experts(torch, m, dev)
+            ok = run_layer(torch, m, dev, device, o.world) and ok
+    except RuntimeError as e:  # a call moelab refused: its message names the call and the argument
+        print("torch_dlpack.py: %s" % e, file=sys.stderr)
+        ok = False
     stream.synchronize()
     m.close()  # moelab's tensors go; each calls its torch tensor's deleter
     print("torch_dlpack.py: %s" % ("PASS" if ok else "FAIL"))
