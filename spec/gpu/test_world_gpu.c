@@ -585,7 +585,7 @@ static void *comm_rank_main(void *arg) {
  * against a world of moe_world_open_local on the same inputs. */
 static void caller_comms(int W) {
   const int T = 29, K = 4, E = 8 * W, H = 72, C = 4 * 29 * 4, pad = 2;
-  int devs[MAXW];
+  int devs[MAXW] = {0};
   CommRank a[MAXW];
   memset(a, 0, sizeof a);
   for (int r = 0; r < W; r++) {
