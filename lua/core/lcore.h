@@ -73,6 +73,7 @@ moe_device lc_check_device(lua_State *L, int idx);
 moe_device lc_opt_device(lua_State *L, int idx);
 void lc_push_device(lua_State *L, moe_device d);
 moe_dtype lc_check_dtype(lua_State *L, int idx);
+void *lc_check_address(lua_State *L, int idx, const char *fname, const char *what);
 int lc_check_shape(lua_State *L, int idx, int64_t shape[MOE_MAX_DIMS]);
 void lc_add_funcs(lua_State *L, const luaL_Reg *funcs, int ctxi, int mod);
 void lc_new_class(lua_State *L, const char *tname, const luaL_Reg *meta, int meta_ctx, const luaL_Reg *methods,

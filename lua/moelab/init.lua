@@ -73,6 +73,11 @@ function moe.randn(shape, opts)
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu"):randn(opts.seed or 0, opts.std or 1.0)
 end
 
+-- Tensors over memory another library owns: a raw address, or DLPack (moelab.interop).
+local interop = require "moelab.interop"
+function moe.wrap(o) return interop.wrap(o, check_shape) end
+moe.from_dlpack = interop.from_dlpack
+
 -- ---------------------------------------------------------------- 3. dispatch, 4. experts, 5. combine
 --
 -- Each front-end checks what only it can see (its options, x against the schedule, the schedules
