@@ -8,6 +8,10 @@
 extern "C" {
 #endif
 
+/* The memory behind tensors (lib/core.c): moelab's own allocation or a DLPack producer's
+ * tensor, released with the last of the tensors and DLPack exports that hold it. */
+typedef struct moe_storage moe_storage;
+
 struct moe_tensor {
   moe_dtype dtype;
   int ndim;
@@ -15,7 +19,9 @@ struct moe_tensor {
   int64_t numel;
   moe_device device;
   void *data;
-  int owns_data; /* 0 for a view */
+  moe_storage *storage; /* one reference held; NULL where the tensor owns nothing: the caller's
+                           memory (moe_tensor_wrap), a world's windows, the library's own copies
+                           of a header on the stack */
 };
 
 enum { MOE_CAPTURE_WORLDS = 4 }; /* worlds one capture may use */
@@ -87,6 +93,20 @@ const char *moeI_experts_kernels(void);
 int moeI_explain_cpu(moe_ctx *ctx, char *report, size_t n);
 int moeI_schedule_explain_cuda(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n);
 int moeI_experts_explain_cuda(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n);
+
+/* The checks moe_tensor_new makes of a dtype and shape, in messages that start with what; the
+ * element count in *numel. */
+int moeI_check_layout(moe_ctx *ctx, const char *what, moe_dtype dtype, int ndim, const int64_t *shape, int64_t *numel);
+/* moe_tensor_wrap with its messages starting with what. */
+int moeI_tensor_wrap(moe_ctx *ctx, const char *what, void *data, moe_dtype dtype, int ndim, const int64_t *shape,
+                     moe_device device, moe_tensor **out);
+/* Storage references: hold and release may be called from any thread (a DLPack consumer's
+ * deleter runs where the consumer lets go).  moeI_storage_adopt makes a storage of a DLPack
+ * producer's managed tensor (a DLManagedTensor, or a DLManagedTensorVersioned where versioned is
+ * set), whose deleter the last release calls; NULL when out of host memory. */
+void moeI_storage_hold(moe_storage *s);
+void moeI_storage_release(moe_storage *s);
+moe_storage *moeI_storage_adopt(void *managed, int versioned);
 
 /* NVTX ranges (lib/nvtx.c).  moeI_range_pop closes the innermost range and returns rc, so that a
  * stage reads return MOE_IN_RANGE("route", backend(...)): the comma puts the push before the

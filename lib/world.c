@@ -180,6 +180,28 @@ int moe_world_open_rank(moe_ctx *ctx, int rank, int world_size, int device, cons
   return open_world(ctx, w, id, out);
 }
 
+int moe_world_open_comm(moe_ctx *ctx, void *nccl_comm, int device, moe_world **out) {
+  if (!out) return moeI_seterr(ctx, MOE_ERR_ARG, "world: out is NULL");
+  *out = NULL;
+  if (!nccl_comm) return moeI_seterr(ctx, MOE_ERR_ARG, "world: the communicator is NULL");
+  if (device < 0) return moeI_seterr(ctx, MOE_ERR_ARG, "world: device must be a GPU index >= 0, got %d", device);
+  int rc = moeI_nccl_available(ctx);
+  if (rc || (rc = check_gpu(ctx, device))) return rc;
+  int rank = -1, size = 0, comm_device = -1;
+  if ((rc = moeI_nccl_comm_info(ctx, nccl_comm, &rank, &size, &comm_device))) return rc;
+  /* the streams are made on device: a communicator of another GPU would run its work elsewhere */
+  if (comm_device != device)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "world: the communicator's GPU is cuda:%d, but device is %d", comm_device,
+                       device);
+  moe_world *w = world_new(size, 1);
+  if (!w) return moeI_seterr(ctx, MOE_ERR_NOMEM, "world: out of host memory");
+  w->ranks[0] = rank;
+  w->devices[0] = device;
+  w->comms[0] = nccl_comm;
+  w->borrowed = 1;
+  return open_world(ctx, w, NULL, out);
+}
+
 int moe_world_size(const moe_world *w) { return w ? w->size : 0; }
 int moe_world_local_count(const moe_world *w) { return w ? w->nlocal : 0; }
 int moe_world_local_rank(const moe_world *w, int i) { return w && i >= 0 && i < w->nlocal ? w->ranks[i] : -1; }
@@ -468,7 +490,7 @@ int moe_world_exchange_open(moe_ctx *ctx, moe_world *w, int64_t tokens, int k, i
       v[j]->numel = rows[j] * hidden;
       v[j]->device.kind = MOE_CUDA, v[j]->device.index = w->devices[i];
       v[j]->data = (char *)ex->base[i] + off[j];
-      v[j]->owns_data = 0;
+      v[j]->storage = NULL;
     }
   }
   *out = ex;
@@ -570,6 +592,10 @@ int moeI_nccl_version(char *buf, size_t n) {
 int moeI_nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]) {
   (void)id;
   return NO_NCCL("unique_id");
+}
+int moeI_nccl_comm_info(moe_ctx *ctx, void *comm, int *rank, int *size, int *device) {
+  (void)comm, (void)rank, (void)size, (void)device;
+  return NO_NCCL("open");
 }
 int moeI_nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id) {
   (void)w, (void)id;

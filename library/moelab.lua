@@ -82,10 +82,23 @@ function Tensor:address() end
 ---@return boolean
 function Tensor:overlaps(other) end
 
+---The address (an integer) of a new DLManagedTensor (versioned: DLManagedTensorVersioned) over the
+---tensor's memory, kept alive until its consumer calls the deleter.
+---@param o? { versioned?: boolean }
+---@return integer
+function Tensor:to_dlpack(o) end
+
 ---@class moe.TensorOptions
 ---@field dtype? moe.dtype default "f32"
 ---@field device? moe.device default "cpu"
 ---@field shape? integer[] the shape of a flat table of values
+
+---@class moe.WrapOptions
+---@field address integer|lightuserdata the first element, aligned to the dtype; moelab never frees it
+---@field dtype moe.dtype
+---@field shape integer[]
+---@field device? moe.device default "cpu"
+---@field keep? any held while the tensor, its views or a graph may use the memory
 
 ---@class moe.RandnOptions
 ---@field dtype? "f32"|"bf16" default "f32"
@@ -340,6 +353,8 @@ function Check.verdict(got, ref, o, what) end
 ---@field nan? "error"|"mask"
 ---@field device? moe.device
 ---@field seed? integer of the weights
+---@field checkpoint? string a Hugging Face checkpoint whose MoE layer `layer` gives the weights
+---@field layer? integer that layer's N (model.layers.N)
 
 ---@class moe.ForwardOptions
 ---@field logits? moe.Tensor|moe.Tensor[] routing given as logits
@@ -473,6 +488,7 @@ function LayerGraph:check() end
 ---@field id_file? string a file holding it
 ---@field id_wait? number seconds to wait for the file
 ---@field from_env? boolean MOE_RANK, MOE_WORLD_SIZE, MOE_DEVICE, MOE_NCCL_ID(_FILE)
+---@field comm? integer|lightuserdata the address of a caller's ncclComm_t (with device)
 
 ---This process's part of a world of expert-parallel ranks over NCCL (docs/multi-gpu.md).
 ---@class moe.World
@@ -532,6 +548,87 @@ function Exchange:dispatch(o) end
 ---@return moe.Tensor|moe.Tensor[]
 function Exchange:combine(o) end
 
+-- ---------------------------------------------------------------- checkpoints
+
+---One .safetensors file, its header checked whole (moe.safetensors).
+---@class moe.SafeTensors
+local SafeTensors = {}
+
+---Every tensor name, sorted.
+---@return string[]
+function SafeTensors:names() end
+
+---A tensor's { dtype, shape, offset, nbytes }, or nil.
+---@param name string
+---@return { dtype: string, shape: integer[], offset: integer, nbytes: integer }?
+function SafeTensors:info(name) end
+
+---Tensor name into dst (bf16 or f32, its shape, any device); scale: an F8_E4M3 tensor's block scale.
+---@param name string
+---@param dst moe.Tensor
+---@param scale? moe.Tensor f32 on the CPU
+function SafeTensors:read(name, dst, scale) end
+
+---@return string
+function SafeTensors:path() end
+
+function SafeTensors:close() end
+
+---A Hugging Face checkpoint of an MoE model (moe.checkpoint).
+---@class moe.Checkpoint
+---@field path string
+local Checkpoint = {}
+
+---The open reader of one of its files.
+---@param path string
+---@return moe.SafeTensors
+function Checkpoint:file(path) end
+
+---Closes its files; a later read opens them again.
+function Checkpoint:close() end
+
+---The reader holding tensor name and its info, or nothing.
+---@param name string
+---@return moe.SafeTensors?
+---@return table? info
+function Checkpoint:locate(name) end
+
+---@return string[]
+function Checkpoint:names() end
+
+---Its MoE layers: the N of every model.layers.N.mlp.gate.weight, sorted.
+---@return integer[]
+function Checkpoint:layers() end
+
+---Raises that layer n is not one of its MoE layers, listing those that are.
+---@param n integer
+---@param router string the router tensor's name
+function Checkpoint:no_layer(n, router) end
+
+---MoE layer n's { experts, hidden, ffn, shared_ffn, bias, dtype }.
+---@param n integer
+---@return { experts: integer, hidden: integer, ffn: integer, shared_ffn: integer, bias: boolean, dtype: string }
+function Checkpoint:sizes(n) end
+
+---A tensor's reader and info, checked: it exists, its dtype is readable, its shape is dims'.
+---@param name string
+---@param dims? table { {option, size}, ... }
+---@return moe.SafeTensors
+---@return table info
+function Checkpoint:checked(name, dims) end
+
+---Tensor name into dst (checked as checked() takes dims), FP8 dequantized.
+---@param name string
+---@param dims? table
+---@param dst moe.Tensor
+function Checkpoint:read_into(name, dims, dst) end
+
+---The whole tensor, FP8 dequantized (bf16 by default), on device (default "cpu").
+---@param name string
+---@param o? { dtype?: "bf16"|"f32", device?: moe.device }
+---@return moe.Tensor
+function Checkpoint:tensor(name, o) end
+
 -- ---------------------------------------------------------------- the module
 
 ---@class moelab
@@ -566,6 +663,17 @@ function moe.full(shape, value, opts) end
 ---@param opts? moe.RandnOptions
 ---@return moe.Tensor
 function moe.randn(shape, opts) end
+
+---A tensor over memory the caller owns, without a copy.
+---@param o moe.WrapOptions
+---@return moe.Tensor
+function moe.wrap(o) end
+
+---A tensor that takes the DLPack managed tensor at address (its deleter called once, when done).
+---@param address integer|lightuserdata
+---@param o? { versioned?: boolean }
+---@return moe.Tensor
+function moe.from_dlpack(address, o) end
 
 ---The usable devices: "cpu", then "cuda:0", ...
 ---@return string[]
@@ -661,6 +769,17 @@ function moe.explain(stage, o) end
 ---@param o? moe.KernelOptions
 ---@return moe.KernelOptions
 function moe.config(o) end
+
+---A Hugging Face checkpoint: a directory (model.safetensors.index.json or model.safetensors) or one
+---.safetensors file.
+---@param path string
+---@return moe.Checkpoint
+function moe.checkpoint(path) end
+
+---One .safetensors file.
+---@param path string
+---@return moe.SafeTensors
+function moe.safetensors(path) end
 
 ---This process's part of a world of ranks over NCCL.
 ---@param o moe.WorldOptions

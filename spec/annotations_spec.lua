@@ -97,6 +97,7 @@ describe("the LuaLS definitions (" .. DEFS .. ") [#cpu]", function()
     for _, pair in ipairs {
       { "moe.Layer", moe.Layer }, { "moe.Schedule", moe.Schedule }, { "moe.World", moe.World },
       { "moe.Exchange", moe.Exchange }, { "moe.Check", moe.check },
+      { "moe.Checkpoint", require("moelab.checkpoint").Checkpoint }, { "moe.Tensor", moe.core.Tensor },
     } do
       assert.are.same(methods(pair[2]), keys(classes[pair[1]].functions), pair[1])
     end
@@ -105,9 +106,9 @@ describe("the LuaLS definitions (" .. DEFS .. ") [#cpu]", function()
     assert.are.same(methods(getmetatable(ev).__index), keys(classes["moe.Event"].functions))
   end)
 
-  it("declare the binding's tensor, graph and layer graph methods", function()
-    assert.are.same(registered("lua/core/tensor.c", "tensor_methods"), keys(classes["moe.Tensor"].functions))
+  it("declare the binding's graph and safetensors reader methods, and the layer graph's", function()
     assert.are.same(registered("lua/core/event_graph.c", "graph_methods"), keys(classes["moe.Graph"].functions))
+    assert.are.same(registered("lua/core/safetensors.c", "methods"), keys(classes["moe.SafeTensors"].functions))
     local layer_graph = {}
     for name in read("lua/moelab/layer.lua"):gmatch("\nfunction Graph:([%w_]+)%(") do
       layer_graph[#layer_graph + 1] = name

@@ -7,7 +7,7 @@
 local S = require "support"
 
 local SENTENCE = "moelab runs on Lua 5.4 or LuaJIT 2.1, and this is "
-local SCENARIOS = { "kimi", "scheduler", "experts", "report", "world_ranks", "world_fault" }
+local SCENARIOS = { "kimi", "scheduler", "experts", "report", "world_ranks", "world_fault", "compare" }
 
 -- lua -e <pre> <script> <flags>: the script run after pre has set the interpreter's identity.
 local function run_as(pre, script, flags)

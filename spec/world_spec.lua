@@ -67,6 +67,17 @@ local ROWS = {
     end, { "option 'id_file': no id appeared at \"/nonexistent/nccl.id\" within 0.2 s" } },
   { "id file without an id", function() moe.world { rank = 0, size = 2, device = 0, id_file = NOT_AN_ID } end,
     "does not hold an id: its text must be 256 hex digits" },
+  -- a world over the caller's communicator (no NCCL call is reached: the address is never used)
+  { "comm with devices", function() moe.world { comm = 8, devices = { 0 } } end,
+    "option 'comm' (the caller's NCCL communicator) cannot be combined with option 'devices'" },
+  { "comm with rank", function() moe.world { comm = 8, device = 0, rank = 0 } end,
+    "option 'comm' (the caller's NCCL communicator) cannot be combined with option 'rank'" },
+  { "comm without device", function() moe.world { comm = 8 } end, "option 'device' is required with option 'comm'" },
+  { "comm as text", function() moe.world { comm = "0x8", device = 0 } end,
+    "option 'comm' must be an integer >= 0 or a light userdata, got \"0x8\"" },
+  { "comm NULL", function() moe.world { comm = 0, device = 0 } end, "option 'comm' is a NULL address" },
+  { "comm on a negative device", function() moe.world { comm = 8, device = -1 } end,
+    "option 'device' must be a GPU index >= 0, got -1" },
 }
 
 describe("moe.world argument errors [#cpu]", function()
@@ -243,10 +254,12 @@ describe("moe.world without a GPU [#cpu]", function()
     return
   end
   it("well-formed options fail with what is missing, not a crash", function()
-    local ok, err = pcall(moe.world, { rank = 0, size = 1, device = 0, id = HEX })
-    assert.is_false(ok)
-    assert.truthy(err:find("without CUDA", 1, true) or err:find("without NCCL", 1, true) or err:find("no usable GPU", 1, true),
-      err)
+    for _, o in ipairs { { rank = 0, size = 1, device = 0, id = HEX }, { comm = 8, device = 0 } } do
+      local ok, err = pcall(moe.world, o)
+      assert.is_false(ok)
+      assert.truthy(err:find("without CUDA", 1, true) or err:find("without NCCL", 1, true)
+        or err:find("no usable GPU", 1, true), err)
+    end
   end)
 end)
 

@@ -161,6 +161,17 @@ moe_dtype lc_check_dtype(lua_State *L, int idx) {
   return dtypes[luaL_checkoption(L, idx, NULL, names)];
 }
 
+/* An address another library handed out: a light userdata, or an integer >= 0 (what ctypes,
+ * LuaJIT's FFI and to_dlpack give).  what names it in the error. */
+void *lc_check_address(lua_State *L, int idx, const char *fname, const char *what) {
+  if (lua_type(L, idx) == LUA_TLIGHTUSERDATA) return lua_touserdata(L, idx);
+  int isint = 0;
+  lua_Integer v = lua_type(L, idx) == LUA_TNUMBER ? lua_tointegerx(L, idx, &isint) : 0;
+  if (!isint || v < 0)
+    lc_arg_error(L, fname, 1, "%s must be an integer >= 0 or a light userdata, got %s", what, lc_got_value(L, idx));
+  return (void *)(uintptr_t)v;
+}
+
 /* A shape: a table of 0..MOE_MAX_DIMS non-negative integers. */
 int lc_check_shape(lua_State *L, int idx, int64_t shape[MOE_MAX_DIMS]) {
   idx = lua_absindex(L, idx);
@@ -250,5 +261,6 @@ MOE_API int luaopen_moelab_core(lua_State *L) {
   lc_open_event_graph(L, ctxi, mod);
   lc_open_world(L, ctxi, mod);
   lc_open_exchange(L, ctxi, mod);
+  lc_open_safetensors(L, ctxi, mod);
   return 1;
 }

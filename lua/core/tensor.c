@@ -56,9 +56,10 @@ void lc_unpin_all(lua_State *L, int idx) {
 
 /* A closed handle first, then the tensor: if creating it fails, the handle is consistent.  An
  * owner made during a capture is pinned at once (a view's owner was, when the view's base was
- * checked). */
+ * checked).  User values: 1, a view's owner; 2, what an owner's memory needs kept alive (the
+ * keep of moe.wrap). */
 Tensor *lc_new_handle(lua_State *L, int owner) {
-  Tensor *u = (Tensor *)lua_newuserdatauv(L, sizeof *u, 1);
+  Tensor *u = (Tensor *)lua_newuserdatauv(L, sizeof *u, 2);
   u->t = NULL;
   u->closed = 0;
   u->views = 0;

@@ -89,6 +89,11 @@ function moe.randn(shape, opts)
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu"):randn(opts.seed or 0, opts.std or 1.0)
 end
 
+-- Tensors over memory another library owns: a raw address, or DLPack (moelab.interop).
+local interop = require "moelab.interop"
+function moe.wrap(o) return interop.wrap(o, check_shape) end
+moe.from_dlpack = interop.from_dlpack
+
 -- ---------------------------------------------------------------- 3. dispatch, 4. experts, 5. combine
 --
 -- Each front-end checks what only it can see (its options, x against the schedule, the schedules
@@ -193,6 +198,8 @@ local world = require "moelab.world"
 moe.world, moe.World, moe.Exchange, moe.world_unique_id = world.new, world.World, world.Exchange, world.unique_id
 moe.Layer = require "moelab.layer"
 moe.layer = moe.Layer.new
+local checkpoint = require "moelab.checkpoint"
+moe.checkpoint, moe.safetensors = checkpoint.open, checkpoint.safetensors
 
 -- ---------------------------------------------------------------- which kernel runs, and why
 

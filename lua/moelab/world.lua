@@ -5,6 +5,8 @@
 --   moe.world { rank = r, size = W, device = d, id = hex }  -- one rank of a multi-process launch
 --   moe.world { rank = r, size = W, device = d, id_file = path }
 --   moe.world { from_env = true }  -- MOE_RANK, MOE_WORLD_SIZE, MOE_DEVICE, MOE_NCCL_ID or MOE_NCCL_ID_FILE
+--   moe.world { comm = address, device = d }  -- one rank over the caller's ncclComm_t (moelab.h:
+--                                              -- moe_world_open_comm; never destroyed here)
 --
 -- The id is an NCCL unique id as 256 hex digits, given to every process.  The process that
 -- makes it must stay up until every rank has joined (NCCL's bootstrap listens in it): with
@@ -15,6 +17,7 @@
 -- process holds one rank.
 local core = require "moelab.core"
 local args = require "moelab.args"
+local interop = require "moelab.interop"
 
 local ENV = { rank = "MOE_RANK", size = "MOE_WORLD_SIZE", device = "MOE_DEVICE", id = "MOE_NCCL_ID",
   id_file = "MOE_NCCL_ID_FILE" }
@@ -128,12 +131,27 @@ local function from_env(o)
   end
 end
 
+-- A world over the caller's communicator: nothing else may say how to make one.
+local function open_comm(o)
+  for _, k in ipairs { "devices", "rank", "size", "id", "id_file", "id_wait", "from_env" } do
+    if o[k] ~= nil and not (k == "from_env" and o[k] == false) then
+      bad("option 'comm' (the caller's NCCL communicator) cannot be combined with option '%s'", k)
+    end
+  end
+  interop.check_address("world", "option 'comm'", o.comm)
+  if o.comm == 0 then bad("option 'comm' is a NULL address") end
+  if o.device == nil then bad("option 'device' is required with option 'comm' (the communicator's GPU, an integer)") end
+  if o.device < 0 then bad("option 'device' must be a GPU index >= 0, got %d", o.device) end
+  return core.world_open_comm(o.comm, o.device)
+end
+
 local function open(o)
   args.options("world", o, { devices = "table", rank = "integer", size = "integer", device = "integer",
-    id = "string", id_file = "string", id_wait = "number", from_env = "boolean" })
+    id = "string", id_file = "string", id_wait = "number", from_env = "boolean", comm = "any" })
   local copy = {}
   for k, v in pairs(o) do copy[k] = v end
   o = copy
+  if o.comm ~= nil then return open_comm(o) end
   if o.devices ~= nil then
     for _, k in ipairs { "rank", "size", "device", "id", "id_file", "id_wait", "from_env" } do
       if o[k] ~= nil and not (k == "from_env" and o[k] == false) then -- from_env = false asks for nothing
@@ -161,7 +179,8 @@ local function open(o)
   if o.from_env then from_env(o) end
   if o.rank == nil and o.size == nil then
     bad("give option 'devices' (every rank in this process), or 'rank', 'size', 'device' and 'id' or 'id_file' "
-      .. "(one rank of a multi-process launch), or from_env = true")
+      .. "(one rank of a multi-process launch), or from_env = true, or 'comm' and 'device' (a rank over your own "
+      .. "NCCL communicator)")
   end
   for _, k in ipairs { "rank", "size", "device" } do
     if o[k] == nil then bad("option '%s' is required with a multi-process world (an integer)", k) end
