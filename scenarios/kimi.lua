@@ -15,6 +15,7 @@
 local moe = require "moelab"
 local cli = require "moelab.cli"
 local json = require "moelab.json"
+local compat = require "moelab.compat"
 
 local model = moe.models.kimi_k2
 local opts = cli.parse(arg, {
@@ -46,7 +47,7 @@ local group
 if opts.devices then
   local list = {}
   for d in opts.devices:gmatch("[^,]+") do
-    local v = math.tointeger(tonumber(d))
+    local v = compat.tointeger(tonumber(d))
     if not v or v < 0 then cli.fail(string.format("--devices: '%s' is not a GPU index", d)) end
     list[#list + 1] = v
   end
@@ -122,10 +123,10 @@ for _ = 1, iters do
   end
 end
 local function median(list)
-  local l = { table.unpack(list) }
+  local l = { compat.unpack(list) }
   table.sort(l)
   local n = #l
-  return n % 2 == 1 and l[(n + 1) // 2] or (l[n // 2] + l[n // 2 + 1]) / 2
+  return n % 2 == 1 and l[(n + 1) / 2] or (l[n / 2] + l[n / 2 + 1]) / 2 -- whole indices in each branch
 end
 
 -- The whole pass as one CUDA graph, replayed on the same input (routing recomputed each time).
@@ -204,7 +205,7 @@ else
   p("moelab %s: %s MoE layer, %d expert-parallel ranks, simulated on %s", moe.version, model.name, W, opts.device)
 end
 p("  model     E = %d experts (%d per rank), top-%d, %s + bias, scale %g, 1 shared expert", model.experts,
-  model.experts // W, model.k, model.scoring, model.scale)
+  math.floor(model.experts / W), model.k, model.scoring, model.scale)
 p("  shape     H = %d, F = %d, %d tokens per rank%s", H, F, T,
   reduced and string.format("  (real: H = %d, F = %d, T = 7168; reduced so the %s run takes seconds)", model.hidden,
     model.ffn, opts.device) or "")
