@@ -32,6 +32,20 @@ compat.tointeger = math.tointeger or function(v)
   return nil
 end
 
+-- The largest integer a number holds: 2^63 - 1 on 5.4, the largest double below 2^63 on LuaJIT.
+compat.maxinteger = math.maxinteger or 2 ^ 63 - 1024
+
+-- The length of a list, holes included: #t, or the largest positive integer key past it (the
+-- border # finds in a list with holes differs between the interpreters, and with how the list
+-- was built).
+function compat.len(t)
+  local n = #t
+  for k in pairs(t) do
+    if type(k) == "number" and k > n and k == floor(k) and k < math.huge then n = k end
+  end
+  return n
+end
+
 -- An integer as digits: tostring prints doubles of 15 digits and more with an exponent on LuaJIT.
 function compat.int_str(v) return string.format("%d", v) end
 
