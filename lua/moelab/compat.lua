@@ -73,7 +73,7 @@ function compat.f32(x) return compat.from_f32_bits(compat.f32_bits(x)) end
 -- Runs a shell command line; returns what it wrote on stdout and its exit status as the shell
 -- gives it ($?: 128 + n after signal n).  LuaJIT's pipe close does not report the status.
 function compat.run(command)
-  local p = assert(io.popen("{ " .. command .. "\n}; echo \"$?\""))
+  local p = assert(io.popen("(" .. command .. "\n); echo \"$?\"")) -- a subshell: an exit in command ends it alone
   local text = p:read("*a")
   p:close()
   local out, status = text:match("^(.-)(%d+)\n$")
