@@ -313,7 +313,9 @@ end
 
 -- ---------------------------------------------------------------- tensor handles
 
-local owners, next_owner_key = {}, 1 -- view's key -> its owner
+-- view's key -> its owner; keys go back to `free_keys` when their view goes, so that they stay
+-- few and small (the table's array part)
+local owners, free_keys = {}, {}
 local pins = nil -- the capture under way's pinned owners (and exchanges), as a set
 
 local function owner_of(u)
@@ -347,7 +349,8 @@ local function t_release(u)
   local key = u.h_owner
   if key ~= 0 then
     local o = owners[key]
-    owners[key] = nil
+    owners[key] = false
+    free_keys[#free_keys + 1] = key
     lib.moe_tensor_free(u.h_t)
     u.h_t = nil
     if o then
@@ -583,8 +586,9 @@ local function push_view(u, offset, nd)
   local v = Handle()
   u = check_tensor("view", 1, u, true) -- again after the allocation, whose collection step may have run a finalizer
   local o = owner_of(u)
-  local key = next_owner_key
-  next_owner_key = key + 1
+  local nfree = #free_keys
+  local key = free_keys[nfree]
+  if key then free_keys[nfree] = nil else key = #owners + 1 end
   owners[key] = o
   v.h_owner = key
   o.h_views = o.h_views + 1 -- counted with the link, so that releasing v undoes exactly this
@@ -594,7 +598,10 @@ local function push_view(u, offset, nd)
     fail(rc)
   end
   v.h_t = tensor_out[0]
-  return fill_meta(v)
+  -- a view has its base's dtype and device, and the shape asked for
+  v.h_dtype, v.h_kind, v.h_index, v.h_ndim = u.h_dtype, u.h_kind, u.h_index, nd
+  for i = 0, nd - 1 do v.h_dims[i] = tonumber(shape_buf[i]) end
+  return v
 end
 
 function methods.view(u, offset, shape)
@@ -644,9 +651,10 @@ methods.close = t_release -- what a <close> variable does on Lua 5.4
 -- ---------------------------------------------------------------- tensors, devices, options
 
 local count_out = new("int[1]")
+local KINDS = { "cpu", "cuda" }
 
 function M.device_count(kind)
-  local k = check_option("device_count", 1, kind, { "cpu", "cuda" }) == 1 and 0 or 1
+  local k = check_option("device_count", 1, kind, KINDS) == 1 and 0 or 1
   local rc = lib.moe_device_count(ctx, k, count_out)
   if rc ~= 0 then fail(rc) end
   return count_out[0]

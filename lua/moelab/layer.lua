@@ -207,11 +207,21 @@ function Simulated:gather_ids() end
 function Simulated:record_verdict() end
 
 -- Each rank's experts write their own buffer; combine reads every rank's.
+-- Each source rank's combine arguments are made here once (views of the layer's own buffers), so
+-- that a pass makes no tensor handles for them.
 function Simulated:connect(layer)
   self.ys, self.route_rows = {}, {}
   for j, h in ipairs(self.held) do
     h.ys = core.new("bf16", { layer.capacity, layer.hidden }, h.device)
     self.ys[j], self.route_rows[j] = h.ys, h.schedule.route_row
+  end
+  local sh, W, T, H = self.shards[1], layer.world, layer.tokens, layer.hidden
+  self.combines = {}
+  for p = 1, W do
+    self.combines[p] = { out = sh.out:select(p), weights = sh.weights:select(p), ids = sh.ids:select(p), ys = self.ys,
+      route_row = self.route_rows, world = W, experts = layer.experts, rank = p - 1,
+      shared = sh.shared_y and sh.shared_y:view((p - 1) * T * H, { T, H }),
+      shared_gate = sh.gate and sh.gate:view((p - 1) * T, { T }) }
   end
 end
 
@@ -237,14 +247,8 @@ function Simulated:dispatch(layer, x)
   end
 end
 
-function Simulated:combine(layer)
-  local sh, W, T, H = self.shards[1], layer.world, layer.tokens, layer.hidden
-  for p = 1, W do
-    core.combine { out = sh.out:select(p), weights = sh.weights:select(p), ids = sh.ids:select(p), ys = self.ys,
-      route_row = self.route_rows, world = W, experts = layer.experts, rank = p - 1,
-      shared = sh.shared_y and sh.shared_y:view((p - 1) * T * H, { T, H }),
-      shared_gate = sh.gate and sh.gate:view((p - 1) * T, { T }) }
-  end
+function Simulated:combine()
+  for _, a in ipairs(self.combines) do core.combine(a) end
 end
 
 function Simulated:capture_input(layer)
