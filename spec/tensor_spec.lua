@@ -132,6 +132,25 @@ for _, dev in ipairs(ALL_DEVICES) do
         collectgarbage()
         assert.tensor_equal(v, { 21, 22, 23, 24 })
       end)
+      it("close() makes a handle unusable at once, twice is harmless, and a view keeps its closed base's memory",
+        function()
+          local b = base()
+          local v, w = b:view(0, { 4 }), b:select(2)
+          b:close()
+          b:close()
+          assert.is_true(b.closed)
+          assert.are.equal("moelab.Tensor(closed)", tostring(b))
+          assert.has_error(function() b:flat() end)
+          collectgarbage()
+          local others = {} -- memory freed too early would be handed out again here, and overwritten
+          for i = 1, 8 do others[i] = T(S.filled(24, -7), "f32", { 2, 3, 4 }) end
+          assert.tensor_equal(v, { 1, 2, 3, 4 })
+          v:close()
+          assert.is_true(v.closed)
+          assert.tensor_equal(w:select(1), { 13, 14, 15, 16 }) -- the last view, and a view of it
+          w:close()
+          assert.has_error(function() w:flat() end)
+        end)
       it("views and selects out of range raise", function()
         local b = base()
         assert.has_error(function() b:view(20, { 5 }) end)

@@ -388,8 +388,9 @@ local tensor_out = new("moe_tensor *[1]")
 -- A handle for the tensor the last call put in tensor_out (pinned into a capture under way when
 -- it owns its memory).
 local function adopt(owner)
+  local t = tensor_out[0] -- before the allocation, which may run a finaliser
   local u = Handle()
-  u.h_t = tensor_out[0]
+  u.h_t = t
   fill_meta(u)
   if owner then pin(u) end
   return u
@@ -733,7 +734,9 @@ local function walk(f, t, level)
     for i = 1, n do
       path[level + 1] = i
       local v = rawget(t, i)
-      if type(v) ~= "table" then data_error("%s %s, expected a table", element_name(path, level + 1), is_what(v, false)) end
+      if type(v) ~= "table" then
+        data_error("%s %s, expected a table", element_name(path, level + 1), is_what(v, false))
+      end
       walk(f, v, level + 1)
     end
   else
@@ -815,7 +818,9 @@ end
 local function tensor_at(fname, v, field)
   local u = test_tensor(v)
   if u then return u end
-  if not istype(Handle, v) then arg_error(fname, 1, "field '%s': expected moelab.Tensor, got %s", field, type_name(v)) end
+  if not istype(Handle, v) then
+    arg_error(fname, 1, "field '%s': expected moelab.Tensor, got %s", field, type_name(v))
+  end
   arg_error(fname, 1, "field '%s': moelab.Tensor is closed", field)
 end
 
@@ -829,7 +834,9 @@ local function int_field(o, fname, field, optional, dflt)
   local v = o[field]
   if v == nil and optional then return dflt end
   if not is_integer(v) then arg_error(fname, 1, "field '%s': expected an integer, got %s", field, got_value(v)) end
-  if v < -2 ^ 31 or v > 2 ^ 31 - 1 then arg_error(fname, 1, "field '%s': %d is outside the range of a C int", field, v) end
+  if v < -2 ^ 31 or v > 2 ^ 31 - 1 then
+    arg_error(fname, 1, "field '%s': %d is outside the range of a C int", field, v)
+  end
   return v
 end
 
@@ -934,8 +941,8 @@ local function schedule_call(o, name, explain)
   local expert_capacity = int_field(o, name, "expert_capacity", OPTIONAL, -1)
   local layout = option_field(o, name, "layout", LAYOUTS, "'roundrobin' or 'peer_major'")
   all_open(name, h)
-  local a = schedule_args(h[1].h_t, h[2].h_t, h[3].h_t, h[4].h_t, h[5].h_t, h[6].h_t, h[7].h_t, h[8].h_t, experts, rank, pad, capacity,
-    expert_capacity, layout)
+  local a = schedule_args(h[1].h_t, h[2].h_t, h[3].h_t, h[4].h_t, h[5].h_t, h[6].h_t, h[7].h_t, h[8].h_t, experts, rank,
+    pad, capacity, expert_capacity, layout)
   if explain then
     local rc = lib.moe_schedule_explain(ctx, a, explain_report, 1024)
     if rc ~= 0 then stage_fail(rc, name, "schedule") end
@@ -961,7 +968,8 @@ function M.dispatch(o)
   still_open("dispatch", x)
   still_open("dispatch", peer_rank)
   still_open("dispatch", peer_route)
-  local rc = lib.moe_dispatch(ctx, dispatch_args(out.h_t, x.h_t, peer_rank.h_t, peer_route.h_t, k, zero_fill and 1 or 0))
+  local a = dispatch_args(out.h_t, x.h_t, peer_rank.h_t, peer_route.h_t, k, zero_fill and 1 or 0)
+  local rc = lib.moe_dispatch(ctx, a)
   if rc ~= 0 then stage_fail(rc, "dispatch", "dispatch") end
 end
 

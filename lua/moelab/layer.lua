@@ -206,9 +206,9 @@ function Simulated:schedule_ids() return self.shards[1].ids end
 function Simulated:gather_ids() end
 function Simulated:record_verdict() end
 
--- Each rank's experts write their own buffer; combine reads every rank's.
--- Each source rank's combine arguments are made here once (views of the layer's own buffers), so
--- that a pass makes no tensor handles for them.
+-- Each rank's experts write their own buffer; combine reads every rank's.  Each source rank's
+-- combine arguments are made here once (views of the layer's own buffers), so that a pass makes
+-- no tensor handles for them.
 function Simulated:connect(layer)
   self.ys, self.route_rows = {}, {}
   for j, h in ipairs(self.held) do
