@@ -43,7 +43,7 @@ describe("moelab.compat [#cpu]", function()
   end)
 
   it("run gives a command's output and exit status", function()
-    local rows = { { "echo hi", "hi\n", 0 }, { "printf 'a\\nb'; exit 3", "a\nb", 3 }, { "echo 12", "12\n", 0 },
+    local rows = { { "echo hi", "hi\n", 0 }, { "printf 'a\\nb'; exit 3", "a\nb", 3 }, { "printf 12; exit 4", "12", 4 },
       { "(sh -c 'kill -9 $$') 2>/dev/null", "", 137 } } -- (the shell's "Killed" kept off the terminal)
     for _, row in ipairs(rows) do
       local out, status = compat.run(row[1])

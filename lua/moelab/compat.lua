@@ -73,10 +73,12 @@ function compat.f32(x) return compat.from_f32_bits(compat.f32_bits(x)) end
 -- Runs a shell command line; returns what it wrote on stdout and its exit status as the shell
 -- gives it ($?: 128 + n after signal n).  LuaJIT's pipe close does not report the status.
 function compat.run(command)
-  local p = assert(io.popen("(" .. command .. "\n); echo \"$?\"")) -- a subshell: an exit in command ends it alone
+  -- a subshell, so that an exit in command ends it alone; the status after a newline of its own,
+  -- so that output ending in digits stays apart from it
+  local p = assert(io.popen("(" .. command .. "\n); printf '\\n%d' \"$?\""))
   local text = p:read("*a")
   p:close()
-  local out, status = text:match("^(.-)(%d+)\n$")
+  local out, status = text:match("^(.*)\n(%d+)$")
   return out or text, tonumber(status)
 end
 
