@@ -20,6 +20,7 @@ const char *moe_errstr(int code) {
   case MOE_ERR_CUDA: return "CUDA error";
   case MOE_ERR_UNSUPPORTED: return "not supported in this build or on this device";
   case MOE_ERR_INTERNAL: return "internal error";
+  case MOE_ERR_IO: return "cannot read a file, or it is malformed";
   default: return "unknown error code";
   }
 }

@@ -48,7 +48,8 @@ enum {
   MOE_ERR_NOMEM = 2,       /* host or device allocation failed */
   MOE_ERR_CUDA = 3,        /* a CUDA runtime or launch failure; the message names it */
   MOE_ERR_UNSUPPORTED = 4, /* no backend for this device in this build */
-  MOE_ERR_INTERNAL = 5
+  MOE_ERR_INTERNAL = 5,
+  MOE_ERR_IO = 6           /* a file cannot be opened or read, or its contents are malformed */
 };
 
 typedef enum { MOE_F32 = 0, MOE_BF16 = 1, MOE_I32 = 2 } moe_dtype;
@@ -146,6 +147,9 @@ MOE_API int moe_tensor_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float s
 /* bf16 <-> f32 on the host: round to nearest even, NaN stays NaN. */
 MOE_API uint16_t moe_f32_to_bf16(float x);
 MOE_API float moe_bf16_to_f32(uint16_t x);
+/* OCP FP8 E4M3 (e4m3fn) -> f32, exactly: bias 7, subnormals, max 448, no infinities; S.1111.111
+ * is NaN. */
+MOE_API float moe_e4m3_to_f32(uint8_t x);
 
 /* ---- 1. route: logits f32 [N, E] -> ids i32 [N, K], weights f32 [N, K] ---- */
 typedef enum { MOE_SCORE_SOFTMAX = 0, MOE_SCORE_SIGMOID = 1, MOE_SCORE_SQRTSOFTPLUS = 2 } moe_scoring;
@@ -264,6 +268,37 @@ typedef struct moe_reference_args {
   const moe_tensor *shared_gate_w;        /* bf16 [H]: g = sigmoid(x . w), or NULL (g = 1) */
 } moe_reference_args;
 MOE_API int moe_reference(moe_ctx *ctx, const moe_reference_args *a);
+
+/* ---- safetensors: tensors read from a checkpoint file ----
+ * open parses the whole header strictly (its JSON, every tensor's offsets against the file's
+ * size and its shape's byte count) and keeps the file open; read then reads one tensor's bytes
+ * (pread, nothing else of the file) into a tensor on any device, converting as it goes.  A
+ * malformed or unreadable file is MOE_ERR_IO, with the file, and the header's byte where its JSON
+ * goes wrong; a missing tensor or a destination that does not fit it is MOE_ERR_ARG. */
+typedef struct moe_safetensors moe_safetensors;
+typedef struct moe_safetensors_info {
+  const char *name;    /* valid until the file is closed */
+  const char *dtype;   /* as the file names it: "BF16", "F32", "F8_E4M3", "I64", ... */
+  int ndim;            /* 0 to 8 */
+  int64_t shape[8];
+  int64_t offset;      /* the file's byte where its data starts */
+  int64_t nbytes;
+} moe_safetensors_info;
+MOE_API int moe_safetensors_open(moe_ctx *ctx, const char *path, moe_safetensors **out);
+MOE_API void moe_safetensors_close(moe_safetensors *f); /* NULL is a no-op */
+MOE_API const char *moe_safetensors_path(const moe_safetensors *f);
+/* Tensors in the file ("__metadata__" is not one), in name order: i in [0, count). */
+MOE_API int moe_safetensors_count(const moe_safetensors *f);
+MOE_API int moe_safetensors_find(const moe_safetensors *f, const char *name); /* its i, or -1 */
+MOE_API int moe_safetensors_tensor(moe_ctx *ctx, const moe_safetensors *f, int i, moe_safetensors_info *out);
+/* Tensor name into dst, bf16 or f32 of the same shape on any device.  BF16, F16, F32 and F8_E4M3
+ * are read: BF16 into bf16 and F32 into f32 bit for bit, the rest converted to f32 and rounded
+ * to the destination (to nearest even).  scale (F8_E4M3 of 2 dimensions [R, C] only; NULL: none)
+ * is its block scale, f32 [ceil(R/128), ceil(C/128)] on the CPU, as Hugging Face FP8 checkpoints
+ * keep it beside each weight ("weight_scale_inv"): element (r, c) is
+ * e4m3(q) x scale[r/128][c/128], an f32 product, then rounded to the destination. */
+MOE_API int moe_safetensors_read(moe_ctx *ctx, moe_safetensors *f, const char *name, const moe_tensor *scale,
+                                 moe_tensor *dst);
 
 /* ---- expert parallelism across GPUs: a world of W ranks on NCCL ----
  * A moe_world is this process's part of a world of W ranks: one rank per GPU, each with an

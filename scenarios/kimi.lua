@@ -2,7 +2,7 @@
 --
 --   lua scenarios/kimi.lua [--tokens N] [--hidden H] [--ffn F] [--world W] [--layout L] [--pad B]
 --                          [--device D] [--devices 0,1,...] [--capacity C] [--seed S] [--sample N]
---                          [--json FILE]
+--                          [--json FILE] [--checkpoint DIR --layer N]
 --
 -- By default the W ranks are simulated side by side on one device.  With --devices they are real:
 -- one rank per listed GPU, in this process (moe.world), tokens exchanged over NVLink.
@@ -10,6 +10,8 @@
 -- On the CPU the run keeps Kimi K2's real E = 384, K = 8 and W = 8 but shrinks H, F and the
 -- token count so that it takes seconds; it then schedules the real shape (7,168 tokens on each
 -- of the 8 ranks) and reports rows, padding waste and expert-load imbalance there.
+-- With --checkpoint the layer's weights are MoE layer N of a Hugging Face checkpoint (DeepSeek-V3 /
+-- Kimi K2 names), and E, H, F and the shared expert's width are the checkpoint's.
 -- Exits 1 when the layer does not match the reference (or, on a GPU, the router's ids differ
 -- from the CPU's); 2 on a bad flag or a configuration the library refuses.
 local moe = require "moelab"
@@ -32,10 +34,26 @@ local opts = cli.parse(arg, {
   { "seed", "integer", 1, "seed of the weights and inputs" },
   { "sample", "integer", 4, "on a GPU: tokens of each rank checked against the CPU reference" },
   { "json", "string", nil, "also write the report as JSON to this file" },
+  { "checkpoint", "string", nil, "the weights of a Hugging Face checkpoint (a directory or a .safetensors file)" },
+  { "layer", "integer", nil, "the MoE layer N of --checkpoint (model.layers.N)" },
 }, "lua scenarios/kimi.lua: one Kimi K2 MoE layer, expert parallel, checked and timed")
 local json_file = cli.output("json", opts.json)
 if opts.sample < 1 then cli.fail(string.format("--sample must be >= 1, got %d", opts.sample)) end
 local device_given = opts.device
+-- A checkpoint's layer has its own sizes: a flag may repeat them, not change them.
+local ckpt
+if opts.layer and not opts.checkpoint then cli.fail("--layer picks a layer of --checkpoint: give --checkpoint too") end
+if opts.checkpoint then
+  if not opts.layer then cli.fail("--checkpoint needs --layer N (the MoE layer model.layers.N to run)") end
+  ckpt = cli.guard("--checkpoint", function() return moe.checkpoint(opts.checkpoint):sizes(opts.layer) end)
+  for _, f in ipairs { { "hidden", "H" }, { "ffn", "F" } } do
+    if opts[f[1]] and opts[f[1]] ~= ckpt[f[1]] then
+      cli.fail(string.format("--%s %d but layer %d of the checkpoint has %s = %d", f[1], opts[f[1]], opts.layer, f[2],
+        ckpt[f[1]]))
+    end
+    opts[f[1]] = ckpt[f[1]]
+  end
+end
 opts.device = opts.device or moe.default_device()
 local small = opts.device == "cpu" and not opts.devices -- the sizes follow the device asked for
 opts.tokens = opts.tokens or (small and 32 or 7168)
@@ -63,11 +81,13 @@ if opts.devices then
   small = false
 end
 local W, T, H, F = opts.world or (group and group.size) or 8, opts.tokens, opts.hidden, opts.ffn
-local reduced = H ~= model.hidden or F ~= model.ffn or T ~= 7168
+local reduced = not ckpt and (H ~= model.hidden or F ~= model.ffn or T ~= 7168)
 
 local layer = cli.guard("moe.layer", moe.layer, { model = model, world = group or W, tokens = T, hidden = H, ffn = F,
-  shared_ffn = F, pad = opts.pad, layout = opts.layout, capacity = opts.capacity,
-  device = not group and opts.device or nil, seed = opts.seed })
+  shared_ffn = ckpt and ckpt.shared_ffn or F, pad = opts.pad, layout = opts.layout, capacity = opts.capacity,
+  device = not group and opts.device or nil, seed = opts.seed, experts = ckpt and ckpt.experts,
+  checkpoint = opts.checkpoint, layer = opts.layer })
+local E = layer.experts
 local x = moe.randn({ W, T, H }, { dtype = "bf16", device = opts.device, seed = opts.seed * 7919 + 1 })
 -- In a real world each rank's tokens go into its exchange window (layer.inputs): the same values
 -- as the simulated world's x[r].
@@ -148,9 +168,9 @@ local rows, nr = stats.rows_used, group and group.local_count or W
 local per = group and nr or 1
 local BF16, COPY = "(ceiling ~790)", "(ceiling ~4.3)"
 local work = {
-  route = { flop = nr * T * 2.0 * H * model.experts / per, ceiling = "(f32 FMA, peak ~67)" },
+  route = { flop = nr * T * 2.0 * H * E / per, ceiling = "(f32 FMA, peak ~67)" },
   experts = { flop = rows * 6.0 * H * F / per, ceiling = BF16 },
-  shared = { flop = nr * T * 6.0 * H * F / per, ceiling = BF16 },
+  shared = { flop = nr * T * 6.0 * H * layer.shared_ffn / per, ceiling = BF16 },
   dispatch = { bytes = rows * H * 2.0 * 2 / per, ceiling = COPY },
   combine = { bytes = (stats.routes + nr * T * 2) * H * 2.0 / per, ceiling = COPY },
 }
@@ -204,8 +224,9 @@ if group then
 else
   p("moelab %s: %s MoE layer, %d expert-parallel ranks, simulated on %s", moe.version, model.name, W, opts.device)
 end
-p("  model     E = %d experts (%d per rank), top-%d, %s + bias, scale %g, 1 shared expert", model.experts,
-  math.floor(model.experts / W), model.k, model.scoring, model.scale)
+p("  model     E = %d experts (%d per rank), top-%d, %s + bias, scale %g, %s", E, layer.local_experts, model.k,
+  model.scoring, model.scale, layer.shared_ffn > 0 and "1 shared expert" or "no shared expert")
+if ckpt then p("  weights   layer %d of checkpoint %s (%s)", opts.layer, opts.checkpoint, ckpt.dtype) end
 p("  shape     H = %d, F = %d, %d tokens per rank%s", H, F, T,
   reduced and string.format("  (real: H = %d, F = %d, T = 7168; reduced so the %s run takes seconds)", model.hidden,
     model.ffn, opts.device) or "")
@@ -262,7 +283,8 @@ p("  expert load over the world: max %d, mean %.1f (max/mean %.2f)", real.max_lo
 
 if json_file then
   json_file:write(json.encode {
-    model = model.name, device = opts.device, devices = group and group.devices or nil, world = W, tokens = T,
+    model = model.name, checkpoint = opts.checkpoint, layer = opts.layer, device = opts.device,
+    devices = group and group.devices or nil, world = W, tokens = T,
     hidden = H, ffn = F, pad = layer.pad,
     layout = layer.layout, capacity = layer.capacity,
     stage_ms = (function()

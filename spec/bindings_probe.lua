@@ -79,5 +79,8 @@ local CASES = {
   function() moe.layer { model = "kimi_k2", tokens = 2, world = 5 } end,
   function() moe.check.close(moe.zeros({ 2 }), moe.full({ 2 }, 1)) end,
   function() core.raise("raised") end,
+  function() core.safetensors("/nonexistent.safetensors") end,
+  function() core.safetensors("lib/moelab.h") end,
+  function() core.safetensors({}) end,
 }
 for i, case in ipairs(CASES) do print("error " .. i, select(2, pcall(case))) end

@@ -4,11 +4,12 @@
  *
  * The parts: module.c (the helpers below and luaopen_moelab_core), tensor.c (tensor handles
  * and their methods), tensorlib.c (the module's tensor functions), stage.c (the stages),
- * event_graph.c (timing, events and CUDA graphs), world.c (moelab.World) and exchange.c
- * (moelab.Exchange).  Each registers its own functions: lc_open_<part>(L, ctxi, mod) creates the
- * part's metatables and sets its functions into the module table at mod, each function holding
- * the context's handle at ctxi as its first upvalue.  An opener (re)sets the fields of its
- * metatables even when they exist, so that a reloaded module uses its own context.
+ * event_graph.c (timing, events and CUDA graphs), world.c (moelab.World), exchange.c
+ * (moelab.Exchange) and safetensors.c (moelab.SafeTensors).  Each registers its own functions:
+ * lc_open_<part>(L, ctxi, mod) creates the part's metatables and sets its functions into the
+ * module table at mod, each function holding the context's handle at ctxi as its first upvalue.
+ * An opener (re)sets the fields of its metatables even when they exist, so that a reloaded
+ * module uses its own context.
  */
 #ifndef MOELAB_LCORE_H
 #define MOELAB_LCORE_H
@@ -27,6 +28,7 @@
 #define GRAPH "moelab.Graph"
 #define WORLD "moelab.World"
 #define EXCHANGE "moelab.Exchange"
+#define SAFETENSORS "moelab.SafeTensors"
 
 /* A graph replays on raw device pointers, so the memory of every tensor a capture touches must
  * outlive the graph, whatever its handles do.  While a capture is under way the registry holds
@@ -100,5 +102,6 @@ void lc_open_stage(lua_State *L, int ctxi, int mod);
 void lc_open_event_graph(lua_State *L, int ctxi, int mod);
 void lc_open_world(lua_State *L, int ctxi, int mod);
 void lc_open_exchange(lua_State *L, int ctxi, int mod);
+void lc_open_safetensors(lua_State *L, int ctxi, int mod);
 
 #endif

@@ -250,5 +250,6 @@ MOE_API int luaopen_moelab_core(lua_State *L) {
   lc_open_event_graph(L, ctxi, mod);
   lc_open_world(L, ctxi, mod);
   lc_open_exchange(L, ctxi, mod);
+  lc_open_safetensors(L, ctxi, mod);
   return 1;
 }

@@ -1553,5 +1553,78 @@ function Exchange.methods.combine(ex, list)
   if rc ~= 0 then fail(rc) end
 end
 
+-- ---------------------------------------------------------------- safetensors files
+
+-- safetensors(path) opens one (lib/safetensors.c); f:names(), f:info(name), f:read(name, dst [,
+-- scale]), f:path() and f:close().
+local SafeTensors = class("moelab.SafeTensors")
+local st_info = new("moe_safetensors_info")
+
+function M.safetensors(path)
+  path = check_string("safetensors", 1, path)
+  local f = object(SafeTensors, "moe_safetensors *[1]", lib.moe_safetensors_close)
+  local rc = lib.moe_safetensors_open(ctx, path, f.cell)
+  if rc ~= 0 then fail(rc) end
+  return f
+end
+
+local function check_file(fname, f) return check_object(fname, 1, f, SafeTensors, true) end
+
+function SafeTensors:__tostring()
+  local p = self.cell[0]
+  if p == nil then return "moelab.SafeTensors(closed)" end
+  return format("moelab.SafeTensors('%s', %d tensors)", string_(lib.moe_safetensors_path(p)),
+    lib.moe_safetensors_count(p))
+end
+
+-- close(): closes once, never raises (as its collection does).
+function SafeTensors.methods.close(f)
+  if getmetatable(f) ~= SafeTensors then return end
+  local cell = close_object(f)
+  if cell and cell[0] ~= nil then
+    lib.moe_safetensors_close(cell[0])
+    cell[0] = nil
+  end
+end
+SafeTensors.__close = SafeTensors.methods.close
+
+function SafeTensors.methods.path(f) return string_(lib.moe_safetensors_path(check_file("path", f))) end
+
+-- names() -> the tensors' names, sorted.
+function SafeTensors.methods.names(f)
+  local p = check_file("names", f)
+  local t = {}
+  for i = 0, lib.moe_safetensors_count(p) - 1 do
+    local rc = lib.moe_safetensors_tensor(ctx, p, i, st_info)
+    if rc ~= 0 then fail(rc) end
+    t[i + 1] = string_(st_info.name)
+  end
+  return t
+end
+
+-- info(name) -> {dtype =, shape = {...}, offset =, nbytes =}, or nil when the file has no such tensor.
+function SafeTensors.methods.info(f, name)
+  local p = check_file("info", f)
+  local i = lib.moe_safetensors_find(p, check_string("info", 2, name, true))
+  if i < 0 then return nil end
+  local rc = lib.moe_safetensors_tensor(ctx, p, i, st_info)
+  if rc ~= 0 then fail(rc) end
+  local shape = {}
+  for d = 1, st_info.ndim do shape[d] = tonumber(st_info.shape[d - 1]) end
+  return { dtype = string_(st_info.dtype), shape = shape, offset = tonumber(st_info.offset),
+    nbytes = tonumber(st_info.nbytes) }
+end
+
+-- read(name, dst [, scale]) -> dst, tensor name read into it (moe_safetensors_read).
+function SafeTensors.methods.read(f, name, dst, scale)
+  local p = check_file("read", f)
+  name = check_string("read", 2, name, true)
+  dst = check_tensor("read", 3, dst, true)
+  if scale ~= nil then scale = check_tensor("read", 4, scale, true) end
+  local rc = lib.moe_safetensors_read(ctx, p, name, scale and scale.h_t or nil, dst.h_t)
+  if rc ~= 0 then fail(rc) end
+  return dst
+end
+
 registry["moelab.ffi_core"] = M
 return M

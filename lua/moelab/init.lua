@@ -180,6 +180,8 @@ local world = require "moelab.world"
 moe.world, moe.World, moe.Exchange, moe.world_unique_id = world.new, world.World, world.Exchange, world.unique_id
 moe.Layer = require "moelab.layer"
 moe.layer = moe.Layer.new
+local checkpoint = require "moelab.checkpoint"
+moe.checkpoint, moe.safetensors = checkpoint.open, checkpoint.safetensors
 
 -- ---------------------------------------------------------------- which kernel runs, and why
 

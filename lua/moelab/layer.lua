@@ -24,6 +24,7 @@
 local core = require "moelab.core"
 local args = require "moelab.args"
 local check = require "moelab.check"
+local checkpoint = require "moelab.checkpoint"
 local compat = require "moelab.compat"
 local models = require "moelab.models"
 local moe_device = require "moelab.device"
@@ -41,7 +42,7 @@ local SPEC = {
   scoring = { "softmax", "sigmoid", "sqrtsoftplus" }, groups = "integer", topk_groups = "integer",
   scale = "number", pad = "integer", layout = { "roundrobin", "peer_major" }, capacity = "any",
   expert_capacity = "integer", overflow = { "error", "drop" }, invalid = { "error", "skip" },
-  nan = { "error", "mask" }, device = "device", seed = "integer",
+  nan = { "error", "mask" }, device = "device", seed = "integer", checkpoint = "string", layer = "integer",
 }
 local MODEL_FIELDS = { "name", "experts", "k", "hidden", "ffn", "shared_ffn", "shared_gate", "scoring", "groups",
   "topk_groups", "scale" }
@@ -144,18 +145,22 @@ local function resolve(o)
   end
   local device = not real and (o.device or moe_device.default_device()) or nil
   if device == "cuda" then device = "cuda:0" end -- as its tensors will name it
+  local weights = checkpoint.for_layer(o, { experts = E, hidden = H, ffn = F, shared_ffn = Fs, local_experts = EL,
+    shared_gate = cfg.shared_gate, bias = cfg.scoring ~= "softmax" })
   return {
     cfg = cfg, world = W, tokens = T, experts = E, local_experts = EL, k = K, hidden = H, ffn = F,
     shared_ffn = Fs, pad = pad, layout = o.layout or "roundrobin", capacity = capacity,
     expert_capacity = o.expert_capacity, overflow = o.overflow or "error", invalid = o.invalid or "error",
-    nan = o.nan or "error", device = device, seed = o.seed or 0,
+    nan = o.nan or "error", device = device, seed = o.seed or 0, checkpoint = weights,
   }, real
 end
 
--- The one seed rule of the layer's weights: dtype, shape, seed offset and std of each (std scaled
+-- The one place the layer's weights come from: the checkpoint's tensors where it has one
+-- (moelab.checkpoint), else the seed rule: dtype, shape, seed offset and std of each (std scaled
 -- so that activations stay O(1)); rank: the 0-based rank whose experts.  moe.randn draws the same
 -- values on every device, so each device, and the CPU reference, draws the same weights.
 local function init_weight(self, name, dev, rank)
+  if self.checkpoint then return self.checkpoint:weight(name, dev, rank) end
   local E, H, F, Fs, EL = self.experts, self.hidden, self.ffn, self.shared_ffn, self.local_experts
   local dtype, shape, offset, std = "bf16", nil, nil, nil
   if name == "w_router" then shape, offset, std = { E, H }, 1, 1 / math.sqrt(H)
@@ -301,6 +306,7 @@ local function agree_on_build(layer, group)
   field("overflow", index({ "error", "drop" }, layer.overflow))
   field("invalid", index({ "error", "skip" }, layer.invalid))
   field("nan", index({ "error", "mask" }, layer.nan))
+  field("checkpoint layer (-1: none)", layer.checkpoint and layer.checkpoint.layer or -1)
   local mine, all = {}, {}
   for i = 1, n do
     mine[i] = core.from_table({ values }, "i32", group.devices[i])
@@ -507,6 +513,7 @@ function Layer.new(o)
     self[name] = {}
     for j, h in ipairs(self.held) do self[name][j] = h[key] end
   end
+  if self.checkpoint then self.checkpoint:release() end -- its files, until a reference reads other ranks'
   return self
 end
 
