@@ -17,6 +17,7 @@
 local moe = require "moelab"
 local cli = require "moelab.cli"
 local json = require "moelab.json"
+local compat = require "moelab.compat"
 
 local model = moe.models.kimi_k2
 local opts = cli.parse(arg, {
@@ -64,7 +65,7 @@ local group
 if opts.devices then
   local list = {}
   for d in opts.devices:gmatch("[^,]+") do
-    local v = math.tointeger(tonumber(d))
+    local v = compat.tointeger(tonumber(d))
     if not v or v < 0 then cli.fail(string.format("--devices: '%s' is not a GPU index", d)) end
     list[#list + 1] = v
   end
@@ -142,10 +143,10 @@ for _ = 1, iters do
   end
 end
 local function median(list)
-  local l = { table.unpack(list) }
+  local l = { compat.unpack(list) }
   table.sort(l)
   local n = #l
-  return n % 2 == 1 and l[(n + 1) // 2] or (l[n // 2] + l[n // 2 + 1]) / 2
+  return n % 2 == 1 and l[(n + 1) / 2] or (l[n / 2] + l[n / 2 + 1]) / 2 -- whole indices in each branch
 end
 
 -- The whole pass as one CUDA graph, replayed on the same input (routing recomputed each time).

@@ -50,7 +50,7 @@ local ROWS = {
     "'tensor' (shape [1099511627776, 1099511627776, 0] has more than 2^40 elements" },
   { "zeros: a shape past 2^40 elements", function() moe.zeros({ 2 ^ 21, 2 ^ 20 }) end,
     "'zeros' (shape [2097152, 1048576] has more than 2^40 elements" },
-  { "zeros: a shape whose product wraps 64 bits", function() moe.zeros({ 1 << 24, 1 << 40 }) end,
+  { "zeros: a shape whose product wraps 64 bits", function() moe.zeros({ 2 ^ 24, 2 ^ 40 }) end,
     "'zeros' (shape [16777216, 1099511627776] has more than 2^40 elements" },
   { "schedule_plan: an unknown option, named as schedule_plan", function()
     moe.schedule_plan { ids = moe.zeros({ 1, 2, 2 }, { dtype = "i32" }), experts = 4, pads = 2 }
@@ -82,8 +82,9 @@ local ROWS = {
   { "a closed tensor as an option", function()
     local x
     do
-      local t <close> = bf16 { 2, 3, 4 }
+      local t = bf16 { 2, 3, 4 }
       x = t
+      t:close()
     end
     moe.dispatch { x = x, schedule = s0 }
   end, "option 'x' is a closed moelab.Tensor" },
@@ -158,7 +159,7 @@ local ROWS = {
     "option 'rank' must be between 0 and 1, got -1" },
   { "schedule: pad 0", function() moe.schedule { ids = I, experts = 4, pad = 0 } end,
     "option 'pad' must be between 1 and 2147483647, got 0" },
-  { "schedule: pad past i32", function() moe.schedule { ids = I, experts = 4, pad = 1 << 62 } end,
+  { "schedule: pad past i32", function() moe.schedule { ids = I, experts = 4, pad = math.floor(2 ^ 62) } end,
     "option 'pad' must be between 1 and 2147483647, got 4611686018427387904" },
   { "schedule: negative capacity", function() moe.schedule { ids = I, experts = 4, capacity = -1 } end,
     { "option 'capacity' must be between 0 and 2147483646", "got -1" } },
@@ -190,7 +191,7 @@ local ROWS = {
   -- dispatch
   { "dispatch: a schedule with a closed tensor, named", function()
     local s = moe.schedule { ids = I, experts = 4 }
-    do local _ <close> = s.peer_rank end
+    s.peer_rank:close()
     moe.dispatch { x = X, schedule = s }
   end, "option 'schedule': the schedule's peer_rank tensor is closed" },
   { "dispatch: unknown option", function() moe.dispatch { x = X, schedule = s0, zero_fil = true } end,
@@ -268,12 +269,12 @@ local ROWS = {
     "option 'dtype' must be one of 'bf16', 'f32', got \"i32\"" },
   { "combine: a closed out", function()
     local out = moe.zeros({ 3, 4 })
-    do local c <close> = out end
+    out:close()
     combine { out = out }
   end, "option 'out' is a closed moelab.Tensor" },
   { "route: a closed ids buffer", function()
     local ids = i32 { 4, 2 }
-    do local c <close> = ids end
+    ids:close()
     moe.route { logits = L, k = 2, ids = ids, weights = moe.zeros({ 4, 2 }) }
   end, "field 'ids': moelab.Tensor is closed" },
   { "combine: schedules of other ids", function()
@@ -325,7 +326,7 @@ local ROWS = {
     "the 384 experts cannot be split over a world of 5 ranks" },
   { "layer: pad 0", function() moe.layer { model = tiny, tokens = 4, pad = 0 } end,
     "option 'pad' must be between 1 and 2147483647, got 0" },
-  { "layer: pad past i32", function() moe.layer { model = tiny, tokens = 4, pad = 1 << 62 } end,
+  { "layer: pad past i32", function() moe.layer { model = tiny, tokens = 4, pad = math.floor(2 ^ 62) } end,
     "option 'pad' must be between 1 and 2147483647, got 4611686018427387904" },
   { "layer: K > E", function() moe.layer { model = tiny, tokens = 4, k = 5 } end, "option 'k' must be between 1 and 4, got 5" },
   { "layer: negative capacity", function() moe.layer { model = tiny, tokens = 4, capacity = -1 } end,

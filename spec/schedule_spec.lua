@@ -1,6 +1,7 @@
 -- The schedule (docs/design.md, "The stages", 2) against a direct Lua
 -- transcription of its formulas, every output bit for bit, on random and adversarial cases.
 local S = require "support"
+local compat = require "moelab.compat"
 
 local THREADS = 1024 -- logical threads per source rank in "roundrobin"
 local INT_MAX = 2 ^ 31 - 1
@@ -15,7 +16,7 @@ local INT_MAX = 2 ^ 31 - 1
 -- offsets[e+1] - offsets[e]; counts[e] = routes of e that got a row; rows_needed = base[EL]
 -- (unclamped); rows_used = offsets[EL]; dropped = local routes that got no row.
 local function formula(ids, W, T, K, E, rank, pad, C, expert_capacity, layout)
-  local EL, TK = E // W, T * K
+  local EL, TK = math.floor(E / W), T * K
   local first_local = rank * EL
 
   -- c[e][p] = routes from rank p to local expert e; group[e][p] lists them (route indices i)
@@ -48,7 +49,7 @@ local function formula(ids, W, T, K, E, rank, pad, C, expert_capacity, layout)
     local n = 0
     for p = 0, W - 1 do n = n + c[e][p] end
     if expert_capacity then n = math.min(n, expert_capacity) end
-    local padded = (n + pad - 1) // pad * pad
+    local padded = math.floor((n + pad - 1) / pad) * pad
     base[e + 1] = base[e] + padded
   end
 
@@ -61,11 +62,11 @@ local function formula(ids, W, T, K, E, rank, pad, C, expert_capacity, layout)
     for p = 0, W - 1 do
       -- the ordinal j of a route in its (e, p) group: by (thread = i % 1024, then i // 1024)
       -- for roundrobin; by route index for peer_major (the group is already ascending)
-      local g = { table.unpack(group[e][p]) }
+      local g = { compat.unpack(group[e][p]) }
       if layout == "roundrobin" then
         table.sort(g, function(a, b)
           if a % THREADS ~= b % THREADS then return a % THREADS < b % THREADS end
-          return a // THREADS < b // THREADS
+          return math.floor(a / THREADS) < math.floor(b / THREADS)
         end)
       end
       for n, i in ipairs(g) do
@@ -141,8 +142,8 @@ local function check_case(c, dev)
   if raise_invalid then
     assert.is_false(ok, "expected an error for the invalid ids")
     local f = st.first_invalid
-    local pat = string.format("invalid expert id %d at rank %d, token %d, slot %d", c.ids[f + 1], f // (c.T * c.K),
-      (f % (c.T * c.K)) // c.K, f % c.K)
+    local pat = string.format("invalid expert id %d at rank %d, token %d, slot %d", c.ids[f + 1],
+      math.floor(f / (c.T * c.K)), math.floor(f % (c.T * c.K) / c.K), f % c.K)
     assert.truthy(string.find(tostring(s), pat, 1, true), "expected '" .. pat .. "' in: " .. tostring(s))
   elseif raise_overflow then
     assert.is_false(ok, "expected a capacity overflow error")
@@ -173,12 +174,12 @@ local function random_case(n)
   c.W = S.int(1, 8)
   local EL
   if S.chance(0.05) then EL = S.int(9, 64) -- occasionally a large E (up to 512)
-  else EL = S.int(1, math.max(1, 64 // c.W)) end
+  else EL = S.int(1, math.max(1, math.floor(64 / c.W))) end
   c.E = c.W * EL
   c.K = S.int(1, 8)
   local r = math.random()
   if r < 0.15 then
-    c.T = S.int(1024 // c.K + 1, 1024 // c.K + 120) -- more than one thread round
+    c.T = S.int(math.floor(1024 / c.K) + 1, math.floor(1024 / c.K) + 120) -- more than one thread round
     if c.W > 4 then c.W, c.E = 2, 2 * EL end
   elseif r < 0.25 then
     c.T = 1
@@ -200,7 +201,7 @@ local function random_case(n)
     else id = S.int(0, c.E - 1) end
     if S.chance(p_masked) then id = -1 end
     if S.chance(p_invalid) then id = S.pick { c.E, c.E + 1, c.E + 1000, -2, -7, -2 ^ 31 } end
-    c.ids[i] = math.tointeger(id)
+    c.ids[i] = compat.tointeger(id)
   end
   if p_invalid > 0 then c.invalid = S.chance(0.8) and "skip" or nil end
   if S.chance(0.25) then
@@ -226,7 +227,7 @@ local function ids_by(W, T, K, fn)
   local ids = {}
   for p = 0, W - 1 do
     for t = 0, T - 1 do
-      for k = 0, K - 1 do ids[#ids + 1] = math.tointeger(fn(p, t, k)) end
+      for k = 0, K - 1 do ids[#ids + 1] = compat.tointeger(fn(p, t, k)) end
     end
   end
   return ids
@@ -430,11 +431,11 @@ for _, dev in ipairs(ALL_DEVICES) do
         "schedule: invalid expert id 5 at rank 0, token 1, slot 0 (expected -1 or 0..1); 1 invalid id in all; "
           .. "pass invalid = 'skip' to drop them")
       -- its ids closed since: the same report without the id; its stats closed: nothing to read
-      do local _ <close> = ids end
+      ids:close()
       local ok, err = pcall(s.check, s)
       assert.is_false(ok)
       assert.truthy(tostring(err):find("schedule: invalid expert id at rank 0, token 1, slot 0", 1, true), tostring(err))
-      do local _ <close> = s.stats_tensor end
+      s.stats_tensor:close()
       ok, err = pcall(s.read_stats, s)
       assert.is_false(ok)
       assert.truthy(tostring(err):find("its stats tensor (stats_tensor) is closed", 1, true), tostring(err))

@@ -420,6 +420,7 @@ static const luaL_Reg tensor_methods[] = {
   {"nbytes", t_nbytes},
   {"address", t_address},
   {"overlaps", t_overlaps},
+  {"close", t_release}, /* what a <close> variable does, for LuaJIT, which has none */
   {NULL, NULL}
 };
 

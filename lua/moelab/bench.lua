@@ -22,11 +22,12 @@ local function bench(fn, opts)
     stop:record()
     times[i] = stop:elapsed_since(start)
   end
-  local sorted = table.move(times, 1, #times, 1, {}) -- not table.unpack: its results are capped near 10^6
+  local sorted = {} -- copied one by one: table.unpack's results are capped near 10^6
+  for i = 1, #times do sorted[i] = times[i] end
   table.sort(sorted)
   local sum = 0
   for _, t in ipairs(times) do sum = sum + t end
-  local mid = #sorted // 2
+  local mid = math.floor(#sorted / 2)
   local median = #sorted % 2 == 1 and sorted[mid + 1] or (sorted[mid] + sorted[mid + 1]) / 2
   return { median_ms = median, min_ms = sorted[1], max_ms = sorted[#sorted], mean_ms = sum / iters,
     iters = iters, times_ms = times }

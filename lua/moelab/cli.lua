@@ -2,6 +2,8 @@
 -- --help.  An unknown flag or a bad value prints the usage and exits with status 2; a
 -- configuration the library refuses (cli.guard) prints its message and exits 2 as well, so that
 -- status 1 stays a failed check.
+local compat = require "moelab.compat"
+
 local cli = {}
 
 -- spec: list of {name, kind ("integer"|"number"|"string"|"list"|"flag"), default, help}
@@ -40,7 +42,7 @@ function cli.parse(argv, spec, title)
         if value == nil or value:match("^%-%-") then usage("flag --" .. name .. " needs a value") end
       end
       if f[2] == "integer" then
-        local v = math.tointeger(tonumber(value))
+        local v = compat.tointeger(tonumber(value))
         if not v then usage(string.format("flag --%s needs an integer, got '%s'", name, value)) end
         opts[name] = v
       elseif f[2] == "number" then
@@ -73,9 +75,9 @@ end
 function cli.guard(what, fn, ...)
   local tb = os.getenv("MOE_TRACEBACK")
   tb = tb ~= nil and tb ~= "" and tb ~= "0"
-  local res = table.pack(xpcall(fn, function(e) return tb and debug.traceback(tostring(e), 2) or tostring(e) end, ...))
+  local res = compat.pack(xpcall(fn, function(e) return tb and debug.traceback(tostring(e), 2) or tostring(e) end, ...))
   if not res[1] then cli.fail(string.format("%s: %s", what, res[2])) end
-  return table.unpack(res, 2, res.n)
+  return compat.unpack(res, 2, res.n)
 end
 
 -- The report file of an output flag (--json): checked writable now (a bad path is a usage error

@@ -4,8 +4,10 @@
 -- options (a typo is an error, never ignored), allocates outputs, runs a stage where its tensors
 -- live, and turns the conditions a stage records in its stats (NaN logits, invalid ids,
 -- capacity overflow) into errors unless the caller asked for them to be tolerated.
+if rawget(_G, "jit") then package.loaded["moelab.core"] = require "moelab.ffi_core" end -- LuaJIT: the FFI binding
 local core = require "moelab.core"
 local args = require "moelab.args"
+local compat = require "moelab.compat"
 local device = require "moelab.device"
 local route = require "moelab.route"
 local schedule = require "moelab.schedule"
@@ -28,10 +30,11 @@ local function check_shape(fname, shape)
   if type(shape) ~= "table" then
     args.fail(fname, "shape must be a table of sizes, got " .. args.describe(shape))
   end
-  if #shape > 4 then args.fail(fname, "at most 4 dimensions, got " .. #shape) end
-  for i = 1, #shape do -- not ipairs: it would stop at a hole ({2, nil, 3})
+  local nd = compat.len(shape) -- not ipairs, nor #: either can stop at a hole ({2, nil, 3})
+  if nd > 4 then args.fail(fname, "at most 4 dimensions, got " .. nd) end
+  for i = 1, nd do
     local d = shape[i]
-    if type(d) ~= "number" or not math.tointeger(d) or d < 0 then -- 2.0 counts, as for every integer option
+    if type(d) ~= "number" or not compat.tointeger(d) or d < 0 then -- 2.0 counts, as for every integer option
       args.fail(fname, string.format("shape[%d] must be a non-negative integer, got %s", i, args.describe(d)))
     end
   end

@@ -4,6 +4,7 @@
 -- the infinities become null; a string that is not UTF-8 has its bytes past 0x7f escaped as the
 -- code points of the same value (as Latin-1), so that the output is always valid JSON.
 local args = require "moelab.args"
+local compat = require "moelab.compat"
 
 local json = {}
 
@@ -13,10 +14,10 @@ local function encode(v, out)
   elseif t == "boolean" then out[#out + 1] = tostring(v)
   elseif t == "number" then
     if v ~= v or v == math.huge or v == -math.huge then out[#out + 1] = "null"
-    elseif math.type(v) == "integer" then out[#out + 1] = tostring(v)
+    elseif compat.math_type(v) == "integer" then out[#out + 1] = compat.int_str(v)
     else out[#out + 1] = string.format("%.17g", v) end
   elseif t == "string" then
-    local pattern = utf8.len(v) and '[%c"\\]' or '[%c"\\\128-\255]'
+    local pattern = compat.utf8_valid(v) and '[%c"\\]' or '[%c"\\\128-\255]'
     out[#out + 1] = '"' .. v:gsub(pattern, function(c)
       local map = { ['"'] = '\\"', ['\\'] = '\\\\', ['\n'] = '\\n', ['\t'] = '\\t', ['\r'] = '\\r' }
       return map[c] or string.format("\\u%04x", c:byte())
@@ -25,7 +26,7 @@ local function encode(v, out)
     local n = #v
     local is_array = true
     for k in pairs(v) do
-      if math.type(k) ~= "integer" or k < 1 or k > n then is_array = false break end
+      if compat.math_type(k) ~= "integer" or k < 1 or k > n then is_array = false break end
     end
     if is_array then
       out[#out + 1] = "["

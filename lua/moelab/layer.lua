@@ -25,6 +25,7 @@ local core = require "moelab.core"
 local args = require "moelab.args"
 local check = require "moelab.check"
 local checkpoint = require "moelab.checkpoint"
+local compat = require "moelab.compat"
 local models = require "moelab.models"
 local moe_device = require "moelab.device"
 local route = require "moelab.route"
@@ -61,7 +62,7 @@ local function resolve(o)
   args.options("layer", o, SPEC, { "model", "tokens" })
   local real = getmetatable(o.world) == world.World and o.world or nil
   -- 2.0 counts, as for every integer option
-  local world_n = not real and type(o.world) == "number" and math.tointeger(o.world) or nil
+  local world_n = not real and type(o.world) == "number" and compat.tointeger(o.world) or nil
   if o.world ~= nil and not real and not world_n then
     args.fail("layer", "option 'world' must be an integer (a simulated world of that many ranks) or a moe.world, got "
       .. args.describe(o.world))
@@ -109,7 +110,7 @@ local function resolve(o)
     cfg.shared_gate = false
   end
   for _, f in ipairs { "experts", "k", "hidden", "ffn" } do
-    if math.type(cfg[f]) ~= "integer" then
+    if compat.math_type(cfg[f]) ~= "integer" then
       args.fail("layer", string.format("the model has no integer '%s' (got %s)", f, args.describe(cfg[f])))
     end
   end
@@ -137,7 +138,7 @@ local function resolve(o)
       cfg.experts, W, cfg.experts, W))
   end
   local E, K, H, F, Fs = cfg.experts, cfg.k, cfg.hidden, cfg.ffn, cfg.shared_ffn
-  local EL = E // W
+  local EL = math.floor(E / W)
   local pad, capacity = schedule.rows("layer", o, W, T, K, EL, "twice_mean")
   if real and o.device ~= nil then
     args.fail("layer", "a layer over a moe.world puts each rank on its own GPU: drop option 'device'")
@@ -175,7 +176,7 @@ end
 
 -- lead's sizes followed by the others: {W, T} or {T} then K, H, ...
 local function dims(lead, ...)
-  local s = { table.unpack(lead) }
+  local s = { compat.unpack(lead) }
   for _, d in ipairs { ... } do s[#s + 1] = d end
   return s
 end
@@ -210,12 +211,22 @@ function Simulated:schedule_ids() return self.shards[1].ids end
 function Simulated:gather_ids() end
 function Simulated:record_verdict() end
 
--- Each rank's experts write their own buffer; combine reads every rank's.
+-- Each rank's experts write their own buffer; combine reads every rank's.  Each source rank's
+-- combine arguments are made here once (views of the layer's own buffers), so that a pass makes
+-- no tensor handles for them.
 function Simulated:connect(layer)
   self.ys, self.route_rows = {}, {}
   for j, h in ipairs(self.held) do
     h.ys = core.new("bf16", { layer.capacity, layer.hidden }, h.device)
     self.ys[j], self.route_rows[j] = h.ys, h.schedule.route_row
+  end
+  local sh, W, T, H = self.shards[1], layer.world, layer.tokens, layer.hidden
+  self.combines = {}
+  for p = 1, W do
+    self.combines[p] = { out = sh.out:select(p), weights = sh.weights:select(p), ids = sh.ids:select(p), ys = self.ys,
+      route_row = self.route_rows, world = W, experts = layer.experts, rank = p - 1,
+      shared = sh.shared_y and sh.shared_y:view((p - 1) * T * H, { T, H }),
+      shared_gate = sh.gate and sh.gate:view((p - 1) * T, { T }) }
   end
 end
 
@@ -241,14 +252,8 @@ function Simulated:dispatch(layer, x)
   end
 end
 
-function Simulated:combine(layer)
-  local sh, W, T, H = self.shards[1], layer.world, layer.tokens, layer.hidden
-  for p = 1, W do
-    core.combine { out = sh.out:select(p), weights = sh.weights:select(p), ids = sh.ids:select(p), ys = self.ys,
-      route_row = self.route_rows, world = W, experts = layer.experts, rank = p - 1,
-      shared = sh.shared_y and sh.shared_y:view((p - 1) * T * H, { T, H }),
-      shared_gate = sh.gate and sh.gate:view((p - 1) * T, { T }) }
-  end
+function Simulated:combine()
+  for _, a in ipairs(self.combines) do core.combine(a) end
 end
 
 function Simulated:capture_input(layer)
@@ -294,9 +299,10 @@ local function agree_on_build(layer, group)
   field("scoring", index({ "softmax", "sigmoid", "sqrtsoftplus" }, cfg.scoring))
   field("groups", cfg.groups)
   field("topk_groups", cfg.topk_groups)
-  field("scale", (string.unpack("<i4", string.pack("<f", cfg.scale))))
-  field("seed (low 31 bits)", layer.seed & 0x7fffffff)
-  field("seed (high bits)", (layer.seed >> 31) & 0x7fffffff)
+  field("scale", compat.f32_bits(cfg.scale)) -- an i32 all the same: scale > 0 leaves the sign bit clear
+  -- bits 0..30 and 31..61 of the seed's two's complement, by arithmetic (LuaJIT's bit ops are 32-bit)
+  field("seed (low 31 bits)", layer.seed % 0x80000000)
+  field("seed (high bits)", math.floor(layer.seed / 0x80000000) % 0x80000000)
   field("overflow", index({ "error", "drop" }, layer.overflow))
   field("invalid", index({ "error", "skip" }, layer.invalid))
   field("nan", index({ "error", "mask" }, layer.nan))
@@ -391,7 +397,7 @@ function Real:agree(own)
   for i = 1, #self.shards do if own[i] then args.raise(own[i]) end end
   self.group:bind(1)
   local v = self.shards[1].verdicts:flat()
-  for r = 0, #v // 2 - 1 do
+  for r = 0, #v / 2 - 1 do
     if v[2 * r + 1] > 0 or v[2 * r + 2] > 0 then
       args.raise(string.format("layer: rank %d stopped this forward (%s); its own error says why", r,
         v[2 * r + 1] > 0 and "router logits with NaN or unscorable rows" or "its schedule: capacity overflow or "
@@ -711,15 +717,15 @@ local function gather(self, bufs, tokens, width)
     return g
   end
   local g = core.new(dtype, { #tokens, width }, "cpu")
-  for k, t in ipairs(tokens) do g:select(k):copy(bufs[t // N + 1]:view(t % N * width, { width })) end
+  for k, t in ipairs(tokens) do g:select(k):copy(bufs[math.floor(t / N) + 1]:view(t % N * width, { width })) end
   return g
 end
 
 -- n evenly spaced tokens of each rank whose tokens are local, as gather takes them.
 local function sample_tokens(self, n)
   local T, tokens = self.tokens, {}
-  for r = 0, self.shards[1].rows * #self.shards // T - 1 do
-    for i = 0, n - 1 do tokens[#tokens + 1] = r * T + (i * T) // n end
+  for r = 0, self.shards[1].rows * #self.shards / T - 1 do
+    for i = 0, n - 1 do tokens[#tokens + 1] = r * T + math.floor(i * T / n) end
   end
   return tokens
 end
@@ -804,7 +810,7 @@ function Layer:reference(x, o)
   local T, H, local_tokens = self.tokens, self.hidden, sh.rows * #self.shards
   local tokens, n = o.tokens, nil
   for i, tok in ipairs(tokens or {}) do
-    if math.type(tok) ~= "integer" or tok < 0 or tok >= local_tokens then
+    if compat.math_type(tok) ~= "integer" or tok < 0 or tok >= local_tokens then
       args.fail("reference", string.format("tokens[%d] must be a token index in [0, %d), got %s", i, local_tokens,
         args.describe(tok)))
     end
@@ -839,7 +845,7 @@ local function applied_ids(self)
   local rows = {}
   for r, h in ipairs(self.held) do rows[r] = h.schedule.route_row:flat() end
   for i, e in ipairs(flat) do -- i - 1 = p T K + route: the same index in route_row [W, T K]
-    if e ~= -1 and (e < 0 or e >= E or rows[e // EL + 1][i] < 0) then flat[i] = -1 end
+    if e ~= -1 and (e < 0 or e >= E or rows[math.floor(e / EL) + 1][i] < 0) then flat[i] = -1 end
   end
   return core.from_table(flat, "i32", "cpu"):view(0, sh.ids.shape)
 end

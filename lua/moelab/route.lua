@@ -22,9 +22,9 @@ function route.options(fname, E, o)
   end
   local topk_groups = o.topk_groups or groups
   args.range(fname, "topk_groups", topk_groups, 1, groups)
-  if o.k > topk_groups * (E // groups) then
+  if o.k > topk_groups * (E / groups) then -- groups divides E
     args.fail(fname, string.format("option 'k' (%d) exceeds the %d experts in the %d kept groups",
-      o.k, topk_groups * (E // groups), topk_groups))
+      o.k, topk_groups * math.floor(E / groups), topk_groups))
   end
   local scale = o.scale or 1.0
   -- applied as an f32: it must stay finite and nonzero there (FLT_MIN .. FLT_MAX)

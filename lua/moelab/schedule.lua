@@ -1,6 +1,7 @@
 -- Stage 2, schedule: every route of the all-gathered ids placed in a row of its expert's rank.
 local core = require "moelab.core"
 local args = require "moelab.args"
+local compat = require "moelab.compat"
 local explain = require "moelab.explain"
 
 local schedule = {}
@@ -19,7 +20,7 @@ local CAPACITY_POLICIES = {
   -- largest need there can be, so the schedule never overflows.  moe.schedule's default.
   worst = function(W, T, K, EL, pad, expert_capacity)
     local rows = W * T * K + EL * (pad - 1)
-    if expert_capacity then rows = math.min(rows, EL * ((expert_capacity + pad - 1) // pad) * pad) end
+    if expert_capacity then rows = math.min(rows, EL * math.floor((expert_capacity + pad - 1) / pad) * pad) end
     return rows, function(what) return what .. " exceeds 2^31 - 2 rows; pass capacity" end
   end,
   -- twice a rank's mean routes plus one pad per expert: memory that grows with T K rather than
@@ -45,7 +46,7 @@ function schedule.rows(fname, o, W, T, K, EL, default_policy)
   if type(capacity) == "string" then
     policy = CAPACITY_POLICIES[capacity] and capacity or args.fail(fname, string.format("option 'capacity' must be a "
       .. "number of rows or one of 'worst', 'twice_mean', got %s", args.describe(capacity)))
-  elseif capacity ~= nil and not math.tointeger(capacity) then
+  elseif capacity ~= nil and not compat.tointeger(capacity) then
     args.fail(fname, string.format("option 'capacity' must be an integer or one of 'worst', 'twice_mean', got %s",
       args.describe(capacity)))
   end
@@ -53,7 +54,7 @@ function schedule.rows(fname, o, W, T, K, EL, default_policy)
   -- a need of exactly that from an overflow
   if not policy then args.range(fname, "capacity", capacity, 0, 0x7ffffffe) end
   args.range(fname, "expert_capacity", o.expert_capacity, 0, 0x7fffffff)
-  if not policy then return pad, math.tointeger(capacity) end
+  if not policy then return pad, compat.tointeger(capacity) end
   local rows, too_large = CAPACITY_POLICIES[policy](W, T, K, EL, pad, o.expert_capacity)
   if rows > 0x7ffffffe then
     args.fail(fname, too_large(o.capacity == nil and "the default capacity" or string.format("capacity '%s'", policy)))
@@ -80,7 +81,7 @@ function schedule.plan(o, fname)
   end
   local rank = o.rank or 0
   args.range(fname, "rank", rank, 0, W - 1)
-  local EL = E // W
+  local EL = math.floor(E / W)
   local pad, C = schedule.rows(fname, o, W, T, K, EL, "worst")
   local dev = ids.device
   local s = setmetatable({
@@ -137,11 +138,11 @@ function Schedule:check()
   if st.invalid > 0 and self.invalid == "error" then
     local f = st.first_invalid
     local per_rank = self.tokens * self.k
-    local w, rest = f // per_rank, f % per_rank
+    local w, rest = math.floor(f / per_rank), f % per_rank
     -- the id itself, unless the caller closed the ids since the run
     local id = self.ids.closed and "" or string.format(" %d", self.ids:get(f + 1))
     args.raise(string.format("schedule: invalid expert id%s at rank %d, token %d, slot %d (expected -1 or 0..%d); "
-      .. "%d invalid id%s in all; pass invalid = 'skip' to drop them", id, w, rest // self.k,
+      .. "%d invalid id%s in all; pass invalid = 'skip' to drop them", id, w, math.floor(rest / self.k),
       rest % self.k, self.experts - 1, st.invalid, st.invalid == 1 and "" or "s"))
   end
   if st.rows_needed > self.capacity and self.overflow == "error" then

@@ -6,6 +6,7 @@
 -- seed rule makes them.
 local core = require "moelab.core"
 local args = require "moelab.args"
+local compat = require "moelab.compat"
 local explain = require "moelab.explain"
 
 local stages = {}
@@ -33,7 +34,7 @@ function Router.plan(o)
   local self = setmetatable({ device = dev, rows = N, tokens = o.tokens, rank = o.rank, experts = E, k = K,
     w_router = o.w_router, bias = o.bias, cfg = o.cfg, nan = o.nan }, Router)
   self.logits = core.new("f32", { N, E }, dev)
-  local shape = { table.unpack(lead) }
+  local shape = { compat.unpack(lead) }
   shape[#shape + 1] = K
   self.ids = core.new("i32", shape, dev)
   self.weights = core.new("f32", shape, dev)
@@ -72,7 +73,7 @@ function Router:check()
   local st, T = self:read_stats(), self.tokens
   if st.unscored > 0 then
     -- the rank named once: the shard's, or the first row's among every rank's tokens
-    local rank = string.format(" of rank %d", self.rank or st.first_unscored // T)
+    local rank = string.format(" of rank %d", self.rank or math.floor(st.first_unscored / T))
     args.raise(string.format("route: router logits contain NaN or cannot be scored (+inf, all -inf) in %d rows%s, "
       .. "the first is token %d%s", st.unscored, self.rank and rank or "", st.first_unscored % T,
       self.rank and "" or rank))
