@@ -177,6 +177,7 @@ local world = require "moelab.world"
 moe.world, moe.World, moe.Exchange, moe.world_unique_id = world.new, world.World, world.Exchange, world.unique_id
 moe.Layer = require "moelab.layer"
 moe.layer = moe.Layer.new
+moe.layer_memory = moe.Layer.memory_of
 local checkpoint = require "moelab.checkpoint"
 moe.checkpoint, moe.safetensors = checkpoint.open, checkpoint.safetensors
 
