@@ -334,6 +334,17 @@ for _, dev in ipairs(ALL_DEVICES) do
     ids[11] = -3  -- another
     local world = combine_world(dev, { W = 3, T = 6, K = 3, E = 6, ids = ids, capacity = 10 })
 
+    it("refuses weights that are not finite, its out untouched", function()
+      local w = world.weights[1]:to("cpu"):flat()
+      w[4] = 0 / 0
+      local out = moe.full({ 6, world.ys[1].shape[2] }, 7, { dtype = "bf16", device = dev })
+      local ok, err = pcall(moe.combine, { schedules = world.schedules, ys = world.ys, out = out,
+        weights = S.tensor(w, "f32", { 6, 3 }, dev) })
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find("option 'weights' holds 1 value that is NaN or infinite, the first at token 1, "
+        .. "slot 0", 1, true), tostring(err))
+      assert.tensor_equal(out, S.filled(6 * world.ys[1].shape[2], 7))
+    end)
     it("has dropped and masked routes to ignore (the case is meaningful)", function()
       assert.is_true(world.dropped > 0, "no route was dropped")
       local masked = 0

@@ -636,8 +636,8 @@ local function refusal(self, dev, d, words)
   end
   return string.format("the layer %s: its weights take %s (hidden = %d, ffn = %d, %d experts%s), its buffers %s "
     .. "(world = %d, tokens = %d, capacity = %d rows); %s, or state another budget with memory_limit = bytes", words,
-    memory.gb(d.weights), self.hidden, self.ffn, self.experts,
-    self.shared_ffn > 0 and string.format(", shared_ffn = %d", self.shared_ffn) or "", memory.gb(d.buffers),
+    memory.size(d.weights), self.hidden, self.ffn, self.experts,
+    self.shared_ffn > 0 and string.format(", shared_ffn = %d", self.shared_ffn) or "", memory.size(d.buffers),
     self.world, self.tokens, self.capacity, advice)
 end
 

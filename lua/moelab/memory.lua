@@ -19,8 +19,9 @@ function memory.buffer(name, dtype, shape, from)
   return { name = name, dtype = dtype, shape = shape, from = from }
 end
 
--- "33.8 GB": decimal, as the sizes of memory are sold and printed by free(1) -h.
-function memory.gb(bytes)
+-- "33.8 GB", "26.7 MB": decimal units, one decimal.
+function memory.size(bytes)
+  if bytes < 1e9 then return string.format("%.1f MB", bytes / 1e6) end
   return string.format("%.1f GB", bytes / 1e9)
 end
 
@@ -61,8 +62,8 @@ function memory.fits(need, device, limit)
     have, source = memory.free(device)
   end
   if need <= have then return true end
-  return false, string.format("needs %s of %s, %s %s", memory.gb(need),
-    device == "cpu" and "host memory" or "memory on " .. device, memory.gb(have), source)
+  return false, string.format("needs %s of %s, %s %s", memory.size(need),
+    device == "cpu" and "host memory" or "memory on " .. device, memory.size(have), source)
 end
 
 -- The buffers of list allocated on device, into t (default: a new table) by name.
