@@ -329,6 +329,24 @@ for _, dev in ipairs(ALL_DEVICES) do
         assert.are.equal(0, layer:stats().nonfinite_weights)
         layer:check(x)
       end)
+      it("a NaN among the tokens, with the routing given, reaches that token's output alone; check refuses it",
+        function()
+          local layer = small_layer("kimi_k2", dev)
+          local ids, w = routing(layer, 0.5)
+          local x = input(layer)
+          x:view(layer.hidden + 5, { 1 }):fill(0 / 0) -- rank 0, token 1, one element
+          local out = layer:forward(x, { ids = ids, weights = w }):to("cpu"):flat()
+          for i, v in ipairs(out) do
+            local token = math.floor((i - 1) / layer.hidden) -- over the ranks
+            if token ~= 1 then assert.is_true(v == v, "token " .. token .. " is NaN") end
+          end
+          local nans = 0
+          for i = layer.hidden + 1, 2 * layer.hidden do if out[i] ~= out[i] then nans = nans + 1 end end
+          assert.are.equal(layer.hidden, nans)
+          local ok, err = pcall(layer.check, layer, x)
+          assert.is_false(ok)
+          assert.truthy(tostring(err):find("NaN", 1, true), tostring(err))
+        end)
       it("routes past expert_capacity raise under overflow = 'error', as any capacity's", function()
         local layer = small_layer("glm5", dev, { expert_capacity = 1 })
         local x = input(layer)

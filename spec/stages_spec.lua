@@ -286,6 +286,21 @@ for _, dev in ipairs(ALL_DEVICES) do
       check_experts(dev, { C = 20, H = 12, F = 6, offsets = { 0, 3, 3, 11, 13 }, seed = 60, nan_tail = true })
       check_experts(dev, { C = 40, H = 64, F = 64, offsets = { 0, 5, 30 }, seed = 70, nan_tail = true })
     end)
+    it("lets a NaN in an expert's weights through to that expert's rows alone (IEEE arithmetic, deliberately)",
+      function()
+        local C, H, F = 6, 8, 4
+        local xs = moe.randn({ C, H }, { seed = 1, dtype = "bf16", device = dev })
+        local wgu = moe.randn({ 2, 2 * F, H }, { seed = 2, std = 0.3, dtype = "bf16", device = dev })
+        local wd = moe.randn({ 2, H, F }, { seed = 3, std = 0.3, dtype = "bf16", device = dev })
+        wd:view(H * F, { H, F }):fill(0 / 0) -- expert 1's down projection
+        local ys = moe.experts { x = xs, offsets = S.tensor({ 0, 3, 6 }, "i32", { 3 }, dev), w_gate_up = wgu, w_down = wd }
+        local flat = ys:to("cpu"):flat()
+        for i, v in ipairs(flat) do
+          local row = math.floor((i - 1) / H)
+          if row < 3 then assert.is_true(v == v, "row " .. row .. " of expert 0 is NaN")
+          else assert.is_true(v ~= v, "row " .. row .. " of expert 1 is not NaN") end
+        end
+      end)
     it("is exact on inputs whose products are exact", function()
       -- x = 1 everywhere, gate rows 0 (silu(0) = 0) except one: h is silu(g) * u in closed form
       local C, H, F = 3, 8, 2
