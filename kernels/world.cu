@@ -243,7 +243,8 @@ int moeI_nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id) {
   char *end = nullptr;
   const double timeout = t && *t ? strtod(t, &end) : 600;
   if (t && *t && (!end || *end || !(timeout > 0 && timeout < 1e18)))
-    return moeI_seterr(ctx, MOE_ERR_ARG, "world: MOE_WORLD_TIMEOUT must be a finite number of seconds > 0, got \"%.64s\"", t);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "world: MOE_WORLD_TIMEOUT must be a finite number of seconds > 0, got \"%.64s\"",
+                       t);
   w->timeout_s = timeout;
   void *flag = nullptr;
   MOE_CUDA_TRY(ctx, "world", cudaSetDevice(w->devices[0]));

@@ -479,7 +479,6 @@ function Real:record_verdict(j, nan, failed)
   self.shards[j].verdict:copy(core.from_table({ { nan, failed } }, "i32", "cpu"))
 end
 
--- Every rank's verdict gathered: this process's own errors first, else the first rank that stopped.
 -- The words of a forward's refusal of given routing weights that are not finite (st: the
 -- shard's weight_stats, {count, first flat index}).
 local function weights_error(self, sh, st)
@@ -491,6 +490,7 @@ local function weights_error(self, sh, st)
     sh.rank or math.floor(route / T), route % T, st[2] % K)
 end
 
+-- Every rank's verdict gathered: this process's own errors first, else the first rank that stopped.
 function Real:agree(own)
   local verdicts, all = {}, {}
   for i, sh in ipairs(self.shards) do verdicts[i], all[i] = sh.verdict, sh.verdicts end
@@ -572,7 +572,9 @@ local function usable(self, fname)
     end
   end
   local lists = self.space.lists
-  local function path(name, i) return (lists or i > 1) and string.format("layer.%s[%d]", name, i) or "layer." .. name end
+  local function path(name, i)
+    return (lists or i > 1) and string.format("layer.%s[%d]", name, i) or "layer." .. name
+  end
   for _, name in ipairs(SHARD_FIELDS) do
     for i, sh in ipairs(self.shards) do open(sh[name], path(name, i)) end
   end
@@ -657,7 +659,8 @@ local function size_up(self, World, group)
     if not fits and not why then why = refusal(self, dev, d, words) end
   end
   if self.device ~= "cpu" then
-    m.reference_host = memory.bytes("layer", shard_weights(self)) + self.world * memory.bytes("layer", held_weights(self, 0))
+    m.reference_host = memory.bytes("layer", shard_weights(self))
+      + self.world * memory.bytes("layer", held_weights(self, 0))
   end
   return m, why
 end
