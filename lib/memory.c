@@ -33,15 +33,15 @@ static void host_memory(size_t *free_bytes, size_t *total_bytes) {
   const long page = sysconf(_SC_PAGESIZE), pages = sysconf(_SC_PHYS_PAGES), avail = sysconf(_SC_AVPHYS_PAGES);
   const unsigned long long total = page > 0 && pages > 0 ? (unsigned long long)page * (unsigned long long)pages : 0;
   long long kb = read_number("/proc/meminfo", "MemAvailable:");
-  unsigned long long free = kb >= 0 ? (unsigned long long)kb * 1024
+  unsigned long long have = kb >= 0 ? (unsigned long long)kb * 1024
                           : page > 0 && avail > 0 ? (unsigned long long)page * (unsigned long long)avail : total;
   const long long limit = read_number("/sys/fs/cgroup/memory.max", NULL);
   const long long used = read_number("/sys/fs/cgroup/memory.current", NULL);
   if (limit >= 0 && used >= 0) {
     const unsigned long long room = limit > used ? (unsigned long long)(limit - used) : 0;
-    if (room < free) free = room;
+    if (room < have) have = room;
   }
-  *free_bytes = (size_t)(free < (unsigned long long)SIZE_MAX ? free : SIZE_MAX);
+  *free_bytes = (size_t)(have < (unsigned long long)SIZE_MAX ? have : SIZE_MAX);
   *total_bytes = (size_t)(total < (unsigned long long)SIZE_MAX ? total : SIZE_MAX);
 }
 
