@@ -492,7 +492,7 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     w1:close()
   end)
 
-  it("refuses a MOE_WORLD_TIMEOUT it cannot read, naming it, where it once waited 600 s", function()
+  it("refuses a MOE_WORLD_TIMEOUT it cannot read, naming it, rather than wait 600 s", function()
     local build = os.getenv("MOE_BUILD_DIR") or "build"
     for _, v in ipairs { "abc", "0", "-5", "inf", "10s" } do
       local cmd = string.format("MOE_WORLD_TIMEOUT='%s' LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' "
