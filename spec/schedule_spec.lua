@@ -129,7 +129,7 @@ local function check_case(c, dev)
   if C == nil then
     -- the front-end's default: the worst case of W*T*K routes, each expert padded
     local plan = moe.schedule_plan { ids = ids_t, experts = c.E, rank = c.rank, pad = c.pad,
-      expert_capacity = c.expert_capacity }
+      expert_capacity = c.expert_capacity, overflow = "drop" }
     C = plan.capacity
   end
   local want = formula(c.ids, c.W, c.T, c.K, c.E, c.rank, c.pad, C, c.expert_capacity, c.layout or "roundrobin")
@@ -137,9 +137,16 @@ local function check_case(c, dev)
   if c.capacity == nil then
     assert.is_true(st.rows_needed <= C, "the default capacity " .. C .. " overflows: " .. st.rows_needed .. " rows needed")
   end
+  local overflow_error = (c.overflow or "error") == "error"
   local raise_invalid = st.invalid > 0 and (c.invalid or "error") == "error"
-  local raise_overflow = st.rows_needed > C and (c.overflow or "error") == "error"
-  if raise_invalid then
+  local raise_overflow = st.rows_needed > C and overflow_error
+  -- expert_capacity's drops are overflow too: raised where the capacity dropped nothing
+  local raise_expert_overflow = st.dropped > 0 and overflow_error
+  if c.expert_capacity == 0 and overflow_error then -- refused before anything runs
+    assert.is_false(ok, "expected expert_capacity = 0 under overflow = 'error' to be refused")
+    assert.truthy(string.find(tostring(s), "option 'expert_capacity' is 0, which drops every route", 1, true),
+      tostring(s))
+  elseif raise_invalid then
     assert.is_false(ok, "expected an error for the invalid ids")
     local f = st.first_invalid
     local pat = string.format("invalid expert id %d at rank %d, token %d, slot %d", c.ids[f + 1],
@@ -150,12 +157,18 @@ local function check_case(c, dev)
     local pat = string.format("capacity overflow on rank %d: the routes need %d rows, capacity is %d", c.rank,
       st.rows_needed, C)
     assert.truthy(string.find(tostring(s), pat, 1, true), "expected '" .. pat .. "' in: " .. tostring(s))
+  elseif raise_expert_overflow then
+    assert.is_false(ok, "expected an expert capacity overflow error")
+    local pat = string.format("expert capacity overflow on rank %d: %d route%s past expert_capacity = %d lost their row",
+      c.rank, st.dropped, st.dropped == 1 and "" or "s", c.expert_capacity)
+    assert.truthy(string.find(tostring(s), pat, 1, true), "expected '" .. pat .. "' in: " .. tostring(s))
   else
     assert(ok, s)
   end
   if not ok then
-    -- the outputs are still defined: run the same schedule without the policy check
-    opts.ids = ids_t
+    -- the outputs are still defined: run the same schedule without the policy check (overflow =
+    -- "drop" changes nothing the stage computes)
+    opts.ids, opts.overflow = ids_t, "drop"
     s = moe.schedule_plan(opts)
     s:run()
   end
@@ -206,6 +219,7 @@ local function random_case(n)
   if p_invalid > 0 then c.invalid = S.chance(0.8) and "skip" or nil end
   if S.chance(0.25) then
     c.expert_capacity = S.pick { 0, 1, 2, 3, 5, 17, S.int(0, c.T * c.K) }
+    c.overflow = S.chance(0.8) and "drop" or nil
   end
   -- capacity: the default (worst case), exactly the rows needed, tight, or generous
   local need = rows_needed(c.ids, c.W, c.T, c.K, c.E, c.rank, c.pad, c.expert_capacity)
@@ -213,7 +227,7 @@ local function random_case(n)
   if cap_mode == "exact" then c.capacity = need
   elseif cap_mode == "tight" then c.capacity = S.int(0, need)
   elseif cap_mode == "generous" then c.capacity = need + S.int(0, 300) end
-  if c.capacity and c.capacity < need then c.overflow = S.chance(0.8) and "drop" or nil end
+  if c.capacity and c.capacity < need then c.overflow = c.overflow or (S.chance(0.8) and "drop" or nil) end
   c.name = string.format("case %d: W=%d E=%d K=%d T=%d rank=%d pad=%d capacity=%s expert_capacity=%s %s%s%s", n,
     c.W, c.E, c.K, c.T, c.rank, c.pad, tostring(c.capacity), tostring(c.expert_capacity), mode,
     p_masked > 0 and " masked" or "", p_invalid > 0 and (" invalid=" .. tostring(c.invalid or "error")) or "")
@@ -348,7 +362,7 @@ for _, dev in ipairs(ALL_DEVICES) do
         assert.tensor_equal(pm.peer_route:view(0, { 5 }), { 0, 1, 1024, 1025, 2048 })
       end)
       it("drops the routes past expert_capacity in segment order", function()
-        local s = moe.schedule { ids = ids, experts = 2, rank = 0, capacity = 4, expert_capacity = 3 }
+        local s = moe.schedule { ids = ids, experts = 2, rank = 0, capacity = 4, expert_capacity = 3, overflow = "drop" }
         assert.tensor_equal(s.peer_rank, { 0, 1, 0, -1 })
         assert.tensor_equal(s.route_row, { 0, 2, 1, -1 })
         assert.are.equal(1, s:read_stats().dropped)
@@ -450,7 +464,7 @@ for _, dev in ipairs(ALL_DEVICES) do
             local function run(d)
               local s = moe.schedule_plan { ids = S.tensor(c.ids, "i32", { c.W, c.T, c.K }, d), experts = c.E,
                 rank = c.rank, pad = c.pad, capacity = c.capacity, expert_capacity = c.expert_capacity,
-                layout = layout }
+                layout = layout, overflow = "drop" }
               return s:run()
             end
             local a, b = run("cpu"), run(dev)

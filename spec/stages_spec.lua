@@ -287,6 +287,21 @@ for _, dev in ipairs(ALL_DEVICES) do
       check_experts(dev, { C = 20, H = 12, F = 6, offsets = { 0, 3, 3, 11, 13 }, seed = 60, nan_tail = true })
       check_experts(dev, { C = 40, H = 64, F = 64, offsets = { 0, 5, 30 }, seed = 70, nan_tail = true })
     end)
+    it("lets a NaN in an expert's weights through to that expert's rows alone (IEEE arithmetic, deliberately)",
+      function()
+        local C, H, F = 6, 8, 4
+        local xs = moe.randn({ C, H }, { seed = 1, dtype = "bf16", device = dev })
+        local wgu = moe.randn({ 2, 2 * F, H }, { seed = 2, std = 0.3, dtype = "bf16", device = dev })
+        local wd = moe.randn({ 2, H, F }, { seed = 3, std = 0.3, dtype = "bf16", device = dev })
+        wd:view(H * F, { H, F }):fill(0 / 0) -- expert 1's down projection
+        local ys = moe.experts { x = xs, offsets = S.tensor({ 0, 3, 6 }, "i32", { 3 }, dev), w_gate_up = wgu, w_down = wd }
+        local flat = ys:to("cpu"):flat()
+        for i, v in ipairs(flat) do
+          local row = math.floor((i - 1) / H)
+          if row < 3 then assert.is_true(v == v, "row " .. row .. " of expert 0 is NaN")
+          else assert.is_true(v ~= v, "row " .. row .. " of expert 1 is not NaN") end
+        end
+      end)
     it("is exact on inputs whose products are exact", function()
       -- x = 1 everywhere, gate rows 0 (silu(0) = 0) except one: h is silu(g) * u in closed form
       local C, H, F = 3, 8, 2
@@ -335,6 +350,17 @@ for _, dev in ipairs(ALL_DEVICES) do
     ids[11] = -3  -- another
     local world = combine_world(dev, { W = 3, T = 6, K = 3, E = 6, ids = ids, capacity = 10 })
 
+    it("refuses weights that are not finite, its out untouched", function()
+      local w = world.weights[1]:to("cpu"):flat()
+      w[4] = 0 / 0
+      local out = moe.full({ 6, world.ys[1].shape[2] }, 7, { dtype = "bf16", device = dev })
+      local ok, err = pcall(moe.combine, { schedules = world.schedules, ys = world.ys, out = out,
+        weights = S.tensor(w, "f32", { 6, 3 }, dev) })
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find("option 'weights' holds 1 value that is NaN or infinite, the first at token 1, "
+        .. "slot 0", 1, true), tostring(err))
+      assert.tensor_equal(out, S.filled(6 * world.ys[1].shape[2], 7))
+    end)
     it("has dropped and masked routes to ignore (the case is meaningful)", function()
       assert.is_true(world.dropped > 0, "no route was dropped")
       local masked = 0

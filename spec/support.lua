@@ -38,6 +38,22 @@ function support.tensor(flat, dtype, shape, dev)
   return moe.tensor(flat, { dtype = dtype, shape = shape, device = dev or "cpu" })
 end
 
+-- Closes t at once, as a <close> variable leaving its scope would.
+function support.close(t) getmetatable(t).__close(t) end
+
+-- fn() run with every way the front-end makes a tensor (moe.core.new, from_table) raising
+-- instead -> pcall's results.  A refusal must come before the first allocation; and a broken
+-- one fails at its first tensor rather than allocate the tens of GB it was asked for.
+function support.without_allocating(fn)
+  local core = moe.core
+  local new, from_table = core.new, core.from_table
+  local function refuse() error("a tensor was allocated", 0) end
+  core.new, core.from_table = refuse, refuse
+  local ok, a = pcall(fn)
+  core.new, core.from_table = new, from_table
+  return ok, a
+end
+
 -- The flat contents of t read from any device.
 function support.flat(t) return t:flat() end
 

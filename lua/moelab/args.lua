@@ -81,12 +81,23 @@ function args.same_dtype(fname, out, dtype)
   end
 end
 
+-- A table read by its own keys (options, a model) must have no metatable: keys it handed out
+-- through __index, or hid from pairs through __pairs, would escape the check of their names.
+function args.plain(fname, what, t)
+  if getmetatable(t) ~= nil then
+    args.fail(fname, string.format("expected %s as a plain table, got one with a metatable (keys that come "
+      .. "through __index or hide from pairs would not be checked): copy them into a plain table", what))
+  end
+  return t
+end
+
 -- Checks an options table against spec = {name = kind, ...}; required = {name, ...}.
 -- Unknown keys are errors: a typo must not be silently ignored.  Returns opts.
 function args.options(fname, opts, spec, required)
   if type(opts) ~= "table" or is_tensor(opts) then
     args.fail(fname, "expected a table of options, got " .. (is_tensor(opts) and "a moelab.Tensor" or type(opts)))
   end
+  args.plain(fname, "the options", opts)
   for k, v in pairs(opts) do
     local kind = spec[k]
     if kind == nil then
@@ -169,6 +180,30 @@ function args.same_device(fname, opts, names)
     end
   end
   return dev
+end
+
+-- Every method of class (a metatable that is its own __index: each function field but the
+-- metamethods, "__...", and the constructors named in except) checks its self, so that
+-- class.method(x), where class:method(x) was meant, says so at the caller's line rather than
+-- fail inside the front-end on a nil.  var names an instance in the message ("layer").
+function args.methods(class, var, except)
+  local skip, found = {}, {}
+  for _, name in ipairs(except or {}) do skip[name] = true end
+  for name, fn in pairs(class) do
+    if type(fn) == "function" and name:sub(1, 2) ~= "__" and not skip[name] then found[name] = fn end
+  end
+  for name, fn in pairs(found) do
+    class[name] = function(self, ...)
+      if getmetatable(self) ~= class then
+        local mt = type(self) == "table" and getmetatable(self)
+        local got = type(self) == "table" and (type(mt) == "table" and mt.__name or "a table") or describe(self)
+        args.fail(name, string.format("expected a %s as self, got %s: call it as %s:%s(...), with a colon",
+          class.__name, got, var, name))
+      end
+      return fn(self, ...)
+    end
+  end
+  return class
 end
 
 args.core = core

@@ -46,6 +46,10 @@ function route.route(o)
   }, { "logits", "k" })
   local logits = args.tensor("route", "logits", o.logits, "f32", { false, false })
   local N, E = logits.shape[1], logits.shape[2]
+  if E == 0 then -- else k's range below would read "between 1 and 0"
+    args.fail("route", "option 'logits' has no experts to route to (its second dimension is 0), got "
+      .. tostring(logits))
+  end
   local scoring, groups, topk_groups, scale = route.options("route", E, o)
   if o.bias ~= nil and scoring == "softmax" then
     args.fail("route", "option 'bias' needs scoring = 'sigmoid' or 'sqrtsoftplus'")

@@ -401,5 +401,8 @@ function Exchange:__tostring()
     self.hidden, self.capacity, tostring(self.world))
 end
 
+args.methods(World, "world")
+args.methods(Exchange, "ex")
+
 world.new, world.World, world.Exchange, world.unique_id = new_world, World, Exchange, core.world_unique_id
 return world
