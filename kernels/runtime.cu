@@ -137,6 +137,12 @@ int moeI_cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out) {
   return MOE_OK;
 }
 
+int moeI_cuda_memory(moe_ctx *ctx, int device, size_t *free_bytes, size_t *total_bytes) {
+  MOE_CUDA_TRY(ctx, "device_memory", cudaSetDevice(device));
+  MOE_CUDA_TRY(ctx, "device_memory", cudaMemGetInfo(free_bytes, total_bytes));
+  return moeI_ok(ctx);
+}
+
 // Frees run from destructors (Lua's __gc) at any moment, also in the middle of a graph
 // capture, where cudaFree (it synchronises the device) could invalidate the capture.  So while
 // any capture is under way, frees are only noted, and done by the first free after the last

@@ -249,10 +249,15 @@ int moeI_nccl_comm_info(moe_ctx *ctx, void *comm, int *rank, int *size, int *dev
 }
 
 int moeI_nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id) {
+  // A bound that cannot be read is refused, not replaced: a rank waiting 600 s where 60 were
+  // asked for looks like a hang.
   const char *t = getenv("MOE_WORLD_TIMEOUT");
   char *end = nullptr;
-  const double timeout = t && *t ? strtod(t, &end) : 0;
-  w->timeout_s = t && *t && end && !*end && timeout > 0 ? timeout : 600;
+  const double timeout = t && *t ? strtod(t, &end) : 600;
+  if (t && *t && (!end || *end || !(timeout > 0 && timeout < 1e18)))
+    return moeI_seterr(ctx, MOE_ERR_ARG, "world: MOE_WORLD_TIMEOUT must be a finite number of seconds > 0, got \"%.64s\"",
+                       t);
+  w->timeout_s = timeout;
   void *flag = nullptr;
   MOE_CUDA_TRY(ctx, "world", cudaSetDevice(w->devices[0]));
   MOE_CUDA_TRY(ctx, "world", cudaHostAlloc(&flag, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));

@@ -117,6 +117,12 @@ int moe_ctx_open(moe_ctx **out) {
   }
   ctx->errmsg[0] = '\0';
   *out = ctx;
+  /* A thread count that cannot be read is refused here, where the message has a context to live
+   * in, rather than ignored by every threaded stage later. */
+  if (moeI_env_threads() < 0)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "MOE_THREADS must be an integer from 1 to %d (the CPU backend's threads), "
+                       "got \"%.64s\"; unset it for the online CPUs (at most 64)", MOEI_MAX_THREADS,
+                       getenv("MOE_THREADS"));
   return MOE_OK;
 }
 
@@ -186,6 +192,7 @@ static int check_device(moe_ctx *ctx, const char *stage, moe_device device) {
                       n == 1 ? "" : "s");
   return MOE_OK;
 }
+int moeI_check_device(moe_ctx *ctx, const char *stage, moe_device device) { return check_device(ctx, stage, device); }
 
 int moe_ctx_synchronize(moe_ctx *ctx, moe_device device) {
   int rc = check_device(ctx, "synchronize", device); /* no GPU: UNSUPPORTED, as every other call says */
@@ -549,7 +556,8 @@ int moe_tensor_fill(moe_ctx *ctx, moe_tensor *t, double value) {
 int moe_tensor_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
   if (!t) return moeI_seterr(ctx, MOE_ERR_ARG, "randn: NULL tensor");
   if (t->dtype == MOE_I32) return moeI_seterr(ctx, MOE_ERR_ARG, "randn: dtype must be f32 or bf16, got i32");
-  if (!isfinite(std)) return moeI_seterr(ctx, MOE_ERR_ARG, "randn: std must be finite");
+  if (!isfinite(std) || std < 0.0f)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "randn: std must be finite and >= 0, got %g", (double)std);
   if (t->device.kind != MOE_CPU) return moeI_cuda_randn(ctx, t, seed, std);
   for (int64_t i = 0; i < t->numel; i++) {
     /* two separately rounded multiplies, as the CUDA fill does them; the build turns off

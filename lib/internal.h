@@ -70,7 +70,11 @@ struct moe_event {
  * [0, n), each at least `grain` long, on up to moeI_cpu_threads() threads (the caller's
  * included), and returns when all are done.  Each index is handled by one call alone, so a
  * result that depends only on its own index is the same bits whatever the thread count.
- * moeI_cpu_threads: MOE_THREADS when set (1..256), else the online CPUs (at most 64). */
+ * moeI_cpu_threads: MOE_THREADS when set (1..MOEI_MAX_THREADS), else the online CPUs (at most
+ * 64).  moeI_env_threads: MOE_THREADS itself, 0 when unset or empty, -1 when it is not an
+ * integer in that range (moe_ctx_open refuses it). */
+enum { MOEI_MAX_THREADS = 256 };
+int moeI_env_threads(void);
 int moeI_cpu_threads(void);
 void moeI_parallel_for(int64_t n, int64_t grain, void (*fn)(void *arg, int64_t begin, int64_t end), void *arg);
 
@@ -107,6 +111,9 @@ int moeI_tensor_wrap(moe_ctx *ctx, const char *what, void *data, moe_dtype dtype
 void moeI_storage_hold(moe_storage *s);
 void moeI_storage_release(moe_storage *s);
 moe_storage *moeI_storage_adopt(void *managed, int versioned);
+/* MOE_OK where device can be used in this build and on this machine, else MOE_ERR_UNSUPPORTED
+ * or MOE_ERR_ARG with "<stage>: cuda:N ..." (lib/core.c). */
+int moeI_check_device(moe_ctx *ctx, const char *stage, moe_device device);
 
 /* NVTX ranges (lib/nvtx.c).  moeI_range_pop closes the innermost range and returns rc, so that a
  * stage reads return MOE_IN_RANGE("route", backend(...)): the comma puts the push before the
@@ -227,6 +234,8 @@ int moeI_cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src
 int moeI_cuda_synchronize(moe_ctx *ctx, int device);
 int moeI_cuda_fill(moe_ctx *ctx, moe_tensor *t, double value);
 int moeI_cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std);
+int moeI_cuda_memory(moe_ctx *ctx, int device, size_t *free_bytes, size_t *total_bytes);
+int moeI_nonfinite_cuda(moe_ctx *ctx, moe_tensor *stats, const moe_tensor *t);
 int moeI_route_cuda(moe_ctx *ctx, const moe_route_args *a);
 int moeI_schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a); /* kernels/schedule/select.cu */
 int moeI_dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a);

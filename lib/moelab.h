@@ -63,7 +63,10 @@ MOE_API int moe_libversion_number(void);
 MOE_API const char *moe_libversion(void);
 MOE_API const char *moe_errstr(int code);
 
-/* A context holds the last error message and, for CUDA, the stream that stages run on. */
+/* A context holds the last error message and, for CUDA, the stream that stages run on.  Where
+ * MOE_THREADS is set to anything but an integer from 1 to 256, open fails with MOE_ERR_ARG and,
+ * as SQLite's open does, still returns the context in *out, whose moe_errmsg says why: close it
+ * with moe_ctx_close.  On any other failure *out is NULL. */
 MOE_API int moe_ctx_open(moe_ctx **out);
 MOE_API void moe_ctx_close(moe_ctx *ctx);
 MOE_API const char *moe_errmsg(const moe_ctx *ctx);
@@ -78,6 +81,11 @@ MOE_API int moe_device_count(moe_ctx *ctx, int kind, int *count);
  *                 "12.8"), nccl (the NCCL linked in, "2.27.3", in a build with NCCL)
  * A GPU that is not there fails as a tensor on it would. */
 MOE_API int moe_device_info(moe_ctx *ctx, moe_device device, char *report, size_t n);
+/* Bytes a device can still hold (*free_bytes) and has in all (*total_bytes).  The host (MOE_CPU):
+ * the kernel's MemAvailable (what can be had without swapping), less where the process's
+ * cgroup allows less; a GPU: cudaMemGetInfo.  A configuration can be sized against it before
+ * anything is allocated. */
+MOE_API int moe_device_memory(moe_ctx *ctx, moe_device device, size_t *free_bytes, size_t *total_bytes);
 /* The CUDA stream (a cudaStream_t) stages are issued on.  NULL (the default) lets the context
  * make a non-blocking stream of its own on first use, which moe_ctx_stream then returns. */
 MOE_API int moe_ctx_set_stream(moe_ctx *ctx, void *stream);
@@ -195,9 +203,15 @@ MOE_API int moe_tensor_to_dlpack_versioned(moe_ctx *ctx, moe_tensor *t, struct D
  * tensor takes only integers in its range (MOE_ERR_ARG otherwise). */
 MOE_API int moe_tensor_fill(moe_ctx *ctx, moe_tensor *t, double value);
 /* Pseudo-normal values: the Irwin-Hall sum of four 16-bit uniforms drawn from a hash of
- * (seed, element index), centred and scaled to unit variance, times std.  Integer arithmetic
- * and correctly rounded multiplies only, so every device produces the same bits. */
+ * (seed, element index), centred and scaled to unit variance, times std (finite, >= 0).  Integer
+ * arithmetic and correctly rounded multiplies only, so every device produces the same bits. */
 MOE_API int moe_tensor_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std);
+
+/* Data checks: stats i32 [2] = {elements of t (f32 or bf16, fewer than 2^31) that are NaN or
+ * infinite, the flat index of the first of them or -1}, computed and written where t lives:
+ * nothing is read back, so it can be captured.  The front-end raises on routing weights given
+ * to it that are not finite. */
+MOE_API int moe_nonfinite(moe_ctx *ctx, moe_tensor *stats, const moe_tensor *t);
 
 /* bf16 <-> f32 on the host: round to nearest even, NaN stays NaN. */
 MOE_API uint16_t moe_f32_to_bf16(float x);

@@ -82,6 +82,9 @@ function Tensor:address() end
 ---@return boolean
 function Tensor:overlaps(other) end
 
+---Frees the tensor now, as a `<close>` variable does at the end of its scope; unusable after.
+function Tensor:close() end
+
 ---The address (an integer) of a new DLManagedTensor (versioned: DLManagedTensorVersioned) over the
 ---tensor's memory, kept alive until its consumer calls the deleter.
 ---@param o? { versioned?: boolean }
@@ -353,6 +356,7 @@ function Check.verdict(got, ref, o, what) end
 ---@field nan? "error"|"mask"
 ---@field device? moe.device
 ---@field seed? integer of the weights
+---@field memory_limit? number bytes the layer may take (default: what the device has free)
 ---@field checkpoint? string a Hugging Face checkpoint whose MoE layer `layer` gives the weights
 ---@field layer? integer that layer's N (model.layers.N)
 
@@ -407,6 +411,14 @@ function Check.verdict(got, ref, o, what) end
 ---@field experts moe.Choice
 ---@field shared? moe.Choice
 
+---The memory a layer takes, stated before anything is allocated (moe.layer_memory, layer.memory).
+---@class moe.LayerMemory
+---@field host number bytes on the host
+---@field device number bytes on the device (the largest of a world's GPUs)
+---@field weights number
+---@field buffers number
+---@field reference_host? number the CPU reference's copies of a GPU layer's weights
+
 ---An MoE layer over a world of expert-parallel ranks (moe.layer).
 ---@class moe.Layer
 ---@field world integer ranks
@@ -421,11 +433,17 @@ function Check.verdict(got, ref, o, what) end
 ---@field device string
 ---@field input? moe.Tensor the buffer a capture runs on (a simulated world)
 ---@field inputs? moe.Tensor[] each local rank's exchange window (a real world)
+---@field memory moe.LayerMemory what it takes
 local Layer = {}
 
 ---@param o moe.LayerOptions
 ---@return moe.Layer
 function Layer.new(o) end
+
+---The memory a layer of these options would take; nothing is allocated.
+---@param o moe.LayerOptions
+---@return moe.LayerMemory
+function Layer.memory_of(o) end
 
 ---One forward pass: out, a view of the layer's buffer (one per local rank in a real world).
 ---@param x moe.Tensor|moe.Tensor[]
@@ -752,6 +770,11 @@ function moe.combine(o) end
 ---@param o moe.LayerOptions
 ---@return moe.Layer
 function moe.layer(o) end
+
+---The memory a layer of these options would take, before anything is allocated.
+---@param o moe.LayerOptions
+---@return moe.LayerMemory
+function moe.layer_memory(o) end
 
 ---Times fn: warm-ups, then iters runs each timed with a pair of events.
 ---@param fn fun()

@@ -21,6 +21,7 @@
 local cli = require "moelab.cli"
 local moe = cli.require "moelab"
 local json = require "moelab.json"
+local compat = require "moelab.compat"
 local runinfo = require "moelab.runinfo"
 local progress = require "moelab.progress"
 local svg = require "moelab.svg"
@@ -78,7 +79,7 @@ local model_keys = pick(opts.models, MODEL_KEYS, "model")
 local dists = pick(opts.dists, DISTS, "distribution")
 local pads = {}
 for i, p in ipairs(opts.pads or { "1", "128", "256" }) do
-  pads[i] = math.tointeger(tonumber(p))
+  pads[i] = compat.tointeger(tonumber(p))
   if not pads[i] or pads[i] < 1 then usage_error("--pads needs integers >= 1, got '" .. p .. "'") end
 end
 local T = opts.tokens or (gpu and 7168 or 32)
@@ -92,13 +93,6 @@ local json_file, svg_file = cli.output("json", opts.json), cli.output("svg", opt
 local steps = cli.guard("--progress", progress.new, #model_keys * #dists * #pads, { mode = opts.progress })
 
 local function p(...) io.write(string.format(...), "\n") io.flush() end
-
--- Frees tensors now (what a <close> variable does at the end of its scope, in the syntax every
--- interpreter parses): the presets' weights take gigabytes of the GPU's memory.
-local function free(...)
-  local list = { ... }
-  for i = 1, select("#", ...) do getmetatable(list[i]).__close(list[i]) end
-end
 
 -- ---------------------------------------------------------------- routing distributions
 
@@ -115,7 +109,7 @@ local function make_ids(dist, E, K, seed)
   if dist == "router" then
     local logits = moe.randn({ N, E }, { seed = seed, std = ROUTER_STD, device = dev })
     local ids = moe.route { logits = logits, k = K, scoring = "softmax" }
-    free(logits)
+    logits:close()
     return ids:view(0, { W, T, K })
   end
   math.randomseed(seed)
@@ -191,10 +185,11 @@ function Check.new(experts, scheds, wgu, wd, H, F)
   c.wgu = moe.zeros({ ne, 2 * F, H }, { dtype = "bf16" })
   c.wd = moe.zeros({ ne, H, F }, { dtype = "bf16" })
   for i, e in ipairs(experts) do
-    local dst_gu, src_gu, dst_d, src_d = c.wgu:select(i), wgu:select(e + 1), c.wd:select(i), wd:select(e + 1)
+    local dst_gu, src_gu = c.wgu:select(i), wgu:select(e + 1)
+    local dst_d, src_d = c.wd:select(i), wd:select(e + 1)
     dst_gu:copy(src_gu)
     dst_d:copy(src_d)
-    free(dst_gu, src_gu, dst_d, src_d)
+    for _, t in ipairs { dst_gu, src_gu, dst_d, src_d } do t:close() end
   end
   return c
 end
@@ -208,7 +203,7 @@ function Check:take(i, xs, ys)
       local dy, sy = self.got:view((j - 1) * H, { 1, H }), ys:view(pl.row * H, { 1, H })
       dx:copy(sx)
       dy:copy(sy)
-      free(dx, sx, dy, sy)
+      for _, t in ipairs { dx, sx, dy, sy } do t:close() end
     end
   end
 end
@@ -236,7 +231,8 @@ function Check:finish()
     out[i] = { rows = b.rows, experts = self.experts, rel_max = m.rel_max, rel_l2 = m.rel_l2, nans = m.nans,
       pass = (pcall(moe.check.close, b.got, b.ref)) }
   end
-  free(self.xs, self.got, self.wgu, self.wd, ref)
+  for _, k in ipairs { "xs", "got", "wgu", "wd" } do self[k]:close() end
+  ref:close()
   return out
 end
 
@@ -311,7 +307,8 @@ local function run_model(key)
         row.min_ms = r.min_ms
         row.tflops = C * 6.0 * H * F / (r.median_ms * 1e9)
         row.useful_tflops = routes * 6.0 * H * F / (r.median_ms * 1e9)
-        free(xv, yv)
+        xv:close()
+        yv:close()
       end
       dist_rows[i] = row
       rows[#rows + 1] = row
@@ -320,11 +317,13 @@ local function run_model(key)
       cases[#cases + 1] = sc.padded
     end
     for i, ck in pairs(check:finish()) do dist_rows[i].check = ck end
-    free(xs, ys)
+    xs:close()
+    ys:close()
     scheds = nil
     collectgarbage()
   end
-  free(wgu, wd)
+  wgu:close()
+  wd:close()
   return shape, rows, cases
 end
 
@@ -361,7 +360,7 @@ local function run_baseline(shape, rows, cases)
     if line:match("^case=") then
       local kv = {}
       for k, v in line:gmatch("([%w_]+)=(%S+)") do kv[k] = v end
-      local i = math.tointeger(tonumber(kv.case))
+      local i = compat.tointeger(tonumber(kv.case))
       if i and rows[i] then
         rows[i][kv.kind .. "_ms"] = tonumber(kv.ms)
         rows[i][kv.kind .. "_tflops"] = tonumber(kv.tflops)

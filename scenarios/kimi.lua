@@ -19,6 +19,7 @@
 local cli = require "moelab.cli"
 local moe = cli.require "moelab"
 local json = require "moelab.json"
+local compat = require "moelab.compat"
 local runinfo = require "moelab.runinfo"
 local svg = require "moelab.svg"
 local trace = require "moelab.trace"
@@ -72,7 +73,7 @@ local group
 if opts.devices then
   local list = {}
   for d in opts.devices:gmatch("[^,]+") do
-    local v = math.tointeger(tonumber(d))
+    local v = compat.tointeger(tonumber(d))
     if not v or v < 0 then cli.fail(string.format("--devices: '%s' is not a GPU index", d)) end
     list[#list + 1] = v
   end
@@ -157,11 +158,10 @@ if trace_file then
 end
 
 local function median(list)
-  local l = { table.unpack(list) }
+  local l = { compat.unpack(list) }
   table.sort(l)
   local n = #l
-  local h = math.floor(n / 2)
-  return n % 2 == 1 and l[h + 1] or (l[h] + l[h + 1]) / 2
+  return n % 2 == 1 and l[(n + 1) / 2] or (l[n / 2] + l[n / 2 + 1]) / 2 -- whole indices in each branch
 end
 
 -- The whole pass as one CUDA graph, replayed on the same input (routing recomputed each time).

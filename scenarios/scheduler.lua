@@ -20,6 +20,7 @@
 local cli = require "moelab.cli"
 local moe = cli.require "moelab"
 local json = require "moelab.json"
+local compat = require "moelab.compat"
 local runinfo = require "moelab.runinfo"
 local progress = require "moelab.progress"
 local svg = require "moelab.svg"
@@ -50,7 +51,7 @@ local dev = opts.device
 local function capacity_of(c)
   if opts.capacity == "worst" then return nil end
   if opts.capacity == "layer" then return "twice_mean" end -- moe.layer's default
-  local n = math.tointeger(tonumber(opts.capacity))
+  local n = compat.tointeger(tonumber(opts.capacity))
   if not n or n < 0 then cli.fail("--capacity must be worst, layer or a number of rows >= 0, got " .. opts.capacity) end
   return n
 end
@@ -89,19 +90,16 @@ local function run_legacy(c, capacity)
   local cmd = string.format("%s %d %d %d %d --capacity %d --pad %d --calls %d --reps %d --device %s 2>&1",
     shell_quote(legacy_path), c.W, c.T, c.model.experts, c.model.k, capacity, opts.pad, opts.calls, opts.reps,
     dev:match("%d+$") or "0")
-  local pipe = io.popen(cmd, "r")
-  local out = pipe:read("a")
-  local done, how, code = pipe:close()
+  local out, code = compat.run(cmd)
   local us = tonumber(out:match("legacy_us ([%d.]+)"))
-  if done and us then return us end
-  return nil, string.format("legacy (%s %s: %s)", how, tostring(code), (out:match("[^\n]+") or "no output"))
+  if code == 0 and us then return us end
+  return nil, string.format("legacy (exit %s: %s)", tostring(code), (out:match("[^\n]+") or "no output"))
 end
 
 local function median(l)
   table.sort(l)
   local n = #l
-  local h = math.floor(n / 2)
-  return n % 2 == 1 and l[h + 1] or (l[h] + l[h + 1]) / 2
+  return n % 2 == 1 and l[(n + 1) / 2] or (l[n / 2] + l[n / 2 + 1]) / 2 -- whole indices in each branch
 end
 
 -- Median µs per call of fn, over reps replays of a graph holding `calls` calls of it.
@@ -174,7 +172,7 @@ end
 if json_file then
   json_file:write(json.encode { run = runinfo.collect { device = dev }, device = dev, kernel = opts.kernel,
     pad = opts.pad, layout = opts.layout,
-    capacity = math.tointeger(tonumber(opts.capacity)) or opts.capacity, pass = ok, rows = rows }, "\n")
+    capacity = compat.tointeger(tonumber(opts.capacity)) or opts.capacity, pass = ok, rows = rows }, "\n")
   json_file:close()
 end
 if svg_file then

@@ -51,7 +51,8 @@ describe("moelab.progress [#cpu]", function()
 
   it("tells a terminal from a pipe", function()
     -- this suite's stderr is whatever busted was given; a pipe is never a terminal
-    local out, status = S.run_lua("-e 'print(require(\"moelab.progress\").stderr_is_terminal())'", "2>/dev/null | cat")
+    local out, status = S.run_lua("-e 'require(\"moelab\") print(require(\"moelab.progress\").stderr_is_terminal())'",
+      "2>/dev/null | cat")
     assert.are.equal(0, status, out)
     assert.are.equal("false\n", out:gsub("^%s+", ""))
   end)

@@ -51,7 +51,7 @@ local function route_row(l, E, o)
   local candidates, gdecide = all, nil
   if groups > 1 then
     -- a group's score is the sum of its top-2 keys; keep the topk_groups best groups
-    local per = E // groups
+    local per = math.floor(E / groups)
     local gscore, glist = {}, {}
     for g = 0, groups - 1 do
       local members = {}

@@ -1,27 +1,24 @@
 -- Small helpers shared by the suites (plain Lua, no busted): rounding to the tensor dtypes as
 -- the library defines them, seeded random draws, tensors from flat tables.  Not a suite itself
 -- (no _spec in the name); the suites `require "support"`.
+local compat = require "moelab.compat"
+
 local support = {}
 
 -- x rounded to the nearest f32 (round to nearest even: the C cast of a double).
-function support.f32(x)
-  return (string.unpack("<f", string.pack("<f", x)))
-end
-
--- The bits of x as an f32, and back.
-local function f32_bits(x) return (string.unpack("<I4", string.pack("<f", x))) end
-local function from_f32_bits(u) return (string.unpack("<f", string.pack("<I4", u))) end
+support.f32 = compat.f32
+local f32_bits, from_f32_bits = compat.f32_bits, compat.from_f32_bits
 
 -- x rounded to bf16 the way the library does it: to f32 first, then to the nearest bf16, ties to
--- even; NaN stays NaN.  Written from the definition of round-to-nearest-even on the bits.
+-- even; NaN stays NaN.  Written from the definition of round-to-nearest-even on the bits (as
+-- arithmetic on the 32-bit word: LuaJIT's bit operations are signed).
 function support.bf16(x)
   if x ~= x then return x end
   local u = f32_bits(x)
-  if (u & 0x7f800000) == 0x7f800000 then return from_f32_bits(u) end -- inf stays inf
-  local low = u & 0xffff
-  local hi = u >> 16
-  if low > 0x8000 or (low == 0x8000 and (hi & 1) == 1) then hi = hi + 1 end
-  return from_f32_bits((hi << 16) & 0xffffffff)
+  local hi, low = math.floor(u / 0x10000), u % 0x10000
+  if hi % 0x8000 >= 0x7f80 then return from_f32_bits(u) end -- inf stays inf (exponent all ones)
+  if low > 0x8000 or (low == 0x8000 and hi % 2 == 1) then hi = hi + 1 end
+  return from_f32_bits(hi * 0x10000 % 0x100000000)
 end
 
 -- An integer in [a, b] from math.random (seeded by the caller).
@@ -150,6 +147,22 @@ end
 -- A tensor of dtype and shape on dev from a flat Lua table.
 function support.tensor(flat, dtype, shape, dev)
   return moe.tensor(flat, { dtype = dtype, shape = shape, device = dev or "cpu" })
+end
+
+-- Closes t at once, as a <close> variable leaving its scope would.
+function support.close(t) getmetatable(t).__close(t) end
+
+-- fn() run with every way the front-end makes a tensor (moe.core.new, from_table) raising
+-- instead -> pcall's results.  A refusal must come before the first allocation; and a broken
+-- one fails at its first tensor rather than allocate the tens of GB it was asked for.
+function support.without_allocating(fn)
+  local core = moe.core
+  local new, from_table = core.new, core.from_table
+  local function refuse() error("a tensor was allocated", 0) end
+  core.new, core.from_table = refuse, refuse
+  local ok, a = pcall(fn)
+  core.new, core.from_table = new, from_table
+  return ok, a
 end
 
 -- The flat contents of t read from any device.

@@ -500,6 +500,21 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     w1:close()
   end)
 
+  it("refuses a MOE_WORLD_TIMEOUT it cannot read, naming it, rather than wait 600 s", function()
+    local build = os.getenv("MOE_BUILD_DIR") or "build"
+    for _, v in ipairs { "abc", "0", "-5", "inf", "10s" } do
+      local cmd = string.format("MOE_WORLD_TIMEOUT='%s' LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' "
+        .. "LUA_CPATH='./%s/?.so;;' lua -e 'require(\"moelab\").world { devices = { 0 } }' 2>&1; echo \"status=$?\"",
+        v, build)
+      local f = assert(io.popen(cmd))
+      local out = f:read("a")
+      f:close()
+      assert.truthy(out:find(string.format('MOE_WORLD_TIMEOUT must be a finite number of seconds > 0, got "%s"', v), 1,
+        true), out)
+      assert.falsy(out:find("status=0", 1, true), out)
+    end
+  end)
+
   it("rank 0 removes the id file it made once the world is open, or has failed to open", function()
     for _, device in ipairs { 0, 4096 } do -- no GPU 4096: the init fails after the file is written
       local path = os.tmpname()

@@ -5,6 +5,7 @@
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime for core.now */
 #include <errno.h>
+#include <string.h>
 #include <time.h>
 
 #include "lcore.h"
@@ -55,8 +56,10 @@ static Handle *new_object(lua_State *L, const char *tname) {
   return h;
 }
 
-static void *check_object(lua_State *L, int idx, const char *tname) {
-  Handle *h = (Handle *)luaL_checkudata(L, idx, tname);
+/* The open object at idx; at 1, the self of `method` (lc_check_self names a call with '.'). */
+static void *check_object(lua_State *L, int idx, const char *tname, const char *method) {
+  Handle *h = (Handle *)(idx == 1 ? lc_check_self(L, tname, strcmp(tname, EVENT) == 0 ? "event" : "graph", method)
+                                  : luaL_checkudata(L, idx, tname));
   if (!h->p) luaL_argerror(L, idx, lua_pushfstring(L, "%s is closed", tname));
   return h->p;
 }
@@ -89,7 +92,7 @@ static int e_tostring(lua_State *L) {
 
 static int e_record(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
-  moe_event *e = (moe_event *)check_object(L, 1, EVENT);
+  moe_event *e = (moe_event *)check_object(L, 1, EVENT, "record");
   int rc = moe_event_record(ctx, e);
   if (rc) return lc_fail(L, ctx, rc);
   lua_settop(L, 1);
@@ -99,8 +102,8 @@ static int e_record(lua_State *L) {
 /* stop:elapsed_since(start) -> milliseconds; waits for stop */
 static int e_elapsed_since(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
-  moe_event *stop = (moe_event *)check_object(L, 1, EVENT);
-  moe_event *start = (moe_event *)check_object(L, 2, EVENT);
+  moe_event *stop = (moe_event *)check_object(L, 1, EVENT, "elapsed_since");
+  moe_event *start = (moe_event *)check_object(L, 2, EVENT, NULL);
   float ms = 0;
   int rc = moe_event_elapsed(ctx, start, stop, &ms);
   if (rc) return lc_fail(L, ctx, rc);
@@ -166,7 +169,7 @@ static int g_tostring(lua_State *L) {
 
 static int g_replay(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
-  moe_graph *g = (moe_graph *)check_object(L, 1, GRAPH);
+  moe_graph *g = (moe_graph *)check_object(L, 1, GRAPH, "replay");
   int rc = moe_graph_replay(ctx, g);
   if (rc) return lc_fail(L, ctx, rc);
   lua_settop(L, 1);

@@ -66,6 +66,7 @@ moe_ctx *lc_getctx(lua_State *L);
 int lc_fail(lua_State *L, moe_ctx *ctx, int rc);
 int lc_stage_fail(lua_State *L, moe_ctx *ctx, int rc, const char *fname, const char *stage);
 int lc_arg_error(lua_State *L, const char *fname, int arg, const char *fmt, ...);
+void *lc_check_self(lua_State *L, const char *tname, const char *var, const char *method);
 const char *lc_type_name(lua_State *L, int idx);
 const char *lc_got_value(lua_State *L, int idx);
 const char *lc_is_what(lua_State *L, int idx, int value);

@@ -95,6 +95,16 @@ int lc_arg_error(lua_State *L, const char *fname, int arg, const char *fmt, ...)
   return lua_error(L);
 }
 
+/* The userdata of type tname at index 1, the self of method `method` of a `var` ("t"): called
+ * with '.' where ':' was meant, the first argument is something else, and the message says so. */
+void *lc_check_self(lua_State *L, const char *tname, const char *var, const char *method) {
+  void *p = luaL_testudata(L, 1, tname);
+  if (!p)
+    lc_arg_error(L, method, 1, "expected a %s as self, got %s: call it as %s:%s(...), with a colon", tname,
+                 lua_isnone(L, 1) ? "no value" : lc_got_value(L, 1), var, method);
+  return p;
+}
+
 /* The type of a value as luaL_typeerror names it (__name for userdata that have one). */
 const char *lc_type_name(lua_State *L, int idx) {
   idx = lua_absindex(L, idx);
@@ -244,7 +254,8 @@ MOE_API int luaopen_moelab_core(lua_State *L) {
   lua_setfield(L, -2, "__gc");
   lua_setmetatable(L, -2);
   int rc = moe_ctx_open(&c->ctx);
-  if (rc) return luaL_error(L, "moelab.core: cannot open a context: %s", moe_errstr(rc));
+  /* a context that failed to open may still hold the reason (MOE_THREADS); its handle closes it */
+  if (rc) return luaL_error(L, "moelab.core: cannot open a context: %s", c->ctx ? moe_errmsg(c->ctx) : moe_errstr(rc));
   int ctxi = lua_gettop(L);
 
   lua_newtable(L);

@@ -1,7 +1,7 @@
 /*
  * tensorlib.c -- the module's functions of tensors and devices: new, from_table, is_tensor,
- * device_count, device_info, synchronize, the context's options (config), and tensors over memory
- * another library owns (wrap, from_dlpack, to_dlpack).
+ * device_count, device_info, device_memory, synchronize, the context's options (config), and
+ * tensors over memory another library owns (wrap, from_dlpack, to_dlpack).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -29,6 +29,18 @@ static int l_device_info(lua_State *L) {
   if (rc) return lc_fail(L, ctx, rc);
   lua_pushstring(L, report);
   return 1;
+}
+
+/* core.device_memory(device) -> free, total: bytes the device can still hold, and has. */
+static int l_device_memory(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  moe_device dev = lc_check_device(L, 1);
+  size_t free_bytes = 0, total_bytes = 0;
+  int rc = moe_device_memory(ctx, dev, &free_bytes, &total_bytes);
+  if (rc) return lc_fail(L, ctx, rc);
+  lua_pushinteger(L, (lua_Integer)(free_bytes < (size_t)LUA_MAXINTEGER ? free_bytes : (size_t)LUA_MAXINTEGER));
+  lua_pushinteger(L, (lua_Integer)(total_bytes < (size_t)LUA_MAXINTEGER ? total_bytes : (size_t)LUA_MAXINTEGER));
+  return 2;
 }
 
 /* core.config(option) -> value; core.config(option, value) sets it (moe_ctx_config). */
@@ -265,6 +277,7 @@ static int l_to_dlpack(lua_State *L) {
 static const luaL_Reg tensorlib_funcs[] = {
   {"device_count", l_device_count},
   {"device_info", l_device_info},
+  {"device_memory", l_device_memory},
   {"config", l_config},
   {"new", l_new},
   {"from_table", l_from_table},

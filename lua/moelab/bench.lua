@@ -13,8 +13,14 @@ local function bench(fn, opts)
   args.range("bench", "warmup", warmup, 0)
   args.range("bench", "iters", iters, 1)
   local device = opts.device or (core.device_count("cuda") > 0 and "cuda:0" or "cpu")
+  -- the events first: a device that cannot time refuses before fn has run once
+  local ok, start = pcall(core.event_new, device)
+  if not ok then
+    args.fail("bench", string.format("option 'device' (%s) cannot be timed: %s", device,
+      (tostring(start):gsub("^[^\n]-:%d+: ", ""))))
+  end
+  local stop = core.event_new(device)
   for _ = 1, warmup do fn() end
-  local start, stop = core.event_new(device), core.event_new(device)
   local times = {}
   for i = 1, iters do
     start:record()
@@ -22,7 +28,8 @@ local function bench(fn, opts)
     stop:record()
     times[i] = stop:elapsed_since(start)
   end
-  local sorted = table.move(times, 1, #times, 1, {}) -- not table.unpack: its results are capped near 10^6
+  local sorted = {} -- copied one by one: table.unpack's results are capped near 10^6
+  for i = 1, #times do sorted[i] = times[i] end
   table.sort(sorted)
   local sum = 0
   for _, t in ipairs(times) do sum = sum + t end

@@ -29,7 +29,7 @@ local function index_str(i, shape)
     local n = shape[d]
     if n == 0 then break end
     idx[d] = rest % n
-    rest = rest // n
+    rest = math.floor(rest / n)
   end
   local s = {}
   for d = 1, #shape do s[d] = tostring(idx[d] or 0) end

@@ -3,18 +3,9 @@
 -- configuration the library refuses (cli.guard) prints its message and exits 2 as well, so that
 -- status 1 stays a failed check.  In the syntax and library of Lua 5.1 (LuaJIT's too): a scenario
 -- loads this before moelab, so that an interpreter moelab refuses ends in status 2 as well.
+-- (moelab.compat is required where it is used, once moelab has loaded: it needs what Lua 5.1 and
+-- 5.2 lack.)
 local cli = {}
-
-local unpack = table.unpack or unpack
-local function pack(...) return { n = select("#", ...), ... } end
-
--- The integer a flag's text names ("3", "3.0"), or nil.
-local function tointeger(text)
-  local v = tonumber(text)
-  if v and math.tointeger then return math.tointeger(v) end
-  if v and v == math.floor(v) and math.abs(v) < 2 ^ 53 then return v end
-end
-cli.tointeger = tointeger
 
 -- spec: list of {name, kind ("integer"|"number"|"string"|"list"|"flag"), default, help};
 -- positional: what the arguments that are not flags are (shown in the usage), or nil where there
@@ -56,7 +47,7 @@ function cli.parse(argv, spec, title, positional)
         if value == nil or value:match("^%-%-") then usage("flag --" .. name .. " needs a value") end
       end
       if f[2] == "integer" then
-        local v = tointeger(value)
+        local v = require("moelab.compat").tointeger(tonumber(value))
         if not v then usage(string.format("flag --%s needs an integer, got '%s'", name, value)) end
         opts[name] = v
       elseif f[2] == "number" then
@@ -89,11 +80,10 @@ end
 function cli.guard(what, fn, ...)
   local tb = os.getenv("MOE_TRACEBACK")
   tb = tb ~= nil and tb ~= "" and tb ~= "0"
-  local argv = pack(...)
-  local res = pack(xpcall(function() return fn(unpack(argv, 1, argv.n)) end,
-    function(e) return tb and debug.traceback(tostring(e), 2) or tostring(e) end))
+  local compat = require "moelab.compat"
+  local res = compat.pack(xpcall(fn, function(e) return tb and debug.traceback(tostring(e), 2) or tostring(e) end, ...))
   if not res[1] then cli.fail(string.format("%s: %s", what, tostring(res[2]))) end
-  return unpack(res, 2, res.n)
+  return compat.unpack(res, 2, res.n)
 end
 
 -- require(name) for a scenario: a module that cannot load here (moelab on an interpreter it does

@@ -7,6 +7,7 @@
 -- null as nil in an object and as json.null in an array (so that the elements keep their places).
 -- Written for Lua 5.4 and LuaJIT alike.
 local args = require "moelab.args"
+local compat = require "moelab.compat"
 
 local json = {}
 
@@ -14,36 +15,6 @@ local json = {}
 json.null = setmetatable({}, { __tostring = function() return "null" end })
 
 local floor = math.floor
-
--- v prints as an integer: Lua 5.4's integer subtype, or (LuaJIT: one number type) an integral
--- double that %.17g would print with an exponent.
-local function integral(v)
-  if math.type then return math.type(v) == "integer" end
-  return v == floor(v) and v >= -2 ^ 53 and v <= 2 ^ 53
-end
-
--- Whether s is well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF).
-local function utf8_valid(s)
-  local i, n = 1, #s
-  while i <= n do
-    local c = s:byte(i)
-    local len, lo, hi = 1, 0x80, 0xbf -- the continuation bytes allowed after c (the first one: lo..hi)
-    if c >= 0xc2 and c <= 0xdf then len = 2
-    elseif c >= 0xe0 and c <= 0xef then
-      len = 3
-      if c == 0xe0 then lo = 0xa0 elseif c == 0xed then hi = 0x9f end
-    elseif c >= 0xf0 and c <= 0xf4 then
-      len = 4
-      if c == 0xf0 then lo = 0x90 elseif c == 0xf4 then hi = 0x8f end
-    elseif c >= 0x80 then return false end
-    for j = i + 1, i + len - 1 do
-      local b = s:byte(j)
-      if not b or b < (j == i + 1 and lo or 0x80) or b > (j == i + 1 and hi or 0xbf) then return false end
-    end
-    i = i + len
-  end
-  return true
-end
 
 local ESCAPES = { ['"'] = '\\"', ['\\'] = '\\\\', ['\n'] = '\\n', ['\t'] = '\\t', ['\r'] = '\\r' }
 
@@ -53,10 +24,10 @@ local function encode(v, out)
   elseif t == "boolean" then out[#out + 1] = tostring(v)
   elseif t == "number" then
     if v ~= v or v == math.huge or v == -math.huge then out[#out + 1] = "null"
-    elseif integral(v) then out[#out + 1] = string.format("%d", v)
+    elseif compat.math_type(v) == "integer" then out[#out + 1] = compat.int_str(v)
     else out[#out + 1] = string.format("%.17g", v) end
   elseif t == "string" then
-    local pattern = utf8_valid(v) and '[%c"\\]' or '[%c"\\\128-\255]'
+    local pattern = compat.utf8_valid(v) and '[%c"\\]' or '[%c"\\\128-\255]'
     out[#out + 1] = '"' .. v:gsub(pattern, function(c)
       return ESCAPES[c] or string.format("\\u%04x", c:byte())
     end) .. '"'
@@ -64,7 +35,7 @@ local function encode(v, out)
     local n = #v
     local is_array = true
     for k in pairs(v) do
-      if type(k) ~= "number" or not integral(k) or k < 1 or k > n then is_array = false break end
+      if compat.math_type(k) ~= "integer" or k < 1 or k > n then is_array = false break end
     end
     if is_array then
       out[#out + 1] = "["
@@ -156,7 +127,7 @@ local function decoder(text)
       if c == '"' then
         pos = pos + 1
         local s = table.concat(parts)
-        if not utf8_valid(s) then fail("a string that is not UTF-8") end
+        if not compat.utf8_valid(s) then fail("a string that is not UTF-8") end
         return s
       elseif c == "\\" then
         local e = text:sub(pos + 1, pos + 1)

@@ -18,6 +18,7 @@
 local core = require "moelab.core"
 local args = require "moelab.args"
 local interop = require "moelab.interop"
+local compat = require "moelab.compat"
 
 local ENV = { rank = "MOE_RANK", size = "MOE_WORLD_SIZE", device = "MOE_DEVICE", id = "MOE_NCCL_ID",
   id_file = "MOE_NCCL_ID_FILE" }
@@ -63,7 +64,7 @@ local function id_from_file(path, rank, wait)
     return read_id_file(path), false
   end
   if rank == 0 then
-    local tmp = string.format("%s.tmp%d", path, math.random(1 << 30))
+    local tmp = string.format("%s.tmp%d", path, math.random(0x40000000))
     local out, err = io.open(tmp, "w")
     if not out then bad("option 'id_file': rank 0 makes the id but cannot write %q: %s", path, err) end
     local ok, id = pcall(core.world_unique_id)
@@ -110,7 +111,7 @@ local function from_env(o)
       if v == nil or v == "" then
         bad("from_env: the environment variable %s is not set (or pass option '%s')", name, key)
       end
-      local n = math.tointeger(tonumber(trim(v)))
+      local n = compat.tointeger(tonumber(trim(v)))
       if not n then bad("from_env: the environment variable %s must be an integer, got %q", name, v) end
       o[key] = n
     end
@@ -163,12 +164,12 @@ local function open(o)
     if n == 0 then bad("option 'devices' must list at least one GPU index, got an empty table") end
     local seen = {}
     for k in pairs(o.devices) do
-      if math.type(k) ~= "integer" or k < 1 or k > n then
+      if compat.math_type(k) ~= "integer" or k < 1 or k > n then
         bad("option 'devices' must be a list of GPU indices, got a key %s", args.describe(k))
       end
     end
     for i, d in ipairs(o.devices) do
-      if math.type(d) ~= "integer" or d < 0 then
+      if compat.math_type(d) ~= "integer" or d < 0 then
         bad("devices[%d] must be a GPU index (an integer >= 0), got %s", i, args.describe(d))
       end
       if seen[d] then bad("devices[%d] repeats GPU %d (devices[%d]); one rank per GPU", i, d, seen[d]) end
@@ -399,6 +400,9 @@ function Exchange:__tostring()
   return string.format("moelab.Exchange(%d tokens, top-%d, hidden %d, capacity %d; %s)", self.tokens, self.k,
     self.hidden, self.capacity, tostring(self.world))
 end
+
+args.methods(World, "world")
+args.methods(Exchange, "ex")
 
 world.new, world.World, world.Exchange, world.unique_id = new_world, World, Exchange, core.world_unique_id
 return world
