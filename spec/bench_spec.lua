@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- moe.bench, the timing helper of the scenarios and of users' scripts.
 describe("moe.bench [#cpu]", function()
   it("runs warmup then iters calls and summarises the iters times", function()

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Small helpers shared by the suites (plain Lua, no busted): rounding to the tensor dtypes as
 -- the library defines them, seeded random draws, tensors from flat tables.  Not a suite itself
 -- (no _spec in the name); the suites `require "support"`.

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The library's surface is its header: the shared library exports exactly the MOE_API functions
 -- of lib/moelab.h, and the Lua module its entry point alone.  An internal name that leaks would
 -- be called in place of a host program's function of the same name, or clash in a static link.

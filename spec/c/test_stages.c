@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_stages.c -- hand-checked cases for dispatch, experts, combine and the dense reference on
  * the CPU, through the public API only, plus each stage's argument errors.
  * Exits non-zero on the first failed check's run; prints the number of checks passed. */
