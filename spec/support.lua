@@ -66,4 +66,19 @@ function support.assert_near(got, ref, rtol, atol, what)
   return true
 end
 
+-- Runs a shell command, its stderr joined to its stdout: true when it exits 0, and the output.
+-- The status is read from the output, not from close(), which LuaJIT does not report.
+function support.shell(cmd)
+  local p = assert(io.popen("(" .. cmd .. ") 2>&1; echo \"exit=$?\""))
+  local out = p:read("a")
+  p:close()
+  local text, code = out:match("^(.-)exit=(%d+)\n?$")
+  return code == "0", text or out
+end
+
+-- s quoted for the shell.
+function support.shell_quote(s)
+  return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
+end
+
 return support
