@@ -47,7 +47,7 @@ describe("the installed package [#cpu]", function()
       assert.is_nil(deps:find("libmoelab", 1, true), "a static build loads libmoelab:\n" .. deps)
     end
     local out
-    ok, out = sh(env .. q(program))
+    ok, out = sh(env .. support.preloaded(q(program)))
     assert(ok, program .. " failed:\n" .. out)
     assert.truthy(out:find("^" .. expected_line(clash)), program .. " printed:\n" .. out)
   end
@@ -72,6 +72,36 @@ describe("the installed package [#cpu]", function()
     assert.are.same({}, global)
     -- consumer.c's clash needs moelab to have a function of that name
     assert.are.equal("t", internal, "moeI_experts_cpu is not a local function of libmoelab.a")
+  end)
+
+  -- spec/package/host: a C-only project that adds this tree with add_subdirectory, where no Lua
+  -- headers are found (CMAKE_IGNORE_PATH hides them), CPU-only to stay short.
+  describe("as a subproject", function()
+    local function configure(dir, extra)
+      return sh("cmake -S spec/package/host -B " .. q(dir) .. " -G Ninja -DCMAKE_BUILD_TYPE=Release"
+        .. " -DMOELAB_SOURCE_DIR=\"$(pwd)\" -DMOE_WITH_CUDA=OFF"
+        .. " -DCMAKE_IGNORE_PATH=/usr/include/lua5.4 " .. (extra or ""))
+    end
+
+    it("builds the C library alone and links a program with moelab::moelab_static", function()
+      local dir = tmp .. "/host"
+      local ok, out = configure(dir)
+      assert(ok, "configuring the host failed:\n" .. out)
+      ok, out = sh("cmake --build " .. q(dir))
+      assert(ok, "building the host failed:\n" .. out)
+      for _, absent in ipairs({ "moelab/moelab/core.so", "moelab/tests", "moelab/libmoelab_internal.a" }) do
+        assert.is_false(sh("test -e " .. q(dir .. "/" .. absent)), absent .. " was built for a host")
+      end
+      ok, out = sh(q(dir .. "/consumer"))
+      assert(ok, out)
+      assert.truthy(out:find("^" .. expected_line(false)), out)
+    end)
+
+    it("asks for the Lua headers only with MOE_BUILD_LUA=ON", function()
+      local ok, out = configure(tmp .. "/host_lua", "-DMOE_BUILD_LUA=ON")
+      assert.is_false(ok, "configured without Lua headers:\n" .. out)
+      assert.truthy(out:find("Lua 5.4 headers not found", 1, true), out)
+    end)
   end)
 
   describe("through find_package(moelab)", function()
