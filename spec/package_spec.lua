@@ -9,7 +9,7 @@ local support = require "support"
 
 local q, sh = support.shell_quote, support.shell
 
--- Where the consumer's success line must say what it did, with the suffix of a clash build.
+-- The pattern of the line a consumer prints when all held, with the suffix of a clash build.
 local function expected_line(clash)
   return "consumer: moelab " .. moe.version .. ", experts over own buffers equal moelab's tensors: 40 values, %d+ "
     .. "written" .. (clash and "; own moeI_experts_cpu kept" or "") .. "\n$"
@@ -66,7 +66,8 @@ describe("the installed package [#cpu]", function()
     assert(ok, out)
     local global, internal = {}, nil
     for kind, name in out:gmatch("%x* ?(%a) ([%w_.$@]+)\n") do
-      if (kind:match("%u") or kind == "u") and kind ~= "U" and not name:match("^moe_") then global[#global + 1] = name end
+      local is_global = (kind:match("%u") or kind == "u") and kind ~= "U" -- u: GNU unique
+      if is_global and not name:match("^moe_") then global[#global + 1] = name end
       if name == "moeI_experts_cpu" then internal = kind end
     end
     assert.are.same({}, global)

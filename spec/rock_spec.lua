@@ -30,7 +30,8 @@ describe("the LuaRocks rock [#cpu]", function()
     fh = assert(io.open(src .. "/" .. ROCKSPEC, "wb"))
     fh:write(text)
     fh:close()
-    made, log = sh("cd " .. q(src) .. " && CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) luarocks --lua-version=5.4 make --tree=" .. q(tree) .. " " .. ROCKSPEC)
+    made, log = sh("cd " .. q(src) .. " && CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) luarocks --lua-version=5.4 make"
+      .. " --tree=" .. q(tree) .. " " .. ROCKSPEC)
   end)
 
   lazy_teardown(function()
