@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * event_graph.c -- timing (core.now, core.sleep), events (moelab.Event) and CUDA graphs
  * (moelab.Graph): a graph holds the pins of its capture (PINS) and undoes them when it goes.
