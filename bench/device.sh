@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # Build for the H200, then run the steps named on the command line on a GPU machine (default:
 # build programs specs kimi scheduler; the others are the cases below), each with a time limit,
 # logging one file a step under MOE_LOG_DIR (default /tmp/moelab-logs), and print a short table

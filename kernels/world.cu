@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // world.cu -- moe_world on NCCL: communicators and streams, the all-gathers, and the dispatch
 // and combine exchanges: the all-gather one (NCCL collectives only) and the direct one (peers'
 // symmetric windows read with loads over NVLink).  Built only when NCCL is found (lib/world.c has the stand-ins

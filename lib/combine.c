@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* combine.c -- stage 5: each token of the source rank gathers its routes' expert outputs from
  * their owners, weighted, in ascending k, plus the shared expert. */
 #include <stdio.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* core.c -- version, errors, context, tensors. */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dispatch.c -- stage 3: gather each scheduled row's token, out[row] = x[peer_rank[row],
  * peer_route[row] / k]. */
 #include <string.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* experts.c -- stage 4, the SwiGLU MLP of each local expert over its rows, with the f32 dot
  * products it shares with the dense reference (mlp.h); also the router logits and the
  * shared-expert sigmoid gate, which are the same kind of product. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* internal.h -- declarations shared by the library's C files and the CUDA launchers. */
 #ifndef MOELAB_INTERNAL_H
 #define MOELAB_INTERNAL_H

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * moelab.h -- the public C API of moelab, Mixture-of-Experts layer kernels.
  *

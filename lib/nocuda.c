@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* nocuda.c -- the CUDA entry points of a build without the CUDA toolkit: no GPU is usable,
  * and any attempt to run on one says so instead of failing obscurely. */
 #include "internal.h"

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* parallel.c -- fork-join over index ranges for the CPU backend's heavy loops (the expert MLP of
  * experts.c and reference.c): threads started for the call and joined before it returns, so
  * nothing outlives it (no pool to stop when the Lua module is unloaded).  A call of ~1 M

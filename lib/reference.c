@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* reference.c -- the dense reference of a whole MoE layer on the CPU, f32 throughout:
  * out[n] = sum_k w[n,k] * expert_{id[n,k]}(x[n]) + g[n] * shared(x[n]).
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* route.c -- stage 1, route: logits f32 [N, E] -> ids i32 [N, K], weights f32 [N, K].
  *
  * The CPU reference defines the result; the CUDA kernel must give the same ids bit for bit.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* schedule.c -- stage 2, schedule: every rank's ids i32 [W, T, K] -> this rank's
  * expert-major row layout (docs/design.md, "The stages", 2).
  *

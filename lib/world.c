@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* world.c -- moe_world, the host side: arguments, the unique id as hex text, the comparison of
  * the ranks' configurations.  What needs NCCL is in kernels/world.cu; without it (a build with
  * CUDA but no NCCL: MOE_WORLD_STUBS), the stand-ins at the end say so. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* world.h -- the private side of moe_world: its layout, and the entry points of the NCCL
  * backend (kernels/world.cu).  lib/world.c checks arguments and calls them; a build without
  * NCCL gets stand-ins that return MOE_ERR_UNSUPPORTED (lib/world.c under MOE_WORLD_STUBS, or

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The experts stage (gate_up + SwiGLU + down) of one rank of EP8 for every model preset, under
 -- four routing distributions and three pads, beside cuBLAS in the same run: a dense GEMM pair of
 -- the same FLOPs and a per-expert loop of GEMMs.

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- One Kimi K2 MoE layer over 8 expert-parallel ranks, checked against the dense reference and timed.
 --
 --   lua scenarios/kimi.lua [--tokens N] [--hidden H] [--ffn F] [--world W] [--layout L] [--pad B]

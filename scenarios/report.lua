@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The README's results table, regenerated: runs the scenarios and measuring programs that
 -- produce each number, on this machine, and prints one markdown row per measurement.
 --

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The routed-token scheduler, side by side with the legacy algorithm (one block per (local
 -- expert, source rank) pair scanning that rank's routes twice), on the shapes of the MoK table.
 --

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- A rank that goes away mid-run: the others must fail with an error that names the rank and the
 -- step within MOE_WORLD_TIMEOUT, not wait forever.  Run as two or more processes:
 --

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- One rank of a multi-process world, checked against the simulated world: run it as W processes,
 -- one per GPU, with scenarios/launch.sh (or any launcher that sets MOE_RANK, MOE_WORLD_SIZE,
 -- MOE_DEVICE and MOE_NCCL_ID or MOE_NCCL_ID_FILE for each):

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Argument errors, as a table (lua-cjson's tests): one row per bad input, the fragments its
 -- message must contain beside it (plain text: the argument, the value, what was expected).
 -- Every error must also point at the caller's line (this file), not at the front-end's own or

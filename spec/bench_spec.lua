@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- moe.bench, the timing helper of the scenarios and of users' scripts.
 local unpack_ = require("moelab.compat").unpack
 describe("moe.bench [#cpu]", function()

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The C test programs (spec/c/*.c, built into <build>/tests/), one `it` per program, so that one
 -- runner counts everything.  MOE_BUILD_DIR names the build directory (default: build).  The GPU
 -- test programs (<build>/gpu_tests/) are run by gpu_programs_spec.lua.

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- moe.check: what counts as close, on plain values (the layer and stage specs rely on it).
 describe("moe.check.close", function()
   local inf = math.huge

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- CUDA graphs and CUDA failures, GPU only: a captured layer replayed 1,000 times on fresh inputs
 -- (so fresh routing each time) equals the eager forward bit for bit; stats reach graph:check();
 -- a CUDA failure is a Lua error naming the stage and the CUDA error, and the process goes on;

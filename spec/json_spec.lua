@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- moelab.json, the scenarios' --json encoder: what it writes must be JSON whatever the report holds.
 describe("moelab.json [#cpu]", function()
   local json = require "moelab.json"

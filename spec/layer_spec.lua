@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The layer (stages composed over a simulated world of W ranks) against the dense reference of
 -- docs/design.md, for every model preset at small H and F (real E and K), both layouts, pads 1 and
 -- 128, with the bf16 tolerances of docs/design.md (moe.check.close defaults).

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The route stage (docs/design.md, "The stages", 1) against a direct Lua
 -- transcription of each scoring function in double precision: ids exactly, weights within 1e-5
 -- relative.  Random rows keep a clear gap (1e-5) between the keys whose order decides the

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The exit statuses of scenarios/experts.lua as a user runs it: 0 when its checks pass, 2 on a
 -- configuration the library refuses (not 1, which is a failed check).  (kimi.lua's are in
 -- world_spec.lua.)

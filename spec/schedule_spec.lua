@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The schedule (docs/design.md, "The stages", 2) against a direct Lua
 -- transcription of its formulas, every output bit for bit, on random and adversarial cases.
 local S = require "support"

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Dispatch, experts and combine (docs/design.md, "The stages", 3-5) with
 -- payloads that say where they came from: a row of x holds its rank and token, a row of ys its
 -- source rank, token, slot, owner and row, all small integers (exact in bf16), and the weights

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Small helpers shared by the suites (plain Lua, no busted): rounding to the tensor dtypes as
 -- the library defines them, seeded random draws, tensors from flat tables.  Not a suite itself
 -- (no _spec in the name); the suites `require "support"`.
@@ -187,6 +188,32 @@ function support.assert_near(got, ref, rtol, atol, what)
     end
   end
   return true
+end
+
+-- Runs a shell command, its stderr joined to its stdout: true when it exits 0, and the output.
+-- The status is read from the output, not from close(), which LuaJIT does not report.  The
+-- command runs without LD_PRELOAD: the sanitizer suite preloads ASan's runtime (.ci/run), whose
+-- leak check would abort the tools that leak at exit (mktemp, cmake, cc); support.preloaded
+-- gives it back to the programs that need it.
+function support.shell(cmd)
+  local p = assert(io.popen("unset LD_PRELOAD; { " .. cmd .. "\n} 2>&1; echo \"exit=$?\""))
+  local out = p:read("a")
+  p:close()
+  local text, code = out:match("^(.-)exit=(%d+)\n?$")
+  return code == "0", text or out
+end
+
+-- cmd, with the LD_PRELOAD this process was started with (a program that loads an instrumented
+-- libmoelab.so needs the sanitizers' runtimes first).
+function support.preloaded(cmd)
+  local preload = os.getenv("LD_PRELOAD")
+  if not preload or preload == "" then return cmd end
+  return "LD_PRELOAD=" .. support.shell_quote(preload) .. " " .. cmd
+end
+
+-- s quoted for the shell.
+function support.shell_quote(s)
+  return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
 end
 
 return support

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Tensors: values in and out of every dtype, bf16 rounding, shapes, views, randn, copies.
 local S = require "support"
 local compat = require "moelab.compat"

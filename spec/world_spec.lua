@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- moe.world: argument errors (no GPU needed), the configuration comparison (no GPU needed),
 -- and a world of one rank through NCCL on cuda:0 against the plain stages (#gpu).  Worlds of
 -- several GPUs are exercised by spec/gpu/test_world_gpu.c where 2+ GPUs are visible.

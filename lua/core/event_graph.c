@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * event_graph.c -- timing (core.now, core.sleep), NVTX ranges (core.range_push, core.range_pop),
  * events (moelab.Event) and CUDA graphs (moelab.Graph): a graph holds the pins of its capture

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * lcore.h -- the private header of the Lua module moelab.core: the types its parts share, the
  * names of its metatables, and the helpers one part offers the others (the lc_ prefix).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * module.c -- the Lua module moelab.core: a thin binding of lib/moelab.h.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * stage.c -- the stages (route, schedule, dispatch, experts, logits, sigmoid_gate, nonfinite,
  * combine, reference) and the explain calls of schedule and experts.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * tensor.c -- moelab.Tensor: the handles (their lifetime, views, and the pins that keep a
  * captured graph's memory alive: see PINS in lcore.h) and the methods.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * tensorlib.c -- the module's functions of tensors and devices: new, from_table, is_tensor,
  * device_count, device_info, device_memory, synchronize, the context's options (config), and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * world.c -- expert parallelism across GPUs: moelab.World.
  *

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Argument checking for the front-end: every misuse raises an error that names the function,
 -- the option, the value and what was expected, in the "bad argument #1 to 'f' (...)" form that
 -- Lua's own library uses, pointed at the caller's line.

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- moe.bench(fn, {warmup=, iters=, device=}): runs fn warmup times, then times iters runs one by
 -- one and returns {median_ms, min_ms, max_ms, mean_ms, iters, times_ms}.  Each run is timed
 -- with a pair of events: device events on a GPU (the device's time, not the launch's), a

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Result checks that raise with a useful diff: the error, the tolerance, the first mismatches.
 local args = require "moelab.args"
 

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Command-line flags for scenarios: `--name value` or `--name=value`, typed by a spec, with
 -- --help.  An unknown flag or a bad value prints the usage and exits with status 2; a
 -- configuration the library refuses (cli.guard) prints its message and exits 2 as well, so that

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- moelab: Mixture-of-Experts layer kernels, driven from Lua.
 --
 -- This file is the user-facing surface over the stateless C stages of moelab.core: it checks

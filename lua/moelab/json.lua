@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- A small JSON encoder for reports (scenarios' --json FILE): tables with only positive integer
 -- keys 1..n become arrays (an empty table too), other tables objects with sorted keys (strings or
 -- numbers; two that print alike, 1 and "1", are an error); numbers keep full precision, NaN and

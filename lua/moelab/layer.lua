@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- moe.layer{...}: one MoE layer over a world of W expert-parallel ranks, composed from the
 -- stateless stages.  Every buffer is allocated when the layer is made, for a static capacity, so
 -- a forward pass allocates nothing and (on a GPU) can be captured as a CUDA graph.

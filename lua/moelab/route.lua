@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Stage 1, route: router logits -> top-k expert ids and weights.
 local core = require "moelab.core"
 local args = require "moelab.args"

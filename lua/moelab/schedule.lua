@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Stage 2, schedule: every route of the all-gathered ids placed in a row of its expert's rank.
 local core = require "moelab.core"
 local args = require "moelab.args"

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The layer's stages that hold buffers and state of their own, each shaped like schedule.Schedule:
 -- plan{...} allocates and owns the stage's outputs once, so that a forward allocates nothing;
 -- run(...) issues the stage on the bound stream and reads nothing back (capturable); check()

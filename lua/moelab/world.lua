@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- moe.world{...}: this process's part of a world of expert-parallel ranks on real GPUs, with
 -- NCCL between them (moelab.core's World).  Two ways to make one:
 --

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_stages.c -- hand-checked cases for dispatch, experts, combine and the dense reference on
  * the CPU, through the public API only, plus each stage's argument errors, and the data checks
  * (moe_nonfinite) and memory query (moe_device_memory) a caller sizes and checks its data by.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_threads.c -- the CPU backend's threaded loops (lib/parallel.c) give the same bits whatever
  * the thread count: the experts stage and the dense reference at a size where they split their
  * work (H = 1024, F = 2048), run with MOE_THREADS = 1, 3 and 4, compared byte for byte; and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_experts_gpu.c -- the experts stage on the GPU against moeI_experts_cpu, through the public API
  * only: fresh random inputs, ys poisoned with NaN so that rows the stage must not write are seen
  * to stay untouched, odd sizes, bad offsets, in place, a captured graph replayed on new offsets,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_world_gpu.c -- moe_world through NCCL, through the public API only.
  *
  * On one GPU: a world of one rank (ncclCommInitAll over {0}, and ncclCommInitRank of a world of
