@@ -74,8 +74,9 @@ local HEADER_VERSION = define("MOE_VERSION_MAJOR") * 10000 + define("MOE_VERSION
 if not pcall(ffi.typeof, "moe_world_exchange") then ffi.cdef((cdef:gsub("MOE_API ", ""))) end
 ffi.cdef [[
 typedef struct moelab_tensor_handle {
-  moe_tensor *h_t;
+  moe_tensor *h_t;       /* first: from_dlpack and wrap have the library write it in place */
   double h_owner;        /* 0 for an owner; for a view, the key of its owner in `owners` */
+  double h_keep;         /* 0, or an owner's key in `keeps` (the keep of moe.wrap) */
   int32_t h_closed, h_views, h_pins;
   int32_t h_dtype, h_ndim, h_kind, h_index; /* never change: cached for the properties */
   double h_dims[4];
@@ -332,11 +333,49 @@ local function check_shape(fname, arg, shape, method)
   return n
 end
 
+-- An address another library handed out -> void *: an integer >= 0 (a number, or an int64_t or
+-- uint64_t cdata), a light userdata, or a pointer or an array (the cdata LuaJIT's FFI gives).
+-- what names it in the error.
+local void_ptr, int64_ct, uint64_ct = ffi.typeof("void *"), ffi.typeof("int64_t"), ffi.typeof("uint64_t")
+local function check_address(fname, what, v)
+  local kind = type(v)
+  if kind == "number" then
+    if is_integer(v) and v >= 0 then return cast(void_ptr, v) end
+  elseif kind == "userdata" then
+    if debug.getfenv(v) == nil then return cast(void_ptr, v) end -- a full userdata always has an environment
+  elseif kind == "cdata" and not istype(Handle, v) then
+    if istype(int64_ct, v) or istype(uint64_ct, v) then
+      if v >= 0 then return cast(void_ptr, v) end
+    elseif tostring(ffi.typeof(v)):find("[%*%]]>$") then -- "ctype<float *>", "ctype<float [4]>"
+      return cast(void_ptr, v)
+    end
+  end
+  arg_error(fname, 1, "%s must be an integer >= 0 or a light userdata, got %s", what,
+    (kind == "cdata" and not istype(Handle, v)) and tostring(v) or got_value(v))
+end
+
 -- ---------------------------------------------------------------- tensor handles
 
--- view's key -> its owner; keys go back to `free_keys` when their view goes, so that they stay
--- few and small (the table's array part)
-local owners, free_keys = {}, {}
+-- A handle, being cdata, holds Lua values by a key into a table: a view's owner (`owners`, so
+-- that the owner's memory outlives the view) and what an owner's memory needs kept alive
+-- (`keeps`: moe.wrap's keep).  A key goes back to its free list when its entry goes, so that keys
+-- stay few and small (the table's array part); entries are set false, never nil, for its length.
+local owners, free_owner_keys = {}, {}
+local keeps, free_keep_keys = {}, {}
+
+local function key_put(slots, free, v)
+  local n = #free
+  local key = free[n]
+  if key then free[n] = nil else key = #slots + 1 end
+  slots[key] = v
+  return key
+end
+
+local function key_drop(slots, free, key)
+  slots[key] = false
+  free[#free + 1] = key
+end
+
 local pins = nil -- the capture under way's pinned owners (and exchanges), as a set
 
 local function owner_of(u)
@@ -356,10 +395,17 @@ local function pin(u)
   end
 end
 
+-- The owner's memory goes with its last handle, owner or view, and its keep with it.
 local function release_owner(o)
-  if o.h_closed ~= 0 and o.h_views == 0 and o.h_pins == 0 and o.h_t ~= nil then
-    lib.moe_tensor_free(o.h_t)
-    o.h_t = nil
+  if o.h_closed ~= 0 and o.h_views == 0 and o.h_pins == 0 then
+    if o.h_t ~= nil then
+      lib.moe_tensor_free(o.h_t)
+      o.h_t = nil
+    end
+    if o.h_keep ~= 0 then
+      key_drop(keeps, free_keep_keys, o.h_keep)
+      o.h_keep = 0
+    end
   end
 end
 
@@ -370,8 +416,7 @@ local function t_release(u)
   local key = u.h_owner
   if key ~= 0 then
     local o = owners[key]
-    owners[key] = false
-    free_keys[#free_keys + 1] = key
+    key_drop(owners, free_owner_keys, key)
     lib.moe_tensor_free(u.h_t)
     u.h_t = nil
     if o then
@@ -405,6 +450,18 @@ local function fill_meta(u)
 end
 
 local tensor_out = new("moe_tensor *[1]")
+
+-- An owner's handle made before its tensor (pinned into a capture under way), and its field h_t as
+-- the out parameter of the call that makes the tensor (out_of): what the library hands over is
+-- the handle's the moment the call returns, with nothing between that could raise (a DLPack
+-- tensor the library took is its to release, never the caller's too).
+local function new_owner()
+  local u = Handle()
+  pin(u)
+  return u
+end
+local tensor_ref = ffi.typeof("moe_tensor **")
+local function out_of(u) return cast(tensor_ref, u) end -- h_t is the handle's first field
 
 -- A handle for the tensor the last call put in tensor_out (pinned into a capture under way when
 -- it owns its memory).
@@ -639,11 +696,7 @@ local function push_view(u, offset, nd)
   local v = Handle()
   u = check_tensor("view", 1, u, true) -- again after the allocation, whose collection step may have run a finalizer
   local o = owner_of(u)
-  local nfree = #free_keys
-  local key = free_keys[nfree]
-  if key then free_keys[nfree] = nil else key = #owners + 1 end
-  owners[key] = o
-  v.h_owner = key
+  v.h_owner = key_put(owners, free_owner_keys, o)
   o.h_views = o.h_views + 1 -- counted with the link, so that releasing v undoes exactly this
   local rc = lib.moe_tensor_view(ctx, u.h_t, offset, nd, shape_buf, tensor_out)
   if rc ~= 0 then
@@ -864,6 +917,53 @@ function M.is_tensor(v) return istype(Handle, v) end
 function M.synchronize(dev)
   local rc = lib.moe_ctx_synchronize(ctx, check_device("synchronize", 1, dev))
   if rc ~= 0 then fail(rc) end
+end
+
+-- ---------------------------------------------------------------- memory another library owns
+
+-- wrap(address, dtype, shape, device, keep): a tensor over the caller's memory; keep (any value)
+-- lives as long as the tensor's memory is in use (views and graphs included).
+function M.wrap(address, dtype, shape, dev, keep)
+  local data = check_address("wrap", "option 'address'", address)
+  local dt = check_option("wrap", 2, dtype, DTYPES) - 1
+  local nd = check_shape("wrap", 3, shape)
+  local d = check_device("wrap", 4, dev == nil and "cpu" or dev)
+  local u = new_owner()
+  if keep ~= nil then u.h_keep = key_put(keeps, free_keep_keys, keep) end
+  local rc = lib.moe_tensor_wrap(ctx, data, dt, nd, shape_buf, d, out_of(u))
+  if rc ~= 0 then stage_fail(rc, "wrap", "wrap") end
+  return fill_meta(u)
+end
+
+-- from_dlpack(address, versioned): a tensor that owns the DLManagedTensor (or, versioned, the
+-- DLManagedTensorVersioned) at address; on an error the caller still owns it.  The structures
+-- pass as opaque pointers (the header declares them so): the library alone reads them.
+function M.from_dlpack(address, versioned)
+  local managed = check_address("from_dlpack", "the managed tensor's address", address)
+  local u = new_owner()
+  local rc
+  if versioned then rc = lib.moe_tensor_from_dlpack_versioned(ctx, managed, out_of(u))
+  else rc = lib.moe_tensor_from_dlpack(ctx, managed, out_of(u)) end
+  if rc ~= 0 then stage_fail(rc, "from_dlpack", "from_dlpack") end
+  return fill_meta(u)
+end
+
+-- to_dlpack(t, versioned) -> the address of a new DLManagedTensor (DLManagedTensorVersioned) over
+-- t's memory, as an integer: its consumer calls its deleter.
+local managed_out = new("struct DLManagedTensor *[1]")
+local versioned_out = new("struct DLManagedTensorVersioned *[1]")
+function M.to_dlpack(t, versioned)
+  t = check_tensor("to_dlpack", 1, t)
+  local rc, out
+  if versioned then
+    out = versioned_out
+    rc = lib.moe_tensor_to_dlpack_versioned(ctx, t.h_t, out)
+  else
+    out = managed_out
+    rc = lib.moe_tensor_to_dlpack(ctx, t.h_t, out)
+  end
+  if rc ~= 0 then fail(rc) end
+  return tonumber(cast("uintptr_t", out[0]))
 end
 
 -- ---------------------------------------------------------------- stage arguments
@@ -1342,6 +1442,17 @@ function M.world_open_rank(rank, size, device, hex)
   end
   local w = new_world()
   local rc = lib.moe_world_open_rank(ctx, rank, size, device, hex, w.cell)
+  if rc ~= 0 then fail(rc) end
+  return w
+end
+
+-- world_open_comm(comm, device) -> World, over the caller's ncclComm_t at address comm
+function M.world_open_comm(comm, device)
+  local p = check_address("world", "option 'comm'", comm)
+  check_integer("world_open_comm", 2, device)
+  if device < -2 ^ 31 or device > 2 ^ 31 - 1 then arg_error("world", 1, "device must fit a C int") end
+  local w = new_world()
+  local rc = lib.moe_world_open_comm(ctx, p, device, w.cell)
   if rc ~= 0 then fail(rc) end
   return w
 end

@@ -140,7 +140,7 @@ local function open_comm(o)
     end
   end
   interop.check_address("world", "option 'comm'", o.comm)
-  if o.comm == 0 then bad("option 'comm' is a NULL address") end
+  if o.comm == 0 or o.comm == nil then bad("option 'comm' is a NULL address") end -- LuaJIT: a NULL pointer == nil
   if o.device == nil then bad("option 'device' is required with option 'comm' (the communicator's GPU, an integer)") end
   if o.device < 0 then bad("option 'device' must be a GPU index >= 0, got %d", o.device) end
   return core.world_open_comm(o.comm, o.device)
