@@ -152,7 +152,7 @@ local function open(o)
   local copy = {}
   for k, v in pairs(o) do copy[k] = v end
   o = copy
-  if o.comm ~= nil then return open_comm(o) end
+  if type(o.comm) ~= "nil" then return open_comm(o) end -- a NULL pointer cdata == nil, yet was given
   if o.devices ~= nil then
     for _, k in ipairs { "rank", "size", "device", "id", "id_file", "id_wait", "from_env" } do
       if o[k] ~= nil and not (k == "from_env" and o[k] == false) then -- from_env = false asks for nothing
