@@ -16,8 +16,9 @@
 -- Tensors are cdata of a handle struct (ffi.metatype): the library's moe_tensor, whether the
 -- handle was closed, and for an owner the count of its live views and of the graphs that replay
 -- on its memory (the pins of a capture, as in lua/core/lcore.h).  A view's owner is kept alive
--- by the table `owners` until the view is closed or collected.  Events, graphs, worlds,
--- exchanges and safetensors files are tables holding a cdata whose finalizer frees the C object.
+-- by the table `owners` until the view is closed or collected, and moe.wrap's keep by the table
+-- `keeps` until the memory it wraps is freed.  Events, graphs, worlds, exchanges and safetensors
+-- files are tables holding a cdata whose finalizer frees the C object.
 -- A new part of the C module needs its twin here: spec/luajit_spec.lua runs the suite's probe
 -- (spec/bindings_probe.lua) through both.
 --
