@@ -1,7 +1,8 @@
 -- SPDX-License-Identifier: MIT
 -- Run by spec/luajit_spec.lua under Lua 5.4 (the C module) and under LuaJIT (moelab.ffi_core):
 -- the same calls print the same lines through either binding -- every value of a layer's pass,
--- the tensors' properties, and the message (with its position) of each misuse below.
+-- the tensors' properties, tensors over memory from elsewhere, the names of the module's functions
+-- and of a tensor's methods, and the message (with its position) of each misuse below.
 local moe = require "moelab"
 local compat = require "moelab.compat"
 local core = moe.core
@@ -37,6 +38,21 @@ print("view", tostring(v), values(v), v:overlaps(t), t:view(1, { 2 }):overlaps(v
 t:close()
 print("closed", t.closed, tostring(t), bits(v:get(2)))
 print("nested", #moe.zeros({ 2, 0, 3 }):totable()[1], type(moe.full({}, 7):totable()))
+
+-- memory another library owns: a wrap of v's memory, and a DLPack round trip of the wrap
+local w = moe.wrap { address = v:address(), dtype = "f32", shape = { 2 }, keep = v }
+local d = moe.from_dlpack(w:to_dlpack { versioned = true }, { versioned = true })
+print("interop", tostring(w), values(w), tostring(d), values(d), d:overlaps(v))
+
+-- the interface: every function of the module and every method of a tensor
+local function names(tbl)
+  local s = {}
+  for k in pairs(tbl) do s[#s + 1] = k end
+  table.sort(s)
+  return table.concat(s, " ")
+end
+print("core", names(core))
+print("methods", names(core.Tensor))
 
 -- misuse: the message of each, position included
 local CASES = {
@@ -82,5 +98,30 @@ local CASES = {
   function() core.safetensors("/nonexistent.safetensors") end,
   function() core.safetensors("lib/moelab.h") end,
   function() core.safetensors({}) end,
+  function() return v[1] end,
+  function() v[true] = 0 end,
+  function() v.shape = { 4 } end,
+  function() v.fill(0) end,
+  function() v.numel() end,
+  function() v.get(v, 1.5) end,
+  function() moe.event("cpu").record() end,
+  function() moe.event("cpu"):elapsed_since(5) end,
+  function() moe.randn({ 2 }, { std = -1 }) end,
+  function() core.device_memory("tpu") end,
+  function() core.device_memory("cuda:999") end,
+  function() core.nonfinite(v) end,
+  function() core.nonfinite(v, v) end,
+  function() core.wrap(-1, "f32", { 1 }) end,
+  function() core.wrap(0, "f16", { 1 }) end,
+  function() core.wrap(0, "f32", { 3 }) end,
+  function() core.wrap(2, "f32", { 1 }) end,
+  function() moe.wrap { address = true, dtype = "f32", shape = { 1 } } end,
+  function() core.from_dlpack("x") end,
+  function() core.from_dlpack(0, true) end,
+  function() core.to_dlpack(5) end,
+  function() v:to_dlpack { copy = true } end,
+  function() core.world_open_comm(0, 0) end,
+  function() core.world_open_comm(8, 2 ^ 40) end,
+  function() moe.world { comm = 0, device = 0 } end,
 }
 for i, case in ipairs(CASES) do print("error " .. i, select(2, pcall(case))) end

@@ -55,6 +55,18 @@ describe("the front-end under LuaJIT and Lua 5.4 [#cpu]", function()
     assert.truthy(out:find("check [^\n]* 0 NaN: PASS"), out)
   end)
 
+  it("a context that MOE_THREADS refuses says why, in the same words under either", function()
+    local said = {}
+    for i, interpreter in ipairs { "lua5.4", "luajit" } do
+      local out, status = run(interpreter, [[-e 'require "moelab"']], "MOE_THREADS=abc")
+      assert.are_not.equal(0, status, out)
+      said[i] = out:match("moelab%.core: cannot open a context: [^\n]*")
+      assert.truthy(said[i], out)
+    end
+    assert.truthy(said[1]:find("MOE_THREADS must be an integer from 1 to 256", 1, true), said[1])
+    assert.are.equal(said[1], said[2])
+  end)
+
   it("the FFI binding names what it cannot find and how to point at it", function()
     local code = [[-e 'require "moelab"']]
     local out, status = run("luajit", code, "MOELAB_LIB=/nonexistent/libmoelab.so")

@@ -150,8 +150,9 @@ function support.tensor(flat, dtype, shape, dev)
   return moe.tensor(flat, { dtype = dtype, shape = shape, device = dev or "cpu" })
 end
 
--- Closes t at once, as a <close> variable leaving its scope would.
-function support.close(t) getmetatable(t).__close(t) end
+-- Closes t at once, as a <close> variable leaving its scope would (t:close(), which LuaJIT has
+-- too: its getmetatable gives no cdata's metatable).
+function support.close(t) t:close() end
 
 -- fn() run with every way the front-end makes a tensor (moe.core.new, from_table) raising
 -- instead -> pcall's results.  A refusal must come before the first allocation; and a broken

@@ -16,8 +16,9 @@
 -- Tensors are cdata of a handle struct (ffi.metatype): the library's moe_tensor, whether the
 -- handle was closed, and for an owner the count of its live views and of the graphs that replay
 -- on its memory (the pins of a capture, as in lua/core/lcore.h).  A view's owner is kept alive
--- by the table `owners` until the view is closed or collected.  Events, graphs, worlds,
--- exchanges and safetensors files are tables holding a cdata whose finalizer frees the C object.
+-- by the table `owners` until the view is closed or collected, and moe.wrap's keep by the table
+-- `keeps` until the memory it wraps is freed.  Events, graphs, worlds, exchanges and safetensors
+-- files are tables holding a cdata whose finalizer frees the C object.
 -- A new part of the C module needs its twin here: spec/luajit_spec.lua runs the suite's probe
 -- (spec/bindings_probe.lua) through both.
 --
@@ -74,8 +75,9 @@ local HEADER_VERSION = define("MOE_VERSION_MAJOR") * 10000 + define("MOE_VERSION
 if not pcall(ffi.typeof, "moe_world_exchange") then ffi.cdef((cdef:gsub("MOE_API ", ""))) end
 ffi.cdef [[
 typedef struct moelab_tensor_handle {
-  moe_tensor *h_t;
+  moe_tensor *h_t;       /* first: from_dlpack and wrap have the library write it in place */
   double h_owner;        /* 0 for an owner; for a view, the key of its owner in `owners` */
+  double h_keep;         /* 0, or an owner's key in `keeps` (the keep of moe.wrap) */
   int32_t h_closed, h_views, h_pins;
   int32_t h_dtype, h_ndim, h_kind, h_index; /* never change: cached for the properties */
   double h_dims[4];
@@ -120,7 +122,13 @@ local ctx
 do
   local cell = new("moe_ctx *[1]")
   local rc = lib.moe_ctx_open(cell)
-  if rc ~= 0 then error("moelab.core: cannot open a context: " .. string_(lib.moe_errstr(rc)), 0) end
+  if rc ~= 0 then
+    -- a context that failed to open may still hold the reason (MOE_THREADS); it is closed here
+    local failed = cell[0]
+    local msg = failed ~= nil and string_(lib.moe_errmsg(failed)) or string_(lib.moe_errstr(rc))
+    lib.moe_ctx_close(failed)
+    error("moelab.core: cannot open a context: " .. msg, 0)
+  end
   -- a world's finalizer unbinds the context, unless the context went first (at exit, in any order)
   ctx = ffi.gc(cell[0], function(c)
     ctx_open = false
@@ -194,9 +202,22 @@ local function stage_fail(rc, fname, stage)
   arg_error(fname, 1, "%s", msg:sub(#stage + 3))
 end
 
--- Lua's own argument error (luaL_argerror): self is not counted in a method's arguments.
+-- Whether the binding's function that was called from outside this file was called as a method
+-- (t:f(...), not t.f(t, ...)): how luaL_argerror tells whether to count self.
+local function called_as_method()
+  local level, namewhat = 3, nil
+  while true do
+    local info = debug.getinfo(level, "Sn")
+    if not info or info.source ~= this_source then return namewhat == "method" end
+    namewhat = info.namewhat
+    level = level + 1
+  end
+end
+
+-- Lua's own argument error (luaL_argerror): self is not counted in the arguments of a method
+-- called with a colon.
 local function argerror(fname, arg, msg, method)
-  if method then
+  if method and called_as_method() then
     arg = arg - 1
     if arg == 0 then error(direct_where() .. format("calling '%s' on bad self (%s)", fname, msg), 0) end
   end
@@ -313,11 +334,49 @@ local function check_shape(fname, arg, shape, method)
   return n
 end
 
+-- An address another library handed out -> void *: an integer >= 0 (a number, or an int64_t or
+-- uint64_t cdata), a light userdata, or a pointer or an array (the cdata LuaJIT's FFI gives).
+-- what names it in the error.
+local void_ptr, int64_ct, uint64_ct = ffi.typeof("void *"), ffi.typeof("int64_t"), ffi.typeof("uint64_t")
+local function check_address(fname, what, v)
+  local kind = type(v)
+  if kind == "number" then
+    if is_integer(v) and v >= 0 then return cast(void_ptr, v) end
+  elseif kind == "userdata" then
+    if debug.getfenv(v) == nil then return cast(void_ptr, v) end -- a full userdata always has an environment
+  elseif kind == "cdata" and not istype(Handle, v) then
+    if istype(int64_ct, v) or istype(uint64_ct, v) then
+      if v >= 0 then return cast(void_ptr, v) end
+    elseif tostring(ffi.typeof(v)):find("[%*%]]>$") then -- "ctype<float *>", "ctype<float [4]>"
+      return cast(void_ptr, v)
+    end
+  end
+  arg_error(fname, 1, "%s must be an integer >= 0 or a light userdata, got %s", what,
+    (kind == "cdata" and not istype(Handle, v)) and tostring(v) or got_value(v))
+end
+
 -- ---------------------------------------------------------------- tensor handles
 
--- view's key -> its owner; keys go back to `free_keys` when their view goes, so that they stay
--- few and small (the table's array part)
-local owners, free_keys = {}, {}
+-- A handle, being cdata, holds Lua values by a key into a table: a view's owner (`owners`, so
+-- that the owner's memory outlives the view) and what an owner's memory needs kept alive
+-- (`keeps`: moe.wrap's keep).  A key goes back to its free list when its entry goes, so that keys
+-- stay few and small (the table's array part); entries are set false, never nil, for its length.
+local owners, free_owner_keys = {}, {}
+local keeps, free_keep_keys = {}, {}
+
+local function key_put(slots, free, v)
+  local n = #free
+  local key = free[n]
+  if key then free[n] = nil else key = #slots + 1 end
+  slots[key] = v
+  return key
+end
+
+local function key_drop(slots, free, key)
+  slots[key] = false
+  free[#free + 1] = key
+end
+
 local pins = nil -- the capture under way's pinned owners (and exchanges), as a set
 
 local function owner_of(u)
@@ -337,10 +396,17 @@ local function pin(u)
   end
 end
 
+-- The owner's memory goes with its last handle, owner or view, and its keep with it.
 local function release_owner(o)
-  if o.h_closed ~= 0 and o.h_views == 0 and o.h_pins == 0 and o.h_t ~= nil then
-    lib.moe_tensor_free(o.h_t)
-    o.h_t = nil
+  if o.h_closed ~= 0 and o.h_views == 0 and o.h_pins == 0 then
+    if o.h_t ~= nil then
+      lib.moe_tensor_free(o.h_t)
+      o.h_t = nil
+    end
+    if o.h_keep ~= 0 then
+      key_drop(keeps, free_keep_keys, o.h_keep)
+      o.h_keep = 0
+    end
   end
 end
 
@@ -351,8 +417,7 @@ local function t_release(u)
   local key = u.h_owner
   if key ~= 0 then
     local o = owners[key]
-    owners[key] = false
-    free_keys[#free_keys + 1] = key
+    key_drop(owners, free_owner_keys, key)
     lib.moe_tensor_free(u.h_t)
     u.h_t = nil
     if o then
@@ -387,6 +452,18 @@ end
 
 local tensor_out = new("moe_tensor *[1]")
 
+-- An owner's handle made before its tensor (pinned into a capture under way), and its field h_t as
+-- the out parameter of the call that makes the tensor (out_of): what the library hands over is
+-- the handle's the moment the call returns, with nothing between that could raise (a DLPack
+-- tensor the library took is its to release, never the caller's too).
+local function new_owner()
+  local u = Handle()
+  pin(u)
+  return u
+end
+local tensor_ref = ffi.typeof("moe_tensor **")
+local function out_of(u) return cast(tensor_ref, u) end -- h_t is the handle's first field
+
 -- A handle for the tensor the last call put in tensor_out (pinned into a capture under way when
 -- it owns its memory).
 local function adopt(owner)
@@ -416,6 +493,19 @@ local function check_tensor(fname, arg, v, method)
   argerror(fname, arg, "moelab.Tensor is closed", method)
 end
 
+-- The self of a method `fname` of a `var` ("t") is not a tname: called with '.' where ':' was
+-- meant, the first argument is something else, and the message says so.
+local function self_error(fname, v, tname, var)
+  arg_error(fname, 1, "expected a %s as self, got %s: call it as %s:%s(...), with a colon", tname,
+    v == nil and "no value" or got_value(v), var, fname)
+end
+
+-- The open tensor a method is called on.
+local function self_tensor(fname, u)
+  if not istype(Handle, u) then self_error(fname, u, "moelab.Tensor", "t") end
+  return check_tensor(fname, 1, u, true)
+end
+
 -- Lua code that ran while the arguments were taken (an __index of an argument table, a
 -- finalizer) may have closed one already taken: checked just before the library is called.
 local function still_open(fname, u)
@@ -439,7 +529,14 @@ local PROPERTIES = { shape = true, dtype = true, device = true, ndim = true, clo
 
 local function t_index(u, k)
   local m = methods[k]
-  if m ~= nil or not PROPERTIES[k] then return m end
+  if m ~= nil then return m end
+  -- t[i] is not an element: a tensor may live on a GPU, and a read per element would hide a copy
+  -- each.  Saying so beats the nil that would fail later, far from here.
+  if type(k) ~= "string" then
+    error(format("moelab.Tensor has no elements by index (t[%s]): t:get(i) reads element i (1-based, flat), "
+      .. "t:select(i) is a view of row i, t:flat() and t:totable() read it all", got_value(k)), 2)
+  end
+  if not PROPERTIES[k] then return nil end
   if k == "closed" then return u.h_closed ~= 0 or u.h_t == nil end -- readable after closing: it is how a caller asks
   if u.h_closed ~= 0 or u.h_t == nil then error(format("attempt to read '%s' of a closed moelab.Tensor", k), 2) end
   if k == "shape" then return shape_table(u) end
@@ -456,8 +553,19 @@ local function t_tostring(u)
     device_name(u.h_kind, u.h_index))
 end
 
-Handle = ffi.metatype("moelab_tensor_handle", { __index = t_index, __tostring = t_tostring, __gc = t_release,
-  __close = t_release, __name = "moelab.Tensor" })
+-- Nothing is set on a tensor: its fields are its shape, dtype and device, its values the device's.
+-- (The handle's own fields, h_*, are the struct's: the FFI sets them without asking.)
+local function t_newindex(_, k)
+  if type(k) ~= "string" then
+    error(format("moelab.Tensor cannot be assigned by index (t[%s] = ...): t:copy(u) and t:fill(v) write it",
+      got_value(k)), 2)
+  end
+  error(format("moelab.Tensor has no field to set ('%s'): its shape, dtype and device are fixed; t:copy(u), "
+    .. "t:fill(v) and t:randn(seed, std) write its values", k), 2)
+end
+
+Handle = ffi.metatype("moelab_tensor_handle", { __index = t_index, __newindex = t_newindex, __tostring = t_tostring,
+  __gc = t_release, __close = t_release, __name = "moelab.Tensor" })
 
 local function numel(u)
   local n = 1
@@ -472,7 +580,7 @@ local bf16_to_f32 = lib.moe_bf16_to_f32
 -- The whole tensor read into a host buffer of its dtype (a copy: a finalizer run while the
 -- tables are built may close the tensor) -> the buffer, numel, dtype.
 local function read_all(fname, u)
-  check_tensor(fname, 1, u, true)
+  self_tensor(fname, u)
   local n, dtype = numel(u), u.h_dtype
   local buf = new(ELEMENT[dtype + 1], n > 0 and n or 1)
   u = check_tensor(fname, 1, u, true) -- again: the allocation may have run a finalizer
@@ -526,7 +634,7 @@ local one = new("union { float f; uint16_t h; int32_t i; }")
 local view_out = new("moe_tensor *[1]")
 
 function methods.get(u, i)
-  u = check_tensor("get", 1, u, true)
+  u = self_tensor("get", u)
   check_integer("get", 2, i, true)
   local n = numel(u)
   if i < 1 or i > n then argerror("get", 2, format("index %d out of range [1, %d]", i, n), true) end
@@ -546,7 +654,7 @@ function methods.get(u, i)
 end
 
 function methods.to(u, dev)
-  u = check_tensor("to", 1, u, true)
+  u = self_tensor("to", u)
   local d = check_device("to", 2, dev, true)
   local nd = u.h_ndim
   for i = 0, nd - 1 do shape_buf[i] = u.h_dims[i] end
@@ -559,7 +667,7 @@ function methods.to(u, dev)
 end
 
 function methods.copy(u, src)
-  u = check_tensor("copy", 1, u, true)
+  u = self_tensor("copy", u)
   src = check_tensor("copy", 2, src, true)
   still_open("copy", u) -- pinning src into a capture may have run a finalizer
   local rc = lib.moe_tensor_copy(ctx, u.h_t, src.h_t)
@@ -568,7 +676,7 @@ function methods.copy(u, src)
 end
 
 function methods.fill(u, v)
-  u = check_tensor("fill", 1, u, true)
+  u = self_tensor("fill", u)
   check_number("fill", 2, v, true)
   local rc = lib.moe_tensor_fill(ctx, u.h_t, v)
   if rc ~= 0 then fail(rc) end
@@ -576,7 +684,7 @@ function methods.fill(u, v)
 end
 
 function methods.randn(u, seed, std)
-  u = check_tensor("randn", 1, u, true)
+  u = self_tensor("randn", u)
   check_integer("randn", 2, seed, true)
   if std == nil then std = 1.0 else check_number("randn", 3, std, true) end
   local rc = lib.moe_tensor_randn(ctx, u.h_t, seed, std)
@@ -589,11 +697,7 @@ local function push_view(u, offset, nd)
   local v = Handle()
   u = check_tensor("view", 1, u, true) -- again after the allocation, whose collection step may have run a finalizer
   local o = owner_of(u)
-  local nfree = #free_keys
-  local key = free_keys[nfree]
-  if key then free_keys[nfree] = nil else key = #owners + 1 end
-  owners[key] = o
-  v.h_owner = key
+  v.h_owner = key_put(owners, free_owner_keys, o)
   o.h_views = o.h_views + 1 -- counted with the link, so that releasing v undoes exactly this
   local rc = lib.moe_tensor_view(ctx, u.h_t, offset, nd, shape_buf, tensor_out)
   if rc ~= 0 then
@@ -608,14 +712,14 @@ local function push_view(u, offset, nd)
 end
 
 function methods.view(u, offset, shape)
-  check_tensor("view", 1, u, true)
+  self_tensor("view", u)
   check_integer("view", 2, offset, true)
   local nd = check_shape("view", 3, shape, true)
   return push_view(u, offset, nd)
 end
 
 function methods.select(u, i)
-  u = check_tensor("select", 1, u, true)
+  u = self_tensor("select", u)
   check_integer("select", 2, i, true)
   local nd = u.h_ndim
   if nd == 0 then argerror("select", 1, "cannot select from a 0-dimensional tensor", true) end
@@ -629,18 +733,18 @@ function methods.select(u, i)
   return push_view(u, (i - 1) * inner, nd - 1)
 end
 
-function methods.numel(u) return numel(check_tensor("numel", 1, u, true)) end
+function methods.numel(u) return numel(self_tensor("numel", u)) end
 
 function methods.nbytes(u)
-  u = check_tensor("nbytes", 1, u, true)
+  u = self_tensor("nbytes", u)
   return numel(u) * DTYPE_SIZE[u.h_dtype + 1]
 end
 
-function methods.address(u) return lib.moe_tensor_data(check_tensor("address", 1, u, true).h_t) end
+function methods.address(u) return lib.moe_tensor_data(self_tensor("address", u).h_t) end
 
 -- u:overlaps(v): whether the two share a byte (same device, intersecting address ranges).
 function methods.overlaps(u, v)
-  u = check_tensor("overlaps", 1, u, true)
+  u = self_tensor("overlaps", u)
   v = check_tensor("overlaps", 2, v, true)
   if u.h_kind ~= v.h_kind or (u.h_kind ~= 0 and u.h_index ~= v.h_index) then return false end
   local pa = tonumber(cast("uintptr_t", lib.moe_tensor_data(u.h_t)))
@@ -670,6 +774,14 @@ function M.device_info(dev)
   local rc = lib.moe_device_info(ctx, d, info_report, 1024)
   if rc ~= 0 then fail(rc) end
   return string_(info_report)
+end
+
+-- device_memory(device) -> free, total: bytes the device can still hold, and has.
+local free_out, total_out = new("size_t[1]"), new("size_t[1]")
+function M.device_memory(dev)
+  local rc = lib.moe_device_memory(ctx, check_device("device_memory", 1, dev), free_out, total_out)
+  if rc ~= 0 then fail(rc) end
+  return tonumber(free_out[0]), tonumber(total_out[0])
 end
 
 -- config(option) -> value; config(option, value) sets it (moe_ctx_config).
@@ -815,6 +927,53 @@ function M.is_tensor(v) return istype(Handle, v) end
 function M.synchronize(dev)
   local rc = lib.moe_ctx_synchronize(ctx, check_device("synchronize", 1, dev))
   if rc ~= 0 then fail(rc) end
+end
+
+-- ---------------------------------------------------------------- memory another library owns
+
+-- wrap(address, dtype, shape, device, keep): a tensor over the caller's memory; keep (any value)
+-- lives as long as the tensor's memory is in use (views and graphs included).
+function M.wrap(address, dtype, shape, dev, keep)
+  local data = check_address("wrap", "option 'address'", address)
+  local dt = check_option("wrap", 2, dtype, DTYPES) - 1
+  local nd = check_shape("wrap", 3, shape)
+  local d = check_device("wrap", 4, dev == nil and "cpu" or dev)
+  local u = new_owner()
+  if keep ~= nil then u.h_keep = key_put(keeps, free_keep_keys, keep) end
+  local rc = lib.moe_tensor_wrap(ctx, data, dt, nd, shape_buf, d, out_of(u))
+  if rc ~= 0 then stage_fail(rc, "wrap", "wrap") end
+  return fill_meta(u)
+end
+
+-- from_dlpack(address, versioned): a tensor that owns the DLManagedTensor (or, versioned, the
+-- DLManagedTensorVersioned) at address; on an error the caller still owns it.  The structures
+-- pass as opaque pointers (the header declares them so): the library alone reads them.
+function M.from_dlpack(address, versioned)
+  local managed = check_address("from_dlpack", "the managed tensor's address", address)
+  local u = new_owner()
+  local rc
+  if versioned then rc = lib.moe_tensor_from_dlpack_versioned(ctx, managed, out_of(u))
+  else rc = lib.moe_tensor_from_dlpack(ctx, managed, out_of(u)) end
+  if rc ~= 0 then stage_fail(rc, "from_dlpack", "from_dlpack") end
+  return fill_meta(u)
+end
+
+-- to_dlpack(t, versioned) -> the address of a new DLManagedTensor (DLManagedTensorVersioned) over
+-- t's memory, as an integer: its consumer calls its deleter.
+local managed_out = new("struct DLManagedTensor *[1]")
+local versioned_out = new("struct DLManagedTensorVersioned *[1]")
+function M.to_dlpack(t, versioned)
+  t = check_tensor("to_dlpack", 1, t)
+  local rc, out
+  if versioned then
+    out = versioned_out
+    rc = lib.moe_tensor_to_dlpack_versioned(ctx, t.h_t, out)
+  else
+    out = managed_out
+    rc = lib.moe_tensor_to_dlpack(ctx, t.h_t, out)
+  end
+  if rc ~= 0 then fail(rc) end
+  return tonumber(cast("uintptr_t", out[0]))
 end
 
 -- ---------------------------------------------------------------- stage arguments
@@ -1013,9 +1172,11 @@ function M.experts_explain(o)
   return string_(explain_report)
 end
 
--- logits(out, x, w) and sigmoid_gate(g, x, w): three tensors, as the C module takes them.
-local function three_tensors(fname, a, b, c)
-  a, b, c = check_tensor(fname, 1, a), check_tensor(fname, 2, b), check_tensor(fname, 3, c)
+-- logits(out, x, w), sigmoid_gate(g, x, w) and nonfinite(stats, t): n tensors (2 or 3), as the C
+-- module takes them.
+local function tensor_args(fname, n, a, b, c)
+  a, b = check_tensor(fname, 1, a), check_tensor(fname, 2, b)
+  if n == 3 then c = check_tensor(fname, 3, c) end
   still_open(fname, a) -- pinning one into a capture may have run a finalizer
   still_open(fname, b)
   still_open(fname, c)
@@ -1023,14 +1184,21 @@ local function three_tensors(fname, a, b, c)
 end
 
 function M.logits(out, x, w)
-  out, x, w = three_tensors("logits", out, x, w)
+  out, x, w = tensor_args("logits", 3, out, x, w)
   local rc = lib.moe_logits(ctx, out.h_t, x.h_t, w.h_t)
   if rc ~= 0 then fail(rc) end
 end
 
 function M.sigmoid_gate(g, x, w)
-  g, x, w = three_tensors("sigmoid_gate", g, x, w)
+  g, x, w = tensor_args("sigmoid_gate", 3, g, x, w)
   local rc = lib.moe_sigmoid_gate(ctx, g.h_t, x.h_t, w.h_t)
+  if rc ~= 0 then fail(rc) end
+end
+
+-- nonfinite(stats, t): stats i32 [2] = {NaN or infinite elements of t, the first or -1}.
+function M.nonfinite(stats, t)
+  stats, t = tensor_args("nonfinite", 2, stats, t)
+  local rc = lib.moe_nonfinite(ctx, stats.h_t, t.h_t)
   if rc ~= 0 then fail(rc) end
 end
 
@@ -1142,8 +1310,13 @@ local function close_object(self)
   return cell
 end
 
-local function check_object(fname, arg, v, cls, method)
-  if getmetatable(v) ~= cls then typeerror(fname, arg, cls.__name, v, method) end
+-- The open object v of class cls; var names the self of an event's or a graph's method, whose
+-- call with '.' says so (self_error).
+local function check_object(fname, arg, v, cls, method, var)
+  if getmetatable(v) ~= cls then
+    if var then self_error(fname, v, cls.__name, var) end
+    typeerror(fname, arg, cls.__name, v, method)
+  end
   local p = v.cell[0]
   if p == nil then argerror(fname, arg, cls.__name .. " is closed", method) end
   return p
@@ -1168,7 +1341,7 @@ function Event:__close()
 end
 
 function Event.methods.record(e)
-  local rc = lib.moe_event_record(ctx, check_object("record", 1, e, Event, true))
+  local rc = lib.moe_event_record(ctx, check_object("record", 1, e, Event, true, "event"))
   if rc ~= 0 then fail(rc) end
   return e
 end
@@ -1176,7 +1349,7 @@ end
 local ms_out = new("float[1]")
 -- stop:elapsed_since(start) -> milliseconds; waits for stop
 function Event.methods.elapsed_since(stop, start)
-  local ps = check_object("elapsed_since", 1, stop, Event, true)
+  local ps = check_object("elapsed_since", 1, stop, Event, true, "event")
   local pa = check_object("elapsed_since", 2, start, Event, true)
   local rc = lib.moe_event_elapsed(ctx, pa, ps, ms_out)
   if rc ~= 0 then fail(rc) end
@@ -1212,7 +1385,7 @@ end
 function Graph:__tostring() return self.cell[0] ~= nil and "moelab.Graph" or "moelab.Graph(closed)" end
 
 function Graph.methods.replay(g)
-  local rc = lib.moe_graph_replay(ctx, check_object("replay", 1, g, Graph, true))
+  local rc = lib.moe_graph_replay(ctx, check_object("replay", 1, g, Graph, true, "graph"))
   if rc ~= 0 then fail(rc) end
   return g
 end
@@ -1290,6 +1463,17 @@ function M.world_open_rank(rank, size, device, hex)
   end
   local w = new_world()
   local rc = lib.moe_world_open_rank(ctx, rank, size, device, hex, w.cell)
+  if rc ~= 0 then fail(rc) end
+  return w
+end
+
+-- world_open_comm(comm, device) -> World, over the caller's ncclComm_t at address comm
+function M.world_open_comm(comm, device)
+  local p = check_address("world", "option 'comm'", comm)
+  check_integer("world_open_comm", 2, device)
+  if device < -2 ^ 31 or device > 2 ^ 31 - 1 then arg_error("world", 1, "device must fit a C int") end
+  local w = new_world()
+  local rc = lib.moe_world_open_comm(ctx, p, device, w.cell)
   if rc ~= 0 then fail(rc) end
   return w
 end

@@ -9,11 +9,12 @@ local interop = {}
 
 local DTYPES = { "f32", "bf16", "i32" }
 
--- An address as other libraries give it: an integer >= 0 (ctypes, LuaJIT's FFI, to_dlpack) or a
--- light userdata (t:address()); the binding tells a light userdata from a full one.
+-- An address as other libraries give it: an integer >= 0 (ctypes, LuaJIT's FFI, to_dlpack), a
+-- light userdata (t:address()), or under LuaJIT a cdata (t:address() there, a pointer); the
+-- binding tells a light userdata from a full one, and a pointer or an integer from other cdata.
 function interop.is_address(v)
   if type(v) == "number" then return v >= 0 and v == math.floor(v) and v < 2 ^ 63 end
-  return type(v) == "userdata" and not args.is_tensor(v)
+  return (type(v) == "userdata" or type(v) == "cdata") and not args.is_tensor(v)
 end
 
 function interop.check_address(fname, what, v)

@@ -141,7 +141,7 @@ local function open_comm(o)
     end
   end
   interop.check_address("world", "option 'comm'", o.comm)
-  if o.comm == 0 then bad("option 'comm' is a NULL address") end
+  if o.comm == 0 or o.comm == nil then bad("option 'comm' is a NULL address") end -- LuaJIT: a NULL pointer == nil
   if o.device == nil then bad("option 'device' is required with option 'comm' (the communicator's GPU, an integer)") end
   if o.device < 0 then bad("option 'device' must be a GPU index >= 0, got %d", o.device) end
   return core.world_open_comm(o.comm, o.device)
@@ -153,7 +153,7 @@ local function open(o)
   local copy = {}
   for k, v in pairs(o) do copy[k] = v end
   o = copy
-  if o.comm ~= nil then return open_comm(o) end
+  if type(o.comm) ~= "nil" then return open_comm(o) end -- a NULL pointer cdata == nil, yet was given
   if o.devices ~= nil then
     for _, k in ipairs { "rank", "size", "device", "id", "id_file", "id_wait", "from_env" } do
       if o[k] ~= nil and not (k == "from_env" and o[k] == false) then -- from_env = false asks for nothing
