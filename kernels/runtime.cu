@@ -2,6 +2,7 @@
 // runtime.cu -- the CUDA side of the core: devices, the context's stream, memory, copies,
 // fill and randn, graphs and events.  lib/nocuda.c stands in for this file in a build
 // without CUDA.
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
