@@ -42,7 +42,7 @@ function(moe_pc_link_args dep out)
 endfunction()
 
 set(MOE_PC_LIBS_PRIVATE)
-foreach(dep ${MOE_LINK_DEPS})
+foreach(dep ${MOE_LINK_DEPS} ${MOE_CXX_RUNTIME})
   moe_pc_link_args(${dep} MOE_PC_LIBS_PRIVATE)
 endforeach()
 if(MOE_SANITIZE)
