@@ -52,13 +52,15 @@ describe("moelab.json.decode [#cpu]", function()
     assert.are.equal("[1,null,3]", json.encode(list))
     assert.are.same({}, json.decode("[]"))
     assert.are.same({}, json.decode(" {} "))
+    assert.are.equal("a\127b", json.decode('"a\127b"')) -- DEL is no control character to JSON
   end)
 
   for _, row in ipairs {
     { "empty text", "", "unexpected end of text at byte 1" },
     { "text after the value", "1 2", "text after the value at byte 3" },
     { "a trailing comma", "[1,]", "unexpected \"]\" at byte 4" },
-    { "a key that is not a string", "{1: 2}", "expected a key (a string) at byte 2" },
+    { "a key that is not a string", "{1: 2}", "expected a string key at byte 2" },
+    { "a key given twice", '{"a": 1, "a": 2}', 'key "a" given twice at byte 14' },
     { "a missing colon", '{"a" 1}', "expected ':' at byte 6" },
     { "an unterminated string", '"abc', "an unterminated string at byte 2" },
     { "a raw newline in a string", '"a\nb"', "a control character in a string at byte 3" },
@@ -71,7 +73,7 @@ describe("moelab.json.decode [#cpu]", function()
     { "an exponent without digits", "1e", "a malformed number at byte 1" },
     { "NaN", "NaN", "unexpected \"N\" at byte 1" },
     { "a misspelt literal", "nul", "unexpected \"n\" at byte 1" },
-    { "nesting too deep", string.rep("[", 600) .. string.rep("]", 600), "nesting deeper than 500" },
+    { "nesting too deep", string.rep("[", 600) .. string.rep("]", 600), "values nested more than 500 deep" },
     { "not a string", 42, "bad argument #1 to 'json.decode' (expected a string, got 42)" },
   } do
     it("refuses " .. row[1], function()

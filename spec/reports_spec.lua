@@ -9,12 +9,7 @@ local json = require "moelab.json"
 local STAGES = { "route", "schedule", "dispatch", "experts", "shared", "combine" }
 local W, EL = 8, 48 -- kimi.lua's world, and Kimi K2's experts per rank there
 
-local function read(path)
-  local f = assert(io.open(path, "r"))
-  local text = f:read("a")
-  f:close()
-  return text
-end
+local read = S.read_file
 
 local function write(path, text)
   local f = assert(io.open(path, "w"))
@@ -204,7 +199,7 @@ describe("scenarios/compare.lua [#cpu]", function()
       local out, status = S.run_lua("scenarios/compare.lua", f .. " " .. f)
       os.remove(f)
       return out, status
-    end, "json: expected a key (a string) at byte 3" },
+    end, "json: expected a string key at byte 3" },
     { "a negative threshold", function() return compare({}, {}, "--threshold -1") end,
       "--threshold must be >= 0, got -1" },
   } do

@@ -11,139 +11,13 @@
 -- and shape against the layer before anything is allocated.
 local core = require "moelab.core"
 local args = require "moelab.args"
+local json = require "moelab.json"
 
 local checkpoint = {}
 
 local INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 local READABLE = { BF16 = "bf16", F16 = "bf16", F32 = "f32", F8_E4M3 = "bf16" } -- and the dtype each is read into
 local BLOCK = 128 -- the side of an FP8 weight's blocks, each with one scale
-
--- ---------------------------------------------------------------- the index file's JSON
-
-local ESCAPES = { ['"'] = '"', ["\\"] = "\\", ["/"] = "/", b = "\b", f = "\f", n = "\n", r = "\r", t = "\t" }
-
-local function utf8_char(u)
-  local f = math.floor
-  if u < 0x80 then return string.char(u) end
-  if u < 0x800 then return string.char(0xc0 + f(u / 0x40), 0x80 + u % 0x40) end
-  if u < 0x10000 then return string.char(0xe0 + f(u / 0x1000), 0x80 + f(u / 0x40) % 0x40, 0x80 + u % 0x40) end
-  return string.char(0xf0 + f(u / 0x40000), 0x80 + f(u / 0x1000) % 0x40, 0x80 + f(u / 0x40) % 0x40, 0x80 + u % 0x40)
-end
-
--- text (strict JSON) -> its value: objects and arrays as tables, null as nil.  fail(msg) is
--- called with "byte B: what is wrong" (B counted from 0) and must not return.
-local function decode_json(text, fail)
-  local pos = 1
-  local function bad(msg) fail(string.format("byte %d: %s", pos - 1, msg)) end
-  local function ws() pos = text:find("[^ \t\r\n]", pos) or #text + 1 end
-  local function hex4()
-    local h = text:match("^%x%x%x%x", pos)
-    if not h then bad("a \\u escape needs four hex digits") end
-    pos = pos + 4
-    return tonumber(h, 16)
-  end
-  local function str()
-    pos = pos + 1
-    local out = {}
-    while true do
-      local at = text:find('["\\%c]', pos)
-      if not at then bad("unterminated string") end
-      out[#out + 1] = text:sub(pos, at - 1)
-      local c = text:sub(at, at)
-      pos = at + 1
-      if c == '"' then return table.concat(out) end
-      if c == "\127" then out[#out + 1] = c -- %c takes DEL too; JSON does not mind it
-      elseif c ~= "\\" then
-        pos = at
-        bad(string.format("control character 0x%02x in a string", c:byte()))
-      else
-        local e = text:sub(pos, pos)
-        pos = pos + 1
-        if ESCAPES[e] then out[#out + 1] = ESCAPES[e]
-        elseif e == "u" then
-          local u = hex4()
-          if u >= 0xd800 and u <= 0xdbff then
-            if text:sub(pos, pos + 1) ~= "\\u" then bad("a high surrogate without its low half") end
-            pos = pos + 2
-            local lo = hex4()
-            if lo < 0xdc00 or lo > 0xdfff then bad("a high surrogate without its low half") end
-            u = 0x10000 + (u - 0xd800) * 0x400 + (lo - 0xdc00)
-          elseif u >= 0xdc00 and u <= 0xdfff then
-            bad("a lone low surrogate")
-          end
-          out[#out + 1] = utf8_char(u)
-        else
-          pos = pos - 1
-          bad(string.format("unknown escape '\\%s'", e))
-        end
-      end
-    end
-  end
-  local value, depth = nil, 0
-  local function container(close)
-    local t, n = {}, 0
-    depth = depth + 1
-    if depth > 64 then bad("values nested more than 64 deep") end
-    pos = pos + 1
-    ws()
-    if text:sub(pos, pos) == close then
-      pos, depth = pos + 1, depth - 1
-      return t
-    end
-    while true do
-      ws()
-      if close == "}" then
-        if text:sub(pos, pos) ~= '"' then bad("expected a string key") end
-        local k = str()
-        ws()
-        if text:sub(pos, pos) ~= ":" then bad("expected ':' after a key") end
-        pos = pos + 1
-        if t[k] ~= nil then bad(string.format("key %q given twice", k)) end
-        t[k] = value()
-      else
-        n = n + 1
-        t[n] = value()
-      end
-      ws()
-      local c = text:sub(pos, pos)
-      pos = pos + 1
-      if c == close then
-        depth = depth - 1
-        return t
-      end
-      if c ~= "," then
-        pos = pos - 1
-        bad(string.format("expected ',' or '%s'", close))
-      end
-    end
-  end
-  function value()
-    ws()
-    local c = text:sub(pos, pos)
-    if c == "{" then return container("}") end
-    if c == "[" then return container("]") end
-    if c == '"' then return str() end
-    for word, v in pairs { ["true"] = true, ["false"] = false, null = false } do
-      if text:sub(pos, pos + #word - 1) == word then
-        pos = pos + #word
-        if word == "null" then return nil end
-        return v
-      end
-    end
-    local num = text:match("^-?0", pos) or text:match("^-?[1-9]%d*", pos)
-    if not num then bad(c == "" and "expected a value, got the end" or "expected a value") end
-    if text:match("^%d", pos + #num) then bad("a number with a leading zero") end
-    local frac = text:match("^%.%d+", pos + #num) or ""
-    local exp = text:match("^[eE][-+]?%d+", pos + #num + #frac) or ""
-    if text:match("^[.eE]", pos + #num + #frac + #exp) then bad("malformed number") end
-    pos = pos + #num + #frac + #exp
-    return tonumber(num .. frac .. exp)
-  end
-  local v = value()
-  ws()
-  if pos <= #text then bad("text after the value") end
-  return v
-end
 
 -- ---------------------------------------------------------------- a checkpoint
 
@@ -169,8 +43,9 @@ local function read_index(path, fname)
   if not f then args.fail(fname, string.format("cannot read checkpoint index '%s': %s", path, err)) end
   local text = f:read("*a") or ""
   f:close()
-  local index = decode_json(text, function(msg)
-    args.fail(fname, string.format("checkpoint index '%s' is not valid JSON at %s", path, msg))
+  -- an index nests two objects deep: a tighter bound than json's refuses a hostile file early
+  local index = json.decode_with(text, 64, function(what, at)
+    args.fail(fname, string.format("checkpoint index '%s' is not valid JSON at byte %d: %s", path, at - 1, what))
   end)
   local map = type(index) == "table" and index.weight_map
   if type(map) ~= "table" then

@@ -4,8 +4,9 @@
 -- numbers; two that print alike, 1 and "1", are an error); numbers keep full precision, NaN and
 -- the infinities become null; a string that is not UTF-8 has its bytes past 0x7f escaped as the
 -- code points of the same value (as Latin-1), so that the output is always valid JSON.
--- And its decoder, for the tools that read reports back (scenarios/compare.lua): RFC 8259 JSON,
--- null as nil in an object and as json.null in an array (so that the elements keep their places).
+-- And its decoder, for the tools that read reports back (scenarios/compare.lua) and for
+-- checkpoints' index files: RFC 8259 JSON, a key given twice in an object refused, null as nil in
+-- an object and as json.null in an array (so that the elements keep their places).
 -- Written for Lua 5.4 and LuaJIT alike.
 local args = require "moelab.args"
 local compat = require "moelab.compat"
@@ -80,7 +81,7 @@ end
 
 -- ---------------------------------------------------------------- decoding
 
-local MAX_DEPTH = 500 -- deeper nesting is refused rather than overflowing the C stack
+local MAX_DEPTH = 500 -- by default: deeper nesting is refused rather than overflowing the C stack
 
 -- The UTF-8 bytes of code point c.
 local function utf8_char(c)
@@ -92,12 +93,12 @@ end
 
 local UNESCAPE = { ['"'] = '"', ['\\'] = '\\', ['/'] = '/', b = '\b', f = '\f', n = '\n', r = '\r', t = '\t' }
 
-local function decoder(text)
+-- The parser of text: arrays and objects nested at most max_depth deep; fail_at(what, byte) must
+-- not return.
+local function decoder(text, max_depth, fail_at)
   local pos = 1
 
-  local function fail(what)
-    args.raise(string.format("json: %s at byte %d", what, pos))
-  end
+  local function fail(what) fail_at(what, pos) end
 
   local function skip()
     pos = text:find("[^ \t\r\n]", pos) or #text + 1
@@ -125,7 +126,10 @@ local function decoder(text)
       parts[#parts + 1] = text:sub(pos, stop - 1)
       pos = stop
       local c = text:sub(pos, pos)
-      if c == '"' then
+      if c == "\127" then -- %c takes DEL too; JSON does not mind it
+        parts[#parts + 1] = c
+        pos = pos + 1
+      elseif c == '"' then
         pos = pos + 1
         local s = table.concat(parts)
         if not compat.utf8_valid(s) then fail("a string that is not UTF-8") end
@@ -172,61 +176,48 @@ local function decoder(text)
 
   local value
 
-  local function array(depth)
+  -- An array (close "]") or an object (close "}") at pos, the depth-th container down.
+  local function container(close, depth)
+    if depth > max_depth then fail("values nested more than " .. max_depth .. " deep") end
     pos = pos + 1
-    local list = {}
+    local t, n = {}, 0
     skip()
-    if text:sub(pos, pos) == "]" then
+    if text:sub(pos, pos) == close then
       pos = pos + 1
-      return list
+      return t
     end
     while true do
-      local v = value(depth)
-      list[#list + 1] = v == nil and json.null or v
-      skip()
-      local c = text:sub(pos, pos)
-      pos = pos + 1
-      if c == "]" then return list end
-      if c ~= "," then
-        pos = pos - 1
-        fail("expected ',' or ']'")
+      if close == "}" then
+        skip()
+        if text:sub(pos, pos) ~= '"' then fail("expected a string key") end
+        local key = str()
+        skip()
+        if text:sub(pos, pos) ~= ":" then fail("expected ':'") end
+        pos = pos + 1
+        -- which of the two a reader takes is not defined (RFC 8259, 4)
+        if t[key] ~= nil then fail(string.format("key %q given twice", key)) end
+        t[key] = value(depth)
+      else
+        local v = value(depth)
+        n = n + 1
+        t[n] = v == nil and json.null or v
       end
-    end
-  end
-
-  local function object(depth)
-    pos = pos + 1
-    local obj = {}
-    skip()
-    if text:sub(pos, pos) == "}" then
-      pos = pos + 1
-      return obj
-    end
-    while true do
-      skip()
-      if text:sub(pos, pos) ~= '"' then fail("expected a key (a string)") end
-      local key = str()
-      skip()
-      if text:sub(pos, pos) ~= ":" then fail("expected ':'") end
-      pos = pos + 1
-      obj[key] = value(depth)
       skip()
       local c = text:sub(pos, pos)
       pos = pos + 1
-      if c == "}" then return obj end
+      if c == close then return t end
       if c ~= "," then
         pos = pos - 1
-        fail("expected ',' or '}'")
+        fail(string.format("expected ',' or '%s'", close))
       end
     end
   end
 
   value = function(depth)
-    if depth > MAX_DEPTH then fail("nesting deeper than " .. MAX_DEPTH) end
     skip()
     local c = text:sub(pos, pos)
-    if c == "{" then return object(depth + 1) end
-    if c == "[" then return array(depth + 1) end
+    if c == "{" then return container("}", depth + 1) end
+    if c == "[" then return container("]", depth + 1) end
     if c == '"' then return str() end
     if c == "t" then return literal("true", true) end
     if c == "f" then return literal("false", false) end
@@ -244,10 +235,20 @@ local function decoder(text)
   end
 end
 
+local function raise(what, n) args.raise(string.format("json: %s at byte %d", what, n)) end
+
 -- text -> the value it holds; raises "json: <what is wrong> at byte N".
 function json.decode(text)
   if type(text) ~= "string" then args.fail("json.decode", "expected a string, got " .. args.describe(text)) end
-  return decoder(text)()
+  return decoder(text, MAX_DEPTH, raise)()
+end
+
+-- decode_with(text, max_depth, fail) -> as json.decode, with arrays and objects nested at most
+-- max_depth deep, and fail(what, n) called instead of raising (n: the byte, counted from 1); it
+-- must not return.  For a reader with its own bound and its own words for a broken file.
+function json.decode_with(text, max_depth, fail)
+  if type(text) ~= "string" then args.fail("json.decode_with", "expected a string, got " .. args.describe(text)) end
+  return decoder(text, max_depth, fail)()
 end
 
 return json
