@@ -1063,6 +1063,19 @@ local function all_open(fname, handles)
   for i = 1, #handles do still_open(fname, handles[i]) end
 end
 
+-- tensor_field of each field, in order -> the tensors (nil: an OPTIONAL one left out).  Values
+-- returned rather than a table: a stage call allocates nothing it need not.
+local function tensor_fields(o, fname, optional, field, ...)
+  if field == nil then return end
+  local u = tensor_field(o, fname, field, optional)
+  return u, tensor_fields(o, fname, optional, ...)
+end
+
+-- still_open of each argument, in order (nil: an optional tensor left out).
+local function each_open(fname, ...)
+  for i = 1, select("#", ...) do still_open(fname, (select(i, ...))) end
+end
+
 local function ptr(u) return u and u.h_t or nil end
 
 -- ---------------------------------------------------------------- stages
@@ -1073,8 +1086,7 @@ local LAYOUTS = { "roundrobin", "peer_major" }
 local route_args = ffi.typeof("moe_route_args")
 function M.route(o)
   args_open(o, "route")
-  local ids = tensor_field(o, "route", "ids", REQUIRED)
-  local weights = tensor_field(o, "route", "weights", REQUIRED)
+  local ids, weights = tensor_fields(o, "route", REQUIRED, "ids", "weights")
   local stats = tensor_field(o, "route", "stats", OPTIONAL)
   local logits = tensor_field(o, "route", "logits", REQUIRED)
   local bias = tensor_field(o, "route", "bias", OPTIONAL)
@@ -1083,11 +1095,7 @@ function M.route(o)
   local groups = int_field(o, "route", "groups", OPTIONAL, 1)
   local topk_groups = int_field(o, "route", "topk_groups", OPTIONAL, groups)
   local scale = number_field(o, "route", "scale", 1.0)
-  still_open("route", ids)
-  still_open("route", weights)
-  still_open("route", stats)
-  still_open("route", logits)
-  still_open("route", bias)
+  each_open("route", ids, weights, stats, logits, bias)
   local a = route_args(ids.h_t, weights.h_t, ptr(stats), logits.h_t, ptr(bias), k, scoring, groups, topk_groups, scale)
   local rc = lib.moe_route(ctx, a)
   if rc ~= 0 then stage_fail(rc, "route", "route") end
@@ -1128,16 +1136,10 @@ function M.schedule_explain(o) return schedule_call(o, "schedule_explain", true)
 local dispatch_args = ffi.typeof("moe_dispatch_args")
 function M.dispatch(o)
   args_open(o, "dispatch")
-  local out = tensor_field(o, "dispatch", "out", REQUIRED)
-  local x = tensor_field(o, "dispatch", "x", REQUIRED)
-  local peer_rank = tensor_field(o, "dispatch", "peer_rank", REQUIRED)
-  local peer_route = tensor_field(o, "dispatch", "peer_route", REQUIRED)
+  local out, x, peer_rank, peer_route = tensor_fields(o, "dispatch", REQUIRED, "out", "x", "peer_rank", "peer_route")
   local k = int_field(o, "dispatch", "k", REQUIRED, 0)
   local zero_fill = bool_field(o, "dispatch", "zero_fill")
-  still_open("dispatch", out)
-  still_open("dispatch", x)
-  still_open("dispatch", peer_rank)
-  still_open("dispatch", peer_route)
+  each_open("dispatch", out, x, peer_rank, peer_route)
   local a = dispatch_args(out.h_t, x.h_t, peer_rank.h_t, peer_route.h_t, k, zero_fill and 1 or 0)
   local rc = lib.moe_dispatch(ctx, a)
   if rc ~= 0 then stage_fail(rc, "dispatch", "dispatch") end
@@ -1147,16 +1149,9 @@ end
 local experts_args = ffi.typeof("moe_experts_args")
 local function experts_fields(o, name)
   args_open(o, name)
-  local out = tensor_field(o, name, "out", REQUIRED)
-  local x = tensor_field(o, name, "x", REQUIRED)
-  local offsets = tensor_field(o, name, "offsets", REQUIRED)
-  local w_gate_up = tensor_field(o, name, "w_gate_up", REQUIRED)
-  local w_down = tensor_field(o, name, "w_down", REQUIRED)
-  still_open(name, out)
-  still_open(name, x)
-  still_open(name, offsets)
-  still_open(name, w_gate_up)
-  still_open(name, w_down)
+  local out, x, offsets, w_gate_up, w_down = tensor_fields(o, name, REQUIRED, "out", "x", "offsets", "w_gate_up",
+    "w_down")
+  each_open(name, out, x, offsets, w_gate_up, w_down)
   return experts_args(out.h_t, x.h_t, offsets.h_t, w_gate_up.h_t, w_down.h_t)
 end
 
@@ -1205,23 +1200,17 @@ end
 local combine_args = ffi.typeof("moe_combine_args")
 function M.combine(o)
   args_open(o, "combine")
-  local out = tensor_field(o, "combine", "out", REQUIRED)
-  local weights = tensor_field(o, "combine", "weights", REQUIRED)
-  local ids = tensor_field(o, "combine", "ids", REQUIRED)
+  local out, weights, ids = tensor_fields(o, "combine", REQUIRED, "out", "weights", "ids")
   local world = world_field(o, "combine")
   local ys, ys_h = tensors_field(o, "combine", "ys", world)
   local rows, rows_h = tensors_field(o, "combine", "route_row", world)
   local experts = int_field(o, "combine", "experts", REQUIRED, 0)
   local rank = int_field(o, "combine", "rank", REQUIRED, 0)
-  local shared = tensor_field(o, "combine", "shared", OPTIONAL)
-  local shared_gate = tensor_field(o, "combine", "shared_gate", OPTIONAL)
-  still_open("combine", out)
-  still_open("combine", weights)
-  still_open("combine", ids)
+  local shared, shared_gate = tensor_fields(o, "combine", OPTIONAL, "shared", "shared_gate")
+  each_open("combine", out, weights, ids)
   all_open("combine", ys_h)
   all_open("combine", rows_h)
-  still_open("combine", shared)
-  still_open("combine", shared_gate)
+  each_open("combine", shared, shared_gate)
   local a = combine_args(out.h_t, weights.h_t, ids.h_t, ys, rows, world, experts, rank, ptr(shared), ptr(shared_gate))
   local rc = lib.moe_combine(ctx, a)
   if rc ~= 0 then stage_fail(rc, "combine", "combine") end
@@ -1230,23 +1219,16 @@ end
 local reference_args = ffi.typeof("moe_reference_args")
 function M.reference(o)
   args_open(o, "reference")
-  local out = tensor_field(o, "reference", "out", REQUIRED)
-  local x = tensor_field(o, "reference", "x", REQUIRED)
-  local ids = tensor_field(o, "reference", "ids", REQUIRED)
-  local weights = tensor_field(o, "reference", "weights", REQUIRED)
+  local out, x, ids, weights = tensor_fields(o, "reference", REQUIRED, "out", "x", "ids", "weights")
   local world = world_field(o, "reference")
   local wgu, wgu_h = tensors_field(o, "reference", "w_gate_up", world)
   local wd, wd_h = tensors_field(o, "reference", "w_down", world)
   local experts = int_field(o, "reference", "experts", REQUIRED, 0)
-  local sgu = tensor_field(o, "reference", "shared_gate_up", OPTIONAL)
-  local sd = tensor_field(o, "reference", "shared_down", OPTIONAL)
-  local sgw = tensor_field(o, "reference", "shared_gate_w", OPTIONAL)
-  for _, u in ipairs { out, x, ids, weights } do still_open("reference", u) end
+  local sgu, sd, sgw = tensor_fields(o, "reference", OPTIONAL, "shared_gate_up", "shared_down", "shared_gate_w")
+  each_open("reference", out, x, ids, weights)
   all_open("reference", wgu_h)
   all_open("reference", wd_h)
-  still_open("reference", sgu)
-  still_open("reference", sd)
-  still_open("reference", sgw)
+  each_open("reference", sgu, sd, sgw)
   local a = reference_args(out.h_t, x.h_t, ids.h_t, weights.h_t, wgu, wd, world, experts, ptr(sgu), ptr(sd), ptr(sgw))
   local rc = lib.moe_reference(ctx, a)
   if rc ~= 0 then stage_fail(rc, "reference", "reference") end
@@ -1294,6 +1276,12 @@ local function class(name)
   return c
 end
 
+-- The __tostring of a class whose objects hold their C object in cell: its name, "(closed)" after.
+local function cell_tostring(self)
+  local name = getmetatable(self).__name
+  return self.cell[0] ~= nil and name or name .. "(closed)"
+end
+
 local function object(cls, ctype, free)
   local cell = ffi.gc(new(ctype), function(p)
     if p[0] ~= nil then
@@ -1322,6 +1310,16 @@ local function check_object(fname, arg, v, cls, method, var)
   return p
 end
 
+-- The method fname of cls (kind names its object in errors) that runs the C function cfunc on the
+-- object's C object -> the object itself.
+local function chained_method(fname, cls, kind, cfunc)
+  return function(o)
+    local rc = lib[cfunc](ctx, check_object(fname, 1, o, cls, true, kind))
+    if rc ~= 0 then fail(rc) end
+    return o
+  end
+end
+
 local Event = class("moelab.Event")
 function M.event_new(dev)
   local d = check_device("event_new", 1, dev)
@@ -1331,7 +1329,7 @@ function M.event_new(dev)
   return e
 end
 
-function Event:__tostring() return self.cell[0] ~= nil and "moelab.Event" or "moelab.Event(closed)" end
+Event.__tostring = cell_tostring
 function Event:__close()
   local cell = close_object(self)
   if cell and cell[0] ~= nil then
@@ -1340,11 +1338,7 @@ function Event:__close()
   end
 end
 
-function Event.methods.record(e)
-  local rc = lib.moe_event_record(ctx, check_object("record", 1, e, Event, true, "event"))
-  if rc ~= 0 then fail(rc) end
-  return e
-end
+Event.methods.record = chained_method("record", Event, "event", "moe_event_record")
 
 local ms_out = new("float[1]")
 -- stop:elapsed_since(start) -> milliseconds; waits for stop
@@ -1382,13 +1376,8 @@ function M.graph_end(keep)
   return g
 end
 
-function Graph:__tostring() return self.cell[0] ~= nil and "moelab.Graph" or "moelab.Graph(closed)" end
-
-function Graph.methods.replay(g)
-  local rc = lib.moe_graph_replay(ctx, check_object("replay", 1, g, Graph, true, "graph"))
-  if rc ~= 0 then fail(rc) end
-  return g
-end
+Graph.__tostring = cell_tostring
+Graph.methods.replay = chained_method("replay", Graph, "graph", "moe_graph_replay")
 
 -- ---------------------------------------------------------------- worlds
 
@@ -1633,75 +1622,70 @@ function M.world_compare_configs(rank, cfgs)
   if rc ~= 0 then fail(rc) end
 end
 
--- The dispatch arguments of n local ranks; the all-gather exchange needs x_all, the direct one
--- route_row.  -> the C array and every handle taken.
-local function world_dispatch_args(list, n, direct)
-  entries("dispatch", list, n, "argument tables")
-  local a, handles = new("moe_world_dispatch_args[?]", n), {}
-  local function take(t, i, field, optional)
-    local u = w_tensor("dispatch", t, i, field, optional)
-    handles[#handles + 1] = u
-    return ptr(u)
-  end
+-- The tensor fields of a world's dispatch and combine, in the order they are read; only: the
+-- field of the direct exchange alone (true) or of the all-gather one alone (false); optional: one
+-- that may be left out.
+local DISPATCH_TENSORS = { { "out" }, { "x_all", only = false }, { "x" }, { "peer_rank" }, { "peer_route" },
+  { "route_row", only = true } }
+local COMBINE_TENSORS = { { "out" }, { "weights" }, { "ids" }, { "ys" }, { "route_row" },
+  { "send_rows", only = false }, { "recv_rows", only = false }, { "send_index", only = false },
+  { "recv_index", only = false }, { "shared", optional = true }, { "shared_gate", optional = true } }
+
+-- The C array (ctype) of fname's arguments for n local ranks, and every handle taken: each rank's
+-- tensor fields (of the direct exchange or not), then rest(t, i, c) sets its other fields.
+local function world_args(fname, ctype, fields, list, n, direct, rest)
+  entries(fname, list, n, "argument tables")
+  local a, handles = new(ctype, n), {}
   for i = 1, n do
     local t, c = rawget(list, i), a[i - 1]
-    c.out = take(t, i, "out")
-    if not direct then c.x_all = take(t, i, "x_all") end
-    c.x = take(t, i, "x")
-    c.peer_rank = take(t, i, "peer_rank")
-    c.peer_route = take(t, i, "peer_route")
-    if direct then c.route_row = take(t, i, "route_row") end
-    c.k = w_int("dispatch", t, i, "k", false, 0)
-    c.zero_fill = t.zero_fill and 1 or 0
+    for _, f in ipairs(fields) do
+      if f.only == nil or f.only == direct then
+        local u = w_tensor(fname, t, i, f[1], f.optional)
+        if u then handles[#handles + 1] = u end
+        c[f[1]] = ptr(u)
+      end
+    end
+    rest(t, i, c)
   end
   return a, handles
 end
 
+-- The dispatch arguments of n local ranks; the all-gather exchange needs x_all, the direct one
+-- route_row.  -> the C array and every handle taken.
+local function world_dispatch_args(list, n, direct)
+  return world_args("dispatch", "moe_world_dispatch_args[?]", DISPATCH_TENSORS, list, n, direct, function(t, i, c)
+    c.k = w_int("dispatch", t, i, "k", false, 0)
+    c.zero_fill = t.zero_fill and 1 or 0
+  end)
+end
+
 local function world_combine_args(list, n, direct)
-  entries("combine", list, n, "argument tables")
-  local a, handles = new("moe_world_combine_args[?]", n), {}
-  local function take(t, i, field, optional)
-    local u = w_tensor("combine", t, i, field, optional)
-    if u then handles[#handles + 1] = u end
-    return ptr(u)
-  end
-  for i = 1, n do
-    local t, c = rawget(list, i), a[i - 1]
-    c.out = take(t, i, "out")
-    c.weights = take(t, i, "weights")
-    c.ids = take(t, i, "ids")
-    c.ys = take(t, i, "ys")
-    c.route_row = take(t, i, "route_row")
-    if not direct then
-      c.send_rows = take(t, i, "send_rows")
-      c.recv_rows = take(t, i, "recv_rows")
-      c.send_index = take(t, i, "send_index")
-      c.recv_index = take(t, i, "recv_index")
-    end
-    c.shared = take(t, i, "shared", true)
-    c.shared_gate = take(t, i, "shared_gate", true)
+  return world_args("combine", "moe_world_combine_args[?]", COMBINE_TENSORS, list, n, direct, function(t, i, c)
     c.experts = w_int("combine", t, i, "experts", false, 0)
-  end
-  return a, handles
+  end)
+end
+
+-- A stage of the world (or exchange) p over its n local ranks: list's argument tables made into C
+-- by args (world_dispatch_args or world_combine_args), every tensor taken still open, then
+-- stage(ctx, p, the C array).
+local function world_stage(fname, p, n, list, direct, args, stage)
+  local a, handles = args(list, n, direct)
+  all_open(fname, handles)
+  local rc = stage(ctx, p, a)
+  if rc ~= 0 then fail(rc) end
 end
 
 -- dispatch({{out=, x_all=, x=, peer_rank=, peer_route=, k=, zero_fill=}, ...})
 function World.methods.dispatch(w, list)
   local p = world_ptr("dispatch", w, true)
-  local a, handles = world_dispatch_args(list, lib.moe_world_local_count(p), false)
-  all_open("dispatch", handles)
-  local rc = lib.moe_world_dispatch(ctx, p, a)
-  if rc ~= 0 then fail(rc) end
+  world_stage("dispatch", p, lib.moe_world_local_count(p), list, false, world_dispatch_args, lib.moe_world_dispatch)
 end
 
 -- combine({{out=, weights=, ids=, ys=, route_row=, send_rows=, recv_rows=, send_index=,
 -- recv_index=, experts=, shared=, shared_gate=}, ...})
 function World.methods.combine(w, list)
   local p = world_ptr("combine", w, true)
-  local a, handles = world_combine_args(list, lib.moe_world_local_count(p), false)
-  all_open("combine", handles)
-  local rc = lib.moe_world_combine(ctx, p, a)
-  if rc ~= 0 then fail(rc) end
+  world_stage("combine", p, lib.moe_world_local_count(p), list, false, world_combine_args, lib.moe_world_combine)
 end
 
 -- The windows' tensor handles -> their exchange: the exchange outlives every handle of its memory
@@ -1744,19 +1728,13 @@ end
 function Exchange.methods.dispatch(ex, list)
   local p, n = check_exchange("dispatch", ex)
   if pins then pins[ex] = true end -- a graph of this call writes into the windows, whatever x and out are
-  local a, handles = world_dispatch_args(list, n, true)
-  all_open("dispatch", handles)
-  local rc = lib.moe_world_exchange_dispatch(ctx, p, a)
-  if rc ~= 0 then fail(rc) end
+  world_stage("dispatch", p, n, list, true, world_dispatch_args, lib.moe_world_exchange_dispatch)
 end
 
 function Exchange.methods.combine(ex, list)
   local p, n = check_exchange("combine", ex)
   if pins then pins[ex] = true end -- a graph of this call reads the peers' windows, whatever y is
-  local a, handles = world_combine_args(list, n, true)
-  all_open("combine", handles)
-  local rc = lib.moe_world_exchange_combine(ctx, p, a)
-  if rc ~= 0 then fail(rc) end
+  world_stage("combine", p, n, list, true, world_combine_args, lib.moe_world_exchange_combine)
 end
 
 -- ---------------------------------------------------------------- safetensors files
