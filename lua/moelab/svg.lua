@@ -130,6 +130,23 @@ function svg.legend(doc, x, y, names, colors)
   return 18
 end
 
+-- Opens a chart's <g class="class"> under its title (o.title, bold, at o.x, o.y) -> the y below
+-- the title.
+local function open_chart(doc, o, class)
+  doc:open("g", { class = class })
+  doc:text(o.x, o.y + FONT, o.title, { ["font-weight"] = "bold" })
+  return o.y + FONT + 8
+end
+
+-- The legend of series in PALETTE's colors, and of mark_name's black marks where given, at x, y
+-- -> the y below it.
+local function series_legend(doc, x, y, series, mark_name)
+  local names, colors = {}, {}
+  for i, s in ipairs(series) do names[i], colors[i] = s, PALETTE[i] end
+  if mark_name then names[#names + 1], colors[#colors + 1] = mark_name, "#000000" end
+  return y + svg.legend(doc, x, y + FONT, names, colors) + 4
+end
+
 -- Horizontal bars, a row each, grouped by series: o = {x, y, width, title, unit, series = {names},
 -- rows = {{label =, values = {v per series, nil: none}, marks = {{value =, label =}}}}, mark_name}.
 -- -> the height it took.
@@ -145,16 +162,8 @@ function svg.bars(doc, o)
     for _, m in ipairs(r.marks or {}) do all[#all + 1] = m.value end
   end
   local scale = plot_w / top(all)
-  local y = o.y
-  doc:open("g", { class = "bars" })
-  doc:text(o.x, y + FONT, o.title, { ["font-weight"] = "bold" })
-  y = y + FONT + 8
-  if #series > 1 or o.mark_name then
-    local names, colors = {}, {}
-    for i, s in ipairs(series) do names[i], colors[i] = s, PALETTE[i] end
-    if o.mark_name then names[#names + 1], colors[#colors + 1] = o.mark_name, "#000000" end
-    y = y + svg.legend(doc, o.x, y + FONT, names, colors) + 4
-  end
+  local y = open_chart(doc, o, "bars")
+  if #series > 1 or o.mark_name then y = series_legend(doc, o.x, y, series, o.mark_name) end
   for _, r in ipairs(rows) do
     doc:text(o.x, y + row_h / 2, r.label, { class = "label" })
     for i, name in ipairs(series) do
@@ -228,13 +237,7 @@ function svg.stacked(doc, o)
     for _, v in ipairs(r.parts) do totals[i] = totals[i] + v end
   end
   local scale = plot_w / top(totals)
-  local y = o.y
-  doc:open("g", { class = "stacked" })
-  doc:text(o.x, y + FONT, o.title, { ["font-weight"] = "bold" })
-  y = y + FONT + 8
-  local colors = {}
-  for i = 1, #series do colors[i] = PALETTE[i] end
-  y = y + svg.legend(doc, o.x, y + FONT, series, colors) + 4
+  local y = series_legend(doc, o.x, open_chart(doc, o, "stacked"), series)
   for i, r in ipairs(rows) do
     doc:text(o.x, y + 12, r.label, { class = "label" })
     local x = plot_x
