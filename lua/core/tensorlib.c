@@ -36,11 +36,11 @@ static int l_device_info(lua_State *L) {
 static int l_device_memory(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   moe_device dev = lc_check_device(L, 1);
-  size_t free_bytes = 0, total_bytes = 0;
-  int rc = moe_device_memory(ctx, dev, &free_bytes, &total_bytes);
+  size_t bytes[2] = {0, 0}; /* free, total */
+  int rc = moe_device_memory(ctx, dev, &bytes[0], &bytes[1]);
   if (rc) return lc_fail(L, ctx, rc);
-  lua_pushinteger(L, (lua_Integer)(free_bytes < (size_t)LUA_MAXINTEGER ? free_bytes : (size_t)LUA_MAXINTEGER));
-  lua_pushinteger(L, (lua_Integer)(total_bytes < (size_t)LUA_MAXINTEGER ? total_bytes : (size_t)LUA_MAXINTEGER));
+  for (int i = 0; i < 2; i++) /* a Lua integer holds any real size; the clamp only keeps the cast defined */
+    lua_pushinteger(L, (lua_Integer)(bytes[i] < (size_t)LUA_MAXINTEGER ? bytes[i] : (size_t)LUA_MAXINTEGER));
   return 2;
 }
 
