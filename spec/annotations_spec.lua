@@ -5,12 +5,7 @@
 -- moe.* names of docs/lua-api.md are exactly the declared ones.
 local DEFS = "library/moelab.lua"
 
-local function read(path)
-  local f = assert(io.open(path, "r"))
-  local text = f:read("a")
-  f:close()
-  return text
-end
+local read = require("support").read_file
 
 -- The definitions file -> classes[name] = {functions = {name = {params, doc}}, fields = {name = true}},
 -- by the local table each class is declared on ("---@class X" then "local T = {}").

@@ -2,18 +2,12 @@
 -- Every file the project cites exists in it: a path under one of the repository's folders
 -- (lib/..., kernels/..., docs/...) or a Markdown file named anywhere, in any tracked file.  A
 -- reader who follows a comment or a document must find what it names.
+local support = require "support"
+
 local TOP = { "lib", "kernels", "lua", "scenarios", "spec", "bench", "docs" }
 
-local function tracked()
-  local p = assert(io.popen("git ls-files 2>/dev/null"))
-  local files = {}
-  for name in p:lines() do files[#files + 1] = name end
-  p:close()
-  return files
-end
-
 describe("citations [#cpu]", function()
-  local files = tracked()
+  local files = support.tracked_files()
   if #files == 0 then
     pending("not a git checkout: the tracked files cannot be listed")
     return

@@ -3,6 +3,8 @@
 -- tracked source file (the first line, or the second after a shebang), in the comment syntax of
 -- its language, so that a file copied out of the tree still says under what terms.
 
+local support = require "support"
+
 -- The SPDX line a tracked file must carry, by the file's name; nil for files that carry none
 -- (documents, data, configuration).
 local C_LINE = "/* SPDX-License-Identifier: MIT */"
@@ -34,14 +36,6 @@ local function spdx_slot(path)
   return first, 1
 end
 
-local function tracked()
-  local p = assert(io.popen("git ls-files 2>/dev/null"))
-  local files = {}
-  for name in p:lines() do files[#files + 1] = name end
-  p:close()
-  return files
-end
-
 describe("license [#cpu]", function()
   it("LICENSE is the MIT license of the moelab authors", function()
     local fh = assert(io.open("LICENSE", "rb"), "LICENSE is missing")
@@ -52,7 +46,7 @@ describe("license [#cpu]", function()
     assert.truthy(text:find("Permission is hereby granted, free of charge", 1, true), "LICENSE lacks the grant")
   end)
 
-  local files = tracked()
+  local files = support.tracked_files()
   if #files == 0 then
     pending("not a git checkout: the tracked files cannot be listed")
     return

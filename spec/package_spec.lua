@@ -19,11 +19,9 @@ describe("the installed package [#cpu]", function()
   local tmp, prefix, libdir, pcdir
 
   lazy_setup(function()
-    local ok, out = sh("mktemp -d")
-    assert(ok, out)
-    tmp = out:gsub("%s+$", "")
+    tmp = support.tempdir()
     prefix = tmp .. "/prefix"
-    ok, out = sh("cmake --install " .. q(build) .. " --prefix " .. q(prefix))
+    local ok, out = sh("cmake --install " .. q(build) .. " --prefix " .. q(prefix))
     assert(ok, "cmake --install " .. build .. " failed:\n" .. out)
     ok, out = sh("find " .. q(prefix) .. " -name moelab.pc")
     pcdir = out:match("^(%S+)/moelab%.pc\n")
@@ -31,7 +29,7 @@ describe("the installed package [#cpu]", function()
   end)
 
   lazy_teardown(function()
-    if tmp then sh("rm -rf " .. q(tmp)) end
+    support.remove_tree(tmp)
   end)
 
   -- Runs program (a path), with the installed libraries first on the loader's path: a shared

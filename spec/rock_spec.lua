@@ -16,12 +16,10 @@ describe("the LuaRocks rock [#cpu]", function()
   local tmp, tree, made, log
 
   lazy_setup(function()
-    local ok, out = sh("mktemp -d")
-    assert(ok, out)
-    tmp = out:gsub("%s+$", "")
+    tmp = support.tempdir()
     tree = tmp .. "/tree"
     local src = tmp .. "/src"
-    ok, out = sh("mkdir " .. q(src) .. " && git ls-files -z | tar --null -T - -cf - | tar -xf - -C " .. q(src))
+    local ok, out = sh("mkdir " .. q(src) .. " && git ls-files -z | tar --null -T - -cf - | tar -xf - -C " .. q(src))
     assert(ok, "copying the tracked files failed:\n" .. out)
     local fh = assert(io.open(src .. "/" .. ROCKSPEC, "rb"))
     local text, n = fh:read("a"):gsub("\n  variables = {\n", "\n  variables = {\n    MOE_WITH_CUDA = \"OFF\",\n", 1)
@@ -35,7 +33,7 @@ describe("the LuaRocks rock [#cpu]", function()
   end)
 
   lazy_teardown(function()
-    if tmp then sh("rm -rf " .. q(tmp)) end
+    support.remove_tree(tmp)
   end)
 
   it("luarocks make installs the module and the front-end, and not the C library's files", function()

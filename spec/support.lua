@@ -212,6 +212,36 @@ function support.preloaded(cmd)
   return "LD_PRELOAD=" .. support.shell_quote(preload) .. " " .. cmd
 end
 
+-- A new directory under the system's temporary one (mktemp -d) -> its path.
+function support.tempdir()
+  local ok, out = support.shell("mktemp -d")
+  assert(ok, out)
+  return (out:gsub("%s+$", ""))
+end
+
+-- Removes the tree at path (support.tempdir's); nothing where path is nil (a setup that failed
+-- before making it).
+function support.remove_tree(path)
+  if path then support.shell("rm -rf " .. support.shell_quote(path)) end
+end
+
+-- The files git tracks in the checkout, as `git ls-files` names them; none outside a checkout.
+function support.tracked_files()
+  local p = assert(io.popen("git ls-files 2>/dev/null"))
+  local files = {}
+  for name in p:lines() do files[#files + 1] = name end
+  p:close()
+  return files
+end
+
+-- The whole text of the file at path; raises where it cannot be read.
+function support.read_file(path)
+  local f = assert(io.open(path, "r"))
+  local text = f:read("a")
+  f:close()
+  return text
+end
+
 -- s quoted for the shell.
 function support.shell_quote(s)
   return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
