@@ -253,7 +253,41 @@ function F:sentinels(k)
   end
 end
 
+-- ---------------------------------------------------------------- the canary
+
+-- A valid call with a known answer, made again through every sequence: a forward of a small
+-- Kimi K2 layer over two ranks (route, schedule, dispatch, experts, shared expert, combine) on a
+-- fixed input, held to the dense reference once, then bit for bit to its first output.  Its
+-- tensors are the fuzzer's alone: a change means memory that no call may touch was written, or
+-- state the module keeps (its kernel options, its context) went wrong.
+local canary
+local function canary_problem()
+  if not canary then
+    local l = moe.layer { model = "kimi_k2", world = 2, tokens = 4, hidden = 16, ffn = 8, shared_ffn = 8, seed = 3 }
+    local x = moe.randn({ 2, 4, 16 }, { seed = 5, dtype = "bf16" })
+    local out = l:forward(x):flat()
+    local m = l:check(x, { raise = false })
+    if not m.pass then
+      return string.format("the canary layer fails its reference (max |got - ref| %.4g of %.4g)", m.max_abs, m.max_ref)
+    end
+    canary = { layer = l, x = x, out = out }
+  end
+  local ok, out = pcall(canary.layer.forward, canary.layer, canary.x)
+  if not ok then return "the canary layer's forward raised: " .. tostring(out) end
+  local got = out:flat()
+  for i = 1, #canary.out do
+    if got[i] ~= canary.out[i] then
+      return string.format("the canary layer's output changed at element %d: %s, first %s", i, tostring(got[i]),
+        tostring(canary.out[i]))
+    end
+  end
+end
+D.canary = canary_problem
+
 -- ---------------------------------------------------------------- a sequence
+
+-- Calls between two runs of the canary.
+local CANARY_EVERY = 16
 
 -- Picks a generator by weight.
 local function pick(rng, gens, total)
@@ -287,15 +321,17 @@ function D.sequence(seed, calls, gens, allow, log_io)
       problem = state:judge(c, allow)
     end
     problem = problem or state:sentinels(2)
+    if not problem and i % CANARY_EVERY == 0 then problem = canary_problem() end
     if problem then
       failure = { seed = seed, index = i, problem = problem }
       break
     end
   end
   if not failure then
-    local problem = state:sentinels(nil)
+    local problem = state:sentinels(nil) or canary_problem()
     if problem then failure = { seed = seed, index = calls, problem = "at the end: " .. problem } end
   end
+  moe.config { schedule_kernel = "auto", experts_kernel = "auto" } -- the kernel options as the suites expect them
   if failure then failure.log = state.log end
   local stats = state.stats or {}
   state.pool, state.layers, state.schedules = nil, nil, nil

@@ -92,7 +92,7 @@ function G.route(F)
     o.weights = F:fresh("f32", { N, K }, F:values(N * K))
   end
   local bad
-  local r = F.rng:int(1, 10)
+  local r = F.rng:int(1, 14)
   if r <= 4 then
     local _
     o, _, bad = mutate.options(F, o, ROUTE_SPEC, { "logits", "k" })
@@ -200,9 +200,10 @@ local function schedule_options(F, p, rank)
     layout = F.rng:chance(0.7) and F.rng:pick(LAYOUTS) or nil,
     overflow = F.rng:chance(0.5) and F.rng:pick { "error", "drop" } or nil,
     invalid = F.rng:chance(0.5) and F.rng:pick { "error", "skip" } or nil }
+  -- rows as a number a third of the time, often fewer than the routes need (an overflow)
   local r = F.rng:int(1, 6)
   if r == 1 then o.capacity = F.rng:pick { "worst", "twice_mean" }
-  elseif r == 2 then o.capacity = F.rng:int(0, p.W * p.T * p.K + 4) end
+  elseif r <= 3 then o.capacity = F.rng:int(0, F.rng:chance(0.5) and p.T * p.K or p.W * p.T * p.K + 4) end
   return o
 end
 G.schedule_options = schedule_options
@@ -241,7 +242,7 @@ function G.schedule(F)
   local o = schedule_options(F, p)
   local plan = F.rng:chance(0.25)
   local bad
-  local r = F.rng:int(1, 10)
+  local r = F.rng:int(1, 14)
   if r <= 5 then
     local _
     o, _, bad = mutate.options(F, o, SCHEDULE_SPEC, { "ids", "experts" })
@@ -294,6 +295,22 @@ local function some_schedule(F)
   return F.rng:pick(F.schedules)
 end
 G.some_schedule = some_schedule
+
+-- Writes values no schedule makes into one of s's tensors named in fields (the caller owns
+-- them: a stage must treat their contents as data, never trust them as indices).
+local function poke(F, s, fields)
+  local field = F.rng:pick(fields)
+  local t = s[field]
+  if t.closed or t:numel() == 0 then return "" end
+  local v = t:flat()
+  for _ = 1, F.rng:int(1, 3) do
+    v[F.rng:int(1, #v)] = F.rng:pick { -1, -7, s.capacity, s.capacity + 3, s.world, s.tokens * s.k, 2147483647,
+      -2147483648 }
+  end
+  t:copy(moe.tensor(v, { dtype = "i32", shape = t.shape }))
+  return string.format("  -- %s.%s holds values no schedule makes", F.pool.names[s] or "s", field)
+end
+G.poke = poke
 
 local SCHEDULE_METHODS = { "run", "check", "read_stats", "explain", "__tostring" }
 
@@ -355,7 +372,7 @@ function G.dispatch(F)
   o.x = F:fresh("bf16", { s.world, s.tokens, H }, F:values(s.world * s.tokens * H))
   if F.rng:chance(0.3) then o.out = F:fresh("bf16", { s.capacity, H }, F:values(s.capacity * H)) end
   local bad
-  local r = F.rng:int(1, 10)
+  local r = F.rng:int(1, 14)
   if r <= 4 then
     local _
     o, _, bad = mutate.options(F, o, DISPATCH_SPEC, { "x", "schedule" })
@@ -372,7 +389,9 @@ function G.dispatch(F)
     o.schedule = F.rng:pick { {}, setmetatable({}, moe.Schedule), { world = s.world, tokens = s.tokens } }
     bad = "not a schedule"
   end
+  local poked = F.rng:chance(0.15) and poke(F, s, { "peer_rank", "peer_route" }) or ""
   local c = F:call { name = "moe.dispatch", args = { o }, n = 1, bad = bad }
+  c.text = c.text .. poked
   local before = plain(o) and mutate.is_tensor(rawget(o, "out")) and not o.out.closed and o.out:flat()
   c.check = function(res)
     local out = res[2]
@@ -434,7 +453,7 @@ G.experts_options = experts_options
 function G.experts(F)
   local o = experts_options(F)
   local bad
-  local r = F.rng:int(1, 10)
+  local r = F.rng:int(1, 14)
   if r <= 4 then
     local _
     o, _, bad = mutate.options(F, o, EXPERTS_SPEC, { "x", "offsets", "w_gate_up", "w_down" })
@@ -510,6 +529,7 @@ function G.combine(F)
     schedules[r + 1] = moe.schedule(base)
     keep_schedule(F, schedules[r + 1])
   end
+  local poked = F.rng:chance(0.15) and poke(F, F.rng:pick(schedules), { "route_row" }) or ""
   local H = F.rng:int(1, 6)
   local ys = {}
   for r = 1, p.W do ys[r] = F:fresh("bf16", { schedules[r].capacity, H }, F:values(schedules[r].capacity * H)) end
@@ -528,7 +548,7 @@ function G.combine(F)
   if F.rng:chance(0.3) then o.dtype = dtype end
   if F.rng:chance(0.3) then o.out = F:fresh(dtype, { p.T, H }, F:values(p.T * H)) end
   local bad
-  local r = F.rng:int(1, 12)
+  local r = F.rng:int(1, 16)
   if r <= 4 then
     local _
     o, _, bad = mutate.options(F, o, COMBINE_SPEC, { "weights" })
@@ -552,6 +572,7 @@ function G.combine(F)
     bad = "both schedule and schedules"
   end
   local c = F:call { name = "moe.combine", args = { o }, n = 1, bad = bad }
+  c.text = c.text .. poked
   local ok_args = readable(o, { "weights", "y", "out", "shared", "shared_gate" }, 1)
   c.check = function(res)
     local out = res[2]
