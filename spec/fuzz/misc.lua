@@ -74,8 +74,16 @@ function G.bench(F)
     bad = "not a function"
   elseif r == 5 then
     fn = mutate.trap
+  elseif r == 6 then
+    o.device = F.rng:pick { F.absent_device, "gpu" }
+    bad = "not a device here"
   end
   local c = F:call { name = "moe.bench", args = { fn, o }, n = 2, bad = bad }
+  -- a refusal comes before the function runs
+  c.effect = true
+  c.after_error = function()
+    if count > 0 then return string.format("bench ran the function %d times, then refused", count) end
+  end
   c.check = function(res)
     local b = res[2]
     if type(b) ~= "table" or type(b.median_ms) ~= "number" or not (b.min_ms <= b.median_ms and b.median_ms <= b.max_ms) then
