@@ -268,7 +268,8 @@ end
 local canary
 local function canary_problem()
   if not canary then
-    local l = moe.layer { model = "kimi_k2", world = 2, tokens = 4, hidden = 16, ffn = 8, shared_ffn = 8, seed = 3 }
+    local l = moe.layer { model = "kimi_k2", world = 2, tokens = 4, hidden = 16, ffn = 8, shared_ffn = 8, seed = 3,
+      device = "cpu" }
     local x = moe.randn({ 2, 4, 16 }, { seed = 5, dtype = "bf16" })
     local out = l:forward(x):flat()
     local m = l:check(x, { raise = false })

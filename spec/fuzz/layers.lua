@@ -76,7 +76,8 @@ local function layer_options(F)
   if F.rng:chance(0.4) then o.overflow = F.rng:pick { "error", "drop" } end
   if F.rng:chance(0.2) then o.invalid = F.rng:pick { "error", "skip" } end
   if F.rng:chance(0.2) then o.nan = F.rng:pick { "error", "mask" } end
-  if F.rng:chance(0.2) then o.device = "cpu" end
+  -- on the CPU, whatever the default device: the fuzzer's tensors are all there
+  if F.rng:chance(0.2) or moe.default_device() ~= "cpu" then o.device = "cpu" end
   return o
 end
 

@@ -134,11 +134,13 @@ function G.route(F)
     end
     outputs_written(F, { ids, weights })
   end
-  -- the rows that could not be scored are found after the stage has written the outputs
+  -- the rows that could not be scored are found after the stage has written the outputs; so is
+  -- option nan read, which the caller's own __index may answer with an error
   c.on_error = function(msg)
-    if type(msg) == "string" and msg:find("route: logits contain NaN", 1, true) then
+    if msg == mutate.TRAP or (type(msg) == "string" and msg:find("route: logits contain NaN", 1, true)) then
       local ok, ids, weights = pcall(function() return o.ids, o.weights end) -- options behind __index too
-      if ok then outputs_written(F, { ids, weights }) end
+      if not ok and type(o) == "table" then ids, weights = rawget(o, "ids"), rawget(o, "weights") end
+      outputs_written(F, { ids, weights })
     end
   end
   return c
