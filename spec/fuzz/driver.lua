@@ -29,7 +29,7 @@ F.__index = F
 
 local function new_state(seed, log_io)
   local self = setmetatable({ seed = seed, rng = Rng.new(seed), pool = Pool.new(), log = {}, log_io = log_io,
-    schedules = {}, layers = {}, events = {}, n = 0 }, F)
+    schedules = {}, layers = {}, events = {} }, F)
   -- a device that names a GPU this machine does not have
   self.absent_device = "cuda:" .. moe.core.device_count("cuda")
   return self
@@ -55,8 +55,6 @@ function F:closed_tensor()
   e.closed = true
   return t
 end
-
-function F:name(obj) return self.pool.names[obj] end
 
 -- A new tensor of dtype and shape holding vals (flat), part of the sequence: the set-up of a
 -- call, which must not fail.
@@ -156,7 +154,6 @@ local function body_of(msg)
   local body = msg:gsub(OWN_POSITION, "", 1)
   return body, body ~= msg
 end
-D.body_of = body_of
 
 -- What is wrong with an error message raised by a call named by names (the public names it may
 -- start with), or nil.
@@ -288,7 +285,6 @@ local function canary_problem()
     end
   end
 end
-D.canary = canary_problem
 
 -- ---------------------------------------------------------------- a sequence
 
@@ -314,7 +310,6 @@ function D.sequence(seed, calls, gens, allow, log_io)
   local failure
   for i = 1, calls do
     local g = pick(state.rng, gens, total)
-    state.n = i
     local made, c = pcall(g.gen, state)
     local problem
     if not made then

@@ -34,15 +34,4 @@ function Rng:chance(p) return self:float() < p end
 
 function Rng:pick(list) return list[self:int(1, #list)] end
 
--- The list shuffled into a new one.
-function Rng:shuffled(list)
-  local out = {}
-  for i = 1, #list do out[i] = list[i] end
-  for i = #out, 2, -1 do
-    local j = self:int(1, i)
-    out[i], out[j] = out[j], out[i]
-  end
-  return out
-end
-
 return Rng

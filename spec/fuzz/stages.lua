@@ -170,7 +170,6 @@ local function routing(F, opts)
   local ids = F:fresh("i32", { W, Tn, K }, vals)
   return { W = W, EL = EL, E = E, K = K, T = Tn, ids = ids }
 end
-G.routing = routing
 
 -- The capacity moe.schedule resolves for options o (rows), as docs/lua-api.md defines it.
 local function capacity_of(o, W, Tn, K, EL, pad, default)
@@ -184,7 +183,6 @@ local function capacity_of(o, W, Tn, K, EL, pad, default)
   if cap == "twice_mean" then return 2 * Tn * K + EL * pad end
   return cap
 end
-G.capacity_of = capacity_of
 
 local SCHEDULE_SPEC = {
   ids = { kind = "tensor", dtype = "i32" }, experts = { kind = "int" }, rank = { kind = "int" },
@@ -208,7 +206,6 @@ local function schedule_options(F, p, rank)
   elseif r <= 3 then o.capacity = F.rng:int(0, F.rng:chance(0.5) and p.T * p.K or p.W * p.T * p.K + 4) end
   return o
 end
-G.schedule_options = schedule_options
 
 local SCHEDULE_OUTPUTS = { "peer_rank", "peer_route", "counts", "tokens_per_expert", "expert_offsets", "route_row" }
 
@@ -296,7 +293,6 @@ local function some_schedule(F)
   end
   return F.rng:pick(F.schedules)
 end
-G.some_schedule = some_schedule
 
 -- Writes values no schedule makes into one of s's tensors named in fields (the caller owns
 -- them: a stage must treat their contents as data, never trust them as indices).
@@ -312,7 +308,6 @@ local function poke(F, s, fields)
   t:copy(moe.tensor(v, { dtype = "i32", shape = t.shape }))
   return string.format("  -- %s.%s holds values no schedule makes", F.pool.names[s] or "s", field)
 end
-G.poke = poke
 
 local SCHEDULE_METHODS = { "run", "check", "read_stats", "explain", "__tostring" }
 
@@ -450,7 +445,6 @@ local function experts_options(F)
   elseif r == 2 then o.out = F:fresh("bf16", { C, H }, F:values(C * H)) end
   return o
 end
-G.experts_options = experts_options
 
 function G.experts(F)
   local o = experts_options(F)

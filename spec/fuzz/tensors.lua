@@ -119,7 +119,7 @@ function G.from_table(F)
     data = { { { { { 1 } } } } }
     bad = "five levels of nesting"
   end
-  local c = F:call { name = "moe.tensor", f = moe.tensor, args = { data, opts }, n = 2, bad = bad }
+  local c = F:call { name = "moe.tensor", args = { data, opts }, n = 2, bad = bad }
   c.check = function(res)
     local t = res[2]
     if proxy or not plain(opts) then
@@ -127,10 +127,11 @@ function G.from_table(F)
       F.pool:add(t)
       return nil
     end
+    local dt = opts.dtype or "f32" -- as the call was given it (a mutation may have dropped it)
     local want = {}
-    for i = 1, #flat do want[i] = O.stored(dtype, flat[i]) end
+    for i = 1, #flat do want[i] = O.stored(dt, flat[i]) end
     local want_shape = type(data) == "number" and {} or opts.shape or (nested and shape) or { #flat }
-    local problem = G.holds(t, dtype, want_shape, want, "the tensor")
+    local problem = G.holds(t, dt, want_shape, want, "the tensor")
     if not problem then F.pool:add(t) end
     return problem
   end
@@ -148,7 +149,6 @@ local function scaled_draws(shape, seed, std, dtype)
   for i, u in ipairs(unit) do out[i] = O.stored(dtype, O.f32(u * s)) end
   return out
 end
-G.scaled_draws = scaled_draws
 
 function G.maker(F)
   local which = F.rng:pick { "zeros", "full", "randn" }
@@ -181,7 +181,7 @@ function G.maker(F)
     bad = "a value i32 does not hold"
   end
   local args = which == "full" and { shape, value, opts } or { shape, opts }
-  local c = F:call { name = "moe." .. which, f = moe[which], args = args, n = #args == 3 and 3 or 2, bad = bad }
+  local c = F:call { name = "moe." .. which, args = args, n = #args == 3 and 3 or 2, bad = bad }
   c.check = function(res)
     local t = res[2]
     if not plain(opts) then
