@@ -173,9 +173,9 @@ function G.event(F)
   end
   if #F.events == 0 or r == 3 then
     local fn = F.rng:pick { function() end, nil, 5 }
-    local c = F:call { name = "moe.graph", args = { fn, F.rng:chance(0.5) and { device = "cpu" } or nil }, n = 2,
-      bad = "a graph on the CPU" }
-    return c
+    -- the default device only where it is the CPU: a GPU would capture
+    local o = (F.rng:chance(0.5) or moe.default_device() ~= "cpu") and { device = "cpu" } or nil
+    return F:call { name = "moe.graph", args = { fn, o }, n = 2, bad = "a graph on the CPU" }
   end
   local ev = F.rng:pick(F.events)
   if F.rng:chance(0.5) then

@@ -34,7 +34,7 @@ function Pool:add(t, parent, offset, volatile)
   if parent then
     e.buf, e.off, e.owner = parent.buf, parent.off + offset, parent.owner
   else
-    e.buf, e.off = { vals = t:flat(), volatile = volatile, n = e.numel }, 0
+    e.buf, e.off = { vals = t:flat(), volatile = volatile }, 0
   end
   e.name = self:name(t, "t")
   self.entries[#self.entries + 1] = e
