@@ -139,8 +139,8 @@ describe("the fuzzer [#cpu]", function()
         io.stderr:write(string.format("  %-28s %6d calls %6d returned %6d raised\n", name, t.calls, t.ok, t.errors))
       end
       for _, gap in ipairs(KNOWN_GAPS) do
-        io.stderr:write(string.format("  known gap hit %4d times: %s %s\n", gap.hits or 0, gap.call,
-          gap.message or gap.text or ""))
+        io.stderr:write(string.format("  known gap hit %4d times: %s %s\n%s", gap.hits or 0, gap.call,
+          gap.message or gap.text or "", gap.example and ("    first: " .. gap.example .. "\n") or ""))
       end
     end
     assert(#failures == 0, table.concat(failures, "\n\n"))

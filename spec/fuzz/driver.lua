@@ -189,6 +189,7 @@ local function allowed(allow, kind, c, body)
     if a.kind == kind and c.name:find(a.call) and (kind ~= "message" and c.text:find(a.text or "", 1, true)
       or kind == "message" and body:find(a.message)) then
       a.hits = (a.hits or 0) + 1
+      a.example = a.example or (kind == "message" and (c.text .. "\n      -> " .. body) or c.text)
       return true
     end
   end
