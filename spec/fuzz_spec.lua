@@ -21,7 +21,7 @@ local KNOWN_GAPS = {
   { kind = "message", call = "^moe%.full$", message = "^fill: " }, -- full's value named as fill's
   { kind = "message", call = ":copy$", message = "^tensor_copy: " }, -- t:copy named by its C function
   { kind = "message", call = ":to$", message = "^tensor: " }, -- t:to(absent device) named as moe.tensor's
-  { kind = "message", call = "^moe%.%a+$", message = "^tensor: .* is not available" }, -- zeros, layer...: device
+  { kind = "message", call = "^moe%.%a+$", message = "^tensor: cuda:%d+ " }, -- zeros, layer...: an absent device
   -- s.run(), layer.forward(x) and the like: the front-end's methods index self before checking it
   { kind = "message", call = "^schedule%.", message = "schedule%.lua:%d+: attempt to index a nil value" },
   { kind = "message", call = "^layer%.", message = "layer%.lua:%d+: attempt to index a nil value" },

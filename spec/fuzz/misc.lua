@@ -163,7 +163,7 @@ function G.event(F)
   local r = F.rng:int(1, 8)
   if r <= 2 then
     local dev = F.rng:pick { "cpu", "cpu", nil, F.absent_device, 7, "gpu" }
-    local bad = (dev ~= "cpu" and (dev ~= nil or moe.default_device() ~= "cpu")) and "not a device here" or nil
+    local bad = dev ~= nil and dev ~= "cpu" and "not a device here" or nil
     local c = F:call { name = "moe.event", args = { dev }, n = 1, bad = bad }
     c.check = function(res)
       F.pool:name(res[2], "e")
