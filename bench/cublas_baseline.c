@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* cublas_baseline.c -- the cuBLAS reference points of scenarios/experts.lua.
  *
  *   cublas_baseline H F [--device N] [--warmup N] [--iters N] [--data normal|uniform]

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dispatch_combine_bench.c -- dispatch and combine timed at the Kimi K2 rank-of-EP8 shape.
  *
  *   build/bench/dispatch_combine_bench

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* exchange_bench.c -- the expert-parallel exchange across real GPUs, in GB/s per GPU, beside
  * NCCL's own all-to-all of the same bytes in the same run.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* experts_bench.c -- the experts stage timed at the Kimi K2 rank-of-EP8 shape and at its decode.
  *
  *   build/bench/experts_bench [--kernel NAME|auto] [--passes N] [--rows N]

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* experts_energy.c -- the energy of one pass of the experts stage, from the GPU's own counter.
  *
  *   build/bench/experts_energy [--passes N] [--warmup N] [--rows N] [--data normal|uniform]

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // launch_floor.cu -- what a scheduler call costs before it does any work: the period of a kernel in
 // a CUDA graph of 200 back-to-back calls (as scenarios/scheduler.lua times schedule), for skeletons
 // of the scheduler's structure with nothing else in them.  A bench program, not part of the

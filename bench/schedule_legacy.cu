@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // schedule_legacy.cu -- the scheduler moelab started from (the MoK seed's algorithm), as a bench
 // program: the baseline that scenarios/scheduler.lua's "legacy µs" column times, and a second,
 // independent implementation of the "roundrobin" layout whose result must equal moe_schedule's.

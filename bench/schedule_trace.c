@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* schedule_trace.c -- the schedule timed at the Kimi K2 shapes (E 384, K 8), each call with where
  * its time goes: the scheduler kernel's phases.
  *

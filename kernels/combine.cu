@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // combine.cu -- stage 5 on the GPU: out[t] = sum_k w[t,k] * ys_owner[route_row_owner[rank, t*K+k]]
 // (+ g[t] * shared[t]).
 //

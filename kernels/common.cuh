@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // common.cuh -- what every CUDA launcher shares: error recording, the context's stream, bf16.
 #pragma once
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // dispatch.cu -- stage 3 on the GPU: out[row] = x[peer_rank[row], peer_route[row] / k].
 //
 // A gather of whole rows: the only work is moving bytes, so the kernel is built for copy

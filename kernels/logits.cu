@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // logits.cu -- router logits out f32 [N, E] = x bf16 [N, H] . w bf16 [E, H]^T, and the Qwen3.5
 // shared-expert gate g f32 [T] = sigmoid(x . w), on the GPU.
 //

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // route.cu -- stage 1 on the GPU: logits f32 [N, E] -> ids i32 [N, K], weights f32 [N, K].
 //
 // The same function as moeI_route_cpu (lib/route.c), bit for bit, ids and weights alike:

@@ -1,6 +1,8 @@
+/* SPDX-License-Identifier: MIT */
 // runtime.cu -- the CUDA side of the core: devices, the context's stream, memory, copies,
 // fill and randn, graphs and events.  lib/nocuda.c stands in for this file in a build
 // without CUDA.
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,6 +27,36 @@ int moeI_cuda_device_count(int *count) {
   }
   *count = n;
   return MOE_OK;
+}
+
+// A CUDA version number (1000 major + 10 minor) as "12.8".
+static void cuda_version(char *buf, size_t n, int v) { snprintf(buf, n, "%d.%d", v / 1000, v % 1000 / 10); }
+
+int moeI_cuda_device_info(moe_ctx *ctx, int device, char *report, size_t n) {
+  static const char *stage = "device_info";
+  int count = 0;
+  moeI_cuda_device_count(&count);
+  if (count == 0)
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: cuda:%d is not available (no usable GPU on this machine)", stage,
+                       device);
+  if (device < 0 || device >= count)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: cuda:%d does not exist (%d GPU%s visible)", stage, device, count,
+                       count == 1 ? "" : "s");
+  cudaDeviceProp p;
+  int clock_khz = 0, driver = 0, runtime = 0;
+  MOE_CUDA_TRY(ctx, stage, cudaGetDeviceProperties(&p, device));
+  MOE_CUDA_TRY(ctx, stage, cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
+  MOE_CUDA_TRY(ctx, stage, cudaDriverGetVersion(&driver));
+  MOE_CUDA_TRY(ctx, stage, cudaRuntimeGetVersion(&runtime));
+  char dv[16], rv[16];
+  cuda_version(dv, sizeof dv, driver);
+  cuda_version(rv, sizeof rv, runtime);
+  snprintf(report, n,
+           "kind: cuda\nname: %s\nsm_count: %d\nsm_clock_mhz: %d\nmemory_mib: %lld\ncompute_capability: %d.%d\n"
+           "driver: %s\nruntime: %s\n",
+           p.name, p.multiProcessorCount, clock_khz / 1000, (long long)(p.totalGlobalMem >> 20), p.major, p.minor, dv,
+           rv);
+  return moeI_ok(ctx);
 }
 
 int moeI_cuda_ctx_stream(moe_ctx *ctx, int device, cudaStream_t *out) {
@@ -105,6 +137,12 @@ int moeI_cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **out) {
   MOE_CUDA_TRY(ctx, "tensor", err);
   *out = p;
   return MOE_OK;
+}
+
+int moeI_cuda_memory(moe_ctx *ctx, int device, size_t *free_bytes, size_t *total_bytes) {
+  MOE_CUDA_TRY(ctx, "device_memory", cudaSetDevice(device));
+  MOE_CUDA_TRY(ctx, "device_memory", cudaMemGetInfo(free_bytes, total_bytes));
+  return moeI_ok(ctx);
 }
 
 // Frees run from destructors (Lua's __gc) at any moment, also in the middle of a graph

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // select.cuh -- how a stage with several GPU kernels chooses one.  Each such stage keeps one
 // table of candidates in its select.cu, in the order they are tried:
 //

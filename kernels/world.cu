@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // world.cu -- moe_world on NCCL: communicators and streams, the all-gathers, and the dispatch
 // and combine exchanges: the all-gather one (NCCL collectives only) and the direct one (peers'
 // symmetric windows read with loads over NVLink).  Built only when NCCL is found (lib/world.c has the stand-ins
@@ -82,8 +83,8 @@ void abort_world(moe_world *w) {
   if (w->abort_flag) *w->abort_flag = 1;
   w->aborted = w->failed = 1;
   for (int i = 0; i < w->nlocal; i++) {
-    if (!w->comms[i]) continue;
-    (void)ncclCommAbort(comm_of(w, i));
+    // a caller's communicator is left to the caller, who may abort it (its stuck work with it)
+    if (w->comms[i] && !w->borrowed) (void)ncclCommAbort(comm_of(w, i));
     w->comms[i] = nullptr;
   }
 }
@@ -226,6 +227,13 @@ void launch_pack(cudaStream_t s, const moe_world_combine_args *a, int64_t W, int
 
 int moeI_nccl_available(moe_ctx *ctx) { return moeI_ok(ctx); }
 
+int moeI_nccl_version(char *buf, size_t n) {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess) return MOE_ERR_CUDA;
+  snprintf(buf, n, "%d.%d.%d", v / 10000, v / 100 % 100, v % 100); // NCCL_VERSION(X, Y, Z) since 2.9
+  return MOE_OK;
+}
+
 int moeI_nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]) {
   ncclUniqueId u;
   NCCL_TRY(ctx, nullptr, -1, "ncclGetUniqueId", ncclGetUniqueId(&u));
@@ -233,14 +241,24 @@ int moeI_nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]) {
   return MOE_OK;
 }
 
+int moeI_nccl_comm_info(moe_ctx *ctx, void *comm, int *rank, int *size, int *device) {
+  const ncclComm_t c = (ncclComm_t)comm;
+  NCCL_TRY(ctx, nullptr, -1, "ncclCommUserRank", ncclCommUserRank(c, rank));
+  NCCL_TRY(ctx, nullptr, -1, "ncclCommCount", ncclCommCount(c, size));
+  NCCL_TRY(ctx, nullptr, -1, "ncclCommCuDevice", ncclCommCuDevice(c, device));
+  return MOE_OK;
+}
+
 int moeI_nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id) {
-  // NVLink SHARP (multicast) stays off: it reserves memory and changes algorithms under us, and
-  // the machines this was written for lend GPUs without it.  Set before the first init reads it.
-  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  // A bound that cannot be read is refused, not replaced: a rank waiting 600 s where 60 were
+  // asked for looks like a hang.
   const char *t = getenv("MOE_WORLD_TIMEOUT");
   char *end = nullptr;
-  const double timeout = t && *t ? strtod(t, &end) : 0;
-  w->timeout_s = t && *t && end && !*end && timeout > 0 ? timeout : 600;
+  const double timeout = t && *t ? strtod(t, &end) : 600;
+  if (t && *t && (!end || *end || !(timeout > 0 && timeout < 1e18)))
+    return moeI_seterr(ctx, MOE_ERR_ARG, "world: MOE_WORLD_TIMEOUT must be a finite number of seconds > 0, got \"%.64s\"",
+                       t);
+  w->timeout_s = timeout;
   void *flag = nullptr;
   MOE_CUDA_TRY(ctx, "world", cudaSetDevice(w->devices[0]));
   MOE_CUDA_TRY(ctx, "world", cudaHostAlloc(&flag, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
@@ -252,6 +270,10 @@ int moeI_nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id) {
     MOE_CUDA_TRY(ctx, "world", cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     w->streams[i] = s;
   }
+  if (w->borrowed) return moeI_ok(ctx); // the caller made the communicator, with its own settings
+  // NVLink SHARP (multicast) stays off: it reserves memory and changes algorithms under us, and
+  // the machines this was written for lend GPUs without it.  Set before the first init reads it.
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
   if (!id) {
     std::vector<ncclComm_t> comms((size_t)w->nlocal, nullptr);
     NCCL_TRY(ctx, w, -1, "ncclCommInitAll", ncclCommInitAll(comms.data(), w->nlocal, w->devices));
@@ -278,7 +300,9 @@ void moeI_nccl_world_release(moe_world *w) {
     w->streams[i] = nullptr;
   }
   // After a failure a peer may be gone: abort, which does not wait for anyone.  Otherwise
-  // finalise (all local ranks in one group, as for any call of several ranks) and destroy.
+  // finalise (all local ranks in one group, as for any call of several ranks) and destroy.  A
+  // caller's communicator stays as it is, the caller's to use on or to destroy.
+  if (w->borrowed) w->comms[0] = nullptr;
   if (!w->failed) {
     if (ncclGroupStart() == ncclSuccess) {
       for (int i = 0; i < w->nlocal; i++)
@@ -460,10 +484,10 @@ int moeI_nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *
     for (int64_t o = 0; o < W; o++) {
       moe_tensor &y = views[(size_t)(2 * o)], &r = views[(size_t)(2 * o + 1)];
       y = *a[i].recv_rows;
-      y.ndim = 2, y.shape[0] = TK, y.shape[1] = H, y.shape[2] = 0, y.numel = TK * H, y.owns_data = 0;
+      y.ndim = 2, y.shape[0] = TK, y.shape[1] = H, y.shape[2] = 0, y.numel = TK * H, y.storage = nullptr;
       y.data = (uint16_t *)a[i].recv_rows->data + o * TK * H;
       r = *a[i].recv_index;
-      r.ndim = 2, r.shape[0] = 1, r.shape[1] = TK, r.numel = TK, r.owns_data = 0;
+      r.ndim = 2, r.shape[0] = 1, r.shape[1] = TK, r.numel = TK, r.storage = nullptr;
       r.data = (int32_t *)a[i].recv_index->data + o * TK;
       ys[(size_t)o] = &y;
       rr[(size_t)o] = &r;
@@ -793,7 +817,7 @@ int moeI_nccl_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_w
       y = ex->ys[i];
       y.data = base + ex->ys_off;
       r = *a[i].route_row;
-      r.owns_data = 0;
+      r.storage = nullptr;
       r.data = base + ex->rr_off;
       ys[(size_t)o] = &y;
       rr[(size_t)o] = &r;

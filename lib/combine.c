@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* combine.c -- stage 5: each token of the source rank gathers its routes' expert outputs from
  * their owners, weighted, in ascending k, plus the shared expert. */
 #include <stdio.h>
@@ -97,5 +98,5 @@ int moe_combine(moe_ctx *ctx, const moe_combine_args *a) {
   if ((rc = moeI_check_no_overlap_list(ctx, stage, a->out, "out", a->ys, a->world, "ys")) ||
       (rc = moeI_check_no_overlap_list(ctx, stage, a->out, "out", a->route_row, a->world, "route_row")))
     return rc;
-  return dev.kind == MOE_CPU ? moeI_combine_cpu(ctx, a) : moeI_combine_cuda(ctx, a);
+  return MOE_IN_RANGE(stage, dev.kind == MOE_CPU ? moeI_combine_cpu(ctx, a) : moeI_combine_cuda(ctx, a));
 }

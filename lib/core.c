@@ -1,13 +1,16 @@
+/* SPDX-License-Identifier: MIT */
 /* core.c -- version, errors, context, tensors. */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "internal.h"
+#include "moelab_dlpack.h"
 
 int moe_libversion_number(void) { return MOE_VERSION_NUMBER; }
 const char *moe_libversion(void) { return MOE_VERSION; }
@@ -20,6 +23,7 @@ const char *moe_errstr(int code) {
   case MOE_ERR_CUDA: return "CUDA error";
   case MOE_ERR_UNSUPPORTED: return "not supported in this build or on this device";
   case MOE_ERR_INTERNAL: return "internal error";
+  case MOE_ERR_IO: return "cannot read a file, or it is malformed";
   default: return "unknown error code";
   }
 }
@@ -114,6 +118,12 @@ int moe_ctx_open(moe_ctx **out) {
   }
   ctx->errmsg[0] = '\0';
   *out = ctx;
+  /* A thread count that cannot be read is refused here, where the message has a context to live
+   * in, rather than ignored by every threaded stage later. */
+  if (moeI_env_threads() < 0)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "MOE_THREADS must be an integer from 1 to %d (the CPU backend's threads), "
+                       "got \"%.64s\"; unset it for the online CPUs (at most 64)", MOEI_MAX_THREADS,
+                       getenv("MOE_THREADS"));
   return MOE_OK;
 }
 
@@ -183,6 +193,7 @@ static int check_device(moe_ctx *ctx, const char *stage, moe_device device) {
                       n == 1 ? "" : "s");
   return MOE_OK;
 }
+int moeI_check_device(moe_ctx *ctx, const char *stage, moe_device device) { return check_device(ctx, stage, device); }
 
 int moe_ctx_synchronize(moe_ctx *ctx, moe_device device) {
   int rc = check_device(ctx, "synchronize", device); /* no GPU: UNSUPPORTED, as every other call says */
@@ -190,10 +201,8 @@ int moe_ctx_synchronize(moe_ctx *ctx, moe_device device) {
   return moeI_cuda_synchronize(ctx, device.index);
 }
 
-/* The checks every new tensor's dtype and shape pass (what names the call in messages); the
- * element count in *numel. */
-static int check_layout(moe_ctx *ctx, const char *what, moe_dtype dtype, int ndim, const int64_t *shape,
-                        int64_t *numel) {
+int moeI_check_layout(moe_ctx *ctx, const char *what, moe_dtype dtype, int ndim, const int64_t *shape,
+                      int64_t *numel) {
   if (dtype != MOE_F32 && dtype != MOE_BF16 && dtype != MOE_I32)
     return moeI_seterr(ctx, MOE_ERR_ARG, "%s: unknown dtype %d", what, (int)dtype);
   if (ndim < 0 || ndim > MOE_MAX_DIMS)
@@ -214,6 +223,47 @@ static int check_layout(moe_ctx *ctx, const char *what, moe_dtype dtype, int ndi
   return MOE_OK;
 }
 
+/* ---- storage: the memory behind tensors, counted, so that views and DLPack exports keep it
+ * alive whatever order their holders let go in ---- */
+
+struct moe_storage {
+  atomic_int refs;
+  moe_device device;
+  void *alloc;   /* moelab's allocation, where managed is NULL */
+  void *managed; /* a DLPack producer's DLManagedTensor (or ...Versioned), given back by its deleter */
+  int versioned;
+};
+
+void moeI_storage_hold(moe_storage *s) {
+  if (s) atomic_fetch_add_explicit(&s->refs, 1, memory_order_relaxed);
+}
+
+void moeI_storage_release(moe_storage *s) {
+  /* acq_rel: the last holder sees every other holder's writes before the memory goes */
+  if (!s || atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel) != 1) return;
+  if (s->managed && s->versioned) {
+    DLManagedTensorVersioned *m = s->managed;
+    if (m->deleter) m->deleter(m);
+  } else if (s->managed) {
+    DLManagedTensor *m = s->managed;
+    if (m->deleter) m->deleter(m);
+  } else if (s->device.kind == MOE_CPU) {
+    free(s->alloc);
+  } else {
+    moeI_cuda_free(s->device.index, s->alloc);
+  }
+  free(s);
+}
+
+moe_storage *moeI_storage_adopt(void *managed, int versioned) {
+  moe_storage *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  atomic_init(&s->refs, 1);
+  s->managed = managed;
+  s->versioned = versioned;
+  return s;
+}
+
 static moe_tensor *tensor_header(moe_dtype dtype, int ndim, const int64_t *shape, int64_t numel, moe_device device) {
   moe_tensor *t = calloc(1, sizeof *t);
   if (!t) return NULL;
@@ -230,53 +280,65 @@ int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape
   if (!out) return moeI_seterr(ctx, MOE_ERR_ARG, "tensor: out is NULL");
   *out = NULL;
   int64_t numel;
-  int rc = check_layout(ctx, "tensor", dtype, ndim, shape, &numel);
+  int rc = moeI_check_layout(ctx, "tensor", dtype, ndim, shape, &numel);
   if (rc) return rc;
   rc = check_device(ctx, "tensor", device);
   if (rc) return rc;
   moe_tensor *t = tensor_header(dtype, ndim, shape, numel, device);
-  if (!t) return moeI_seterr(ctx, MOE_ERR_NOMEM, "tensor: out of host memory");
+  moe_storage *s = calloc(1, sizeof *s);
+  if (!t || !s) {
+    free(t), free(s);
+    return moeI_seterr(ctx, MOE_ERR_NOMEM, "tensor: out of host memory");
+  }
   size_t nbytes = (size_t)numel * moe_dtype_size(dtype);
   if (device.kind == MOE_CPU) {
     /* zeroed, and never a NULL data pointer, even for an empty tensor */
-    t->data = calloc(nbytes ? nbytes : 1, 1);
-    if (!t->data) {
-      free(t);
+    s->alloc = calloc(nbytes ? nbytes : 1, 1);
+    if (!s->alloc) {
+      free(t), free(s);
       return moeI_seterr(ctx, MOE_ERR_NOMEM, "tensor: out of host memory (%zu bytes)", nbytes);
     }
   } else {
-    rc = moeI_cuda_alloc(ctx, device.index, nbytes ? nbytes : 16, &t->data);
+    rc = moeI_cuda_alloc(ctx, device.index, nbytes ? nbytes : 16, &s->alloc);
     if (rc) {
-      free(t);
+      free(t), free(s);
       return rc;
     }
   }
-  t->owns_data = 1;
+  atomic_init(&s->refs, 1);
+  s->device = device;
+  t->data = s->alloc;
+  t->storage = s;
+  *out = t;
+  return moeI_ok(ctx);
+}
+
+int moeI_tensor_wrap(moe_ctx *ctx, const char *what, void *data, moe_dtype dtype, int ndim, const int64_t *shape,
+                     moe_device device, moe_tensor **out) {
+  if (!out) return moeI_seterr(ctx, MOE_ERR_ARG, "%s: out is NULL", what);
+  *out = NULL;
+  int64_t numel;
+  int rc = moeI_check_layout(ctx, what, dtype, ndim, shape, &numel);
+  if (rc) return rc;
+  rc = check_device(ctx, what, device);
+  if (rc) return rc;
+  size_t align = moe_dtype_size(dtype);
+  if (!data && numel > 0)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: data is NULL for %lld elements", what, (long long)numel);
+  /* the kernels load elements (and vectors of them) at their natural alignment */
+  if ((uintptr_t)data % align)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: data %p is not aligned to its dtype %s (%zu bytes)", what, data,
+                       moe_dtype_name(dtype), align);
+  moe_tensor *t = tensor_header(dtype, ndim, shape, numel, device);
+  if (!t) return moeI_seterr(ctx, MOE_ERR_NOMEM, "%s: out of host memory", what);
+  t->data = data;
   *out = t;
   return moeI_ok(ctx);
 }
 
 int moe_tensor_wrap(moe_ctx *ctx, void *data, moe_dtype dtype, int ndim, const int64_t *shape, moe_device device,
                     moe_tensor **out) {
-  if (!out) return moeI_seterr(ctx, MOE_ERR_ARG, "wrap: out is NULL");
-  *out = NULL;
-  int64_t numel;
-  int rc = check_layout(ctx, "wrap", dtype, ndim, shape, &numel);
-  if (rc) return rc;
-  rc = check_device(ctx, "wrap", device);
-  if (rc) return rc;
-  size_t align = moe_dtype_size(dtype);
-  if (!data && numel > 0) return moeI_seterr(ctx, MOE_ERR_ARG, "wrap: data is NULL for %lld elements", (long long)numel);
-  /* the kernels load elements (and vectors of them) at their natural alignment */
-  if ((uintptr_t)data % align)
-    return moeI_seterr(ctx, MOE_ERR_ARG, "wrap: data %p is not aligned to its dtype %s (%zu bytes)", data,
-                       moe_dtype_name(dtype), align);
-  moe_tensor *t = tensor_header(dtype, ndim, shape, numel, device);
-  if (!t) return moeI_seterr(ctx, MOE_ERR_NOMEM, "wrap: out of host memory");
-  t->data = data;
-  t->owns_data = 0;
-  *out = t;
-  return moeI_ok(ctx);
+  return moeI_tensor_wrap(ctx, "wrap", data, dtype, ndim, shape, device, out);
 }
 
 int moe_tensor_view(moe_ctx *ctx, moe_tensor *base, int64_t offset, int ndim, const int64_t *shape,
@@ -312,17 +374,14 @@ int moe_tensor_view(moe_ctx *ctx, moe_tensor *base, int64_t offset, int ndim, co
   for (int i = 0; i < MOE_MAX_DIMS; i++) t->shape[i] = i < ndim ? shape[i] : 0;
   t->numel = numel;
   t->data = (char *)base->data + (size_t)offset * moe_dtype_size(base->dtype);
-  t->owns_data = 0;
+  moeI_storage_hold(t->storage); /* base may go first */
   *out = t;
   return moeI_ok(ctx);
 }
 
 void moe_tensor_free(moe_tensor *t) {
   if (!t) return;
-  if (t->owns_data) {
-    if (t->device.kind == MOE_CPU) free(t->data);
-    else moeI_cuda_free(t->device.index, t->data);
-  }
+  moeI_storage_release(t->storage);
   free(t);
 }
 
@@ -498,7 +557,8 @@ int moe_tensor_fill(moe_ctx *ctx, moe_tensor *t, double value) {
 int moe_tensor_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
   if (!t) return moeI_seterr(ctx, MOE_ERR_ARG, "randn: NULL tensor");
   if (t->dtype == MOE_I32) return moeI_seterr(ctx, MOE_ERR_ARG, "randn: dtype must be f32 or bf16, got i32");
-  if (!isfinite(std)) return moeI_seterr(ctx, MOE_ERR_ARG, "randn: std must be finite");
+  if (!isfinite(std) || std < 0.0f)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "randn: std must be finite and >= 0, got %g", (double)std);
   if (t->device.kind != MOE_CPU) return moeI_cuda_randn(ctx, t, seed, std);
   for (int64_t i = 0; i < t->numel; i++) {
     /* two separately rounded multiplies, as the CUDA fill does them; the build turns off

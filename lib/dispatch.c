@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dispatch.c -- stage 3: gather each scheduled row's token, out[row] = x[peer_rank[row],
  * peer_route[row] / k]. */
 #include <string.h>
@@ -41,5 +42,5 @@ int moe_dispatch(moe_ctx *ctx, const moe_dispatch_args *a) {
   static const char *const names[] = {"out", "x", "peer_rank", "peer_route"};
   if ((rc = moeI_check_same_device(ctx, stage, "x", a->x->device, ts, names, 4))) return rc;
   if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 4))) return rc;
-  return moeI_on_cpu(a->out) ? moeI_dispatch_cpu(ctx, a) : moeI_dispatch_cuda(ctx, a);
+  return MOE_IN_RANGE(stage, moeI_on_cpu(a->out) ? moeI_dispatch_cpu(ctx, a) : moeI_dispatch_cuda(ctx, a));
 }

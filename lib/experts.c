@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* experts.c -- stage 4, the SwiGLU MLP of each local expert over its rows, with the f32 dot
  * products it shares with the dense reference (mlp.h); also the router logits and the
  * shared-expert sigmoid gate, which are the same kind of product. */
@@ -254,7 +255,7 @@ static int experts_check(moe_ctx *ctx, const moe_experts_args *a) {
 int moe_experts(moe_ctx *ctx, const moe_experts_args *a) {
   int rc = experts_check(ctx, a);
   if (rc) return rc;
-  return moeI_on_cpu(a->x) ? moeI_experts_cpu(ctx, a) : moeI_experts_cuda(ctx, a);
+  return MOE_IN_RANGE("experts", moeI_on_cpu(a->x) ? moeI_experts_cpu(ctx, a) : moeI_experts_cuda(ctx, a));
 }
 
 int moe_experts_explain(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n) {
@@ -304,7 +305,7 @@ int moe_logits(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_ten
   static const char *const names[] = {"out", "x", "w"};
   if ((rc = moeI_check_same_device(ctx, stage, "x", x->device, ts, names, 3))) return rc;
   if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 3))) return rc;
-  return moeI_on_cpu(x) ? moeI_logits_cpu(ctx, out, x, w) : moeI_logits_cuda(ctx, out, x, w);
+  return MOE_IN_RANGE(stage, moeI_on_cpu(x) ? moeI_logits_cpu(ctx, out, x, w) : moeI_logits_cuda(ctx, out, x, w));
 }
 
 /* ---- shared-expert gate ---- */
@@ -341,5 +342,6 @@ int moe_sigmoid_gate(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe
   static const char *const names[] = {"g", "x", "w"};
   if ((rc = moeI_check_same_device(ctx, stage, "x", x->device, ts, names, 3))) return rc;
   if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 3))) return rc;
-  return moeI_on_cpu(x) ? moeI_sigmoid_gate_cpu(ctx, g, x, w) : moeI_sigmoid_gate_cuda(ctx, g, x, w);
+  return MOE_IN_RANGE(stage, moeI_on_cpu(x) ? moeI_sigmoid_gate_cpu(ctx, g, x, w)
+                                           : moeI_sigmoid_gate_cuda(ctx, g, x, w));
 }

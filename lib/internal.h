@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* internal.h -- declarations shared by the library's C files and the CUDA launchers. */
 #ifndef MOELAB_INTERNAL_H
 #define MOELAB_INTERNAL_H
@@ -8,6 +9,10 @@
 extern "C" {
 #endif
 
+/* The memory behind tensors (lib/core.c): moelab's own allocation or a DLPack producer's
+ * tensor, released with the last of the tensors and DLPack exports that hold it. */
+typedef struct moe_storage moe_storage;
+
 struct moe_tensor {
   moe_dtype dtype;
   int ndim;
@@ -15,7 +20,9 @@ struct moe_tensor {
   int64_t numel;
   moe_device device;
   void *data;
-  int owns_data; /* 0 for a view */
+  moe_storage *storage; /* one reference held; NULL where the tensor owns nothing: the caller's
+                           memory (moe_tensor_wrap), a world's windows, the library's own copies
+                           of a header on the stack */
 };
 
 enum { MOE_CAPTURE_WORLDS = 4 }; /* worlds one capture may use */
@@ -64,7 +71,11 @@ struct moe_event {
  * [0, n), each at least `grain` long, on up to moeI_cpu_threads() threads (the caller's
  * included), and returns when all are done.  Each index is handled by one call alone, so a
  * result that depends only on its own index is the same bits whatever the thread count.
- * moeI_cpu_threads: MOE_THREADS when set (1..256), else the online CPUs (at most 64). */
+ * moeI_cpu_threads: MOE_THREADS when set (1..MOEI_MAX_THREADS), else the online CPUs (at most
+ * 64).  moeI_env_threads: MOE_THREADS itself, 0 when unset or empty, -1 when it is not an
+ * integer in that range (moe_ctx_open refuses it). */
+enum { MOEI_MAX_THREADS = 256 };
+int moeI_env_threads(void);
 int moeI_cpu_threads(void);
 void moeI_parallel_for(int64_t n, int64_t grain, void (*fn)(void *arg, int64_t begin, int64_t end), void *arg);
 
@@ -87,6 +98,30 @@ const char *moeI_experts_kernels(void);
 int moeI_explain_cpu(moe_ctx *ctx, char *report, size_t n);
 int moeI_schedule_explain_cuda(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n);
 int moeI_experts_explain_cuda(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n);
+
+/* The checks moe_tensor_new makes of a dtype and shape, in messages that start with what; the
+ * element count in *numel. */
+int moeI_check_layout(moe_ctx *ctx, const char *what, moe_dtype dtype, int ndim, const int64_t *shape, int64_t *numel);
+/* moe_tensor_wrap with its messages starting with what. */
+int moeI_tensor_wrap(moe_ctx *ctx, const char *what, void *data, moe_dtype dtype, int ndim, const int64_t *shape,
+                     moe_device device, moe_tensor **out);
+/* Storage references: hold and release may be called from any thread (a DLPack consumer's
+ * deleter runs where the consumer lets go).  moeI_storage_adopt makes a storage of a DLPack
+ * producer's managed tensor (a DLManagedTensor, or a DLManagedTensorVersioned where versioned is
+ * set), whose deleter the last release calls; NULL when out of host memory. */
+void moeI_storage_hold(moe_storage *s);
+void moeI_storage_release(moe_storage *s);
+moe_storage *moeI_storage_adopt(void *managed, int versioned);
+/* MOE_OK where device can be used in this build and on this machine, else MOE_ERR_UNSUPPORTED
+ * or MOE_ERR_ARG with "<stage>: cuda:N ..." (lib/core.c). */
+int moeI_check_device(moe_ctx *ctx, const char *stage, moe_device device);
+
+/* NVTX ranges (lib/nvtx.c).  moeI_range_pop closes the innermost range and returns rc, so that a
+ * stage reads return MOE_IN_RANGE("route", backend(...)): the comma puts the push before the
+ * call, and the pop runs after it, the call being its argument. */
+void moeI_range_push(const char *name);
+int moeI_range_pop(int rc);
+#define MOE_IN_RANGE(name, call) (moeI_range_push(name), moeI_range_pop(call))
 
 /* "f32 [2, 3] on cuda:0" into buf; returns buf. */
 const char *moeI_tensor_describe(const moe_tensor *t, char *buf, size_t n);
@@ -173,6 +208,8 @@ int moeI_combine_cpu(moe_ctx *ctx, const moe_combine_args *a);
 /* ---- CUDA launchers (kernels/<stage>.cu), same arguments, stream from ctx.  In a build without
  * CUDA, lib/nocuda.c defines them to return MOE_ERR_UNSUPPORTED. ---- */
 int moeI_cuda_device_count(int *count);
+/* The cuda:N lines of moe_device_info's report (moelab.h), from "kind: cuda" on. */
+int moeI_cuda_device_info(moe_ctx *ctx, int device, char *report, size_t n);
 void moeI_cuda_ctx_release(moe_ctx *ctx); /* destroys an owned stream */
 int moeI_cuda_graph_begin(moe_ctx *ctx, int device);
 int moeI_cuda_graph_end(moe_ctx *ctx, moe_graph **out);
@@ -198,6 +235,8 @@ int moeI_cuda_memcpy(moe_ctx *ctx, moe_device dst_dev, void *dst, moe_device src
 int moeI_cuda_synchronize(moe_ctx *ctx, int device);
 int moeI_cuda_fill(moe_ctx *ctx, moe_tensor *t, double value);
 int moeI_cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std);
+int moeI_cuda_memory(moe_ctx *ctx, int device, size_t *free_bytes, size_t *total_bytes);
+int moeI_nonfinite_cuda(moe_ctx *ctx, moe_tensor *stats, const moe_tensor *t);
 int moeI_route_cuda(moe_ctx *ctx, const moe_route_args *a);
 int moeI_schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a); /* kernels/schedule/select.cu */
 int moeI_dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a);

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* mlp.h -- the f32 dot products and the SwiGLU MLP shared by the experts stage (experts.c,
  * which defines them) and the dense reference (reference.c).
  *

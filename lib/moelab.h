@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * moelab.h -- the public C API of moelab, Mixture-of-Experts layer kernels.
  *
@@ -48,7 +49,8 @@ enum {
   MOE_ERR_NOMEM = 2,       /* host or device allocation failed */
   MOE_ERR_CUDA = 3,        /* a CUDA runtime or launch failure; the message names it */
   MOE_ERR_UNSUPPORTED = 4, /* no backend for this device in this build */
-  MOE_ERR_INTERNAL = 5
+  MOE_ERR_INTERNAL = 5,
+  MOE_ERR_IO = 6           /* a file cannot be opened or read, or its contents are malformed */
 };
 
 typedef enum { MOE_F32 = 0, MOE_BF16 = 1, MOE_I32 = 2 } moe_dtype;
@@ -62,13 +64,29 @@ MOE_API int moe_libversion_number(void);
 MOE_API const char *moe_libversion(void);
 MOE_API const char *moe_errstr(int code);
 
-/* A context holds the last error message and, for CUDA, the stream that stages run on. */
+/* A context holds the last error message and, for CUDA, the stream that stages run on.  Where
+ * MOE_THREADS is set to anything but an integer from 1 to 256, open fails with MOE_ERR_ARG and,
+ * as SQLite's open does, still returns the context in *out, whose moe_errmsg says why: close it
+ * with moe_ctx_close.  On any other failure *out is NULL. */
 MOE_API int moe_ctx_open(moe_ctx **out);
 MOE_API void moe_ctx_close(moe_ctx *ctx);
 MOE_API const char *moe_errmsg(const moe_ctx *ctx);
 /* Number of usable devices of a kind: 1 for MOE_CPU, the visible GPUs for MOE_CUDA
  * (0 in a build without CUDA or on a machine without a GPU). */
 MOE_API int moe_device_count(moe_ctx *ctx, int kind, int *count);
+/* What a device is, for a report: "key: value" lines into report (n bytes, truncated to fit).
+ *   every device  kind (cpu or cuda), name (the GPU's, or the CPU's model from /proc/cpuinfo)
+ *   cpu           threads (the CPU backend's: MOE_THREADS or the online CPUs)
+ *   cuda:N        sm_count, sm_clock_mhz (the peak SM clock), memory_mib, compute_capability ("9.0"),
+ *                 driver and runtime (the CUDA versions of the driver and of the runtime linked in,
+ *                 "12.8"), nccl (the NCCL linked in, "2.27.3", in a build with NCCL)
+ * A GPU that is not there fails as a tensor on it would. */
+MOE_API int moe_device_info(moe_ctx *ctx, moe_device device, char *report, size_t n);
+/* Bytes a device can still hold (*free_bytes) and has in all (*total_bytes).  The host (MOE_CPU):
+ * the kernel's MemAvailable (what can be had without swapping), less where the process's
+ * cgroup allows less; a GPU: cudaMemGetInfo.  A configuration can be sized against it before
+ * anything is allocated. */
+MOE_API int moe_device_memory(moe_ctx *ctx, moe_device device, size_t *free_bytes, size_t *total_bytes);
 /* The CUDA stream (a cudaStream_t) stages are issued on.  NULL (the default) lets the context
  * make a non-blocking stream of its own on first use, which moe_ctx_stream then returns. */
 MOE_API int moe_ctx_set_stream(moe_ctx *ctx, void *stream);
@@ -104,6 +122,16 @@ MOE_API int moe_event_record(moe_ctx *ctx, moe_event *event);
 MOE_API int moe_event_elapsed(moe_ctx *ctx, const moe_event *start, const moe_event *stop, float *ms);
 MOE_API void moe_event_free(moe_event *event);
 
+/* ---- NVTX ranges, for Nsight Systems and Nsight Compute (--nvtx): every stage pushes a range
+ * named after it (route, logits, schedule, dispatch, experts, sigmoid_gate, combine, reference,
+ * allgather) around its work, in the NVTX domain "moelab".  A host names its compositions the same
+ * way (the Lua layer: "layer", and each of its stages around the calls that make it up): ranges
+ * nest per thread, and pop closes the innermost range this thread's push opened (MOE_ERR_ARG when
+ * none is open).  Without a tool attached a range costs next to nothing; a build that did not find
+ * the NVTX header (nvtx3/nvToolsExt.h) has none, and push and pop only count. ---- */
+MOE_API int moe_range_push(moe_ctx *ctx, const char *name);
+MOE_API int moe_range_pop(moe_ctx *ctx);
+
 /* ---- tensors: contiguous, row-major, 0..4 dims ---- */
 MOE_API int moe_tensor_new(moe_ctx *ctx, moe_dtype dtype, int ndim, const int64_t *shape,
                            moe_device device, moe_tensor **out);
@@ -124,8 +152,9 @@ MOE_API int moe_tensor_write(moe_ctx *ctx, moe_tensor *t, const void *host, size
 MOE_API int moe_tensor_read(moe_ctx *ctx, const moe_tensor *t, void *host, size_t nbytes);
 /* Same dtype and element count, any devices. */
 MOE_API int moe_tensor_copy(moe_ctx *ctx, moe_tensor *dst, const moe_tensor *src);
-/* A tensor over the elements [offset, offset + prod(shape)) of base, sharing its memory: it
- * owns nothing, and base must outlive it (the Lua binding keeps base alive for it). */
+/* A tensor over the elements [offset, offset + prod(shape)) of base, sharing its memory, which
+ * it keeps alive: base may be freed first.  (Memory the caller owns, of moe_tensor_wrap, is the
+ * caller's to keep alive for the view too.) */
 MOE_API int moe_tensor_view(moe_ctx *ctx, moe_tensor *base, int64_t offset, int ndim, const int64_t *shape,
                             moe_tensor **out);
 /* A tensor over memory the caller owns: data (host memory for MOE_CPU, a device pointer of that
@@ -135,17 +164,62 @@ MOE_API int moe_tensor_view(moe_ctx *ctx, moe_tensor *base, int64_t offset, int 
  * NULL data is allowed only for an empty tensor. */
 MOE_API int moe_tensor_wrap(moe_ctx *ctx, void *data, moe_dtype dtype, int ndim, const int64_t *shape,
                             moe_device device, moe_tensor **out);
+
+/* ---- DLPack: tensors shared with other libraries without a copy (PyTorch, CuPy, JAX, NumPy) ----
+ * The structures are DLPack's (https://dmlc.github.io/dlpack/latest/): the official dlpack.h, or
+ * moelab_dlpack.h where a program has none.  Both the legacy DLManagedTensor and DLPack 1.x's
+ * DLManagedTensorVersioned are read and written.
+ *
+ * Import: a tensor over the producer's memory, data + byte_offset, which must hold a compact
+ * row-major tensor (strides NULL, or the compact ones; a dimension of size 1, or an empty tensor,
+ * may have any stride) of 0 to 4 dimensions, of dtype f32 ({kDLFloat, 32, 1}), bf16
+ * ({kDLBfloat, 16, 1}) or i32 ({kDLInt, 32, 1}), aligned to its dtype, on kDLCPU, kDLCUDAHost
+ * (pinned host memory: a cpu tensor) or kDLCUDA (cuda:device_id).  kDLCUDAManaged is refused
+ * (which device it should run on is the caller's call: moe_tensor_wrap says it).  A versioned
+ * tensor must be of major version 1 and writable (no DLPACK_FLAG_BITMASK_READ_ONLY: stages write
+ * their outputs in place).  Anything else is MOE_ERR_ARG naming the field, its value and what is
+ * taken.
+ * Ownership: on success the moelab tensor owns managed and calls its deleter exactly once, when
+ * the last moelab tensor or export over its memory is freed (views and exports hold it too).  On
+ * any failure moelab has taken nothing: managed is still the caller's, whose deleter the caller
+ * calls (DLPack asks that of whoever holds it, a major-version mismatch included).
+ * The memory must stay where it is until the deleter runs; moelab orders nothing with the
+ * producer's streams: synchronise, or give the context the producer's stream (moe_ctx_set_stream). */
+struct DLManagedTensor;
+struct DLManagedTensorVersioned;
+MOE_API int moe_tensor_from_dlpack(moe_ctx *ctx, struct DLManagedTensor *managed, moe_tensor **out);
+MOE_API int moe_tensor_from_dlpack_versioned(moe_ctx *ctx, struct DLManagedTensorVersioned *managed,
+                                             moe_tensor **out);
+/* Export: a new managed tensor over t's memory (no copy): compact strides always given,
+ * byte_offset 0, data NULL for an empty tensor; a versioned one says version 1.0, flags 0.  It
+ * keeps the memory alive by itself: t may be freed first, and the memory goes when the last of
+ * the tensors over it and the exports of it are released (the consumer calls the deleter once).
+ * A tensor over memory the caller owns (moe_tensor_wrap, or a view of one) exports that memory
+ * as it is: the caller keeps it alive until the export's deleter has run.  The deleter may run
+ * on any thread. */
+MOE_API int moe_tensor_to_dlpack(moe_ctx *ctx, moe_tensor *t, struct DLManagedTensor **out);
+MOE_API int moe_tensor_to_dlpack_versioned(moe_ctx *ctx, moe_tensor *t, struct DLManagedTensorVersioned **out);
+
 /* Every element set to value, rounded to the dtype (NaN allowed for float dtypes); an i32
  * tensor takes only integers in its range (MOE_ERR_ARG otherwise). */
 MOE_API int moe_tensor_fill(moe_ctx *ctx, moe_tensor *t, double value);
 /* Pseudo-normal values: the Irwin-Hall sum of four 16-bit uniforms drawn from a hash of
- * (seed, element index), centred and scaled to unit variance, times std.  Integer arithmetic
- * and correctly rounded multiplies only, so every device produces the same bits. */
+ * (seed, element index), centred and scaled to unit variance, times std (finite, >= 0).  Integer
+ * arithmetic and correctly rounded multiplies only, so every device produces the same bits. */
 MOE_API int moe_tensor_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std);
+
+/* Data checks: stats i32 [2] = {elements of t (f32 or bf16, fewer than 2^31) that are NaN or
+ * infinite, the flat index of the first of them or -1}, computed and written where t lives:
+ * nothing is read back, so it can be captured.  The front-end raises on routing weights given
+ * to it that are not finite. */
+MOE_API int moe_nonfinite(moe_ctx *ctx, moe_tensor *stats, const moe_tensor *t);
 
 /* bf16 <-> f32 on the host: round to nearest even, NaN stays NaN. */
 MOE_API uint16_t moe_f32_to_bf16(float x);
 MOE_API float moe_bf16_to_f32(uint16_t x);
+/* OCP FP8 E4M3 (e4m3fn) -> f32, exactly: bias 7, subnormals, max 448, no infinities; S.1111.111
+ * is NaN. */
+MOE_API float moe_e4m3_to_f32(uint8_t x);
 
 /* ---- 1. route: logits f32 [N, E] -> ids i32 [N, K], weights f32 [N, K] ---- */
 typedef enum { MOE_SCORE_SOFTMAX = 0, MOE_SCORE_SIGMOID = 1, MOE_SCORE_SQRTSOFTPLUS = 2 } moe_scoring;
@@ -265,12 +339,44 @@ typedef struct moe_reference_args {
 } moe_reference_args;
 MOE_API int moe_reference(moe_ctx *ctx, const moe_reference_args *a);
 
+/* ---- safetensors: tensors read from a checkpoint file ----
+ * open parses the whole header strictly (its JSON, every tensor's offsets against the file's
+ * size and its shape's byte count) and keeps the file open; read then reads one tensor's bytes
+ * (pread, nothing else of the file) into a tensor on any device, converting as it goes.  A
+ * malformed or unreadable file is MOE_ERR_IO, with the file, and the header's byte where its JSON
+ * goes wrong; a missing tensor or a destination that does not fit it is MOE_ERR_ARG. */
+typedef struct moe_safetensors moe_safetensors;
+typedef struct moe_safetensors_info {
+  const char *name;    /* valid until the file is closed */
+  const char *dtype;   /* as the file names it: "BF16", "F32", "F8_E4M3", "I64", ... */
+  int ndim;            /* 0 to 8 */
+  int64_t shape[8];
+  int64_t offset;      /* the file's byte where its data starts */
+  int64_t nbytes;
+} moe_safetensors_info;
+MOE_API int moe_safetensors_open(moe_ctx *ctx, const char *path, moe_safetensors **out);
+MOE_API void moe_safetensors_close(moe_safetensors *f); /* NULL is a no-op */
+MOE_API const char *moe_safetensors_path(const moe_safetensors *f);
+/* Tensors in the file ("__metadata__" is not one), in name order: i in [0, count). */
+MOE_API int moe_safetensors_count(const moe_safetensors *f);
+MOE_API int moe_safetensors_find(const moe_safetensors *f, const char *name); /* its i, or -1 */
+MOE_API int moe_safetensors_tensor(moe_ctx *ctx, const moe_safetensors *f, int i, moe_safetensors_info *out);
+/* Tensor name into dst, bf16 or f32 of the same shape on any device.  BF16, F16, F32 and F8_E4M3
+ * are read: BF16 into bf16 and F32 into f32 bit for bit, the rest converted to f32 and rounded
+ * to the destination (to nearest even).  scale (F8_E4M3 of 2 dimensions [R, C] only; NULL: none)
+ * is its block scale, f32 [ceil(R/128), ceil(C/128)] on the CPU, as Hugging Face FP8 checkpoints
+ * keep it beside each weight ("weight_scale_inv"): element (r, c) is
+ * e4m3(q) x scale[r/128][c/128], an f32 product, then rounded to the destination. */
+MOE_API int moe_safetensors_read(moe_ctx *ctx, moe_safetensors *f, const char *name, const moe_tensor *scale,
+                                 moe_tensor *dst);
+
 /* ---- expert parallelism across GPUs: a world of W ranks on NCCL ----
  * A moe_world is this process's part of a world of W ranks: one rank per GPU, each with an
  * NCCL communicator and a stream of its own (created on the rank's device).  One process may
  * hold all W ranks (moe_world_open_local, ncclCommInitAll) or one rank of a multi-process
  * launch (moe_world_open_rank, ncclCommInitRank with an id made once by moe_world_unique_id
- * and passed to every process).  Functions that act on "each local rank" take arrays with one
+ * and passed to every process), or one rank over the caller's own communicator
+ * (moe_world_open_comm).  Functions that act on "each local rank" take arrays with one
  * entry per rank of this process, in the order of moe_world_local_rank.
  *
  * The exchange functions enqueue their work on the world's streams and never wait on the host,
@@ -292,6 +398,16 @@ MOE_API int moe_world_open_local(moe_ctx *ctx, int ndev, const int *devices, moe
  * Blocks until all world_size ranks have joined (NCCL's bootstrap). */
 MOE_API int moe_world_open_rank(moe_ctx *ctx, int rank, int world_size, int device, const char *unique_id_hex,
                                 moe_world **out);
+/* One rank of a world over a communicator the caller made (an ncclComm_t, blocking, as NCCL's
+ * default config makes it), for a program that runs NCCL itself: rank and size are the
+ * communicator's (ncclCommUserRank, ncclCommCount), and its GPU (ncclCommCuDevice) must be
+ * `device`.  moelab uses the communicator and never finalises, destroys or aborts it: the caller
+ * keeps it alive until the world is closed (and the graphs that captured its exchanges are
+ * freed), and destroys it after.  Every rank of the communicator opens its world the same way
+ * and calls the world's collectives in the same order.  After a timeout or a peer's failure the
+ * world is aborted as any other, but the communicator is left as it is: aborting it
+ * (ncclCommAbort), which ends the work stuck on it, is the caller's call. */
+MOE_API int moe_world_open_comm(moe_ctx *ctx, void *nccl_comm, int device, moe_world **out);
 /* Waits for the world's streams, then frees everything; NULL is a no-op.  w may not be used
  * after the call; but where a graph that captured its exchange is still alive, the
  * communicators stay for that graph and are freed with the last such graph (moe_graph_free). */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* nocuda.c -- the CUDA entry points of a build without the CUDA toolkit: no GPU is usable,
  * and any attempt to run on one says so instead of failing obscurely. */
 #include "internal.h"
@@ -7,6 +8,10 @@
 int moeI_cuda_device_count(int *count) {
   *count = 0;
   return MOE_OK;
+}
+int moeI_cuda_device_info(moe_ctx *ctx, int device, char *report, size_t n) {
+  (void)device, (void)report, (void)n;
+  return NO_CUDA("device_info");
 }
 void moeI_cuda_ctx_release(moe_ctx *ctx) { (void)ctx; }
 int moeI_cuda_graph_begin(moe_ctx *ctx, int device) {
@@ -55,6 +60,14 @@ int moeI_cuda_fill(moe_ctx *ctx, moe_tensor *t, double value) {
 int moeI_cuda_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
   (void)t, (void)seed, (void)std;
   return NO_CUDA("randn");
+}
+int moeI_cuda_memory(moe_ctx *ctx, int device, size_t *free_bytes, size_t *total_bytes) {
+  (void)device, (void)free_bytes, (void)total_bytes;
+  return NO_CUDA("device_memory");
+}
+int moeI_nonfinite_cuda(moe_ctx *ctx, moe_tensor *stats, const moe_tensor *t) {
+  (void)stats, (void)t;
+  return NO_CUDA("nonfinite");
 }
 int moeI_route_cuda(moe_ctx *ctx, const moe_route_args *a) { (void)a; return NO_CUDA("route"); }
 int moeI_schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) { (void)a; return NO_CUDA("schedule"); }

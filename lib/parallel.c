@@ -1,8 +1,10 @@
+/* SPDX-License-Identifier: MIT */
 /* parallel.c -- fork-join over index ranges for the CPU backend's heavy loops (the expert MLP of
  * experts.c and reference.c): threads started for the call and joined before it returns, so
  * nothing outlives it (no pool to stop when the Lua module is unloaded).  A call of ~1 M
  * multiply-adds per thread or more pays for the ~50 us a thread costs to start. */
 #define _POSIX_C_SOURCE 200809L /* sysconf */
+#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -10,15 +12,23 @@
 
 #include "internal.h"
 
-enum { MAX_THREADS = 256 };
+enum { MAX_THREADS = MOEI_MAX_THREADS };
+
+int moeI_env_threads(void) {
+  const char *s = getenv("MOE_THREADS");
+  if (!s || !*s) return 0;
+  if (*s < '0' || *s > '9') return -1; /* strtol would take " 4" and "+4" */
+  char *end;
+  errno = 0;
+  const long v = strtol(s, &end, 10);
+  return *end == '\0' && errno == 0 && v >= 1 && v <= MAX_THREADS ? (int)v : -1;
+}
 
 int moeI_cpu_threads(void) {
-  const char *s = getenv("MOE_THREADS");
-  if (s && *s) {
-    char *end;
-    const long v = strtol(s, &end, 10);
-    if (*end == '\0' && v >= 1) return v < MAX_THREADS ? (int)v : MAX_THREADS;
-  }
+  /* a value moe_ctx_open refused can only be met here if it was set after the context opened:
+   * the online CPUs then, since a stage cannot fail for it halfway */
+  const int v = moeI_env_threads();
+  if (v > 0) return v;
   /* asked once: glibc reads /sys for it, too slow for every call of the small-shape paths */
   static atomic_int online;
   int c = atomic_load_explicit(&online, memory_order_relaxed);

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* reference.c -- the dense reference of a whole MoE layer on the CPU, f32 throughout:
  * out[n] = sum_k w[n,k] * expert_{id[n,k]}(x[n]) + g[n] * shared(x[n]).
  *
@@ -169,5 +170,5 @@ int moe_reference(moe_ctx *ctx, const moe_reference_args *a) {
     if (ids[i] != -1 && (ids[i] < 0 || ids[i] >= a->experts))
       return moeI_seterr(ctx, MOE_ERR_ARG, "reference: ids[%lld, %lld] is %d, not an expert in [0, %d) nor -1 (masked)",
                         (long long)(i / K), (long long)(i % K), ids[i], a->experts);
-  return reference_cpu(ctx, a);
+  return MOE_IN_RANGE(stage, reference_cpu(ctx, a));
 }

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* route.c -- stage 1, route: logits f32 [N, E] -> ids i32 [N, K], weights f32 [N, K].
  *
  * The CPU reference defines the result; the CUDA kernel must give the same ids bit for bit.
@@ -91,7 +92,7 @@ int moe_route(moe_ctx *ctx, const moe_route_args *a) {
   /* an output sharing memory with another argument would be overwritten while still read */
   if ((rc = moeI_check_no_overlap(ctx, STAGE, all, names, 3, 5))) return rc;
 
-  return moeI_on_cpu(a->logits) ? moeI_route_cpu(ctx, a) : moeI_route_cuda(ctx, a);
+  return MOE_IN_RANGE(STAGE, moeI_on_cpu(a->logits) ? moeI_route_cpu(ctx, a) : moeI_route_cuda(ctx, a));
 }
 
 /* ---- the CPU reference ---- */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* route_math.h -- the scoring functions of the route stage, shared by the CPU reference
  * (lib/route.c) and the CUDA kernel, so that both compute the same bits.
  *

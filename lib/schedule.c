@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* schedule.c -- stage 2, schedule: every rank's ids i32 [W, T, K] -> this rank's
  * expert-major row layout (docs/design.md, "The stages", 2).
  *
@@ -69,7 +70,7 @@ static int schedule_check(moe_ctx *ctx, const moe_schedule_args *a) {
 int moe_schedule(moe_ctx *ctx, const moe_schedule_args *a) {
   int rc = schedule_check(ctx, a);
   if (rc) return rc;
-  return moeI_on_cpu(a->ids) ? moeI_schedule_cpu(ctx, a) : moeI_schedule_cuda(ctx, a);
+  return MOE_IN_RANGE(STAGE, moeI_on_cpu(a->ids) ? moeI_schedule_cpu(ctx, a) : moeI_schedule_cuda(ctx, a));
 }
 
 int moe_schedule_explain(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n) {

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* world.c -- moe_world, the host side: arguments, the unique id as hex text, the comparison of
  * the ranks' configurations.  What needs NCCL is in kernels/world.cu; without it (a build with
  * CUDA but no NCCL: MOE_WORLD_STUBS), the stand-ins at the end say so. */
@@ -180,6 +181,28 @@ int moe_world_open_rank(moe_ctx *ctx, int rank, int world_size, int device, cons
   return open_world(ctx, w, id, out);
 }
 
+int moe_world_open_comm(moe_ctx *ctx, void *nccl_comm, int device, moe_world **out) {
+  if (!out) return moeI_seterr(ctx, MOE_ERR_ARG, "world: out is NULL");
+  *out = NULL;
+  if (!nccl_comm) return moeI_seterr(ctx, MOE_ERR_ARG, "world: the communicator is NULL");
+  if (device < 0) return moeI_seterr(ctx, MOE_ERR_ARG, "world: device must be a GPU index >= 0, got %d", device);
+  int rc = moeI_nccl_available(ctx);
+  if (rc || (rc = check_gpu(ctx, device))) return rc;
+  int rank = -1, size = 0, comm_device = -1;
+  if ((rc = moeI_nccl_comm_info(ctx, nccl_comm, &rank, &size, &comm_device))) return rc;
+  /* the streams are made on device: a communicator of another GPU would run its work elsewhere */
+  if (comm_device != device)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "world: the communicator's GPU is cuda:%d, but device is %d", comm_device,
+                       device);
+  moe_world *w = world_new(size, 1);
+  if (!w) return moeI_seterr(ctx, MOE_ERR_NOMEM, "world: out of host memory");
+  w->ranks[0] = rank;
+  w->devices[0] = device;
+  w->comms[0] = nccl_comm;
+  w->borrowed = 1;
+  return open_world(ctx, w, NULL, out);
+}
+
 int moe_world_size(const moe_world *w) { return w ? w->size : 0; }
 int moe_world_local_count(const moe_world *w) { return w ? w->nlocal : 0; }
 int moe_world_local_rank(const moe_world *w, int i) { return w && i >= 0 && i < w->nlocal ? w->ranks[i] : -1; }
@@ -287,7 +310,7 @@ int moe_world_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, cons
   int rc;
   for (int i = 0; i < w->nlocal; i++)
     if ((rc = check_gather(ctx, stage, w, i, out[i], in[i]))) return rc;
-  return moeI_nccl_allgather(ctx, w, out, in);
+  return MOE_IN_RANGE("allgather", moeI_nccl_allgather(ctx, w, out, in));
 }
 
 int moe_world_allgather_ids(moe_ctx *ctx, moe_world *w, moe_tensor *const *all_ids, const moe_tensor *const *ids) {
@@ -300,7 +323,7 @@ int moe_world_allgather_ids(moe_ctx *ctx, moe_world *w, moe_tensor *const *all_i
     if ((rc = moeI_check_tensor(ctx, stage, what, ids[i], MOE_I32, 2, NULL))) return rc;
     if ((rc = check_gather(ctx, stage, w, i, all_ids[i], ids[i]))) return rc;
   }
-  return moeI_nccl_allgather(ctx, w, all_ids, ids);
+  return MOE_IN_RANGE("allgather", moeI_nccl_allgather(ctx, w, all_ids, ids));
 }
 
 /* The dispatch arguments of local rank i that both exchanges take: x, out, peer_rank, peer_route,
@@ -348,7 +371,7 @@ int moe_world_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args
     static const char *names[] = {"x_all", "out", "peer_rank", "peer_route", "x"};
     if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 5))) return rc;
   }
-  return moeI_nccl_dispatch(ctx, w, args);
+  return MOE_IN_RANGE("dispatch", moeI_nccl_dispatch(ctx, w, args));
 }
 
 /* The combine arguments of local rank i that both exchanges take, on the rank's GPU. */
@@ -407,7 +430,7 @@ int moe_world_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *
       if ((rc = check_on(ctx, stage, names[j], ts[j], w->devices[i]))) return rc;
     if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 4, 11))) return rc;
   }
-  return moeI_nccl_combine(ctx, w, args);
+  return MOE_IN_RANGE("combine", moeI_nccl_combine(ctx, w, args));
 }
 
 /* ---- the direct exchange ---- */
@@ -468,7 +491,7 @@ int moe_world_exchange_open(moe_ctx *ctx, moe_world *w, int64_t tokens, int k, i
       v[j]->numel = rows[j] * hidden;
       v[j]->device.kind = MOE_CUDA, v[j]->device.index = w->devices[i];
       v[j]->data = (char *)ex->base[i] + off[j];
-      v[j]->owns_data = 0;
+      v[j]->storage = NULL;
     }
   }
   *out = ex;
@@ -538,7 +561,7 @@ int moe_world_exchange_dispatch(moe_ctx *ctx, moe_world_exchange *ex, const moe_
       return moeI_seterr(ctx, MOE_ERR_ARG, "%s: out may not lie in the exchange's window (its x, ys, route_row)",
                         stage);
   }
-  return moeI_nccl_exchange_dispatch(ctx, ex, args);
+  return MOE_IN_RANGE("dispatch", moeI_nccl_exchange_dispatch(ctx, ex, args));
 }
 
 int moe_world_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_world_combine_args *args) {
@@ -555,7 +578,7 @@ int moe_world_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_w
     if (in_window(ex, i, a->out))
       return moeI_seterr(ctx, MOE_ERR_ARG, "%s: out may not lie in the exchange's window (its x, ys, route_row)", stage);
   }
-  return moeI_nccl_exchange_combine(ctx, ex, args);
+  return MOE_IN_RANGE("combine", moeI_nccl_exchange_combine(ctx, ex, args));
 }
 
 /* ---- a build without NCCL, or without CUDA at all: MOE_WORLD_STUBS names what is missing ---- */
@@ -563,9 +586,17 @@ int moe_world_exchange_combine(moe_ctx *ctx, moe_world_exchange *ex, const moe_w
 #define NO_NCCL(what) \
   moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "world: %s: this moelab was built without %s", what, MOE_WORLD_STUBS)
 int moeI_nccl_available(moe_ctx *ctx) { return NO_NCCL("expert parallelism across GPUs"); }
+int moeI_nccl_version(char *buf, size_t n) {
+  (void)buf, (void)n;
+  return MOE_ERR_UNSUPPORTED;
+}
 int moeI_nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]) {
   (void)id;
   return NO_NCCL("unique_id");
+}
+int moeI_nccl_comm_info(moe_ctx *ctx, void *comm, int *rank, int *size, int *device) {
+  (void)comm, (void)rank, (void)size, (void)device;
+  return NO_NCCL("open");
 }
 int moeI_nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id) {
   (void)w, (void)id;

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* world.h -- the private side of moe_world: its layout, and the entry points of the NCCL
  * backend (kernels/world.cu).  lib/world.c checks arguments and calls them; a build without
  * NCCL gets stand-ins that return MOE_ERR_UNSUPPORTED (lib/world.c under MOE_WORLD_STUBS, or
@@ -19,6 +20,8 @@ struct moe_world {
   int *ranks;   /* [nlocal] global ranks */
   int *devices; /* [nlocal] their GPUs */
   void **comms;   /* [nlocal] ncclComm_t; NULL until made */
+  int borrowed;   /* comms[0] is the caller's (moe_world_open_comm): never finalised, destroyed or
+                     aborted here */
   void **streams; /* [nlocal] cudaStream_t on devices[i]; NULL until made */
   int failed;     /* an NCCL call failed: close aborts instead of finalising (no waiting on peers) */
   int graphs;     /* live graphs that captured an exchange of this world, and open direct
@@ -43,11 +46,16 @@ struct moe_world_exchange {
 
 /* MOE_OK when this build can open a world, else MOE_ERR_UNSUPPORTED with the reason. */
 int moeI_nccl_available(moe_ctx *ctx);
+/* The version of the NCCL linked in ("2.27.3") into buf; MOE_ERR_UNSUPPORTED without NCCL. */
+int moeI_nccl_version(char *buf, size_t n);
 /* Fills id with a new ncclUniqueId. */
 int moeI_nccl_unique_id(moe_ctx *ctx, unsigned char id[MOE_WORLD_ID_BYTES]);
-/* Makes w's streams and communicators for its nlocal ranks: ncclCommInitAll when id is NULL
- * (then nlocal == size), else ncclCommInitRank of the one local rank.  On failure what was
- * made is left in w for moeI_nccl_world_release. */
+/* A caller's communicator: its rank, size and GPU. */
+int moeI_nccl_comm_info(moe_ctx *ctx, void *comm, int *rank, int *size, int *device);
+/* Makes w's streams and communicators for its nlocal ranks: none where w borrows the caller's
+ * communicator, else ncclCommInitAll when id is NULL (then nlocal == size), else
+ * ncclCommInitRank of the one local rank.  On failure what was made is left in w for
+ * moeI_nccl_world_release. */
 int moeI_nccl_world_open(moe_ctx *ctx, moe_world *w, const unsigned char *id);
 /* Waits for the streams, destroys communicators and streams; never fails visibly. */
 void moeI_nccl_world_release(moe_world *w);

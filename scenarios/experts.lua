@@ -1,9 +1,11 @@
+-- SPDX-License-Identifier: MIT
 -- The experts stage (gate_up + SwiGLU + down) of one rank of EP8 for every model preset, under
 -- four routing distributions and three pads, beside cuBLAS in the same run: a dense GEMM pair of
 -- the same FLOPs and a per-expert loop of GEMMs.
 --
 --   lua scenarios/experts.lua [--device D] [--models a,b] [--dists a,b] [--pads 1,128,256]
 --                             [--iters N] [--tokens T] [--hidden H] [--ffn F] [--seed S] [--json FILE]
+--                             [--svg FILE] [--progress auto|on|off]
 --
 -- For each (model, distribution): the ids of all 8 ranks x T tokens (T = 7168 on a GPU), rank 0's
 -- schedule at each pad with capacity = the rows it needs, xs = randn [rows, H], the preset's
@@ -14,11 +16,16 @@
 -- counts the routes only.  The cuBLAS numbers come from build/bench/cublas_baseline (or
 -- $MOE_BUILD_DIR/bench/cublas_baseline), run once per preset; n/a where it or a GPU is absent.
 -- On the CPU the presets keep their E and top-k but run at a tiny H, F and T, and the times are
--- wall clock: only the GPU's are meaningful.  Exits 1 when a check fails, 2 on a bad flag or a
--- configuration the library refuses.
-local moe = require "moelab"
+-- wall clock: only the GPU's are meaningful.  --svg draws each preset's TFLOP/s beside cuBLAS's;
+-- --progress writes a line per configuration with the time left on stderr (auto: where it is a
+-- terminal).  Exits 1 when a check fails, 2 on a bad flag or a configuration the library refuses.
 local cli = require "moelab.cli"
+local moe = cli.require "moelab"
 local json = require "moelab.json"
+local compat = require "moelab.compat"
+local runinfo = require "moelab.runinfo"
+local progress = require "moelab.progress"
+local svg = require "moelab.svg"
 
 local MODEL_KEYS = { "kimi_k2", "deepseek_v3", "deepseek_v4_pro", "glm5", "qwen3_235b", "qwen3_5_397b" }
 local DISTS = { "uniform", "zipf", "hotspot", "router" }
@@ -38,6 +45,8 @@ local opts = cli.parse(arg, {
   { "ffn", "integer", nil, "override every preset's F (default the preset's; 64 on the CPU)" },
   { "seed", "integer", 1, "seed of the ids, inputs and weights" },
   { "json", "string", nil, "also write the table as JSON to this file" },
+  { "svg", "string", nil, "also draw the table as an SVG picture in this file" },
+  { "progress", "string", "auto", "a line per configuration on stderr: auto (where it is a terminal), on or off" },
 }, "lua scenarios/experts.lua: the experts stage per preset x routing distribution x pad, beside cuBLAS")
 
 local function usage_error(msg)
@@ -71,7 +80,7 @@ local model_keys = pick(opts.models, MODEL_KEYS, "model")
 local dists = pick(opts.dists, DISTS, "distribution")
 local pads = {}
 for i, p in ipairs(opts.pads or { "1", "128", "256" }) do
-  pads[i] = math.tointeger(tonumber(p))
+  pads[i] = compat.tointeger(tonumber(p))
   if not pads[i] or pads[i] < 1 then usage_error("--pads needs integers >= 1, got '" .. p .. "'") end
 end
 local T = opts.tokens or (gpu and 7168 or 32)
@@ -81,7 +90,8 @@ if T < 1 or iters < 1 then usage_error("--tokens and --iters must be >= 1") end
 for _, f in ipairs { "hidden", "ffn" } do
   if opts[f] and opts[f] < 1 then usage_error(string.format("--%s must be >= 1, got %d", f, opts[f])) end
 end
-local json_file = cli.output("json", opts.json)
+local json_file, svg_file = cli.output("json", opts.json), cli.output("svg", opts.svg)
+local steps = cli.guard("--progress", progress.new, #model_keys * #dists * #pads, { mode = opts.progress })
 
 local function p(...) io.write(string.format(...), "\n") io.flush() end
 
@@ -90,7 +100,7 @@ local function p(...) io.write(string.format(...), "\n") io.flush() end
 -- Popularity rank r (0-based) -> expert id, round robin over the ranks (a balanced placement):
 -- rank 0 owns popularity ranks 0, W, 2W, ..., so every rank holds its share of hot and cold.
 local function placed(r, E)
-  return (r % W) * (E // W) + r // W
+  return (r % W) * math.floor(E / W) + math.floor(r / W)
 end
 
 -- ids i32 [W, T, K] on dev: each token's K distinct experts drawn from the distribution with
@@ -98,8 +108,9 @@ end
 local function make_ids(dist, E, K, seed)
   local N = W * T
   if dist == "router" then
-    local logits <close> = moe.randn({ N, E }, { seed = seed, std = ROUTER_STD, device = dev })
+    local logits = moe.randn({ N, E }, { seed = seed, std = ROUTER_STD, device = dev })
     local ids = moe.route { logits = logits, k = K, scoring = "softmax" }
+    logits:close()
     return ids:view(0, { W, T, K })
   end
   math.randomseed(seed)
@@ -117,13 +128,13 @@ local function make_ids(dist, E, K, seed)
       local u = random() * sum
       local lo, hi = 1, E
       while lo < hi do
-        local mid = (lo + hi) // 2
+        local mid = math.floor((lo + hi) / 2)
         if cdf[mid] < u then lo = mid + 1 else hi = mid end
       end
       return placed(lo - 1, E)
     end
   end
-  local nhot = math.max(E // 8, 1)
+  local nhot = math.max(math.floor(E / 8), 1)
   local ids, taken, n = {}, {}, 0
   for t = 1, N do
     local hot_taken = 0
@@ -175,12 +186,11 @@ function Check.new(experts, scheds, wgu, wd, H, F)
   c.wgu = moe.zeros({ ne, 2 * F, H }, { dtype = "bf16" })
   c.wd = moe.zeros({ ne, H, F }, { dtype = "bf16" })
   for i, e in ipairs(experts) do
-    local dst_gu <close> = c.wgu:select(i)
-    local src_gu <close> = wgu:select(e + 1)
-    local dst_d <close> = c.wd:select(i)
-    local src_d <close> = wd:select(e + 1)
+    local dst_gu, src_gu = c.wgu:select(i), wgu:select(e + 1)
+    local dst_d, src_d = c.wd:select(i), wd:select(e + 1)
     dst_gu:copy(src_gu)
     dst_d:copy(src_d)
+    for _, t in ipairs { dst_gu, src_gu, dst_d, src_d } do t:close() end
   end
   return c
 end
@@ -190,12 +200,11 @@ function Check:take(i, xs, ys)
   local H = self.H
   for j, pl in ipairs(self.plan) do
     if pl.pad == i then
-      local dx <close> = self.xs:view((j - 1) * H, { 1, H })
-      local sx <close> = xs:view(pl.row * H, { 1, H })
-      local dy <close> = self.got:view((j - 1) * H, { 1, H })
-      local sy <close> = ys:view(pl.row * H, { 1, H })
+      local dx, sx = self.xs:view((j - 1) * H, { 1, H }), xs:view(pl.row * H, { 1, H })
+      local dy, sy = self.got:view((j - 1) * H, { 1, H }), ys:view(pl.row * H, { 1, H })
       dx:copy(sx)
       dy:copy(sy)
+      for _, t in ipairs { dx, sx, dy, sy } do t:close() end
     end
   end
 end
@@ -223,8 +232,8 @@ function Check:finish()
     out[i] = { rows = b.rows, experts = self.experts, rel_max = m.rel_max, rel_l2 = m.rel_l2, nans = m.nans,
       pass = (pcall(moe.check.close, b.got, b.ref)) }
   end
-  for _, k in ipairs { "xs", "got", "wgu", "wd" } do getmetatable(self[k]).__close(self[k]) end
-  getmetatable(ref).__close(ref)
+  for _, k in ipairs { "xs", "got", "wgu", "wd" } do self[k]:close() end
+  ref:close()
   return out
 end
 
@@ -241,13 +250,13 @@ local function run_model(key)
   local mi = index_of(MODEL_KEYS, key)
   local m = moe.models[key]
   local E, K = m.experts, m.k
-  local EL = E // W
+  local EL = math.floor(E / W)
   local H = opts.hidden or (gpu and m.hidden or 128)
   local F = opts.ffn or (gpu and m.ffn or 64)
   local wseed = opts.seed * 7919 + mi * 101
-  local wgu <close> = moe.randn({ EL, 2 * F, H },
+  local wgu = moe.randn({ EL, 2 * F, H },
     { dtype = "bf16", std = 1 / math.sqrt(H), seed = wseed, device = dev })
-  local wd <close> = moe.randn({ EL, H, F }, { dtype = "bf16", std = 1 / math.sqrt(F), seed = wseed + 1, device = dev })
+  local wd = moe.randn({ EL, H, F }, { dtype = "bf16", std = 1 / math.sqrt(F), seed = wseed + 1, device = dev })
   local shape = { key = key, name = m.name, E = E, EL = EL, K = K, H = H, F = F,
     reduced = H ~= m.hidden or F ~= m.ffn or T ~= 7168 }
   local rows, cases = {}, {}
@@ -278,8 +287,8 @@ local function run_model(key)
     local check_experts = { hi_e, lo_e ~= hi_e and lo_e or nil }
     local check = Check.new(check_experts, scheds, wgu, wd, H, F)
 
-    local xs <close> = moe.randn({ cmax, H }, { dtype = "bf16", seed = wseed + 2 + di, device = dev })
-    local ys <close> = moe.zeros({ cmax, H }, { dtype = "bf16", device = dev })
+    local xs = moe.randn({ cmax, H }, { dtype = "bf16", seed = wseed + 2 + di, device = dev })
+    local ys = moe.zeros({ cmax, H }, { dtype = "bf16", device = dev })
     local dist_rows = {}
     for i, pad in ipairs(pads) do
       local sc = scheds[i]
@@ -287,8 +296,7 @@ local function run_model(key)
       local row = { model = m.name, key = key, dist = dist, pad = pad, E = E, EL = EL, K = K, H = H, F = F, T = T,
         rows = C, routes = routes, max_load = maxl, mean_load = routes / EL, dropped = sc.st.dropped }
       if C > 0 then
-        local xv <close> = xs:view(0, { C, H })
-        local yv <close> = ys:view(0, { C, H })
+        local xv, yv = xs:view(0, { C, H }), ys:view(0, { C, H })
         local offsets = sc.s.expert_offsets
         local function run()
           moe.experts { x = xv, offsets = offsets, w_gate_up = wgu, w_down = wd, out = yv }
@@ -300,15 +308,23 @@ local function run_model(key)
         row.min_ms = r.min_ms
         row.tflops = C * 6.0 * H * F / (r.median_ms * 1e9)
         row.useful_tflops = routes * 6.0 * H * F / (r.median_ms * 1e9)
+        xv:close()
+        yv:close()
       end
       dist_rows[i] = row
       rows[#rows + 1] = row
+      steps:step(string.format("%s %s pad %d: %s ms", m.name, dist, pad,
+        row.ms and string.format("%.3f", row.ms) or "-"))
       cases[#cases + 1] = sc.padded
     end
     for i, ck in pairs(check:finish()) do dist_rows[i].check = ck end
+    xs:close()
+    ys:close()
     scheds = nil
     collectgarbage()
   end
+  wgu:close()
+  wd:close()
   return shape, rows, cases
 end
 
@@ -345,7 +361,7 @@ local function run_baseline(shape, rows, cases)
     if line:match("^case=") then
       local kv = {}
       for k, v in line:gmatch("([%w_]+)=(%S+)") do kv[k] = v end
-      local i = math.tointeger(tonumber(kv.case))
+      local i = compat.tointeger(tonumber(kv.case))
       if i and rows[i] then
         rows[i][kv.kind .. "_ms"] = tonumber(kv.ms)
         rows[i][kv.kind .. "_tflops"] = tonumber(kv.tflops)
@@ -428,9 +444,34 @@ for _, e in ipairs(baseline_errors) do p("  cuBLAS baseline failed, %s", e) end
 if failed then p("  a check FAILED: see the check column") end
 
 if json_file then
-  json_file:write(json.encode { device = dev, world = W, tokens = T, iters = iters, warmup = warmup, seed = opts.seed,
+  json_file:write(json.encode { run = runinfo.collect { device = dev }, device = dev, world = W, tokens = T,
+    iters = iters, warmup = warmup, seed = opts.seed,
     zipf_s = ZIPF_S, hot_share = HOT_SHARE, router_std = ROUTER_STD, models = shapes, rows = all_rows,
     baseline = { path = baseline_path, note = baseline_note, notes = baseline_notes, errors = baseline_errors } }, "\n")
   json_file:close()
+end
+if svg_file then
+  local doc = svg.new(960, 0)
+  doc:text(20, 28, string.format("moelab %s: the experts stage, rank 0 of EP%d, %d tokens per rank, on %s", moe.version,
+    W, T, dev), { ["font-weight"] = "bold", ["font-size"] = 15 })
+  doc:text(20, 48, gpu and "TFLOP/s = rows used x 6·H·F / median time; cuBLAS over the same rows"
+    or "TFLOP/s from wall clock at a tiny shape on the CPU (only the GPU's are meaningful); cuBLAS n/a")
+  local y = 64
+  for _, sh in ipairs(shapes) do
+    local bars = {}
+    for _, r in ipairs(all_rows) do
+      if r.key == sh.key then
+        bars[#bars + 1] = { label = string.format("%s, pad %d", r.dist, r.pad),
+          values = { r.tflops, r.dense_tflops, r.per_expert_tflops },
+          marks = gpu and { { value = 790, label = "dense bf16 ceiling of an H200" } } or nil }
+      end
+    end
+    y = y + svg.bars(doc, { x = 20, y = y, width = 920, rows = bars, unit = "TFLOP/s",
+      series = { "ours", "cuBLAS dense", "cuBLAS per expert" }, mark_name = gpu and "H200 bf16 ceiling" or nil,
+      title = string.format("%s: E = %d (%d on rank 0), top-%d, H = %d, F = %d", sh.name, sh.E, sh.EL, sh.K, sh.H,
+        sh.F) }) + 12
+  end
+  doc.height = y
+  svg_file:write(doc:render()):close()
 end
 os.exit(failed and 1 or 0)

@@ -1,8 +1,9 @@
+-- SPDX-License-Identifier: MIT
 -- One Kimi K2 MoE layer over 8 expert-parallel ranks, checked against the dense reference and timed.
 --
 --   lua scenarios/kimi.lua [--tokens N] [--hidden H] [--ffn F] [--world W] [--layout L] [--pad B]
 --                          [--device D] [--devices 0,1,...] [--capacity C] [--seed S] [--sample N]
---                          [--json FILE]
+--                          [--json FILE] [--trace FILE] [--svg FILE] [--checkpoint DIR --layer N]
 --
 -- By default the W ranks are simulated side by side on one device.  With --devices they are real:
 -- one rank per listed GPU, in this process (moe.world), tokens exchanged over NVLink.
@@ -10,11 +11,19 @@
 -- On the CPU the run keeps Kimi K2's real E = 384, K = 8 and W = 8 but shrinks H, F and the
 -- token count so that it takes seconds; it then schedules the real shape (7,168 tokens on each
 -- of the 8 ranks) and reports rows, padding waste and expert-load imbalance there.
+-- With --checkpoint the layer's weights are MoE layer N of a Hugging Face checkpoint (DeepSeek-V3 /
+-- Kimi K2 names), and E, H, F and the shared expert's width are the checkpoint's.
+-- --trace writes one more forward's stages per rank as a Chrome trace (ui.perfetto.dev), --svg a
+-- picture: the stage times against their ceilings, each rank's expert load and padding.
 -- Exits 1 when the layer does not match the reference (or, on a GPU, the router's ids differ
 -- from the CPU's); 2 on a bad flag or a configuration the library refuses.
-local moe = require "moelab"
 local cli = require "moelab.cli"
+local moe = cli.require "moelab"
 local json = require "moelab.json"
+local compat = require "moelab.compat"
+local runinfo = require "moelab.runinfo"
+local svg = require "moelab.svg"
+local trace = require "moelab.trace"
 
 local model = moe.models.kimi_k2
 local opts = cli.parse(arg, {
@@ -31,10 +40,29 @@ local opts = cli.parse(arg, {
   { "seed", "integer", 1, "seed of the weights and inputs" },
   { "sample", "integer", 4, "on a GPU: tokens of each rank checked against the CPU reference" },
   { "json", "string", nil, "also write the report as JSON to this file" },
+  { "checkpoint", "string", nil, "the weights of a Hugging Face checkpoint (a directory or a .safetensors file)" },
+  { "layer", "integer", nil, "the MoE layer N of --checkpoint (model.layers.N)" },
+  { "trace", "string", nil, "also write a forward's stages per rank as a Chrome trace (ui.perfetto.dev) to this file" },
+  { "svg", "string", nil, "also draw the report as an SVG picture in this file" },
 }, "lua scenarios/kimi.lua: one Kimi K2 MoE layer, expert parallel, checked and timed")
 local json_file = cli.output("json", opts.json)
+local trace_file, svg_file = cli.output("trace", opts.trace), cli.output("svg", opts.svg)
 if opts.sample < 1 then cli.fail(string.format("--sample must be >= 1, got %d", opts.sample)) end
 local device_given = opts.device
+-- A checkpoint's layer has its own sizes: a flag may repeat them, not change them.
+local ckpt
+if opts.layer and not opts.checkpoint then cli.fail("--layer picks a layer of --checkpoint: give --checkpoint too") end
+if opts.checkpoint then
+  if not opts.layer then cli.fail("--checkpoint needs --layer N (the MoE layer model.layers.N to run)") end
+  ckpt = cli.guard("--checkpoint", function() return moe.checkpoint(opts.checkpoint):sizes(opts.layer) end)
+  for _, f in ipairs { { "hidden", "H" }, { "ffn", "F" } } do
+    if opts[f[1]] and opts[f[1]] ~= ckpt[f[1]] then
+      cli.fail(string.format("--%s %d but layer %d of the checkpoint has %s = %d", f[1], opts[f[1]], opts.layer, f[2],
+        ckpt[f[1]]))
+    end
+    opts[f[1]] = ckpt[f[1]]
+  end
+end
 opts.device = opts.device or moe.default_device()
 local small = opts.device == "cpu" and not opts.devices -- the sizes follow the device asked for
 opts.tokens = opts.tokens or (small and 32 or 7168)
@@ -46,7 +74,7 @@ local group
 if opts.devices then
   local list = {}
   for d in opts.devices:gmatch("[^,]+") do
-    local v = math.tointeger(tonumber(d))
+    local v = compat.tointeger(tonumber(d))
     if not v or v < 0 then cli.fail(string.format("--devices: '%s' is not a GPU index", d)) end
     list[#list + 1] = v
   end
@@ -62,11 +90,13 @@ if opts.devices then
   small = false
 end
 local W, T, H, F = opts.world or (group and group.size) or 8, opts.tokens, opts.hidden, opts.ffn
-local reduced = H ~= model.hidden or F ~= model.ffn or T ~= 7168
+local reduced = not ckpt and (H ~= model.hidden or F ~= model.ffn or T ~= 7168)
 
 local layer = cli.guard("moe.layer", moe.layer, { model = model, world = group or W, tokens = T, hidden = H, ffn = F,
-  shared_ffn = F, pad = opts.pad, layout = opts.layout, capacity = opts.capacity,
-  device = not group and opts.device or nil, seed = opts.seed })
+  shared_ffn = ckpt and ckpt.shared_ffn or F, pad = opts.pad, layout = opts.layout, capacity = opts.capacity,
+  device = not group and opts.device or nil, seed = opts.seed, experts = ckpt and ckpt.experts,
+  checkpoint = opts.checkpoint, layer = opts.layer })
+local E = layer.experts
 local x = moe.randn({ W, T, H }, { dtype = "bf16", device = opts.device, seed = opts.seed * 7919 + 1 })
 -- In a real world each rank's tokens go into its exchange window (layer.inputs): the same values
 -- as the simulated world's x[r].
@@ -121,11 +151,18 @@ for _ = 1, iters do
     end
   end
 end
+-- One more forward, traced: each stage's span on each rank.
+local spans
+if trace_file then
+  layer:forward(x, { trace = true })
+  spans = layer:trace()
+end
+
 local function median(list)
-  local l = { table.unpack(list) }
+  local l = { compat.unpack(list) }
   table.sort(l)
   local n = #l
-  return n % 2 == 1 and l[(n + 1) // 2] or (l[n // 2] + l[n // 2 + 1]) / 2
+  return n % 2 == 1 and l[(n + 1) / 2] or (l[n / 2] + l[n / 2 + 1]) / 2 -- whole indices in each branch
 end
 
 -- The whole pass as one CUDA graph, replayed on the same input (routing recomputed each time).
@@ -146,12 +183,13 @@ end
 local rows, nr = stats.rows_used, group and group.local_count or W
 local per = group and nr or 1
 local BF16, COPY = "(ceiling ~790)", "(ceiling ~4.3)"
+-- peak: the ceiling in TFLOP/s or TB/s, so that the work over it is the stage's floor in time
 local work = {
-  route = { flop = nr * T * 2.0 * H * model.experts / per, ceiling = "(f32 FMA, peak ~67)" },
-  experts = { flop = rows * 6.0 * H * F / per, ceiling = BF16 },
-  shared = { flop = nr * T * 6.0 * H * F / per, ceiling = BF16 },
-  dispatch = { bytes = rows * H * 2.0 * 2 / per, ceiling = COPY },
-  combine = { bytes = (stats.routes + nr * T * 2) * H * 2.0 / per, ceiling = COPY },
+  route = { flop = nr * T * 2.0 * H * E / per, ceiling = "(f32 FMA, peak ~67)", peak = 67 },
+  experts = { flop = rows * 6.0 * H * F / per, ceiling = BF16, peak = 790 },
+  shared = { flop = nr * T * 6.0 * H * layer.shared_ffn / per, ceiling = BF16, peak = 790 },
+  dispatch = { bytes = rows * H * 2.0 * 2 / per, ceiling = COPY, peak = 4.3 },
+  combine = { bytes = (stats.routes + nr * T * 2) * H * 2.0 / per, ceiling = COPY, peak = 4.3 },
 }
 
 -- The real shape, scheduled: 7,168 tokens on each of 8 ranks, router-like logits.
@@ -203,8 +241,9 @@ if group then
 else
   p("moelab %s: %s MoE layer, %d expert-parallel ranks, simulated on %s", moe.version, model.name, W, opts.device)
 end
-p("  model     E = %d experts (%d per rank), top-%d, %s + bias, scale %g, 1 shared expert", model.experts,
-  model.experts // W, model.k, model.scoring, model.scale)
+p("  model     E = %d experts (%d per rank), top-%d, %s + bias, scale %g, %s", E, layer.local_experts, model.k,
+  model.scoring, model.scale, layer.shared_ffn > 0 and "1 shared expert" or "no shared expert")
+if ckpt then p("  weights   layer %d of checkpoint %s (%s)", opts.layer, opts.checkpoint, ckpt.dtype) end
 p("  shape     H = %d, F = %d, %d tokens per rank%s", H, F, T,
   reduced and string.format("  (real: H = %d, F = %d, T = 7168; reduced so the %s run takes seconds)", model.hidden,
     model.ffn, opts.device) or "")
@@ -259,9 +298,12 @@ end
 p("  expert load over the world: max %d, mean %.1f (max/mean %.2f)", real.max_load, real.mean_load,
   real.max_load / real.mean_load)
 
+local run = (json_file or trace_file) and runinfo.collect { device = opts.device, devices = group and group.devices }
 if json_file then
   json_file:write(json.encode {
-    model = model.name, device = opts.device, devices = group and group.devices or nil, world = W, tokens = T,
+    run = run,
+    model = model.name, checkpoint = opts.checkpoint, layer = opts.layer, device = opts.device,
+    devices = group and group.devices or nil, world = W, tokens = T,
     hidden = H, ffn = F, pad = layer.pad,
     layout = layer.layout, capacity = layer.capacity,
     stage_ms = (function()
@@ -279,6 +321,54 @@ if json_file then
       max_load = real.max_load, mean_load = real.mean_load, route_ms = real.route_ms, schedule_ms = real.schedule_ms },
   }, "\n")
   json_file:close()
+end
+if trace_file then trace_file:write(trace.chrome(spans, { metadata = run })):close() end
+
+-- The picture: stage times against their floors at the ceilings, then the real shape's expert
+-- load (a histogram per rank, one scale for all) and padding per rank.
+if svg_file then
+  local doc = svg.new(960, 0)
+  doc:text(20, 28, string.format("moelab %s: %s MoE layer, %d expert-parallel ranks%s", moe.version, model.name, W,
+    group and string.format(" on %d GPUs", group.size) or " simulated on " .. opts.device), { ["font-weight"] = "bold",
+    ["font-size"] = 15 })
+  doc:text(20, 48, string.format("H = %d, F = %d, %d tokens per rank, %s, pad %d; check %s", H, F, T, layer.layout,
+    layer.pad, metrics.pass and "PASS" or "FAIL"))
+  local y, rows = 64, {}
+  for _, st in ipairs(stages) do
+    if times[st] then
+      local w = work[st]
+      local floor_ms = w and (w.flop or w.bytes) / w.peak / 1e9
+      rows[#rows + 1] = { label = st, values = { median(times[st]) },
+        marks = floor_ms and { { value = floor_ms, label = "the time at the H200 ceiling" } } or nil }
+    end
+  end
+  y = y + svg.bars(doc, { x = 20, y = y, width = 920, rows = rows, unit = "ms", series = { "median time" },
+    mark_name = "time at the H200 ceiling",
+    title = string.format("stage times, median ms of %d %s", iters, small and "(wall clock)" or "(device events)") })
+    + 16
+  local EL = math.floor(real.E / real.W)
+  doc:text(20, y + 12, string.format("expert load at the real shape (%d ranks x %d tokens, top-%d): experts per "
+    .. "number of routes, each rank's %d experts", real.W, real.T, real.K, EL), { ["font-weight"] = "bold" })
+  y = y + 22
+  for r = 0, real.W - 1 do
+    local loads = {}
+    for e = 1, EL do loads[e] = real.loads[r * EL + e] end
+    local v = real.ranks[r + 1]
+    svg.histogram(doc, { x = 20 + (r % 4) * 235, y = y + math.floor(r / 4) * 130, width = 210, height = 120,
+      values = loads, bins = 12, max = real.max_load, attrs = { ["data-rank"] = r },
+      title = string.format("rank %d: max %d, mean %.1f", r, v.max_load, v.routes / EL) })
+  end
+  y = y + math.ceil(real.W / 4) * 130 + 10
+  local pad_rows = {}
+  for r, v in ipairs(real.ranks) do
+    pad_rows[r] = { label = "rank " .. (r - 1), parts = { v.routes, v.padding },
+      note = string.format("%d rows, %.1f%% padding", v.rows, v.rows > 0 and 100 * v.padding / v.rows or 0) }
+  end
+  y = y + svg.stacked(doc, { x = 20, y = y, width = 920, rows = pad_rows, unit = "rows",
+    series = { "routes", "padding" },
+    title = string.format("rows per rank at the real shape, pad %d (%s)", opts.pad, opts.layout) })
+  doc.height = y + 10
+  svg_file:write(doc:render()):close()
 end
 
 os.exit(pass and 0 or 1)

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
 # Starts a world of W ranks on this host, one process per GPU (rank r on GPU r), all running the
 # same command: scenarios/launch.sh W command args...  Each process gets MOE_RANK, MOE_WORLD_SIZE,
 # MOE_DEVICE and MOE_NCCL_ID_FILE (a fresh path: rank 0 writes the NCCL id there, the others wait

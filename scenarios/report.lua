@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The README's results table, regenerated: runs the scenarios and measuring programs that
 -- produce each number, on this machine, and prints one markdown row per measurement.
 --
@@ -8,8 +9,9 @@
 -- routings and pads has its own report: lua scenarios/experts.lua.  A measurement whose command
 -- fails or prints no number shows the failure in its row; the table is still written, and the
 -- exit status is 1.
-local moe = require "moelab"
 local cli = require "moelab.cli"
+local moe = cli.require "moelab"
+local compat = require "moelab.compat"
 
 local opts = cli.parse(arg, {
   { "cpu", "flag", false, "the CPU rows only, even where a GPU is usable" },
@@ -23,16 +25,15 @@ local lua = arg[-1] or "lua"
 
 -- Runs a shell command; returns its output (stdout and stderr) and whether it exited 0.
 local function run(command)
-  local p = assert(io.popen(command .. " 2>&1"))
-  local text = p:read("a")
-  return text, p:close() == true
+  local text, status = compat.run(command .. " 2>&1")
+  return text, status == 0
 end
 
 -- One pattern's captures from text, formatted; nil when it is absent.
 local function grab(text, pattern, fmt)
   local caps = { text:match(pattern) }
   if #caps == 0 then return nil end
-  return string.format(fmt, table.unpack(caps))
+  return string.format(fmt, compat.unpack(caps))
 end
 
 local rows, ok = {}, true
@@ -41,7 +42,7 @@ local rows, ok = {}, true
 local outputs = {} -- command -> { text, exited 0 }
 local function row(what, command, read, machine)
   outputs[command] = outputs[command] or { run(command) }
-  local text, done = table.unpack(outputs[command])
+  local text, done = compat.unpack(outputs[command])
   local result = done and read(text) or nil
   if not result then
     ok = false

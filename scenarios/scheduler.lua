@@ -1,8 +1,9 @@
+-- SPDX-License-Identifier: MIT
 -- The routed-token scheduler, side by side with the legacy algorithm (one block per (local
 -- expert, source rank) pair scanning that rank's routes twice), on the shapes of the MoK table.
 --
 --   lua scenarios/scheduler.lua [--device D] [--pad B] [--layout L] [--capacity C] [--calls N] [--reps R]
---                               [--kernel NAME] [--json FILE]
+--                               [--kernel NAME] [--json FILE] [--svg FILE] [--progress auto|on|off]
 --
 -- Each row: the ids of W ranks x T tokens routed by the model's router on router-like logits
 -- (std 1.5); rank 0's schedule, run by the kernel --kernel names (the context's schedule_kernel
@@ -12,12 +13,18 @@
 -- checked equal to the CPU's, bit for bit.  The legacy column comes from build/bench/schedule_legacy
 -- (or $MOE_BUILD_DIR/bench/schedule_legacy) on the same W, T, E, K, pad and capacity, timed the
 -- same way: its own ids (softmax top-K of randn logits), checked there against moe_schedule bit
--- for bit; n/a where the program or a GPU is absent, or with --layout peer_major.  Exits 1 on a
+-- for bit; n/a where the program or a GPU is absent, or with --layout peer_major.  --svg draws
+-- both columns per shape; --progress writes a line per shape on stderr (auto: where it is a
+-- terminal).  Exits 1 on a
 -- mismatch; 2 on a bad flag or a configuration the library refuses (a --capacity one shape
 -- overflows, say: the number applies to every shape).
-local moe = require "moelab"
 local cli = require "moelab.cli"
+local moe = cli.require "moelab"
 local json = require "moelab.json"
+local compat = require "moelab.compat"
+local runinfo = require "moelab.runinfo"
+local progress = require "moelab.progress"
+local svg = require "moelab.svg"
 
 local opts = cli.parse(arg, {
   { "device", "string", moe.default_device(), "cpu or cuda:N" },
@@ -29,6 +36,8 @@ local opts = cli.parse(arg, {
   { "reps", "integer", 9, "timed replays; the median is reported" },
   { "kernel", "string", "auto", "the GPU kernel: auto (the library's choice) or a name of the schedule_kernel option" },
   { "json", "string", nil, "also write the table as JSON to this file" },
+  { "svg", "string", nil, "also draw the table as an SVG picture in this file" },
+  { "progress", "string", "auto", "a line per shape on stderr: auto (where it is a terminal), on or off" },
 }, "lua scenarios/scheduler.lua: the routed-token scheduler against the legacy baseline")
 for _, f in ipairs { "calls", "reps", "pad" } do
   if opts[f] < 1 then cli.fail(string.format("--%s must be >= 1, got %d", f, opts[f])) end
@@ -36,14 +45,14 @@ end
 if opts.layout ~= "roundrobin" and opts.layout ~= "peer_major" then
   cli.fail(string.format("--layout must be roundrobin or peer_major, got '%s'", opts.layout))
 end
-local json_file = cli.output("json", opts.json)
+local json_file, svg_file = cli.output("json", opts.json), cli.output("svg", opts.svg)
 cli.guard("--kernel", moe.core.config, "schedule_kernel", opts.kernel)
 
 local dev = opts.device
 local function capacity_of(c)
   if opts.capacity == "worst" then return nil end
   if opts.capacity == "layer" then return "twice_mean" end -- moe.layer's default
-  local n = math.tointeger(tonumber(opts.capacity))
+  local n = compat.tointeger(tonumber(opts.capacity))
   if not n or n < 0 then cli.fail("--capacity must be worst, layer or a number of rows >= 0, got " .. opts.capacity) end
   return n
 end
@@ -82,18 +91,16 @@ local function run_legacy(c, capacity)
   local cmd = string.format("%s %d %d %d %d --capacity %d --pad %d --calls %d --reps %d --device %s 2>&1",
     shell_quote(legacy_path), c.W, c.T, c.model.experts, c.model.k, capacity, opts.pad, opts.calls, opts.reps,
     dev:match("%d+$") or "0")
-  local pipe = io.popen(cmd, "r")
-  local out = pipe:read("a")
-  local done, how, code = pipe:close()
+  local out, code = compat.run(cmd)
   local us = tonumber(out:match("legacy_us ([%d.]+)"))
-  if done and us then return us end
-  return nil, string.format("legacy (%s %s: %s)", how, tostring(code), (out:match("[^\n]+") or "no output"))
+  if code == 0 and us then return us end
+  return nil, string.format("legacy (exit %s: %s)", tostring(code), (out:match("[^\n]+") or "no output"))
 end
 
 local function median(l)
   table.sort(l)
   local n = #l
-  return n % 2 == 1 and l[(n + 1) // 2] or (l[n // 2] + l[n // 2 + 1]) / 2
+  return n % 2 == 1 and l[(n + 1) / 2] or (l[n / 2] + l[n / 2 + 1]) / 2 -- whole indices in each branch
 end
 
 -- Median µs per call of fn, over reps replays of a graph holding `calls` calls of it.
@@ -117,6 +124,7 @@ end
 
 local rows = {}
 local ok = true
+local steps = cli.guard("--progress", progress.new, #cases, { mode = opts.progress })
 for i, c in ipairs(cases) do
   local m = c.model
   local shape = string.format("%s, EP%d, T %d", c.label, c.W, c.T)
@@ -142,6 +150,7 @@ for i, c in ipairs(cases) do
   row.rows_used = s:read_stats().rows_used
   row.capacity = s.capacity
   rows[#rows + 1] = row
+  steps:step(string.format("%s: %.2f µs", shape, row.ours_us))
 end
 
 local function p(...) io.write(string.format(...), "\n") end
@@ -162,8 +171,22 @@ for _, r in ipairs(rows) do
     r.legacy_us and string.format("%.1fx", r.legacy_us / r.ours_us) or "", r.mismatch and ("  MISMATCH " .. r.mismatch) or "")
 end
 if json_file then
-  json_file:write(json.encode { device = dev, kernel = opts.kernel, pad = opts.pad, layout = opts.layout,
-    capacity = math.tointeger(tonumber(opts.capacity)) or opts.capacity, pass = ok, rows = rows }, "\n")
+  json_file:write(json.encode { run = runinfo.collect { device = dev }, device = dev, kernel = opts.kernel,
+    pad = opts.pad, layout = opts.layout,
+    capacity = compat.tointeger(tonumber(opts.capacity)) or opts.capacity, pass = ok, rows = rows }, "\n")
   json_file:close()
+end
+if svg_file then
+  local bars = {}
+  for i, r in ipairs(rows) do
+    bars[i] = { label = string.format("%s, EP%d, T %d", r.label, r.W, r.T), values = { r.ours_us, r.legacy_us } }
+  end
+  local doc = svg.new(900, 0)
+  doc:text(20, 28, string.format("moelab %s: the routed-token scheduler on %s, rank 0's schedule, pad %d, %s",
+    moe.version, dev, opts.pad, opts.layout), { ["font-weight"] = "bold", ["font-size"] = 15 })
+  doc.height = 48 + svg.bars(doc, { x = 20, y = 44, width = 860, rows = bars, unit = "µs", series = { "ours",
+    "legacy" }, title = gpu and string.format("µs per call (median of %d replays of %d calls); no legacy bar: n/a",
+    opts.reps, opts.calls) or "µs per call, wall clock on the CPU (the legacy baseline is a GPU kernel: n/a)" })
+  svg_file:write(doc:render()):close()
 end
 os.exit(ok and 0 or 1)

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- A rank that goes away mid-run: the others must fail with an error that names the rank and the
 -- step within MOE_WORLD_TIMEOUT, not wait forever.  Run as two or more processes:
 --
@@ -8,8 +9,8 @@
 -- within the timeout and a margin, a call after that says the world was aborted, and close
 -- returns.  Prints one line per check; exits 1 on a failure, 2 on a bad flag, a world that
 -- cannot be made, or a world of one rank (no other rank to leave).
-local moe = require "moelab"
 local cli = require "moelab.cli"
+local moe = cli.require "moelab"
 
 cli.parse(arg, {}, "MOE_WORLD_TIMEOUT=5 scenarios/launch.sh 2 lua scenarios/world_fault.lua: the last rank leaves "
   .. "mid-run, the others must fail within the timeout")

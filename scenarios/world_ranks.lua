@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- One rank of a multi-process world, checked against the simulated world: run it as W processes,
 -- one per GPU, with scenarios/launch.sh (or any launcher that sets MOE_RANK, MOE_WORLD_SIZE,
 -- MOE_DEVICE and MOE_NCCL_ID or MOE_NCCL_ID_FILE for each):
@@ -14,8 +15,8 @@
 -- eager forward of the same tokens bit for bit; NaN logits on one rank stop every rank's forward
 -- at once; a layer built with another seed on one rank is refused on every rank.  Prints one
 -- line per check; exits 1 on a failure, 2 on a bad flag or a world that cannot be made.
-local moe = require "moelab"
 local cli = require "moelab.cli"
+local moe = cli.require "moelab"
 
 local opts = cli.parse(arg, {
   { "model", "string", "kimi_k2", "a preset of moe.models" },

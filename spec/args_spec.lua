@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Argument errors, as a table (lua-cjson's tests): one row per bad input, the fragments its
 -- message must contain beside it (plain text: the argument, the value, what was expected).
 -- Every error must also point at the caller's line (this file), not at the front-end's own or
@@ -31,6 +32,13 @@ end
 local tiny = { name = "tiny", experts = 4, k = 2, hidden = 16, ffn = 8, scoring = "softmax" }
 local LAYER = moe.layer { model = tiny, world = 2, tokens = 2, device = "cpu" }
 local LX = moe.zeros({ 2, 2, 16 }, { dtype = "bf16" })
+-- routing for a tiny layer of 2 ranks of 2 tokens, top-2: every id valid, weight 0.5 but at
+-- flat index bad (0-based), which gets v
+local function routing(bad, v)
+  local w = S.filled(8, 0.5)
+  if bad then w[bad + 1] = v end
+  return S.tensor({ 0, 1, 2, 3, 1, 2, 3, 0 }, "i32", { 2, 2, 2 }), S.tensor(w, "f32", { 2, 2, 2 })
+end
 
 local ROWS = {
   -- tensors
@@ -50,7 +58,7 @@ local ROWS = {
     "'tensor' (shape [1099511627776, 1099511627776, 0] has more than 2^40 elements" },
   { "zeros: a shape past 2^40 elements", function() moe.zeros({ 2 ^ 21, 2 ^ 20 }) end,
     "'zeros' (shape [2097152, 1048576] has more than 2^40 elements" },
-  { "zeros: a shape whose product wraps 64 bits", function() moe.zeros({ 1 << 24, 1 << 40 }) end,
+  { "zeros: a shape whose product wraps 64 bits", function() moe.zeros({ 2 ^ 24, 2 ^ 40 }) end,
     "'zeros' (shape [16777216, 1099511627776] has more than 2^40 elements" },
   { "schedule_plan: an unknown option, named as schedule_plan", function()
     moe.schedule_plan { ids = moe.zeros({ 1, 2, 2 }, { dtype = "i32" }), experts = 4, pads = 2 }
@@ -82,8 +90,9 @@ local ROWS = {
   { "a closed tensor as an option", function()
     local x
     do
-      local t <close> = bf16 { 2, 3, 4 }
+      local t = bf16 { 2, 3, 4 }
       x = t
+      t:close()
     end
     moe.dispatch { x = x, schedule = s0 }
   end, "option 'x' is a closed moelab.Tensor" },
@@ -158,7 +167,7 @@ local ROWS = {
     "option 'rank' must be between 0 and 1, got -1" },
   { "schedule: pad 0", function() moe.schedule { ids = I, experts = 4, pad = 0 } end,
     "option 'pad' must be between 1 and 2147483647, got 0" },
-  { "schedule: pad past i32", function() moe.schedule { ids = I, experts = 4, pad = 1 << 62 } end,
+  { "schedule: pad past i32", function() moe.schedule { ids = I, experts = 4, pad = math.floor(2 ^ 62) } end,
     "option 'pad' must be between 1 and 2147483647, got 4611686018427387904" },
   { "schedule: negative capacity", function() moe.schedule { ids = I, experts = 4, capacity = -1 } end,
     { "option 'capacity' must be between 0 and 2147483646", "got -1" } },
@@ -190,7 +199,7 @@ local ROWS = {
   -- dispatch
   { "dispatch: a schedule with a closed tensor, named", function()
     local s = moe.schedule { ids = I, experts = 4 }
-    do local _ <close> = s.peer_rank end
+    s.peer_rank:close()
     moe.dispatch { x = X, schedule = s }
   end, "option 'schedule': the schedule's peer_rank tensor is closed" },
   { "dispatch: unknown option", function() moe.dispatch { x = X, schedule = s0, zero_fil = true } end,
@@ -268,12 +277,12 @@ local ROWS = {
     "option 'dtype' must be one of 'bf16', 'f32', got \"i32\"" },
   { "combine: a closed out", function()
     local out = moe.zeros({ 3, 4 })
-    do local c <close> = out end
+    out:close()
     combine { out = out }
   end, "option 'out' is a closed moelab.Tensor" },
   { "route: a closed ids buffer", function()
     local ids = i32 { 4, 2 }
-    do local c <close> = ids end
+    ids:close()
     moe.route { logits = L, k = 2, ids = ids, weights = moe.zeros({ 4, 2 }) }
   end, "field 'ids': moelab.Tensor is closed" },
   { "combine: schedules of other ids", function()
@@ -325,7 +334,7 @@ local ROWS = {
     "the 384 experts cannot be split over a world of 5 ranks" },
   { "layer: pad 0", function() moe.layer { model = tiny, tokens = 4, pad = 0 } end,
     "option 'pad' must be between 1 and 2147483647, got 0" },
-  { "layer: pad past i32", function() moe.layer { model = tiny, tokens = 4, pad = 1 << 62 } end,
+  { "layer: pad past i32", function() moe.layer { model = tiny, tokens = 4, pad = math.floor(2 ^ 62) } end,
     "option 'pad' must be between 1 and 2147483647, got 4611686018427387904" },
   { "layer: K > E", function() moe.layer { model = tiny, tokens = 4, k = 5 } end, "option 'k' must be between 1 and 4, got 5" },
   { "layer: negative capacity", function() moe.layer { model = tiny, tokens = 4, capacity = -1 } end,
@@ -379,6 +388,132 @@ local ROWS = {
   { "reference: logits and routing", function()
     LAYER:reference(LX, { logits = moe.zeros({ 4, 4 }), routing = "forward" })
   end, "give at most one routing" },
+
+  -- options read by their own keys: a metatable could hand out or hide keys the check never sees
+  { "zeros: options whose keys come through __index", function()
+    moe.zeros({ 2 }, setmetatable({}, { __index = { dtype = "i32" } }))
+  end, "bad argument #1 to 'zeros' (expected the options as a plain table, got one with a metatable" },
+  { "layer: a required option through __index", function()
+    moe.layer(setmetatable({ model = tiny }, { __index = { tokens = 2 } }))
+  end, "bad argument #1 to 'layer' (expected the options as a plain table" },
+  { "schedule: options with a metatable of no __index", function()
+    moe.schedule(setmetatable({ ids = I, experts = 4 }, {}))
+  end, "bad argument #1 to 'schedule' (expected the options as a plain table" },
+  { "layer: a model whose fields come through __index", function()
+    moe.layer { model = setmetatable({ name = "proxy" }, { __index = tiny }), tokens = 2 }
+  end, "bad argument #1 to 'layer' (expected option 'model' as a plain table" },
+
+  -- a method called with '.' where ':' was meant
+  { "forward called with '.'", function() LAYER.forward(LX) end,
+    "bad argument #1 to 'forward' (expected a moelab.Layer as self, got moelab.Tensor(bf16 [2, 2, 16] on cpu): "
+      .. "call it as layer:forward(...), with a colon)" },
+  { "check called with '.' and nothing", function() LAYER.check() end,
+    "bad argument #1 to 'check' (expected a moelab.Layer as self, got nil: call it as layer:check(...)" },
+  { "a schedule's read_stats called with '.'", function() s0.read_stats() end,
+    "bad argument #1 to 'read_stats' (expected a moelab.Schedule as self, got nil: call it as s:read_stats(...)" },
+  { "a tensor's fill called with '.'", function() LX.fill(0) end,
+    "bad argument #1 to 'fill' (expected a moelab.Tensor as self, got 0: call it as t:fill(...), with a colon)" },
+  { "an event's record called with '.'", function() moe.event("cpu").record() end,
+    "bad argument #1 to 'record' (expected a moelab.Event as self, got no value: call it as event:record(...)" },
+
+  -- a tensor is not a table of its elements
+  { "a tensor indexed by a number", function() return LX[1] end,
+    "moelab.Tensor has no elements by index (t[1]): t:get(i) reads element i (1-based, flat), t:select(i)" },
+  { "a tensor indexed by a boolean", function() return LX[true] end, "moelab.Tensor has no elements by index (t[boolean])" },
+  { "an element assigned", function() LX[1] = 0 end, "moelab.Tensor cannot be assigned by index (t[1] = ...)" },
+  { "a field assigned", function() LX.shape = { 4 } end,
+    "moelab.Tensor has no field to set ('shape'): its shape, dtype and device are fixed" },
+
+  -- values that mean nothing
+  { "randn: a negative std", function() moe.randn({ 2 }, { std = -1 }) end, "randn: std must be finite and >= 0, got -1" },
+  { "randn: an infinite std, in place", function() moe.zeros({ 2 }):randn(1, 1 / 0) end,
+    "randn: std must be finite and >= 0, got inf" },
+  { "route: logits of no experts", function() moe.route { logits = moe.zeros({ 4, 0 }), k = 1 } end,
+    "option 'logits' has no experts to route to (its second dimension is 0), got moelab.Tensor(f32 [4, 0] on cpu)" },
+  { "bench: a device that cannot be timed", function() moe.bench(function() end, { device = "cuda:999" }) end,
+    "bad argument #1 to 'bench' (option 'device' (cuda:999) cannot be timed: event: cuda:999" },
+  { "forward: the layer's output closed", function()
+    local layer = moe.layer { model = tiny, tokens = 2 }
+    S.close(layer.out)
+    layer:forward(moe.zeros({ 1, 2, 16 }, { dtype = "bf16" }))
+  end, "layer:forward: the layer's buffer layer.out is closed; a layer's buffers must stay open while it is used" },
+  { "check: a schedule's buffer of the layer closed", function()
+    local layer = moe.layer { model = tiny, tokens = 2 }
+    S.close(layer.schedules[1].route_row)
+    layer:check(moe.zeros({ 1, 2, 16 }, { dtype = "bf16" }))
+  end, "layer:check: the layer's buffer layer.schedules[1].route_row is closed" },
+
+  -- dropped routes under overflow = "error", whichever capacity dropped them
+  { "schedule: expert_capacity 0 under overflow = 'error'", function()
+    moe.schedule { ids = I, experts = 4, expert_capacity = 0 }
+  end, "option 'expert_capacity' is 0, which drops every route, and option 'overflow' is 'error', which forbids "
+    .. "dropping one: pass overflow = 'drop' to drop them, or expert_capacity >= 1" },
+  { "layer: expert_capacity 0 under overflow = 'error'", function()
+    moe.layer { model = tiny, tokens = 2, expert_capacity = 0 }
+  end, "bad argument #1 to 'layer' (option 'expert_capacity' is 0, which drops every route" },
+  { "schedule: routes past expert_capacity, within capacity", function()
+    moe.schedule { ids = I, experts = 4, expert_capacity = 1 }
+  end, "schedule: expert capacity overflow on rank 0: 4 routes past expert_capacity = 1 lost their row; raise "
+    .. "expert_capacity or pass overflow = 'drop'" },
+  { "check: routes past expert_capacity that a forward without checks let through", function()
+    local layer = moe.layer { model = tiny, world = 2, tokens = 2, expert_capacity = 1 }
+    local ids, w = routing()
+    layer:forward(LX, { ids = ids, weights = w, check = false })
+    layer:check(LX)
+  end, "layer: schedule: expert capacity overflow on rank 0: 2 routes past expert_capacity = 1" },
+
+  -- given routing weights must be finite
+  { "forward: a NaN among the given weights", function()
+    local layer = moe.layer { model = tiny, world = 2, tokens = 2 }
+    local ids, w = routing(5, 0 / 0)
+    layer:forward(LX, { ids = ids, weights = w })
+  end, "layer: forward: option 'weights' holds 1 value that is NaN or infinite, the first at rank 1, token 0, slot 1: "
+    .. "routing weights given to a layer must be finite" },
+  { "forward: an infinite given weight, whatever nan says", function()
+    local layer = moe.layer { model = tiny, world = 2, tokens = 2, nan = "mask" }
+    local ids, w = routing(2, -1 / 0)
+    layer:forward(LX, { ids = ids, weights = w })
+  end, "option 'weights' holds 1 value that is NaN or infinite, the first at rank 0, token 1, slot 0" },
+  { "check: NaN weights a forward without checks let through", function()
+    local layer = moe.layer { model = tiny, world = 2, tokens = 2 }
+    local ids, w = routing(7, 0 / 0)
+    layer:forward(LX, { ids = ids, weights = w, check = false })
+    layer:check(LX)
+  end, "layer: forward: option 'weights' holds 1 value that is NaN or infinite, the first at rank 1, token 1, slot 1" },
+  { "combine: a NaN weight", function() combine { weights = S.tensor({ 1, 1, 0 / 0, 1, 1, 1 }, "f32", { 3, 2 }) } end,
+    "bad argument #1 to 'combine' (option 'weights' holds 1 value that is NaN or infinite, the first at token 1, slot 0: "
+      .. "routing weights must be finite)" },
+  { "combine: infinite weights", function() combine { weights = S.tensor({ 1, 1, 1, 1, 1 / 0, -1 / 0 }, "f32", { 3, 2 }) } end,
+    "option 'weights' holds 2 values that are NaN or infinite, the first at token 2, slot 0" },
+
+  -- sizes: the buffer and the options that size it, before anything is allocated
+  { "dispatch: an output past 2^40 elements", function()
+    local s = moe.schedule { ids = moe.zeros({ 1, 1, 1 }, { dtype = "i32" }), experts = 1, capacity = 2 ^ 21 }
+    moe.dispatch { x = bf16 { 1, 1, 2 ^ 20 }, schedule = s }
+  end, "bad argument #1 to 'dispatch' (out would be bf16 [2097152, 1048576], more than 2^40 elements (the schedule's "
+    .. "capacity x the hidden size of x))" },
+  { "layer: experts' weights past 2^40 elements", function()
+    moe.layer { model = tiny, tokens = 2, hidden = 2 ^ 21, ffn = 2 ^ 20 }
+  end, "bad argument #1 to 'layer' (w_gate_up would be bf16 [4, 2097152, 2097152], more than 2^40 elements (experts "
+    .. "per rank x 2 ffn x hidden))" },
+  { "layer: the real Kimi K2 on the CPU, past the budget", function()
+    local _, err = S.without_allocating(function()
+      moe.layer { model = "kimi_k2", tokens = 32, device = "cpu", memory_limit = 1e9 }
+    end)
+    error(err, 0)
+  end, "bad argument #1 to 'layer' (the layer needs 33.9 GB of host memory, 1.0 GB allowed (memory_limit): its weights "
+    .. "take 33.9 GB (hidden = 7168, ffn = 2048, 384 experts, shared_ffn = 2048), its buffers 26.7 MB (world = 1, "
+    .. "tokens = 32, capacity = 896 rows); pass smaller hidden and ffn (the scenarios' CPU sizes: hidden = 256, ffn = "
+    .. "128), or run it on a GPU, or state another budget with memory_limit = bytes)" },
+  { "layer: buffers past the budget", function()
+    moe.layer { model = tiny, tokens = 2 ^ 20, device = "cpu", memory_limit = 1e6 }
+  end, { "the layer needs ", "of host memory, 1.0 MB allowed (memory_limit)", "pass fewer tokens or a smaller capacity" } },
+  { "layer: a negative memory_limit", function() moe.layer { model = tiny, tokens = 2, memory_limit = -1 } end,
+    "option 'memory_limit' must be >= 0, got -1" },
+  { "layer: a NaN memory_limit", function() moe.layer { model = tiny, tokens = 2, memory_limit = 0 / 0 } end,
+    "option 'memory_limit' must be >= 0, got " },
+  { "layer_memory: the options of moe.layer, checked alike", function() moe.layer_memory { model = tiny, tokns = 2 } end,
+    "bad argument #1 to 'layer' (unknown option 'tokns'" },
 }
 
 describe("argument errors", function()
@@ -394,6 +529,49 @@ describe("argument errors", function()
       assert.truthy(err:find("^[^\n]-args_spec%.lua:%d+: "),
         "the error should point at the caller (args_spec.lua), got:\n" .. err)
       assert.falsy(err:find("^[^\n]-%.lua:%d+: [^\n]-%.lua:%d+: "), "a doubled position:\n" .. err)
+    end)
+  end
+end)
+
+-- moe.bench refuses its device before the function has run once.
+describe("bench's device [#cpu]", function()
+  it("is refused before fn runs", function()
+    local runs = 0
+    assert.is_false(pcall(moe.bench, function() runs = runs + 1 end, { device = "cuda:999" }))
+    assert.are.equal(0, runs)
+  end)
+end)
+
+-- MOE_THREADS as a user sets it, in a process of its own (the context reads it when it opens):
+-- {value, a fragment of the refusal, or nil where the module loads}.
+local ENV_ROWS = {
+  { "abc", 'MOE_THREADS must be an integer from 1 to 256 (the CPU backend\'s threads), got "abc"' },
+  { "0", 'got "0"; unset it for the online CPUs' },
+  { "-3", 'got "-3"' },
+  { "100000", 'got "100000"' },
+  { "257", 'got "257"' },
+  { "2.5", 'got "2.5"' },
+  { "1", nil },
+  { "256", nil },
+  { "", nil },
+}
+
+describe("MOE_THREADS [#cpu]", function()
+  local build = os.getenv("MOE_BUILD_DIR") or "build"
+  for _, row in ipairs(ENV_ROWS) do
+    it(string.format("MOE_THREADS=%q %s", row[1], row[2] and "is refused, naming it" or "is taken"), function()
+      local cmd = string.format("MOE_THREADS='%s' LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;' "
+        .. "lua -e 'require \"moelab\"; print(\"loaded\")' 2>&1; echo \"status=$?\"", row[1], build)
+      local f = assert(io.popen(cmd))
+      local out = f:read("a")
+      f:close()
+      if row[2] then
+        assert.truthy(out:find("moelab.core: cannot open a context: ", 1, true), out)
+        assert.truthy(out:find(row[2], 1, true), out)
+        assert.falsy(out:find("status=0", 1, true), out)
+      else
+        assert.truthy(out:find("loaded\nstatus=0", 1, true), out)
+      end
     end)
   end
 end)

@@ -1,4 +1,6 @@
+-- SPDX-License-Identifier: MIT
 -- moe.bench, the timing helper of the scenarios and of users' scripts.
+local unpack_ = require("moelab.compat").unpack
 describe("moe.bench [#cpu]", function()
   it("runs warmup then iters calls and summarises the iters times", function()
     local calls = 0
@@ -6,7 +8,7 @@ describe("moe.bench [#cpu]", function()
     assert.are.equal(9, calls)
     assert.are.equal(7, r.iters)
     assert.are.equal(7, #r.times_ms)
-    local sorted, sum = table.move(r.times_ms, 1, 7, 1, {}), 0
+    local sorted, sum = { unpack_(r.times_ms) }, 0
     table.sort(sorted)
     for _, t in ipairs(sorted) do sum = sum + t end
     assert.are.equal(sorted[4], r.median_ms)
@@ -17,7 +19,7 @@ describe("moe.bench [#cpu]", function()
 
   it("the median of an even count is the mean of the middle two", function()
     local r = moe.bench(function() end, { warmup = 0, iters = 4, device = "cpu" })
-    local sorted = table.move(r.times_ms, 1, 4, 1, {})
+    local sorted = { unpack_(r.times_ms) }
     table.sort(sorted)
     assert.are.equal((sorted[2] + sorted[3]) / 2, r.median_ms)
   end)

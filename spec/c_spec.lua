@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The C test programs (spec/c/*.c, built into <build>/tests/), one `it` per program, so that one
 -- runner counts everything.  MOE_BUILD_DIR names the build directory (default: build).  The GPU
 -- test programs (<build>/gpu_tests/) are run by gpu_programs_spec.lua.
@@ -14,12 +15,10 @@ local function programs(dir)
   return list
 end
 
+-- The exit status (128 + n after signal n) and the output, stderr into stdout.
 local function run(path)
-  -- stderr into stdout, both kept for the failure message
-  local p = assert(io.popen("'" .. path .. "' 2>&1"))
-  local output = p:read("a")
-  local ok, how, code = p:close()
-  return ok, how, code, output
+  local output, status = require("moelab.compat").run("'" .. path .. "' 2>&1")
+  return status, output
 end
 
 describe("C test programs [#cpu]", function()
@@ -30,7 +29,7 @@ describe("C test programs [#cpu]", function()
   end)
   for _, name in ipairs(list) do
     it(name, function()
-      local ok, how, code, output = run(dir .. "/" .. name)
+      local status, output = run(dir .. "/" .. name)
       -- the programs may print a line per case: keep the lines that say what failed, and the end
       local failed = {}
       for line in output:gmatch("[^\n]+") do
@@ -38,8 +37,8 @@ describe("C test programs [#cpu]", function()
       end
       local report = table.concat(failed, "\n", 1, math.min(#failed, 20))
       if #output > 2000 then output = "...\n" .. output:sub(-2000) end
-      assert.is_true(ok == true, string.format("%s/%s %s with %s\n%s\n-- end of its output:\n%s", dir, name,
-        how == "signal" and "was killed by signal" or "exited", tostring(code), report, output))
+      assert.is_true(status == 0, string.format("%s/%s exited with %s%s\n%s\n-- end of its output:\n%s", dir, name,
+        tostring(status), status and status > 128 and string.format(" (signal %d)", status - 128) or "", report, output))
     end)
   end
 end)

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- moe.check: what counts as close, on plain values (the layer and stage specs rely on it).
 describe("moe.check.close", function()
   local inf = math.huge
@@ -12,8 +13,9 @@ describe("moe.check.close", function()
   it("refuses what is not a tensor or a flat table of numbers, at the caller's line", function()
     local closed
     do
-      local t <close> = moe.zeros({ 2 })
+      local t = moe.zeros({ 2 })
       closed = t
+      t:close()
     end
     local cases = {
       { function() moe.check.close({ "a" }, { 1 }) end, "check: got[1] must be a number (a flat table of numbers), got \"a\"" },

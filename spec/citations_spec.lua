@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Every file the project cites exists in it: a path under one of the repository's folders
 -- (lib/..., kernels/..., docs/...) or a Markdown file named anywhere, in any tracked file.  A
 -- reader who follows a comment or a document must find what it names.

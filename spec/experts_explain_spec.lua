@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The experts stage's kernel choice as the binding shows it: the context's experts_kernel option
 -- (moe.core.config) and moe.core.experts_explain, which names the kernel a call would run and
 -- why.  CPU only: the GPU side of the choice is checked by spec/gpu/test_experts_gpu.c.

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Kernel choice through the context: the schedule_kernel option (moe_ctx_config) and
 -- core.schedule_explain, which reports the choice without running anything.  Runs on a CPU: a
 -- build with CUDA but no GPU still validates the option against the kernels it was built with.

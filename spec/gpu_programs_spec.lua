@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The GPU test programs of spec/gpu (built into build/gpu_tests when CUDA is found): each
 -- compares stages on the GPU with the CPU reference through the C API and exits non-zero on
 -- any mismatch.  Without a GPU they are reported skipped.

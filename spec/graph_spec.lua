@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- CUDA graphs and CUDA failures, GPU only: a captured layer replayed 1,000 times on fresh inputs
 -- (so fresh routing each time) equals the eager forward bit for bit; stats reach graph:check();
 -- a CUDA failure is a Lua error naming the stage and the CUDA error, and the process goes on;
@@ -48,7 +49,7 @@ describe("graphs [#gpu]", function()
     layer.input:randn(8, 1.0)
     local a = g:replay()
     assert.are.equal(a, g:replay())
-    do local _ <close> = a end
+    a:close()
     local b = g:replay()
     assert.are_not.equal(a, b)
     assert.is_false(b.closed)
@@ -108,7 +109,7 @@ describe("graphs [#gpu]", function()
   end)
 
   it("a CUDA allocation failure is a Lua error naming the stage and the CUDA error", function()
-    local ok, err = pcall(moe.zeros, { 1 << 19, 1 << 19 }, { device = dev })
+    local ok, err = pcall(moe.zeros, { 2 ^ 19, 2 ^ 19 }, { device = dev })
     assert.is_false(ok)
     err = tostring(err)
     assert.truthy(err:find("tensor", 1, true) and err:find("cudaErrorMemoryAllocation", 1, true), err)
@@ -141,11 +142,13 @@ describe("graphs [#gpu]", function()
     local s = moe.schedule { ids = ids, experts = 2 }
     local g, probe, gone
     do
-      local x <close> = moe.full({ 1, 3, 8 }, 3, { dtype = "bf16", device = dev })
-      local out <close> = moe.zeros({ s.capacity, 8 }, { dtype = "bf16", device = dev })
+      local x = moe.full({ 1, 3, 8 }, 3, { dtype = "bf16", device = dev })
+      local out = moe.zeros({ s.capacity, 8 }, { dtype = "bf16", device = dev })
       g = moe.graph(function() moe.dispatch { x = x, schedule = s, out = out } end, { device = dev })
       probe = out:view(0, { 1, 8 }) -- a view made after the capture, of a pinned owner
       gone = { x, out }
+      x:close()
+      out:close()
     end
     assert.is_true(gone[1].closed and gone[2].closed)
     assert.has_error(function() return gone[1]:to("cpu") end)

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Loaded once by busted before the suites (see .busted): the module, the devices to run each
 -- suite on, and luassert assertions that print a useful diff.
 local say = require "say"

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The layer (stages composed over a simulated world of W ranks) against the dense reference of
 -- docs/design.md, for every model preset at small H and F (real E and K), both layouts, pads 1 and
 -- 128, with the bf16 tolerances of docs/design.md (moe.check.close defaults).
@@ -42,7 +43,7 @@ local function surviving_ids(layer)
   local dropped = 0
   for i = 1, W * T * K do
     local id = ids[i]
-    if id >= 0 and rows[id // EL + 1][i] < 0 then
+    if id >= 0 and rows[math.floor(id / EL) + 1][i] < 0 then
       ids[i] = -1
       dropped = dropped + 1
     end
@@ -228,7 +229,7 @@ for _, dev in ipairs(ALL_DEVICES) do
 
     describe("capacity", function()
       it("expert_capacity drops routes, and the rest match the reference without them", function()
-        local layer = small_layer("glm5", dev, { expert_capacity = 1 })
+        local layer = small_layer("glm5", dev, { expert_capacity = 1, overflow = "drop" })
         local x = input(layer)
         local logits = logits_to(layer, { 0, 1, 2, 3, 40, 41, 42, 43 })
         local out = layer:forward(x, { logits = logits })
@@ -289,6 +290,71 @@ for _, dev in ipairs(ALL_DEVICES) do
         assert.truthy(tostring(err):find("no forward has completed", 1, true), tostring(err))
         layer:forward(x)
         layer:check(x)
+      end)
+    end)
+
+    describe("data conditions", function()
+      -- a valid routing with one weight made v, at rank 2, token 1, slot 3
+      local function routing(layer, v)
+        local W, T, K, E = layer.world, layer.tokens, layer.k, layer.experts
+        local ids, w = {}, S.filled(W * T * K, 0.25)
+        for i = 1, W * T * K do ids[i] = (i * 7) % E end
+        w[(2 * T + 1) * K + 3 + 1] = v
+        return S.tensor(ids, "i32", { W, T, K }, dev), S.tensor(w, "f32", { W, T, K }, dev)
+      end
+      for _, v in ipairs { 0 / 0, 1 / 0, -1 / 0 } do
+        it("a given weight of " .. tostring(v) .. " is refused, the output left as the last pass wrote it", function()
+          local layer = small_layer("kimi_k2", dev)
+          local x = input(layer)
+          local before = layer:forward(x):to("cpu")
+          local ids, w = routing(layer, v)
+          local ok, err = pcall(layer.forward, layer, x, { ids = ids, weights = w })
+          assert.is_false(ok)
+          assert.truthy(tostring(err):find("option 'weights' holds 1 value that is NaN or infinite, the first at rank 2, "
+            .. "token 1, slot 3", 1, true), tostring(err))
+          assert.tensor_equal(layer.out, before)
+          assert.are.equal(1, layer:stats().nonfinite_weights)
+        end)
+      end
+      it("a forward without checks counts them, and check raises them", function()
+        local layer = small_layer("kimi_k2", dev)
+        local x = input(layer)
+        local ids, w = routing(layer, 0 / 0)
+        layer:forward(x, { ids = ids, weights = w, check = false })
+        assert.are.equal(1, layer:stats().nonfinite_weights)
+        local ok, err = pcall(layer.check, layer, x)
+        assert.is_false(ok)
+        assert.truthy(tostring(err):find("option 'weights' holds 1 value", 1, true), tostring(err))
+        ids, w = routing(layer, 0.5) -- finite again: nothing to count, nothing to raise
+        layer:forward(x, { ids = ids, weights = w })
+        assert.are.equal(0, layer:stats().nonfinite_weights)
+        layer:check(x)
+      end)
+      it("a NaN among the tokens, with the routing given, reaches that token's output alone; check refuses it",
+        function()
+          local layer = small_layer("kimi_k2", dev)
+          local ids, w = routing(layer, 0.5)
+          local x = input(layer)
+          x:view(layer.hidden + 5, { 1 }):fill(0 / 0) -- rank 0, token 1, one element
+          local out = layer:forward(x, { ids = ids, weights = w }):to("cpu"):flat()
+          for i, v in ipairs(out) do
+            local token = math.floor((i - 1) / layer.hidden) -- over the ranks
+            if token ~= 1 then assert.is_true(v == v, "token " .. token .. " is NaN") end
+          end
+          local nans = 0
+          for i = layer.hidden + 1, 2 * layer.hidden do if out[i] ~= out[i] then nans = nans + 1 end end
+          assert.are.equal(layer.hidden, nans)
+          local ok, err = pcall(layer.check, layer, x)
+          assert.is_false(ok)
+          assert.truthy(tostring(err):find("NaN", 1, true), tostring(err))
+        end)
+      it("routes past expert_capacity raise under overflow = 'error', as any capacity's", function()
+        local layer = small_layer("glm5", dev, { expert_capacity = 1 })
+        local x = input(layer)
+        local ok, err = pcall(layer.forward, layer, x, { logits = logits_to(layer, { 0, 1, 2, 3, 40, 41, 42, 43 }) })
+        assert.is_false(ok)
+        assert.truthy(tostring(err):find("expert capacity overflow on rank 0: 124 routes past expert_capacity = 1", 1,
+          true), tostring(err))
       end)
     end)
 
@@ -372,8 +438,9 @@ for _, dev in ipairs(ALL_DEVICES) do
       local layer = small_layer("kimi_k2", dev)
       local x = input(layer)
       do
-        local out <close> = layer:forward(x)
+        local out = layer:forward(x)
         assert.are.equal(layer.world, out.shape[1])
+        out:close()
       end
       local again = layer:forward(x)
       assert.is_true(layer:check(x, { raise = false }).pass)
@@ -410,7 +477,7 @@ describe("the layer module [#cpu]", function()
     local function capacity(c)
       return moe.layer({ model = tiny, world = W, tokens = T, pad = pad, capacity = c, device = "cpu" }).capacity
     end
-    local EL = tiny.experts // W
+    local EL = math.floor(tiny.experts / W)
     assert.are.equal(2 * T * K + EL * pad, capacity(nil))
     assert.are.equal(2 * T * K + EL * pad, capacity("twice_mean"))
     assert.are.equal(W * T * K + EL * (pad - 1), capacity("worst"))

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- moe.layer over a real world, its Lua path run on the CPU: a moe.World whose NCCL handle is a
 -- stand-in (every rank in this process, the exchange done with the plain stages), against the
 -- simulated layer of the same options bit for bit.  The world itself is exercised on GPUs by

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Which kernel runs, asked from Lua: moe.config (the context's kernel options), moe.explain and
 -- layer:plan, which report the choice each stage makes and why, running nothing.
 local function cpu_layer(o)

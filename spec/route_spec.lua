@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- The route stage (docs/design.md, "The stages", 1) against a direct Lua
 -- transcription of each scoring function in double precision: ids exactly, weights within 1e-5
 -- relative.  Random rows keep a clear gap (1e-5) between the keys whose order decides the
@@ -51,7 +52,7 @@ local function route_row(l, E, o)
   local candidates, gdecide = all, nil
   if groups > 1 then
     -- a group's score is the sum of its top-2 keys; keep the topk_groups best groups
-    local per = E // groups
+    local per = math.floor(E / groups)
     local gscore, glist = {}, {}
     for g = 0, groups - 1 do
       local members = {}

@@ -1,15 +1,13 @@
+-- SPDX-License-Identifier: MIT
 -- The exit statuses of scenarios/experts.lua as a user runs it: 0 when its checks pass, 2 on a
 -- configuration the library refuses (not 1, which is a failed check).  (kimi.lua's are in
 -- world_spec.lua.)
+local S = require "support"
+
 describe("scenarios/experts.lua, its exit status [#cpu]", function()
-  local build = os.getenv("MOE_BUILD_DIR") or "build"
   local function run(flags, env)
-    local cmd = string.format("%s LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;' "
-      .. "lua scenarios/experts.lua %s 2>&1; echo \"status=$?\"", env or "", build, flags)
-    local f = assert(io.popen(cmd))
-    local out = f:read("a")
-    f:close()
-    return out
+    local out, status = S.run_lua("scenarios/experts.lua", flags, env)
+    return out .. "status=" .. tostring(status)
   end
 
   it("a small run whose checks pass exits 0", function()
@@ -37,14 +35,9 @@ end)
 -- scenarios/report.lua, the README's results table: a row a measurement, with its command, and
 -- exit status 1 when a measurement cannot be made.
 describe("scenarios/report.lua [#cpu]", function()
-  local build = os.getenv("MOE_BUILD_DIR") or "build"
   local function run(env)
-    local cmd = string.format("%s LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;' "
-      .. "lua scenarios/report.lua --cpu 2>&1; echo \"status=$?\"", env, build)
-    local f = assert(io.popen(cmd))
-    local out = f:read("a")
-    f:close()
-    return out
+    local out, status = S.run_lua("scenarios/report.lua", "--cpu", env)
+    return out .. "status=" .. tostring(status)
   end
 
   it("measures the CPU layer and writes its row", function()

@@ -1,6 +1,8 @@
+-- SPDX-License-Identifier: MIT
 -- The schedule (docs/design.md, "The stages", 2) against a direct Lua
 -- transcription of its formulas, every output bit for bit, on random and adversarial cases.
 local S = require "support"
+local compat = require "moelab.compat"
 
 local THREADS = 1024 -- logical threads per source rank in "roundrobin"
 local INT_MAX = 2 ^ 31 - 1
@@ -15,7 +17,7 @@ local INT_MAX = 2 ^ 31 - 1
 -- offsets[e+1] - offsets[e]; counts[e] = routes of e that got a row; rows_needed = base[EL]
 -- (unclamped); rows_used = offsets[EL]; dropped = local routes that got no row.
 local function formula(ids, W, T, K, E, rank, pad, C, expert_capacity, layout)
-  local EL, TK = E // W, T * K
+  local EL, TK = math.floor(E / W), T * K
   local first_local = rank * EL
 
   -- c[e][p] = routes from rank p to local expert e; group[e][p] lists them (route indices i)
@@ -48,7 +50,7 @@ local function formula(ids, W, T, K, E, rank, pad, C, expert_capacity, layout)
     local n = 0
     for p = 0, W - 1 do n = n + c[e][p] end
     if expert_capacity then n = math.min(n, expert_capacity) end
-    local padded = (n + pad - 1) // pad * pad
+    local padded = math.floor((n + pad - 1) / pad) * pad
     base[e + 1] = base[e] + padded
   end
 
@@ -61,11 +63,11 @@ local function formula(ids, W, T, K, E, rank, pad, C, expert_capacity, layout)
     for p = 0, W - 1 do
       -- the ordinal j of a route in its (e, p) group: by (thread = i % 1024, then i // 1024)
       -- for roundrobin; by route index for peer_major (the group is already ascending)
-      local g = { table.unpack(group[e][p]) }
+      local g = { compat.unpack(group[e][p]) }
       if layout == "roundrobin" then
         table.sort(g, function(a, b)
           if a % THREADS ~= b % THREADS then return a % THREADS < b % THREADS end
-          return a // THREADS < b // THREADS
+          return math.floor(a / THREADS) < math.floor(b / THREADS)
         end)
       end
       for n, i in ipairs(g) do
@@ -128,7 +130,7 @@ local function check_case(c, dev)
   if C == nil then
     -- the front-end's default: the worst case of W*T*K routes, each expert padded
     local plan = moe.schedule_plan { ids = ids_t, experts = c.E, rank = c.rank, pad = c.pad,
-      expert_capacity = c.expert_capacity }
+      expert_capacity = c.expert_capacity, overflow = "drop" }
     C = plan.capacity
   end
   local want = formula(c.ids, c.W, c.T, c.K, c.E, c.rank, c.pad, C, c.expert_capacity, c.layout or "roundrobin")
@@ -136,25 +138,38 @@ local function check_case(c, dev)
   if c.capacity == nil then
     assert.is_true(st.rows_needed <= C, "the default capacity " .. C .. " overflows: " .. st.rows_needed .. " rows needed")
   end
+  local overflow_error = (c.overflow or "error") == "error"
   local raise_invalid = st.invalid > 0 and (c.invalid or "error") == "error"
-  local raise_overflow = st.rows_needed > C and (c.overflow or "error") == "error"
-  if raise_invalid then
+  local raise_overflow = st.rows_needed > C and overflow_error
+  -- expert_capacity's drops are overflow too: raised where the capacity dropped nothing
+  local raise_expert_overflow = st.dropped > 0 and overflow_error
+  if c.expert_capacity == 0 and overflow_error then -- refused before anything runs
+    assert.is_false(ok, "expected expert_capacity = 0 under overflow = 'error' to be refused")
+    assert.truthy(string.find(tostring(s), "option 'expert_capacity' is 0, which drops every route", 1, true),
+      tostring(s))
+  elseif raise_invalid then
     assert.is_false(ok, "expected an error for the invalid ids")
     local f = st.first_invalid
-    local pat = string.format("invalid expert id %d at rank %d, token %d, slot %d", c.ids[f + 1], f // (c.T * c.K),
-      (f % (c.T * c.K)) // c.K, f % c.K)
+    local pat = string.format("invalid expert id %d at rank %d, token %d, slot %d", c.ids[f + 1],
+      math.floor(f / (c.T * c.K)), math.floor(f % (c.T * c.K) / c.K), f % c.K)
     assert.truthy(string.find(tostring(s), pat, 1, true), "expected '" .. pat .. "' in: " .. tostring(s))
   elseif raise_overflow then
     assert.is_false(ok, "expected a capacity overflow error")
     local pat = string.format("capacity overflow on rank %d: the routes need %d rows, capacity is %d", c.rank,
       st.rows_needed, C)
     assert.truthy(string.find(tostring(s), pat, 1, true), "expected '" .. pat .. "' in: " .. tostring(s))
+  elseif raise_expert_overflow then
+    assert.is_false(ok, "expected an expert capacity overflow error")
+    local pat = string.format("expert capacity overflow on rank %d: %d route%s past expert_capacity = %d lost their row",
+      c.rank, st.dropped, st.dropped == 1 and "" or "s", c.expert_capacity)
+    assert.truthy(string.find(tostring(s), pat, 1, true), "expected '" .. pat .. "' in: " .. tostring(s))
   else
     assert(ok, s)
   end
   if not ok then
-    -- the outputs are still defined: run the same schedule without the policy check
-    opts.ids = ids_t
+    -- the outputs are still defined: run the same schedule without the policy check (overflow =
+    -- "drop" changes nothing the stage computes)
+    opts.ids, opts.overflow = ids_t, "drop"
     s = moe.schedule_plan(opts)
     s:run()
   end
@@ -173,12 +188,12 @@ local function random_case(n)
   c.W = S.int(1, 8)
   local EL
   if S.chance(0.05) then EL = S.int(9, 64) -- occasionally a large E (up to 512)
-  else EL = S.int(1, math.max(1, 64 // c.W)) end
+  else EL = S.int(1, math.max(1, math.floor(64 / c.W))) end
   c.E = c.W * EL
   c.K = S.int(1, 8)
   local r = math.random()
   if r < 0.15 then
-    c.T = S.int(1024 // c.K + 1, 1024 // c.K + 120) -- more than one thread round
+    c.T = S.int(math.floor(1024 / c.K) + 1, math.floor(1024 / c.K) + 120) -- more than one thread round
     if c.W > 4 then c.W, c.E = 2, 2 * EL end
   elseif r < 0.25 then
     c.T = 1
@@ -200,11 +215,12 @@ local function random_case(n)
     else id = S.int(0, c.E - 1) end
     if S.chance(p_masked) then id = -1 end
     if S.chance(p_invalid) then id = S.pick { c.E, c.E + 1, c.E + 1000, -2, -7, -2 ^ 31 } end
-    c.ids[i] = math.tointeger(id)
+    c.ids[i] = compat.tointeger(id)
   end
   if p_invalid > 0 then c.invalid = S.chance(0.8) and "skip" or nil end
   if S.chance(0.25) then
     c.expert_capacity = S.pick { 0, 1, 2, 3, 5, 17, S.int(0, c.T * c.K) }
+    c.overflow = S.chance(0.8) and "drop" or nil
   end
   -- capacity: the default (worst case), exactly the rows needed, tight, or generous
   local need = rows_needed(c.ids, c.W, c.T, c.K, c.E, c.rank, c.pad, c.expert_capacity)
@@ -212,7 +228,7 @@ local function random_case(n)
   if cap_mode == "exact" then c.capacity = need
   elseif cap_mode == "tight" then c.capacity = S.int(0, need)
   elseif cap_mode == "generous" then c.capacity = need + S.int(0, 300) end
-  if c.capacity and c.capacity < need then c.overflow = S.chance(0.8) and "drop" or nil end
+  if c.capacity and c.capacity < need then c.overflow = c.overflow or (S.chance(0.8) and "drop" or nil) end
   c.name = string.format("case %d: W=%d E=%d K=%d T=%d rank=%d pad=%d capacity=%s expert_capacity=%s %s%s%s", n,
     c.W, c.E, c.K, c.T, c.rank, c.pad, tostring(c.capacity), tostring(c.expert_capacity), mode,
     p_masked > 0 and " masked" or "", p_invalid > 0 and (" invalid=" .. tostring(c.invalid or "error")) or "")
@@ -226,7 +242,7 @@ local function ids_by(W, T, K, fn)
   local ids = {}
   for p = 0, W - 1 do
     for t = 0, T - 1 do
-      for k = 0, K - 1 do ids[#ids + 1] = math.tointeger(fn(p, t, k)) end
+      for k = 0, K - 1 do ids[#ids + 1] = compat.tointeger(fn(p, t, k)) end
     end
   end
   return ids
@@ -347,7 +363,7 @@ for _, dev in ipairs(ALL_DEVICES) do
         assert.tensor_equal(pm.peer_route:view(0, { 5 }), { 0, 1, 1024, 1025, 2048 })
       end)
       it("drops the routes past expert_capacity in segment order", function()
-        local s = moe.schedule { ids = ids, experts = 2, rank = 0, capacity = 4, expert_capacity = 3 }
+        local s = moe.schedule { ids = ids, experts = 2, rank = 0, capacity = 4, expert_capacity = 3, overflow = "drop" }
         assert.tensor_equal(s.peer_rank, { 0, 1, 0, -1 })
         assert.tensor_equal(s.route_row, { 0, 2, 1, -1 })
         assert.are.equal(1, s:read_stats().dropped)
@@ -430,11 +446,11 @@ for _, dev in ipairs(ALL_DEVICES) do
         "schedule: invalid expert id 5 at rank 0, token 1, slot 0 (expected -1 or 0..1); 1 invalid id in all; "
           .. "pass invalid = 'skip' to drop them")
       -- its ids closed since: the same report without the id; its stats closed: nothing to read
-      do local _ <close> = ids end
+      ids:close()
       local ok, err = pcall(s.check, s)
       assert.is_false(ok)
       assert.truthy(tostring(err):find("schedule: invalid expert id at rank 0, token 1, slot 0", 1, true), tostring(err))
-      do local _ <close> = s.stats_tensor end
+      s.stats_tensor:close()
       ok, err = pcall(s.read_stats, s)
       assert.is_false(ok)
       assert.truthy(tostring(err):find("its stats tensor (stats_tensor) is closed", 1, true), tostring(err))
@@ -449,7 +465,7 @@ for _, dev in ipairs(ALL_DEVICES) do
             local function run(d)
               local s = moe.schedule_plan { ids = S.tensor(c.ids, "i32", { c.W, c.T, c.K }, d), experts = c.E,
                 rank = c.rank, pad = c.pad, capacity = c.capacity, expert_capacity = c.expert_capacity,
-                layout = layout }
+                layout = layout, overflow = "drop" }
               return s:run()
             end
             local a, b = run("cpu"), run(dev)

@@ -1,8 +1,10 @@
+-- SPDX-License-Identifier: MIT
 -- Dispatch, experts and combine (docs/design.md, "The stages", 3-5) with
 -- payloads that say where they came from: a row of x holds its rank and token, a row of ys its
 -- source rank, token, slot, owner and row, all small integers (exact in bf16), and the weights
 -- are powers of two, so that every expected value below is exact.
 local S = require "support"
+local compat = require "moelab.compat"
 
 local POISON = 7.5 -- written into outputs first; never a payload value (payloads are integers)
 
@@ -13,7 +15,7 @@ local function payload_x(W, T, H)
   for w = 0, W - 1 do
     for t = 0, T - 1 do
       for h = 0, H - 1 do
-        flat[#flat + 1] = (w * T + t + 1) * (h % 2 == 0 and 1 or -1) * 2 ^ ((h // 2) % 4)
+        flat[#flat + 1] = (w * T + t + 1) * (h % 2 == 0 and 1 or -1) * 2 ^ (math.floor(h / 2) % 4)
       end
     end
   end
@@ -51,7 +53,7 @@ local function check_dispatch(dev, c)
           for h = 0, H - 1 do
             local v
             if pr[row + 1] >= 0 then
-              local w, t = pr[row + 1], pq[row + 1] // K
+              local w, t = pr[row + 1], math.floor(pq[row + 1] / K)
               v = xflat[(w * T + t) * H + h + 1]
             else
               v = zero_fill and 0 or POISON
@@ -69,7 +71,7 @@ local function check_dispatch(dev, c)
             local row = rr[p * T * K + i + 1]
             if row >= 0 then
               placed = placed + 1
-              assert.are.equal(p * T + i // K + 1, xs[row * H + 1])
+              assert.are.equal(p * T + math.floor(i / K) + 1, xs[row * H + 1])
             end
           end
         end
@@ -86,7 +88,7 @@ local function silu(g) return g / (1 + math.exp(-g)) end
 -- ys[row] for the rows of each expert, from the formula: y = W_down . bf16(silu(W_g x) * (W_u x)).
 -- Rows outside every expert keep `keep` (the poisoned output).
 local function experts_formula(xs, off, wgu, wd, C, H, F, EL, keep)
-  local out = { table.unpack(keep) }
+  local out = { compat.unpack(keep) }
   for e = 0, EL - 1 do
     for row = off[e + 1], off[e + 2] - 1 do
       local hv = {}
@@ -155,7 +157,7 @@ local function combine_world(dev, c)
     for row = 0, s.capacity - 1 do
       local p, i = pr[row + 1], pq[row + 1]
       -- payload: source rank and token, slot, owner, row; padding rows hold 1000 (never read)
-      local vals = p >= 0 and { p * T + i // K + 1, i % K + 1, o + 1, row % 64 + 1, -(p + 1) } or
+      local vals = p >= 0 and { p * T + math.floor(i / K) + 1, i % K + 1, o + 1, row % 64 + 1, -(p + 1) } or
         { 1000, 1000, 1000, 1000, 1000 }
       for h = 1, H do f[#f + 1] = vals[h] end
     end
@@ -185,7 +187,7 @@ local function combine_world(dev, c)
     gate[p + 1] = S.tensor(g, "f32", { T }, dev)
   end
   -- expected out[p, t] = sum_k w[p,t,k] * ys_owner[route_row_owner[p, t K + k]] (+ g * shared)
-  local EL = E // W
+  local EL = math.floor(E / W)
   local function expected(p, with_shared, with_gate)
     local want = {}
     for t = 0, T - 1 do
@@ -194,7 +196,7 @@ local function combine_world(dev, c)
         for k = 0, K - 1 do
           local id = c.ids[(p * T + t) * K + k + 1]
           if id >= 0 and id < E then
-            local o = id // EL
+            local o = math.floor(id / EL)
             local row = schedules[o + 1].route_row:get(p * T * K + t * K + k + 1)
             if row >= 0 then acc = acc + wflat[p + 1][t * K + k + 1] * yflat[o + 1][row * H + h + 1] end
           end
@@ -286,6 +288,21 @@ for _, dev in ipairs(ALL_DEVICES) do
       check_experts(dev, { C = 20, H = 12, F = 6, offsets = { 0, 3, 3, 11, 13 }, seed = 60, nan_tail = true })
       check_experts(dev, { C = 40, H = 64, F = 64, offsets = { 0, 5, 30 }, seed = 70, nan_tail = true })
     end)
+    it("lets a NaN in an expert's weights through to that expert's rows alone (IEEE arithmetic, deliberately)",
+      function()
+        local C, H, F = 6, 8, 4
+        local xs = moe.randn({ C, H }, { seed = 1, dtype = "bf16", device = dev })
+        local wgu = moe.randn({ 2, 2 * F, H }, { seed = 2, std = 0.3, dtype = "bf16", device = dev })
+        local wd = moe.randn({ 2, H, F }, { seed = 3, std = 0.3, dtype = "bf16", device = dev })
+        wd:view(H * F, { H, F }):fill(0 / 0) -- expert 1's down projection
+        local ys = moe.experts { x = xs, offsets = S.tensor({ 0, 3, 6 }, "i32", { 3 }, dev), w_gate_up = wgu, w_down = wd }
+        local flat = ys:to("cpu"):flat()
+        for i, v in ipairs(flat) do
+          local row = math.floor((i - 1) / H)
+          if row < 3 then assert.is_true(v == v, "row " .. row .. " of expert 0 is NaN")
+          else assert.is_true(v ~= v, "row " .. row .. " of expert 1 is not NaN") end
+        end
+      end)
     it("is exact on inputs whose products are exact", function()
       -- x = 1 everywhere, gate rows 0 (silu(0) = 0) except one: h is silu(g) * u in closed form
       local C, H, F = 3, 8, 2
@@ -334,6 +351,17 @@ for _, dev in ipairs(ALL_DEVICES) do
     ids[11] = -3  -- another
     local world = combine_world(dev, { W = 3, T = 6, K = 3, E = 6, ids = ids, capacity = 10 })
 
+    it("refuses weights that are not finite, its out untouched", function()
+      local w = world.weights[1]:to("cpu"):flat()
+      w[4] = 0 / 0
+      local out = moe.full({ 6, world.ys[1].shape[2] }, 7, { dtype = "bf16", device = dev })
+      local ok, err = pcall(moe.combine, { schedules = world.schedules, ys = world.ys, out = out,
+        weights = S.tensor(w, "f32", { 6, 3 }, dev) })
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find("option 'weights' holds 1 value that is NaN or infinite, the first at token 1, "
+        .. "slot 0", 1, true), tostring(err))
+      assert.tensor_equal(out, S.filled(6 * world.ys[1].shape[2], 7))
+    end)
     it("has dropped and masked routes to ignore (the case is meaningful)", function()
       assert.is_true(world.dropped > 0, "no route was dropped")
       local masked = 0

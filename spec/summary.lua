@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- busted output handler: busted's plain terminal report, then skipped (pending) tests by name,
 -- then one closing line "N passed, N failed, N skipped" (errors count as failed) that CI reads.
 return function(options)

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- moe.world: argument errors (no GPU needed), the configuration comparison (no GPU needed),
 -- and a world of one rank through NCCL on cuda:0 against the plain stages (#gpu).  Worlds of
 -- several GPUs are exercised by spec/gpu/test_world_gpu.c where 2+ GPUs are visible.
@@ -19,7 +20,7 @@ local function run_with_env(env, code)
   for _, v in ipairs(vars) do cmd[#cmd + 1] = "-u " .. v end
   for k, v in pairs(env) do cmd[#cmd + 1] = string.format("%s='%s'", k, v) end
   cmd[#cmd + 1] = string.format("LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;'", build)
-  cmd[#cmd + 1] = string.format("lua -e '%s' 2>&1; echo \"exit=$?\"", code)
+  cmd[#cmd + 1] = string.format("%s -e '%s' 2>&1; echo \"exit=$?\"", S.lua, code)
   local p = io.popen(table.concat(cmd, " "))
   local out = p:read("a")
   p:close()
@@ -67,6 +68,17 @@ local ROWS = {
     end, { "option 'id_file': no id appeared at \"/nonexistent/nccl.id\" within 0.2 s" } },
   { "id file without an id", function() moe.world { rank = 0, size = 2, device = 0, id_file = NOT_AN_ID } end,
     "does not hold an id: its text must be 256 hex digits" },
+  -- a world over the caller's communicator (no NCCL call is reached: the address is never used)
+  { "comm with devices", function() moe.world { comm = 8, devices = { 0 } } end,
+    "option 'comm' (the caller's NCCL communicator) cannot be combined with option 'devices'" },
+  { "comm with rank", function() moe.world { comm = 8, device = 0, rank = 0 } end,
+    "option 'comm' (the caller's NCCL communicator) cannot be combined with option 'rank'" },
+  { "comm without device", function() moe.world { comm = 8 } end, "option 'device' is required with option 'comm'" },
+  { "comm as text", function() moe.world { comm = "0x8", device = 0 } end,
+    "option 'comm' must be an integer >= 0 or a light userdata, got \"0x8\"" },
+  { "comm NULL", function() moe.world { comm = 0, device = 0 } end, "option 'comm' is a NULL address" },
+  { "comm on a negative device", function() moe.world { comm = 8, device = -1 } end,
+    "option 'device' must be a GPU index >= 0, got -1" },
 }
 
 describe("moe.world argument errors [#cpu]", function()
@@ -169,14 +181,9 @@ end)
 describe("scenarios/kimi.lua --devices, its flag errors [#cpu]", function()
   -- the scenario as a user runs it, against this checkout's front-end and module (the
   -- sanitizer run's preload stays: that module is instrumented)
-  local build = os.getenv("MOE_BUILD_DIR") or "build"
   local function run(flags)
-    local cmd = string.format("LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;' "
-      .. "lua scenarios/kimi.lua %s 2>&1; echo \"status=$?\"", build, flags)
-    local f = assert(io.popen(cmd))
-    local out = f:read("a")
-    f:close()
-    return out
+    local out, status = S.run_lua("scenarios/kimi.lua", flags)
+    return out .. "status=" .. tostring(status)
   end
   for _, row in ipairs {
     { "--devices 0,x", "--devices: 'x' is not a GPU index" },
@@ -248,10 +255,12 @@ describe("moe.world without a GPU [#cpu]", function()
     return
   end
   it("well-formed options fail with what is missing, not a crash", function()
-    local ok, err = pcall(moe.world, { rank = 0, size = 1, device = 0, id = HEX })
-    assert.is_false(ok)
-    assert.truthy(err:find("without CUDA", 1, true) or err:find("without NCCL", 1, true) or err:find("no usable GPU", 1, true),
-      err)
+    for _, o in ipairs { { rank = 0, size = 1, device = 0, id = HEX }, { comm = 8, device = 0 } } do
+      local ok, err = pcall(moe.world, o)
+      assert.is_false(ok)
+      assert.truthy(err:find("without CUDA", 1, true) or err:find("without NCCL", 1, true)
+        or err:find("no usable GPU", 1, true), err)
+    end
   end)
 end)
 
@@ -490,6 +499,21 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     local ids = ids_on(dev)
     assert.tensor_equal(w1:allgather_ids(ids):view(0, { T, K }), ids)
     w1:close()
+  end)
+
+  it("refuses a MOE_WORLD_TIMEOUT it cannot read, naming it, rather than wait 600 s", function()
+    local build = os.getenv("MOE_BUILD_DIR") or "build"
+    for _, v in ipairs { "abc", "0", "-5", "inf", "10s" } do
+      local cmd = string.format("MOE_WORLD_TIMEOUT='%s' LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' "
+        .. "LUA_CPATH='./%s/?.so;;' lua -e 'require(\"moelab\").world { devices = { 0 } }' 2>&1; echo \"status=$?\"",
+        v, build)
+      local f = assert(io.popen(cmd))
+      local out = f:read("a")
+      f:close()
+      assert.truthy(out:find(string.format('MOE_WORLD_TIMEOUT must be a finite number of seconds > 0, got "%s"', v), 1,
+        true), out)
+      assert.falsy(out:find("status=0", 1, true), out)
+    end
   end)
 
   it("rank 0 removes the id file it made once the world is open, or has failed to open", function()

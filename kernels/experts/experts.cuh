@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // experts.cuh -- what the experts stage's kernels share: the entry points select.cu's table
 // calls, the rows an expert owns (the map kernels' scans), and the stage's device scratch.
 #pragma once

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // mma.cu -- the portable kernel of stage 4 (the "mma" candidate of select.cu): the SwiGLU MLP of
 // every local expert over its rows, on any GPU and any sizes.
 //

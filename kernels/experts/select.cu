@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // select.cu -- which kernel runs stage 4 (experts) on a GPU: the candidates in the order they are
 // tried (kernels/select.cuh walks them).  "auto" runs the first that takes the problem:
 //

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // sm90.cu -- the host side of the Hopper kernels (sm90.cuh): which variants can take a problem
 // (moeI_experts_sm90_fits, for select.cu's table), the tensor maps, the persistent grids and the
 // launches.

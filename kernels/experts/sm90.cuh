@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // sm90.cuh -- the Hopper kernels of stage 4 (sm_90a): the grouped SwiGLU MLP on the copy engine
 // (TMA) and the warpgroup tensor-core instructions (wgmma).  This file: the frame's sizes, the map
 // kernel that builds the work list, and what both tilings share; sm90_rows.cuh and sm90_wt.cuh

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // sm90_gemm.cuh -- the Hopper GEMM kernel: the frame of sm90.cuh (barriers, the producer's copies,
 // the consumers' walk of the work list) around the row tiles (sm90_rows.cuh) and the
 // weights-as-M tiles (sm90_wt.cuh).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // sm90_rows.cuh -- the row tiles of the Hopper kernel (WT = false; sm90x2, sm90x1): a CTA's tile
 // is 128 rows of A (two consumer warpgroups of 64) x 256 rows of B, wgmma m64n256k16, 128
 // accumulators a thread; 128 x 256 x 64 (M x N x K), 48 KiB a stage: 4 stages + 32 KiB of

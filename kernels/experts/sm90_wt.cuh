@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // sm90_wt.cuh -- the weights-as-M tiles of the Hopper kernel (WT = true; sm90w): the frame of
 // sm90.cuh, clusters of two and B multicast, with the operands' roles swapped.  A consumer
 // warpgroup's 128 weight rows of the B tile (gate_up: 64 gate rows and the 64 up rows of the same

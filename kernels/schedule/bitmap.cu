@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // bitmap.cu -- the scheduler for everything up to 4,096 routes a block and 128 experts a
 // rank (decode, 512 tokens at any EP size, Kimi K2's 7,168 tokens at EP8), bit for bit the result of
 // moeI_schedule_cpu: one cooperative grid, every block's routes in registers, their ordinals ranked with

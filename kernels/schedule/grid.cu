@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // grid.cu -- stage 2 on the GPU: every rank's ids i32 [W, T, K] -> this rank's expert-major
 // row layout, bit for bit the result of moeI_schedule_cpu (lib/schedule.c) for both layouts.
 //

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // grid_barrier.cuh -- the scheduler's grid barrier (bitmap.cu, grid.cu), shared with the bench of
 // its floor (bench/launch_floor.cu) so that the bench measures this code, not a copy.
 #pragma once

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // schedule.cuh -- device helpers shared by the scheduler's kernels (bitmap.cu, grid.cu) and by the
 // legacy baseline of bench/schedule_legacy.cu: warp ranking, block-wide scans and reductions, and
 // the segment arithmetic of docs/design.md ("The stages", 2) that all must compute alike, so that

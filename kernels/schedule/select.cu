@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // select.cu -- which kernel runs a schedule on the GPU: the stage's one table (select.cuh walks it).
 //
 // bitmap first, wherever it fits: at or ahead of every other kernel there; grid for the rest (more

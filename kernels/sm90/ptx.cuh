@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // ptx.cuh -- the GPU primitives the kernels use, one inline-asm wrapper each.  For any kernel:
 // the global timer and programmatic dependent launch.  For the Hopper (sm_90a) kernels alone,
 // defined only in that device pass (code that uses them tests MOE_SM90A): mbarriers, the tensor

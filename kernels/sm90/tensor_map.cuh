@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // tensor_map.cuh -- the host side of the tensor memory accelerator: tensor maps (CUtensorMap),
 // encoded through the driver's cuTensorMapEncodeTiled, fetched with
 // cudaGetDriverEntryPointByVersion so that nothing links libcuda, and passed to a kernel by value

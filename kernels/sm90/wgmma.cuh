@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 // wgmma.cuh -- wgmma.mma_async m64nNk16 (bf16 in, f32 accumulators) for N = 8, 16, .. 200 and
 // 256, with both operands K-major in shared memory (descriptors), for the experts GEMM
 // (kernels/experts/sm90.cuh): N = 256 for its row tiles, and N = the tokens of a CTA rounded up

@@ -1,9 +1,12 @@
+/* SPDX-License-Identifier: MIT */
 /*
- * event_graph.c -- timing (core.now, core.sleep), events (moelab.Event) and CUDA graphs
- * (moelab.Graph): a graph holds the pins of its capture (PINS) and undoes them when it goes.
+ * event_graph.c -- timing (core.now, core.sleep), NVTX ranges (core.range_push, core.range_pop),
+ * events (moelab.Event) and CUDA graphs (moelab.Graph): a graph holds the pins of its capture
+ * (PINS) and undoes them when it goes.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime for core.now */
 #include <errno.h>
+#include <string.h>
 #include <time.h>
 
 #include "lcore.h"
@@ -34,6 +37,19 @@ static int l_sleep(lua_State *L) {
   return 0;
 }
 
+/* core.range_push(name), core.range_pop(): a range of the host's own around calls (moelab.h) */
+static int l_range_push(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  int rc = moe_range_push(ctx, luaL_checkstring(L, 1));
+  return rc ? lc_fail(L, ctx, rc) : 0;
+}
+
+static int l_range_pop(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  int rc = moe_range_pop(ctx);
+  return rc ? lc_fail(L, ctx, rc) : 0;
+}
+
 static Handle *new_object(lua_State *L, const char *tname) {
   Handle *h = (Handle *)lua_newuserdatauv(L, sizeof *h, 1);
   h->p = NULL;
@@ -41,8 +57,10 @@ static Handle *new_object(lua_State *L, const char *tname) {
   return h;
 }
 
-static void *check_object(lua_State *L, int idx, const char *tname) {
-  Handle *h = (Handle *)luaL_checkudata(L, idx, tname);
+/* The open object at idx; at 1, the self of `method` (lc_check_self names a call with '.'). */
+static void *check_object(lua_State *L, int idx, const char *tname, const char *method) {
+  Handle *h = (Handle *)(idx == 1 ? lc_check_self(L, tname, strcmp(tname, EVENT) == 0 ? "event" : "graph", method)
+                                  : luaL_checkudata(L, idx, tname));
   if (!h->p) luaL_argerror(L, idx, lua_pushfstring(L, "%s is closed", tname));
   return h->p;
 }
@@ -75,7 +93,7 @@ static int e_tostring(lua_State *L) {
 
 static int e_record(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
-  moe_event *e = (moe_event *)check_object(L, 1, EVENT);
+  moe_event *e = (moe_event *)check_object(L, 1, EVENT, "record");
   int rc = moe_event_record(ctx, e);
   if (rc) return lc_fail(L, ctx, rc);
   lua_settop(L, 1);
@@ -85,8 +103,8 @@ static int e_record(lua_State *L) {
 /* stop:elapsed_since(start) -> milliseconds; waits for stop */
 static int e_elapsed_since(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
-  moe_event *stop = (moe_event *)check_object(L, 1, EVENT);
-  moe_event *start = (moe_event *)check_object(L, 2, EVENT);
+  moe_event *stop = (moe_event *)check_object(L, 1, EVENT, "elapsed_since");
+  moe_event *start = (moe_event *)check_object(L, 2, EVENT, NULL);
   float ms = 0;
   int rc = moe_event_elapsed(ctx, start, stop, &ms);
   if (rc) return lc_fail(L, ctx, rc);
@@ -152,7 +170,7 @@ static int g_tostring(lua_State *L) {
 
 static int g_replay(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
-  moe_graph *g = (moe_graph *)check_object(L, 1, GRAPH);
+  moe_graph *g = (moe_graph *)check_object(L, 1, GRAPH, "replay");
   int rc = moe_graph_replay(ctx, g);
   if (rc) return lc_fail(L, ctx, rc);
   lua_settop(L, 1);
@@ -187,6 +205,8 @@ static const luaL_Reg graph_methods[] = {
 static const luaL_Reg event_graph_funcs[] = {
   {"now", l_now},
   {"sleep", l_sleep},
+  {"range_push", l_range_push},
+  {"range_pop", l_range_pop},
   {"event_new", l_event_new},
   {"graph_begin", l_graph_begin},
   {"graph_end", l_graph_end},

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * exchange.c -- the direct exchange: moelab.Exchange, made by world:exchange(...).
  *

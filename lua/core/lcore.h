@@ -1,14 +1,16 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * lcore.h -- the private header of the Lua module moelab.core: the types its parts share, the
  * names of its metatables, and the helpers one part offers the others (the lc_ prefix).
  *
  * The parts: module.c (the helpers below and luaopen_moelab_core), tensor.c (tensor handles
  * and their methods), tensorlib.c (the module's tensor functions), stage.c (the stages),
- * event_graph.c (timing, events and CUDA graphs), world.c (moelab.World) and exchange.c
- * (moelab.Exchange).  Each registers its own functions: lc_open_<part>(L, ctxi, mod) creates the
- * part's metatables and sets its functions into the module table at mod, each function holding
- * the context's handle at ctxi as its first upvalue.  An opener (re)sets the fields of its
- * metatables even when they exist, so that a reloaded module uses its own context.
+ * event_graph.c (timing, events and CUDA graphs), world.c (moelab.World), exchange.c
+ * (moelab.Exchange) and safetensors.c (moelab.SafeTensors).  Each registers its own functions:
+ * lc_open_<part>(L, ctxi, mod) creates the part's metatables and sets its functions into the
+ * module table at mod, each function holding the context's handle at ctxi as its first upvalue.
+ * An opener (re)sets the fields of its metatables even when they exist, so that a reloaded
+ * module uses its own context.
  */
 #ifndef MOELAB_LCORE_H
 #define MOELAB_LCORE_H
@@ -27,6 +29,7 @@
 #define GRAPH "moelab.Graph"
 #define WORLD "moelab.World"
 #define EXCHANGE "moelab.Exchange"
+#define SAFETENSORS "moelab.SafeTensors"
 
 /* A graph replays on raw device pointers, so the memory of every tensor a capture touches must
  * outlive the graph, whatever its handles do.  While a capture is under way the registry holds
@@ -64,6 +67,7 @@ moe_ctx *lc_getctx(lua_State *L);
 int lc_fail(lua_State *L, moe_ctx *ctx, int rc);
 int lc_stage_fail(lua_State *L, moe_ctx *ctx, int rc, const char *fname, const char *stage);
 int lc_arg_error(lua_State *L, const char *fname, int arg, const char *fmt, ...);
+void *lc_check_self(lua_State *L, const char *tname, const char *var, const char *method);
 const char *lc_type_name(lua_State *L, int idx);
 const char *lc_got_value(lua_State *L, int idx);
 const char *lc_is_what(lua_State *L, int idx, int value);
@@ -71,6 +75,7 @@ moe_device lc_check_device(lua_State *L, int idx);
 moe_device lc_opt_device(lua_State *L, int idx);
 void lc_push_device(lua_State *L, moe_device d);
 moe_dtype lc_check_dtype(lua_State *L, int idx);
+void *lc_check_address(lua_State *L, int idx, const char *fname, const char *what);
 int lc_check_shape(lua_State *L, int idx, int64_t shape[MOE_MAX_DIMS]);
 void lc_add_funcs(lua_State *L, const luaL_Reg *funcs, int ctxi, int mod);
 void lc_new_class(lua_State *L, const char *tname, const luaL_Reg *meta, int meta_ctx, const luaL_Reg *methods,
@@ -100,5 +105,6 @@ void lc_open_stage(lua_State *L, int ctxi, int mod);
 void lc_open_event_graph(lua_State *L, int ctxi, int mod);
 void lc_open_world(lua_State *L, int ctxi, int mod);
 void lc_open_exchange(lua_State *L, int ctxi, int mod);
+void lc_open_safetensors(lua_State *L, int ctxi, int mod);
 
 #endif

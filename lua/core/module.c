@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * module.c -- the Lua module moelab.core: a thin binding of lib/moelab.h.
  *
@@ -95,6 +96,16 @@ int lc_arg_error(lua_State *L, const char *fname, int arg, const char *fmt, ...)
   return lua_error(L);
 }
 
+/* The userdata of type tname at index 1, the self of method `method` of a `var` ("t"): called
+ * with '.' where ':' was meant, the first argument is something else, and the message says so. */
+void *lc_check_self(lua_State *L, const char *tname, const char *var, const char *method) {
+  void *p = luaL_testudata(L, 1, tname);
+  if (!p)
+    lc_arg_error(L, method, 1, "expected a %s as self, got %s: call it as %s:%s(...), with a colon", tname,
+                 lua_isnone(L, 1) ? "no value" : lc_got_value(L, 1), var, method);
+  return p;
+}
+
 /* The type of a value as luaL_typeerror names it (__name for userdata that have one). */
 const char *lc_type_name(lua_State *L, int idx) {
   idx = lua_absindex(L, idx);
@@ -159,6 +170,17 @@ moe_dtype lc_check_dtype(lua_State *L, int idx) {
   static const char *const names[] = {"f32", "bf16", "i32", NULL};
   static const moe_dtype dtypes[] = {MOE_F32, MOE_BF16, MOE_I32};
   return dtypes[luaL_checkoption(L, idx, NULL, names)];
+}
+
+/* An address another library handed out: a light userdata, or an integer >= 0 (what ctypes,
+ * LuaJIT's FFI and to_dlpack give).  what names it in the error. */
+void *lc_check_address(lua_State *L, int idx, const char *fname, const char *what) {
+  if (lua_type(L, idx) == LUA_TLIGHTUSERDATA) return lua_touserdata(L, idx);
+  int isint = 0;
+  lua_Integer v = lua_type(L, idx) == LUA_TNUMBER ? lua_tointegerx(L, idx, &isint) : 0;
+  if (!isint || v < 0)
+    lc_arg_error(L, fname, 1, "%s must be an integer >= 0 or a light userdata, got %s", what, lc_got_value(L, idx));
+  return (void *)(uintptr_t)v;
 }
 
 /* A shape: a table of 0..MOE_MAX_DIMS non-negative integers. */
@@ -233,7 +255,8 @@ MOE_API int luaopen_moelab_core(lua_State *L) {
   lua_setfield(L, -2, "__gc");
   lua_setmetatable(L, -2);
   int rc = moe_ctx_open(&c->ctx);
-  if (rc) return luaL_error(L, "moelab.core: cannot open a context: %s", moe_errstr(rc));
+  /* a context that failed to open may still hold the reason (MOE_THREADS); its handle closes it */
+  if (rc) return luaL_error(L, "moelab.core: cannot open a context: %s", c->ctx ? moe_errmsg(c->ctx) : moe_errstr(rc));
   int ctxi = lua_gettop(L);
 
   lua_newtable(L);
@@ -250,5 +273,6 @@ MOE_API int luaopen_moelab_core(lua_State *L) {
   lc_open_event_graph(L, ctxi, mod);
   lc_open_world(L, ctxi, mod);
   lc_open_exchange(L, ctxi, mod);
+  lc_open_safetensors(L, ctxi, mod);
   return 1;
 }

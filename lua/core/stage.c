@@ -1,6 +1,7 @@
+/* SPDX-License-Identifier: MIT */
 /*
- * stage.c -- the stages (route, schedule, dispatch, experts, logits, sigmoid_gate, combine,
- * reference) and the explain calls of schedule and experts.
+ * stage.c -- the stages (route, schedule, dispatch, experts, logits, sigmoid_gate, nonfinite,
+ * combine, reference) and the explain calls of schedule and experts.
  *
  * Stage arguments: one table of named fields at index 1.  Every value fetched stays on the stack
  * until the call returns, so nothing the C call sees can be collected under it; that none was
@@ -245,6 +246,16 @@ static int l_sigmoid_gate(lua_State *L) {
   return 0;
 }
 
+/* core.nonfinite(stats, t): stats i32 [2] = {NaN or infinite elements of t, the first or -1}. */
+static int l_nonfinite(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  moe_tensor *stats = lc_check_tensor(L, 1), *t = lc_check_tensor(L, 2);
+  lc_args_still_open(L, "nonfinite", 1); /* as in l_logits */
+  int rc = moe_nonfinite(ctx, stats, t);
+  if (rc) return lc_fail(L, ctx, rc);
+  return 0;
+}
+
 static int l_combine(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   Args A = args_open(L, "combine");
@@ -297,6 +308,7 @@ static const luaL_Reg stage_funcs[] = {
   {"experts_explain", l_experts_explain},
   {"logits", l_logits},
   {"sigmoid_gate", l_sigmoid_gate},
+  {"nonfinite", l_nonfinite},
   {"combine", l_combine},
   {"reference", l_reference},
   {NULL, NULL}

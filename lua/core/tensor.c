@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * tensor.c -- moelab.Tensor: the handles (their lifetime, views, and the pins that keep a
  * captured graph's memory alive: see PINS in lcore.h) and the methods.
@@ -56,9 +57,10 @@ void lc_unpin_all(lua_State *L, int idx) {
 
 /* A closed handle first, then the tensor: if creating it fails, the handle is consistent.  An
  * owner made during a capture is pinned at once (a view's owner was, when the view's base was
- * checked). */
+ * checked).  User values: 1, a view's owner; 2, what an owner's memory needs kept alive (the
+ * keep of moe.wrap). */
 Tensor *lc_new_handle(lua_State *L, int owner) {
-  Tensor *u = (Tensor *)lua_newuserdatauv(L, sizeof *u, 1);
+  Tensor *u = (Tensor *)lua_newuserdatauv(L, sizeof *u, 2);
   u->t = NULL;
   u->closed = 0;
   u->views = 0;
@@ -182,10 +184,18 @@ static void *read_all(lua_State *L, moe_ctx *ctx, int idx, Layout *l) {
   return buf;
 }
 
+/* t[i] is not an element: a tensor may live on a GPU, and a read per element would hide a copy
+ * each.  Saying so beats the nil that would fail later, far from here. */
+static int no_elements(lua_State *L) {
+  return luaL_error(L, "moelab.Tensor has no elements by index (t[%s]): t:get(i) reads element i (1-based, flat), "
+                    "t:select(i) is a view of row i, t:flat() and t:totable() read it all", lc_got_value(L, 2));
+}
+
 static int t_index(lua_State *L) {
   Tensor *u = (Tensor *)luaL_checkudata(L, 1, TENSOR);
   lua_pushvalue(L, 2);
-  if (lua_rawget(L, lua_upvalueindex(1)) != LUA_TNIL || lua_type(L, 2) != LUA_TSTRING) return 1;
+  if (lua_rawget(L, lua_upvalueindex(1)) != LUA_TNIL) return 1;
+  if (lua_type(L, 2) != LUA_TSTRING) return no_elements(L);
   const char *k = lua_tostring(L, 2);
   int which = strcmp(k, "shape") == 0 ? 1 : strcmp(k, "dtype") == 0 ? 2 : strcmp(k, "device") == 0 ? 3
             : strcmp(k, "ndim") == 0 ? 4 : strcmp(k, "closed") == 0 ? 5 : 0;
@@ -215,6 +225,15 @@ static int t_index(lua_State *L) {
   return 1;
 }
 
+/* Nothing is set on a tensor: its fields are its shape, dtype and device, its values the device's. */
+static int t_newindex(lua_State *L) {
+  if (lua_type(L, 2) != LUA_TSTRING)
+    return luaL_error(L, "moelab.Tensor cannot be assigned by index (t[%s] = ...): t:copy(u) and t:fill(v) write it",
+                      lc_got_value(L, 2));
+  return luaL_error(L, "moelab.Tensor has no field to set ('%s'): its shape, dtype and device are fixed; t:copy(u), "
+                    "t:fill(v) and t:randn(seed, std) write its values", lua_tostring(L, 2));
+}
+
 static int t_tostring(lua_State *L) {
   Tensor *u = (Tensor *)luaL_checkudata(L, 1, TENSOR);
   if (u->closed || !u->t) {
@@ -241,6 +260,12 @@ static int t_tostring(lua_State *L) {
 
 /* ---- tensor methods ---- */
 
+/* The open tensor a method is called on (see lc_check_self). */
+static moe_tensor *self_tensor(lua_State *L, const char *method) {
+  lc_check_self(L, TENSOR, "t", method);
+  return lc_check_tensor(L, 1);
+}
+
 static void build_table(lua_State *L, const Layout *l, const void *buf, int level, int64_t *pos) {
   if (level >= l->ndim || level >= MOE_MAX_DIMS) return; /* never: the recursion stops at the last dimension */
   int64_t n = l->shape[level];
@@ -256,6 +281,7 @@ static void build_table(lua_State *L, const Layout *l, const void *buf, int leve
 
 static int t_totable(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
+  self_tensor(L, "totable");
   Layout l;
   const void *buf = read_all(L, ctx, 1, &l);
   /* the nested tables of an empty tensor hold nothing, but there can be 2^40 of them ([2^20, 2^20, 0]) */
@@ -272,6 +298,7 @@ static int t_totable(lua_State *L) {
 
 static int t_flat(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
+  self_tensor(L, "flat");
   Layout l;
   const void *buf = read_all(L, ctx, 1, &l);
   lua_createtable(L, l.numel < INT32_MAX ? (int)l.numel : INT32_MAX, 0);
@@ -284,7 +311,7 @@ static int t_flat(lua_State *L) {
 
 static int t_get(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
-  moe_tensor *t = lc_check_tensor(L, 1);
+  moe_tensor *t = self_tensor(L, "get");
   lua_Integer i = luaL_checkinteger(L, 2);
   int64_t n = moe_tensor_numel(t);
   if (i < 1 || i > n)
@@ -307,7 +334,7 @@ static int t_get(lua_State *L) {
 
 static int t_to(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
-  moe_tensor *src = lc_check_tensor(L, 1);
+  moe_tensor *src = self_tensor(L, "to");
   moe_device dev = lc_check_device(L, 2);
   int nd = moe_tensor_ndim(src);
   int64_t shape[MOE_MAX_DIMS];
@@ -322,7 +349,7 @@ static int t_to(lua_State *L) {
 
 static int t_copy(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
-  moe_tensor *dst = lc_check_tensor(L, 1), *src = lc_check_tensor(L, 2);
+  moe_tensor *dst = self_tensor(L, "copy"), *src = lc_check_tensor(L, 2);
   lc_args_still_open(L, "copy", 1); /* pinning src into a capture may have run a finalizer */
   int rc = moe_tensor_copy(ctx, dst, src);
   if (rc) return lc_fail(L, ctx, rc);
@@ -332,7 +359,7 @@ static int t_copy(lua_State *L) {
 
 static int t_fill(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
-  moe_tensor *t = lc_check_tensor(L, 1);
+  moe_tensor *t = self_tensor(L, "fill");
   lua_Number v = luaL_checknumber(L, 2);
   int rc = moe_tensor_fill(ctx, t, (double)v);
   if (rc) return lc_fail(L, ctx, rc);
@@ -342,7 +369,7 @@ static int t_fill(lua_State *L) {
 
 static int t_randn(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
-  moe_tensor *t = lc_check_tensor(L, 1);
+  moe_tensor *t = self_tensor(L, "randn");
   uint64_t seed = (uint64_t)luaL_checkinteger(L, 2);
   float std = (float)luaL_optnumber(L, 3, 1.0);
   int rc = moe_tensor_randn(ctx, t, seed, std);
@@ -352,7 +379,7 @@ static int t_randn(lua_State *L) {
 }
 
 static int t_view(lua_State *L) {
-  lc_check_tensor(L, 1);
+  self_tensor(L, "view");
   lua_Integer offset = luaL_checkinteger(L, 2);
   int64_t shape[MOE_MAX_DIMS];
   int nd = lc_check_shape(L, 3, shape);
@@ -360,7 +387,7 @@ static int t_view(lua_State *L) {
 }
 
 static int t_select(lua_State *L) {
-  moe_tensor *t = lc_check_tensor(L, 1);
+  moe_tensor *t = self_tensor(L, "select");
   lua_Integer i = luaL_checkinteger(L, 2);
   int nd = moe_tensor_ndim(t);
   if (nd == 0) luaL_argerror(L, 1, "cannot select from a 0-dimensional tensor");
@@ -373,23 +400,23 @@ static int t_select(lua_State *L) {
 }
 
 static int t_numel(lua_State *L) {
-  lua_pushinteger(L, (lua_Integer)moe_tensor_numel(lc_check_tensor(L, 1)));
+  lua_pushinteger(L, (lua_Integer)moe_tensor_numel(self_tensor(L, "numel")));
   return 1;
 }
 
 static int t_nbytes(lua_State *L) {
-  lua_pushinteger(L, (lua_Integer)moe_tensor_nbytes(lc_check_tensor(L, 1)));
+  lua_pushinteger(L, (lua_Integer)moe_tensor_nbytes(self_tensor(L, "nbytes")));
   return 1;
 }
 
 static int t_address(lua_State *L) {
-  lua_pushlightuserdata(L, moe_tensor_data(lc_check_tensor(L, 1)));
+  lua_pushlightuserdata(L, moe_tensor_data(self_tensor(L, "address")));
   return 1;
 }
 
 /* t:overlaps(u): whether the two share a byte (same device, intersecting address ranges). */
 static int t_overlaps(lua_State *L) {
-  moe_tensor *a = lc_check_tensor(L, 1), *b = lc_check_tensor(L, 2);
+  moe_tensor *a = self_tensor(L, "overlaps"), *b = lc_check_tensor(L, 2);
   const moe_device da = moe_tensor_device(a), db = moe_tensor_device(b);
   const uintptr_t pa = (uintptr_t)moe_tensor_data(a), pb = (uintptr_t)moe_tensor_data(b);
   const size_t na = moe_tensor_nbytes(a), nb = moe_tensor_nbytes(b);
@@ -402,6 +429,7 @@ static const luaL_Reg tensor_meta[] = {
   {"__gc", t_release},
   {"__close", t_release},
   {"__tostring", t_tostring},
+  {"__newindex", t_newindex},
   {NULL, NULL}
 };
 
@@ -419,6 +447,7 @@ static const luaL_Reg tensor_methods[] = {
   {"nbytes", t_nbytes},
   {"address", t_address},
   {"overlaps", t_overlaps},
+  {"close", t_release}, /* what a <close> variable does, for LuaJIT, which has none */
   {NULL, NULL}
 };
 

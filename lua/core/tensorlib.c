@@ -1,6 +1,8 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * tensorlib.c -- the module's functions of tensors and devices: new, from_table, is_tensor,
- * device_count, synchronize, and the context's options (config).
+ * device_count, device_info, device_memory, synchronize, the context's options (config), and
+ * tensors over memory another library owns (wrap, from_dlpack, to_dlpack).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -17,6 +19,29 @@ static int l_device_count(lua_State *L) {
   if (rc) return lc_fail(L, ctx, rc);
   lua_pushinteger(L, n);
   return 1;
+}
+
+/* core.device_info(device) -> moe_device_info's report, "key: value" lines */
+static int l_device_info(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  moe_device dev = lc_check_device(L, 1);
+  char report[1024];
+  int rc = moe_device_info(ctx, dev, report, sizeof report);
+  if (rc) return lc_fail(L, ctx, rc);
+  lua_pushstring(L, report);
+  return 1;
+}
+
+/* core.device_memory(device) -> free, total: bytes the device can still hold, and has. */
+static int l_device_memory(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  moe_device dev = lc_check_device(L, 1);
+  size_t free_bytes = 0, total_bytes = 0;
+  int rc = moe_device_memory(ctx, dev, &free_bytes, &total_bytes);
+  if (rc) return lc_fail(L, ctx, rc);
+  lua_pushinteger(L, (lua_Integer)(free_bytes < (size_t)LUA_MAXINTEGER ? free_bytes : (size_t)LUA_MAXINTEGER));
+  lua_pushinteger(L, (lua_Integer)(total_bytes < (size_t)LUA_MAXINTEGER ? total_bytes : (size_t)LUA_MAXINTEGER));
+  return 2;
 }
 
 /* core.config(option) -> value; core.config(option, value) sets it (moe_ctx_config). */
@@ -204,13 +229,64 @@ static int l_synchronize(lua_State *L) {
   return 0;
 }
 
+/* core.wrap(address, dtype, shape, device, keep): a tensor over the caller's memory; keep (any
+ * value) lives as long as the tensor's memory is in use (views and graphs included). */
+static int l_wrap(lua_State *L) {
+  lua_settop(L, 5);
+  moe_ctx *ctx = lc_getctx(L);
+  void *data = lc_check_address(L, 1, "wrap", "option 'address'");
+  moe_dtype dtype = lc_check_dtype(L, 2);
+  int64_t shape[MOE_MAX_DIMS];
+  int nd = lc_check_shape(L, 3, shape);
+  moe_device dev = lc_opt_device(L, 4);
+  Tensor *u = lc_new_handle(L, 1);
+  lua_pushvalue(L, 5);
+  lua_setiuservalue(L, -2, 2);
+  int rc = moe_tensor_wrap(ctx, data, dtype, nd, shape, dev, &u->t);
+  if (rc) return lc_stage_fail(L, ctx, rc, "wrap", "wrap");
+  return 1;
+}
+
+/* core.from_dlpack(address, versioned): a tensor that owns the DLManagedTensor (or, versioned,
+ * the DLManagedTensorVersioned) at address; on an error the caller still owns it.  Nothing can
+ * raise between the library's taking it and the return, so the handle always gets it. */
+static int l_from_dlpack(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  void *managed = lc_check_address(L, 1, "from_dlpack", "the managed tensor's address");
+  int versioned = lua_toboolean(L, 2);
+  Tensor *u = lc_new_handle(L, 1);
+  int rc = versioned ? moe_tensor_from_dlpack_versioned(ctx, managed, &u->t)
+                     : moe_tensor_from_dlpack(ctx, managed, &u->t);
+  if (rc) return lc_stage_fail(L, ctx, rc, "from_dlpack", "from_dlpack");
+  return 1;
+}
+
+/* core.to_dlpack(t, versioned) -> the address of a new DLManagedTensor (DLManagedTensorVersioned)
+ * over t's memory, as an integer: its consumer calls its deleter. */
+static int l_to_dlpack(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  moe_tensor *t = lc_check_tensor(L, 1);
+  int versioned = lua_toboolean(L, 2);
+  struct DLManagedTensor *m = NULL;
+  struct DLManagedTensorVersioned *v = NULL;
+  int rc = versioned ? moe_tensor_to_dlpack_versioned(ctx, t, &v) : moe_tensor_to_dlpack(ctx, t, &m);
+  if (rc) return lc_fail(L, ctx, rc);
+  lua_pushinteger(L, (lua_Integer)(uintptr_t)(versioned ? (void *)v : (void *)m));
+  return 1;
+}
+
 static const luaL_Reg tensorlib_funcs[] = {
   {"device_count", l_device_count},
+  {"device_info", l_device_info},
+  {"device_memory", l_device_memory},
   {"config", l_config},
   {"new", l_new},
   {"from_table", l_from_table},
   {"is_tensor", l_is_tensor},
   {"synchronize", l_synchronize},
+  {"wrap", l_wrap},
+  {"from_dlpack", l_from_dlpack},
+  {"to_dlpack", l_to_dlpack},
   {NULL, NULL}
 };
 

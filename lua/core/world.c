@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /*
  * world.c -- expert parallelism across GPUs: moelab.World.
  *
@@ -110,6 +111,18 @@ static int l_world_open_rank(lua_State *L) {
     return lc_arg_error(L, "world", 1, "rank, size and device must fit a C int");
   World *u = new_world(L);
   int rc = moe_world_open_rank(ctx, (int)rank, (int)size, (int)dev, hex, &u->w);
+  if (rc) return lc_fail(L, ctx, rc);
+  return 1;
+}
+
+/* core.world_open_comm(comm, device) -> World, over the caller's ncclComm_t at address comm */
+static int l_world_open_comm(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  void *comm = lc_check_address(L, 1, "world", "option 'comm'");
+  lua_Integer dev = luaL_checkinteger(L, 2);
+  if (dev < INT32_MIN || dev > INT32_MAX) return lc_arg_error(L, "world", 1, "device must fit a C int");
+  World *u = new_world(L);
+  int rc = moe_world_open_comm(ctx, comm, (int)dev, &u->w);
   if (rc) return lc_fail(L, ctx, rc);
   return 1;
 }
@@ -412,6 +425,7 @@ static const luaL_Reg world_funcs[] = {
   {"world_unique_id", l_world_unique_id},
   {"world_open_local", l_world_open_local},
   {"world_open_rank", l_world_open_rank},
+  {"world_open_comm", l_world_open_comm},
   {"world_compare_configs", l_world_compare_configs},
   {NULL, NULL}
 };

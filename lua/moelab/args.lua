@@ -1,17 +1,19 @@
+-- SPDX-License-Identifier: MIT
 -- Argument checking for the front-end: every misuse raises an error that names the function,
 -- the option, the value and what was expected, in the "bad argument #1 to 'f' (...)" form that
 -- Lua's own library uses, pointed at the caller's line.
 local core = require "moelab.core"
+local compat = require "moelab.compat"
 
 local args = {}
 
 local function describe(v)
-  local mt = getmetatable(v)
-  if type(mt) == "table" and mt.__name == "moelab.Tensor" then return tostring(v) end
+  if core.is_tensor(v) then return tostring(v) end
   if type(v) == "string" then return string.format("%q", v) end
-  if math.type(v) == "float" then -- 2.0 as "2.0", so that "must be an integer, got 2.0" reads right
+  if compat.math_type(v) == "float" then -- 2.0 as "2.0", so that "must be an integer, got 2.0" reads right
     return (v == math.floor(v) and math.abs(v) < 2^53) and string.format("%.1f", v) or string.format("%.17g", v)
   end
+  if compat.math_type(v) == "integer" then return compat.int_str(v) end -- every digit, on LuaJIT too
   return tostring(v)
 end
 args.describe = describe
@@ -27,10 +29,7 @@ function args.fail(fname, msg)
   core.raise(string.format("bad argument #1 to '%s' (%s)", fname, msg))
 end
 
-local function is_tensor(v)
-  local mt = getmetatable(v)
-  return type(mt) == "table" and mt.__name == "moelab.Tensor"
-end
+local is_tensor = core.is_tensor
 args.is_tensor = is_tensor
 
 -- kinds: "tensor", "integer", "number", "string", "boolean", "table", "function", "any",
@@ -42,7 +41,7 @@ local function matches(kind, v)
   end
   if kind == "any" then return true end
   if kind == "tensor" then return is_tensor(v) end
-  if kind == "integer" then return math.type(v) == "integer" or (math.type(v) == "float" and v == math.floor(v) and v == v and math.abs(v) < 2^53) end
+  if kind == "integer" then return compat.math_type(v) == "integer" or (compat.math_type(v) == "float" and v == math.floor(v) and v == v and math.abs(v) < 2^53) end
   if kind == "number" then return type(v) == "number" end
   if kind == "device" then return args.is_device(v) end
   return type(v) == kind
@@ -83,12 +82,23 @@ function args.same_dtype(fname, out, dtype)
   end
 end
 
+-- A table read by its own keys (options, a model) must have no metatable: keys it handed out
+-- through __index, or hid from pairs through __pairs, would escape the check of their names.
+function args.plain(fname, what, t)
+  if getmetatable(t) ~= nil then
+    args.fail(fname, string.format("expected %s as a plain table, got one with a metatable (keys that come "
+      .. "through __index or hide from pairs would not be checked): copy them into a plain table", what))
+  end
+  return t
+end
+
 -- Checks an options table against spec = {name = kind, ...}; required = {name, ...}.
 -- Unknown keys are errors: a typo must not be silently ignored.  Returns opts.
 function args.options(fname, opts, spec, required)
   if type(opts) ~= "table" or is_tensor(opts) then
     args.fail(fname, "expected a table of options, got " .. (is_tensor(opts) and "a moelab.Tensor" or type(opts)))
   end
+  args.plain(fname, "the options", opts)
   for k, v in pairs(opts) do
     local kind = spec[k]
     if kind == nil then
@@ -107,7 +117,7 @@ function args.options(fname, opts, spec, required)
     end
   end
   for k, v in pairs(opts) do
-    if spec[k] == "integer" and math.type(v) == "float" then opts[k] = math.tointeger(v) end
+    if spec[k] == "integer" and compat.math_type(v) == "float" then opts[k] = compat.tointeger(v) end
   end
   return opts
 end
@@ -127,7 +137,7 @@ end
 -- shape string "[2, 3]"
 function args.shape_str(shape)
   local s = {}
-  for i, d in ipairs(shape) do s[i] = tostring(math.tointeger(d) or d) end -- 2^40 as 1099511627776, not 1.0995...e+12
+  for i, d in ipairs(shape) do s[i] = compat.tointeger(d) and compat.int_str(d) or tostring(d) end -- 2^40 as 1099511627776, not 1.0995...e+12
   return "[" .. table.concat(s, ", ") .. "]"
 end
 
@@ -171,6 +181,30 @@ function args.same_device(fname, opts, names)
     end
   end
   return dev
+end
+
+-- Every method of class (a metatable that is its own __index: each function field but the
+-- metamethods, "__...", and the constructors named in except) checks its self, so that
+-- class.method(x), where class:method(x) was meant, says so at the caller's line rather than
+-- fail inside the front-end on a nil.  var names an instance in the message ("layer").
+function args.methods(class, var, except)
+  local skip, found = {}, {}
+  for _, name in ipairs(except or {}) do skip[name] = true end
+  for name, fn in pairs(class) do
+    if type(fn) == "function" and name:sub(1, 2) ~= "__" and not skip[name] then found[name] = fn end
+  end
+  for name, fn in pairs(found) do
+    class[name] = function(self, ...)
+      if getmetatable(self) ~= class then
+        local mt = type(self) == "table" and getmetatable(self)
+        local got = type(self) == "table" and (type(mt) == "table" and mt.__name or "a table") or describe(self)
+        args.fail(name, string.format("expected a %s as self, got %s: call it as %s:%s(...), with a colon",
+          class.__name, got, var, name))
+      end
+      return fn(self, ...)
+    end
+  end
+  return class
 end
 
 args.core = core

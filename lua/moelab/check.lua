@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Result checks that raise with a useful diff: the error, the tolerance, the first mismatches.
 local args = require "moelab.args"
 
@@ -29,7 +30,7 @@ local function index_str(i, shape)
     local n = shape[d]
     if n == 0 then break end
     idx[d] = rest % n
-    rest = rest // n
+    rest = math.floor(rest / n)
   end
   local s = {}
   for d = 1, #shape do s[d] = tostring(idx[d] or 0) end

@@ -1,12 +1,18 @@
+-- SPDX-License-Identifier: MIT
 -- Command-line flags for scenarios: `--name value` or `--name=value`, typed by a spec, with
 -- --help.  An unknown flag or a bad value prints the usage and exits with status 2; a
 -- configuration the library refuses (cli.guard) prints its message and exits 2 as well, so that
--- status 1 stays a failed check.
+-- status 1 stays a failed check.  In the syntax and library of Lua 5.1 (LuaJIT's too): a scenario
+-- loads this before moelab, so that an interpreter moelab refuses ends in status 2 as well.
+-- (moelab.compat is required where it is used, once moelab has loaded: it needs what Lua 5.1 and
+-- 5.2 lack.)
 local cli = {}
 
--- spec: list of {name, kind ("integer"|"number"|"string"|"list"|"flag"), default, help}
-function cli.parse(argv, spec, title)
-  local by_name, opts = {}, {}
+-- spec: list of {name, kind ("integer"|"number"|"string"|"list"|"flag"), default, help};
+-- positional: what the arguments that are not flags are (shown in the usage), or nil where there
+-- are none -> the options, and the list of those arguments.
+function cli.parse(argv, spec, title, positional)
+  local by_name, opts, rest = {}, {}, {}
   for _, f in ipairs(spec) do
     by_name[f[1]] = f
     opts[f[1]] = f[3]
@@ -14,7 +20,7 @@ function cli.parse(argv, spec, title)
   local function usage(msg)
     local out = msg and io.stderr or io.stdout
     if msg then out:write(msg, "\n\n") end
-    out:write(title, "\n\nflags:\n")
+    out:write(title, "\n\n", positional and ("arguments: " .. positional .. "\n") or "", "flags:\n")
     for _, f in ipairs(spec) do
       out:write(string.format("  --%-12s %s%s\n", f[1] .. (f[2] == "flag" and "" or " X"), f[4],
         f[3] ~= nil and f[2] ~= "flag" and string.format(" (default %s)", tostring(f[3])) or ""))
@@ -26,11 +32,13 @@ function cli.parse(argv, spec, title)
     local a = argv[i]
     local name, value = a:match("^%-%-([%w_%-]+)=(.*)$")
     if not name then name = a:match("^%-%-([%w_%-]+)$") end
-    if not name then usage("unexpected argument '" .. a .. "'") end
+    if not name and not positional then usage("unexpected argument '" .. a .. "'") end
     if name == "help" then usage() end
     local f = by_name[name]
-    if not f then usage("unknown flag --" .. name) end
-    if f[2] == "flag" then
+    if name and not f then usage("unknown flag --" .. name) end
+    if not name then
+      rest[#rest + 1] = a
+    elseif f[2] == "flag" then
       opts[name] = true
     else
       if value == nil then
@@ -40,7 +48,7 @@ function cli.parse(argv, spec, title)
         if value == nil or value:match("^%-%-") then usage("flag --" .. name .. " needs a value") end
       end
       if f[2] == "integer" then
-        local v = math.tointeger(tonumber(value))
+        local v = require("moelab.compat").tointeger(tonumber(value))
         if not v then usage(string.format("flag --%s needs an integer, got '%s'", name, value)) end
         opts[name] = v
       elseif f[2] == "number" then
@@ -58,7 +66,7 @@ function cli.parse(argv, spec, title)
     end
     i = i + 1
   end
-  return opts
+  return opts, rest
 end
 
 -- A combination of flags that parse cannot judge on its own: the message, status 2.
@@ -73,9 +81,18 @@ end
 function cli.guard(what, fn, ...)
   local tb = os.getenv("MOE_TRACEBACK")
   tb = tb ~= nil and tb ~= "" and tb ~= "0"
-  local res = table.pack(xpcall(fn, function(e) return tb and debug.traceback(tostring(e), 2) or tostring(e) end, ...))
-  if not res[1] then cli.fail(string.format("%s: %s", what, res[2])) end
-  return table.unpack(res, 2, res.n)
+  local compat = require "moelab.compat"
+  local res = compat.pack(xpcall(fn, function(e) return tb and debug.traceback(tostring(e), 2) or tostring(e) end, ...))
+  if not res[1] then cli.fail(string.format("%s: %s", what, tostring(res[2]))) end
+  return compat.unpack(res, 2, res.n)
+end
+
+-- require(name) for a scenario: a module that cannot load here (moelab on an interpreter it does
+-- not run on, a C module not built) is a configuration, not a failed check: its message, status 2.
+function cli.require(name)
+  local ok, mod = pcall(require, name)
+  if not ok then cli.fail(tostring(mod)) end
+  return mod
 end
 
 -- The report file of an output flag (--json): checked writable now (a bad path is a usage error

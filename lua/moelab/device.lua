@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Where stages run: the devices, CUDA graphs of a sequence of stages, timing events.
 local core = require "moelab.core"
 local args = require "moelab.args"

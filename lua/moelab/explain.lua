@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Which kernel a stage runs and why: the C library's report (moe_<stage>_explain) as a table,
 -- and the context's kernel options (moe_ctx_config).
 local core = require "moelab.core"

@@ -1,14 +1,32 @@
+-- SPDX-License-Identifier: MIT
 -- moelab: Mixture-of-Experts layer kernels, driven from Lua.
 --
 -- This file is the user-facing surface over the stateless C stages of moelab.core: it checks
 -- options (a typo is an error, never ignored), allocates outputs, runs a stage where its tensors
 -- live, and turns the conditions a stage records in its stats (NaN logits, invalid ids,
 -- capacity overflow) into errors unless the caller asked for them to be tolerated.
+
+-- The interpreter first: the front-end runs on Lua 5.4 (through the C module moelab.core) and on
+-- LuaJIT 2.1; anywhere else it stops here with one sentence, before it reaches code this
+-- interpreter cannot run or a C module built for another Lua.  This block, and the file up to it,
+-- stays in the syntax of Lua 5.1, which every other interpreter parses.
+do
+  local jit = rawget(_G, "jit")
+  local luajit = type(jit) == "table" and type(jit.version) == "string" and jit.version or nil
+  if not (_VERSION == "Lua 5.4" or luajit and luajit:find("^LuaJIT 2%.1")) then
+    error(string.format("moelab runs on Lua 5.4 or LuaJIT 2.1, and this is %s: run it with lua5.4 (or luajit)",
+      luajit or _VERSION), 0)
+  end
+end
+
+if rawget(_G, "jit") then package.loaded["moelab.core"] = require "moelab.ffi_core" end -- LuaJIT: the FFI binding
 local core = require "moelab.core"
 local args = require "moelab.args"
+local compat = require "moelab.compat"
 local device = require "moelab.device"
 local route = require "moelab.route"
 local schedule = require "moelab.schedule"
+local memory = require "moelab.memory"
 
 local moe = {}
 moe.version = core.version
@@ -17,6 +35,8 @@ moe.core = core
 local DTYPES = { "f32", "bf16", "i32" }
 
 moe.devices, moe.default_device = device.devices, device.default_device
+moe.device_info = require("moelab.runinfo").device_info
+moe.range_push, moe.range_pop = core.range_push, core.range_pop
 moe.graph, moe.event = device.graph, device.event
 moe.routing_options, moe.route = route.options, route.route
 moe.Schedule, moe.schedule_plan, moe.schedule = schedule.Schedule, schedule.plan, schedule.schedule
@@ -28,10 +48,11 @@ local function check_shape(fname, shape)
   if type(shape) ~= "table" then
     args.fail(fname, "shape must be a table of sizes, got " .. args.describe(shape))
   end
-  if #shape > 4 then args.fail(fname, "at most 4 dimensions, got " .. #shape) end
-  for i = 1, #shape do -- not ipairs: it would stop at a hole ({2, nil, 3})
+  local nd = compat.len(shape) -- not ipairs, nor #: either can stop at a hole ({2, nil, 3})
+  if nd > 4 then args.fail(fname, "at most 4 dimensions, got " .. nd) end
+  for i = 1, nd do
     local d = shape[i]
-    if type(d) ~= "number" or not math.tointeger(d) or d < 0 then -- 2.0 counts, as for every integer option
+    if type(d) ~= "number" or not compat.tointeger(d) or d < 0 then -- 2.0 counts, as for every integer option
       args.fail(fname, string.format("shape[%d] must be a non-negative integer, got %s", i, args.describe(d)))
     end
   end
@@ -73,11 +94,22 @@ function moe.randn(shape, opts)
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu"):randn(opts.seed or 0, opts.std or 1.0)
 end
 
+-- Tensors over memory another library owns: a raw address, or DLPack (moelab.interop).
+local interop = require "moelab.interop"
+function moe.wrap(o) return interop.wrap(o, check_shape) end
+moe.from_dlpack = interop.from_dlpack
+
 -- ---------------------------------------------------------------- 3. dispatch, 4. experts, 5. combine
 --
 -- Each front-end checks what only it can see (its options, x against the schedule, the schedules
--- against each other) and what it needs to allocate out; every tensor's dtype, shape, device and
--- overlap the C stage checks, whose fields are these options, and its errors name them.
+-- against each other) and what it needs to allocate out (moelab.memory: sized before it is made);
+-- every tensor's dtype, shape, device and overlap the C stage checks, whose fields are these
+-- options, and its errors name them.
+
+-- out, made by moelab.memory for fname from its shape and what sized it.
+local function output(fname, dtype, shape, device, from)
+  return memory.new(fname, { memory.buffer("out", dtype, shape, from) }, device).out
+end
 
 function moe.dispatch(o)
   args.options("dispatch", o, { x = "tensor", schedule = "table", k = "integer", zero_fill = "boolean", out = "tensor" },
@@ -93,7 +125,8 @@ function moe.dispatch(o)
   end
   -- the schedule's device is x's: the stage would name the schedule's peer_rank, not an option
   args.same_device("dispatch", { x = x, schedule = s.peer_rank }, { "x", "schedule" })
-  local out = o.out or core.new("bf16", { s.capacity, x.shape[3] }, x.device)
+  local out = o.out or output("dispatch", "bf16", { s.capacity, x.shape[3] }, x.device,
+    "the schedule's capacity x the hidden size of x")
   core.dispatch { out = out, x = x, peer_rank = s.peer_rank, peer_route = s.peer_route, k = s.k,
     zero_fill = o.zero_fill or false }
   return out
@@ -105,7 +138,7 @@ local function experts_args(o, explaining)
   args.options("experts", o, { x = "tensor", offsets = "tensor", w_gate_up = "tensor", w_down = "tensor", out = "tensor" },
     { "x", "offsets", "w_gate_up", "w_down" })
   local x = args.tensor("experts", "x", o.x, "bf16", { false, false })
-  local out = o.out or explaining and x or core.new("bf16", x.shape, x.device)
+  local out = o.out or explaining and x or output("experts", "bf16", x.shape, x.device, "the shape of x")
   return { out = out, x = x, offsets = o.offsets, w_gate_up = o.w_gate_up, w_down = o.w_down }
 end
 
@@ -113,6 +146,23 @@ function moe.experts(o)
   local a = experts_args(o)
   core.experts(a)
   return a.out
+end
+
+-- Routing weights must be finite: one NaN weight makes its token's whole row NaN, where a router
+-- would have rejected the row.  Counted on the device (moe_nonfinite), two integers read back;
+-- not inside a graph capture, which cannot read back (the weights pass through as they are).
+-- Weights that are not an open f32 tensor are left to the stage, whose message names them.
+local function nonfinite_weights(w)
+  if device.capturing() or not args.is_tensor(w) or w.closed or w.dtype ~= "f32" then return end
+  local st = core.new("i32", { 2 }, w.device)
+  core.nonfinite(st, w)
+  local v = st:flat()
+  if v[1] > 0 then
+    local K = w.shape[#w.shape] or 1
+    args.fail("combine", string.format("option 'weights' holds %d value%s that %s NaN or infinite, the first at token "
+      .. "%d, slot %d: routing weights must be finite", v[1], v[1] == 1 and "" or "s", v[1] == 1 and "is" or "are",
+      math.floor(v[2] / math.max(K, 1)), v[2] % math.max(K, 1)))
+  end
 end
 
 function moe.combine(o)
@@ -162,7 +212,9 @@ function moe.combine(o)
   local rank = o.rank or 0
   args.range("combine", "rank", rank, 0, W - 1)
   args.same_dtype("combine", o.out, o.dtype)
-  local out = o.out or core.new(o.dtype or "bf16", { s1.tokens, H }, s1.device)
+  nonfinite_weights(o.weights)
+  local out = o.out or output("combine", o.dtype or "bf16", { s1.tokens, H }, s1.device,
+    "the schedule's tokens x the hidden size of ys")
   core.combine { out = out, weights = o.weights, ids = s1.ids:select(rank + 1), ys = ys, route_row = route_rows,
     world = W, experts = s1.experts, rank = rank, shared = o.shared, shared_gate = o.shared_gate }
   return out
@@ -177,6 +229,9 @@ local world = require "moelab.world"
 moe.world, moe.World, moe.Exchange, moe.world_unique_id = world.new, world.World, world.Exchange, world.unique_id
 moe.Layer = require "moelab.layer"
 moe.layer = moe.Layer.new
+moe.layer_memory = moe.Layer.memory_of
+local checkpoint = require "moelab.checkpoint"
+moe.checkpoint, moe.safetensors = checkpoint.open, checkpoint.safetensors
 
 -- ---------------------------------------------------------------- which kernel runs, and why
 

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- moe.layer{...}: one MoE layer over a world of W expert-parallel ranks, composed from the
 -- stateless stages.  Every buffer is allocated when the layer is made, for a static capacity, so
 -- a forward pass allocates nothing and (on a GPU) can be captured as a CUDA graph.
@@ -24,6 +25,9 @@
 local core = require "moelab.core"
 local args = require "moelab.args"
 local check = require "moelab.check"
+local checkpoint = require "moelab.checkpoint"
+local compat = require "moelab.compat"
+local memory = require "moelab.memory"
 local models = require "moelab.models"
 local moe_device = require "moelab.device"
 local route = require "moelab.route"
@@ -40,7 +44,8 @@ local SPEC = {
   scoring = { "softmax", "sigmoid", "sqrtsoftplus" }, groups = "integer", topk_groups = "integer",
   scale = "number", pad = "integer", layout = { "roundrobin", "peer_major" }, capacity = "any",
   expert_capacity = "integer", overflow = { "error", "drop" }, invalid = { "error", "skip" },
-  nan = { "error", "mask" }, device = "device", seed = "integer",
+  nan = { "error", "mask" }, device = "device", seed = "integer", checkpoint = "string", layer = "integer",
+  memory_limit = "number",
 }
 local MODEL_FIELDS = { "name", "experts", "k", "hidden", "ffn", "shared_ffn", "shared_gate", "scoring", "groups",
   "topk_groups", "scale" }
@@ -60,7 +65,7 @@ local function resolve(o)
   args.options("layer", o, SPEC, { "model", "tokens" })
   local real = getmetatable(o.world) == world.World and o.world or nil
   -- 2.0 counts, as for every integer option
-  local world_n = not real and type(o.world) == "number" and math.tointeger(o.world) or nil
+  local world_n = not real and type(o.world) == "number" and compat.tointeger(o.world) or nil
   if o.world ~= nil and not real and not world_n then
     args.fail("layer", "option 'world' must be an integer (a simulated world of that many ranks) or a moe.world, got "
       .. args.describe(o.world))
@@ -74,6 +79,7 @@ local function resolve(o)
   elseif type(m) ~= "table" then
     args.fail("layer", "option 'model' must be a preset from moe.models or its name, got " .. args.describe(m))
   end
+  args.plain("layer", "option 'model'", m)
   for key in pairs(m) do -- a misspelt field would be silently absent
     if not MODEL_FIELD[key] then
       args.fail("layer", string.format("the model has a field %s, not one of: %s", args.describe(key),
@@ -108,7 +114,7 @@ local function resolve(o)
     cfg.shared_gate = false
   end
   for _, f in ipairs { "experts", "k", "hidden", "ffn" } do
-    if math.type(cfg[f]) ~= "integer" then
+    if compat.math_type(cfg[f]) ~= "integer" then
       args.fail("layer", string.format("the model has no integer '%s' (got %s)", f, args.describe(cfg[f])))
     end
   end
@@ -136,50 +142,122 @@ local function resolve(o)
       cfg.experts, W, cfg.experts, W))
   end
   local E, K, H, F, Fs = cfg.experts, cfg.k, cfg.hidden, cfg.ffn, cfg.shared_ffn
-  local EL = E // W
+  local EL = math.floor(E / W)
   local pad, capacity = schedule.rows("layer", o, W, T, K, EL, "twice_mean")
+  schedule.check_expert_capacity("layer", o)
+  args.range("layer", "memory_limit", o.memory_limit, 0)
   if real and o.device ~= nil then
     args.fail("layer", "a layer over a moe.world puts each rank on its own GPU: drop option 'device'")
   end
   local device = not real and (o.device or moe_device.default_device()) or nil
   if device == "cuda" then device = "cuda:0" end -- as its tensors will name it
+  local weights = checkpoint.for_layer(o, { experts = E, hidden = H, ffn = F, shared_ffn = Fs, local_experts = EL,
+    shared_gate = cfg.shared_gate, bias = cfg.scoring ~= "softmax" })
   return {
     cfg = cfg, world = W, tokens = T, experts = E, local_experts = EL, k = K, hidden = H, ffn = F,
     shared_ffn = Fs, pad = pad, layout = o.layout or "roundrobin", capacity = capacity,
     expert_capacity = o.expert_capacity, overflow = o.overflow or "error", invalid = o.invalid or "error",
-    nan = o.nan or "error", device = device, seed = o.seed or 0,
+    nan = o.nan or "error", device = device, seed = o.seed or 0, checkpoint = weights, memory_limit = o.memory_limit,
   }, real
 end
 
--- The one seed rule of the layer's weights: dtype, shape, seed offset and std of each (std scaled
--- so that activations stay O(1)); rank: the 0-based rank whose experts.  moe.randn draws the same
--- values on every device, so each device, and the CPU reference, draws the same weights.
-local function init_weight(self, name, dev, rank)
+-- The layer's weights by name: dtype, shape and the seed rule's offset and std of each (std scaled
+-- so that activations stay O(1)), as a moelab.memory buffer with those fields; rank: the 0-based
+-- rank whose experts.  A checkpoint's tensors have the same dtypes and shapes.
+local function weight(self, name, rank)
   local E, H, F, Fs, EL = self.experts, self.hidden, self.ffn, self.shared_ffn, self.local_experts
-  local dtype, shape, offset, std = "bf16", nil, nil, nil
-  if name == "w_router" then shape, offset, std = { E, H }, 1, 1 / math.sqrt(H)
-  elseif name == "bias" then dtype, shape, offset, std = "f32", { E }, 2, 0.005
-  elseif name == "shared_gate_up" then shape, offset, std = { 1, 2 * Fs, H }, 3, 1 / math.sqrt(H)
-  elseif name == "shared_down" then shape, offset, std = { 1, H, Fs }, 4, 1 / math.sqrt(Fs)
-  elseif name == "shared_gate_w" then shape, offset, std = { H }, 5, 1 / math.sqrt(H)
-  elseif name == "w_gate_up" then shape, offset, std = { EL, 2 * F, H }, 12 + 2 * rank, 1 / math.sqrt(H)
-  elseif name == "w_down" then shape, offset, std = { EL, H, F }, 13 + 2 * rank, 1 / math.sqrt(F)
+  local dtype, shape, offset, std, from = "bf16", nil, nil, nil, nil
+  if name == "w_router" then shape, offset, std, from = { E, H }, 1, 1 / math.sqrt(H), "experts x hidden"
+  elseif name == "bias" then dtype, shape, offset, std, from = "f32", { E }, 2, 0.005, "experts"
+  elseif name == "shared_gate_up" then
+    shape, offset, std, from = { 1, 2 * Fs, H }, 3, 1 / math.sqrt(H), "2 shared_ffn x hidden"
+  elseif name == "shared_down" then shape, offset, std, from = { 1, H, Fs }, 4, 1 / math.sqrt(Fs), "hidden x shared_ffn"
+  elseif name == "shared_gate_w" then shape, offset, std, from = { H }, 5, 1 / math.sqrt(H), "hidden"
+  elseif name == "w_gate_up" then
+    shape, offset, std, from = { EL, 2 * F, H }, 12 + 2 * rank, 1 / math.sqrt(H), "experts per rank x 2 ffn x hidden"
+  elseif name == "w_down" then
+    shape, offset, std, from = { EL, H, F }, 13 + 2 * rank, 1 / math.sqrt(F), "experts per rank x hidden x ffn"
   end
-  return core.new(dtype, shape, dev):randn(self.seed * 1000 + offset, std)
+  local b = memory.buffer(name, dtype, shape, from)
+  b.offset, b.std = offset, std
+  return b
+end
+
+-- The one place the layer's weights come from: the checkpoint's tensors where it has one
+-- (moelab.checkpoint), else the seed rule.  moe.randn draws the same values on every device, so
+-- each device, and the CPU reference, draws the same weights.
+local function init_weight(self, name, dev, rank)
+  if self.checkpoint then return self.checkpoint:weight(name, dev, rank) end
+  local w = weight(self, name, rank)
+  return core.new(w.dtype, w.shape, dev):randn(self.seed * 1000 + w.offset, w.std)
+end
+
+-- The weights each shard holds (the router's, the shared expert's), and each held rank (its experts').
+local function shard_weights(self)
+  local list = { weight(self, "w_router") }
+  if self.cfg.scoring ~= "softmax" then list[#list + 1] = weight(self, "bias") end
+  if self.shared_ffn > 0 then
+    list[#list + 1] = weight(self, "shared_gate_up")
+    list[#list + 1] = weight(self, "shared_down")
+    if self.cfg.shared_gate then list[#list + 1] = weight(self, "shared_gate_w") end
+  end
+  return list
+end
+
+local function held_weights(self, rank)
+  return { weight(self, "w_gate_up", rank), weight(self, "w_down", rank) }
+end
+
+-- list with the buffers of more appended.
+local function append(list, more)
+  for _, b in ipairs(more) do list[#list + 1] = b end
+  return list
 end
 
 -- lead's sizes followed by the others: {W, T} or {T} then K, H, ...
 local function dims(lead, ...)
-  local s = { table.unpack(lead) }
+  local s = { compat.unpack(lead) }
   for _, d in ipairs { ... } do s[#s + 1] = d end
   return s
 end
 
 local as_rows = stages.as_rows
 
+-- The buffers the layer itself makes for a shard (its output; the count of given routing weights
+-- that are not finite) and for a held rank (the tokens its experts read).
+local function own_shard_buffers(self, sh)
+  return {
+    memory.buffer("out", "bf16", dims(sh.lead, self.hidden), "the output: tokens x hidden"),
+    memory.buffer("weight_stats", "i32", { 2 }, "the count of given routing weights that are not finite"),
+  }
+end
+
+local function own_held_buffers(self)
+  return { memory.buffer("xs", "bf16", { self.capacity, self.hidden }, "the experts' input: capacity x hidden") }
+end
+
 -- " of rank r" for a shard of one rank's tokens; nothing for the simulated world's shard of all.
 local function rank_label(sh)
   return sh.rank and string.format(" of rank %d", sh.rank) or ""
+end
+
+-- forward{trace = true}: before each rank's share of a stage, an event on the device where held
+-- rank j's work runs (shard j's; the simulated world's one shard), so that trace() can split the
+-- stage into one span per rank.  A stage that one call makes for every rank (the router and the
+-- shared expert of a simulated world) has no marks: its span is every rank's.
+local function mark(self, j, rank)
+  local tr = self.tracing
+  if not tr then return end
+  local i = self.shards[j] and j or 1
+  local dev = self.shards[i].device
+  local list = tr[tr.stage]
+  local k = #list + 1
+  self.trace_pool = self.trace_pool or {}
+  local pool = self.trace_pool[tr.stage] or {}
+  self.trace_pool[tr.stage] = pool
+  if not pool[k] or pool[k].device ~= dev then pool[k] = { device = dev, event = core.event_new(dev) } end
+  pool[k].event:record()
+  list[k] = { shard = i, rank = rank, event = pool[k].event }
 end
 
 -- ---------------------------------------------------------------- worlds
@@ -191,11 +269,23 @@ local Simulated = { lists = false, collective = false, sees_every_rank = true,
     tokens = "table" } }
 Simulated.__index = Simulated
 
-function Simulated.new(layer)
+-- Where the shards and held ranks of a layer (resolve's table) are, before anything is made.
+function Simulated.layout(layer)
   local W, T, dev = layer.world, layer.tokens, layer.device
-  local self = setmetatable({ shards = { { device = dev, rows = W * T, lead = { W, T } } }, held = {} }, Simulated)
-  for r = 0, W - 1 do self.held[r + 1] = { device = dev, rank = r } end
-  return self
+  local shards, held = { { device = dev, rows = W * T, lead = { W, T } } }, {}
+  for r = 0, W - 1 do held[r + 1] = { device = dev, rank = r } end
+  return shards, held
+end
+
+function Simulated.new(layer)
+  local shards, held = Simulated.layout(layer)
+  return setmetatable({ shards = shards, held = held }, Simulated)
+end
+
+-- What the world adds to a shard's buffers (nothing), and to a held rank's (where its experts write).
+function Simulated.shard_buffers() return {} end
+function Simulated.held_buffers(layer)
+  return { memory.buffer("ys", "bf16", { layer.capacity, layer.hidden }, "the experts' output: capacity x hidden") }
 end
 
 function Simulated:bind() end
@@ -205,12 +295,22 @@ function Simulated:schedule_ids() return self.shards[1].ids end
 function Simulated:gather_ids() end
 function Simulated:record_verdict() end
 
--- Each rank's experts write their own buffer; combine reads every rank's.
+-- Each rank's experts write their own buffer; combine reads every rank's.  Each source rank's
+-- combine arguments are made here once (views of the layer's own buffers), so that a pass makes
+-- no tensor handles for them.
 function Simulated:connect(layer)
   self.ys, self.route_rows = {}, {}
   for j, h in ipairs(self.held) do
-    h.ys = core.new("bf16", { layer.capacity, layer.hidden }, h.device)
+    memory.alloc(Simulated.held_buffers(layer), h.device, h)
     self.ys[j], self.route_rows[j] = h.ys, h.schedule.route_row
+  end
+  local sh, W, T, H = self.shards[1], layer.world, layer.tokens, layer.hidden
+  self.combines = {}
+  for p = 1, W do
+    self.combines[p] = { out = sh.out:select(p), weights = sh.weights:select(p), ids = sh.ids:select(p), ys = self.ys,
+      route_row = self.route_rows, world = W, experts = layer.experts, rank = p - 1,
+      shared = sh.shared_y and sh.shared_y:view((p - 1) * T * H, { T, H }),
+      shared_gate = sh.gate and sh.gate:view((p - 1) * T, { T }) }
   end
 end
 
@@ -229,7 +329,8 @@ function Simulated:agree(own)
 end
 
 function Simulated:dispatch(layer, x)
-  for _, h in ipairs(self.held) do
+  for j, h in ipairs(self.held) do
+    mark(layer, j, h.rank)
     local s = h.schedule
     core.dispatch { out = h.xs, x = x[1], peer_rank = s.peer_rank, peer_route = s.peer_route, k = layer.k,
       zero_fill = false }
@@ -237,12 +338,9 @@ function Simulated:dispatch(layer, x)
 end
 
 function Simulated:combine(layer)
-  local sh, W, T, H = self.shards[1], layer.world, layer.tokens, layer.hidden
-  for p = 1, W do
-    core.combine { out = sh.out:select(p), weights = sh.weights:select(p), ids = sh.ids:select(p), ys = self.ys,
-      route_row = self.route_rows, world = W, experts = layer.experts, rank = p - 1,
-      shared = sh.shared_y and sh.shared_y:view((p - 1) * T * H, { T, H }),
-      shared_gate = sh.gate and sh.gate:view((p - 1) * T, { T }) }
+  for p, a in ipairs(self.combines) do
+    mark(layer, 1, p - 1)
+    core.combine(a)
   end
 end
 
@@ -270,7 +368,7 @@ local Real = { lists = true, collective = true, sees_every_rank = false,
 Real.__index = Real
 
 -- Every rank must build the same layer: a mismatch fails on every rank, naming the field.
-local function agree_on_build(layer, group)
+local function agree_on_build(layer, group, why)
   local cfg, n = layer.cfg, group.local_count
   local cfgs = {}
   for i = 1, n do
@@ -289,12 +387,15 @@ local function agree_on_build(layer, group)
   field("scoring", index({ "softmax", "sigmoid", "sqrtsoftplus" }, cfg.scoring))
   field("groups", cfg.groups)
   field("topk_groups", cfg.topk_groups)
-  field("scale", (string.unpack("<i4", string.pack("<f", cfg.scale))))
-  field("seed (low 31 bits)", layer.seed & 0x7fffffff)
-  field("seed (high bits)", (layer.seed >> 31) & 0x7fffffff)
+  field("scale", compat.f32_bits(cfg.scale)) -- an i32 all the same: scale > 0 leaves the sign bit clear
+  -- bits 0..30 and 31..61 of the seed's two's complement, by arithmetic (LuaJIT's bit ops are 32-bit)
+  field("seed (low 31 bits)", layer.seed % 0x80000000)
+  field("seed (high bits)", math.floor(layer.seed / 0x80000000) % 0x80000000)
   field("overflow", index({ "error", "drop" }, layer.overflow))
   field("invalid", index({ "error", "skip" }, layer.invalid))
   field("nan", index({ "error", "mask" }, layer.nan))
+  field("checkpoint layer (-1: none)", layer.checkpoint and layer.checkpoint.layer or -1)
+  field("memory", why and 0 or 1) -- not compared: a rank that cannot hold the layer stops them all
   local mine, all = {}, {}
   for i = 1, n do
     mine[i] = core.from_table({ values }, "i32", group.devices[i])
@@ -304,8 +405,16 @@ local function agree_on_build(layer, group)
   group:bind(1) -- the read back goes on the stream of the all-gather
   local got = all[1]:flat()
   group:unbind()
+  if why then args.fail("layer", why) end
+  for r = 0, layer.world - 1 do
+    if got[(r + 1) * #fields] == 0 then
+      args.fail("layer", string.format("rank %d cannot hold this layer in its GPU's memory (its own error says how "
+        .. "much it needs)", r))
+    end
+  end
   for r = 1, layer.world - 1 do
     for j, name in ipairs(fields) do
+      if name == "memory" then break end
       if got[r * #fields + j] ~= got[j] then
         args.fail("layer", string.format("ranks 0 and %d build different layers: '%s' is %d on rank 0, %d on rank %d "
           .. "(every rank must give moe.layer the same options)", r, name, got[j], got[r * #fields + j], r))
@@ -314,15 +423,40 @@ local function agree_on_build(layer, group)
   end
 end
 
-function Real.new(layer, group)
-  agree_on_build(layer, group)
-  local self = setmetatable({ group = group, ranks = group.ranks, devices = group.devices, shards = {}, held = {} },
-    Real)
+function Real.layout(layer, group)
+  local shards, held = {}, {}
   for i, dev in ipairs(group.devices) do
-    self.shards[i] = { device = dev, rank = group.ranks[i], rows = layer.tokens, lead = { layer.tokens } }
-    self.held[i] = { device = dev, rank = group.ranks[i] }
+    shards[i] = { device = dev, rank = group.ranks[i], rows = layer.tokens, lead = { layer.tokens } }
+    held[i] = { device = dev, rank = group.ranks[i] }
   end
-  return self
+  return shards, held
+end
+
+-- why: this process's refusal for want of memory, or nil; every rank learns every rank's verdict.
+function Real.new(layer, group, why)
+  agree_on_build(layer, group, why)
+  local shards, held = Real.layout(layer, group)
+  return setmetatable({ group = group, ranks = group.ranks, devices = group.devices, shards = shards, held = held },
+    Real)
+end
+
+-- A shard's verdicts and the all-gathered ids; a held rank's exchange windows (NCCL symmetric
+-- memory that world:exchange makes, sized here as lib/world.c lays it out, pages aside).
+function Real.shard_buffers(layer)
+  local W, T, K = layer.world, layer.tokens, layer.k
+  return {
+    memory.buffer("verdict", "i32", { 1, 2 }, "this rank's verdict"),
+    memory.buffer("verdicts", "i32", { W, 1, 2 }, "every rank's verdict"),
+    memory.buffer("all_ids", "i32", { W, T, K }, "world x tokens x k"),
+  }
+end
+function Real.held_buffers(layer)
+  local W, T, K, H = layer.world, layer.tokens, layer.k, layer.hidden
+  return {
+    memory.buffer("window x", "bf16", { T, H }, "the exchange's tokens: tokens x hidden"),
+    memory.buffer("window ys", "bf16", { layer.capacity, H }, "the exchange's expert outputs: capacity x hidden"),
+    memory.buffer("window route_row", "i32", { W, T * K }, "the exchange's route rows: world x tokens x k"),
+  }
 end
 
 function Real:bind(i) self.group:bind(i) end
@@ -330,9 +464,7 @@ function Real:release() self.group:unbind() end
 
 -- {NaN rows, schedule failed} of this rank, then every rank's; and every rank's ids, scheduled here
 function Real:alloc_shard(layer, sh)
-  sh.verdict = core.new("i32", { 1, 2 }, sh.device)
-  sh.verdicts = core.new("i32", { layer.world, 1, 2 }, sh.device)
-  sh.all_ids = core.new("i32", { layer.world, layer.tokens, layer.k }, sh.device)
+  memory.alloc(Real.shard_buffers(layer), sh.device, sh)
 end
 
 function Real:schedule_ids(j) return self.shards[j].all_ids end
@@ -377,6 +509,17 @@ function Real:record_verdict(j, nan, failed)
   self.shards[j].verdict:copy(core.from_table({ { nan, failed } }, "i32", "cpu"))
 end
 
+-- The words of a forward's refusal of given routing weights that are not finite (st: the
+-- shard's weight_stats, {count, first flat index}).
+local function weights_error(self, sh, st)
+  local K, T = self.k, self.tokens
+  local route = math.floor(st[2] / K) -- a token of the shard, over its ranks
+  return string.format("layer: forward: option 'weights' holds %d value%s that %s NaN or infinite, the first at rank "
+    .. "%d, token %d, slot %d: routing weights given to a layer must be finite (nan = 'mask' masks rows the router "
+    .. "cannot score, not given weights)", st[1], st[1] == 1 and "" or "s", st[1] == 1 and "is" or "are",
+    sh.rank or math.floor(route / T), route % T, st[2] % K)
+end
+
 -- Every rank's verdict gathered: this process's own errors first, else the first rank that stopped.
 function Real:agree(own)
   local verdicts, all = {}, {}
@@ -385,11 +528,11 @@ function Real:agree(own)
   for i = 1, #self.shards do if own[i] then args.raise(own[i]) end end
   self.group:bind(1)
   local v = self.shards[1].verdicts:flat()
-  for r = 0, #v // 2 - 1 do
+  for r = 0, #v / 2 - 1 do
     if v[2 * r + 1] > 0 or v[2 * r + 2] > 0 then
       args.raise(string.format("layer: rank %d stopped this forward (%s); its own error says why", r,
-        v[2 * r + 1] > 0 and "router logits with NaN or unscorable rows" or "its schedule: capacity overflow or "
-        .. "invalid ids"))
+        v[2 * r + 1] > 0 and "its routing: router logits with NaN or unscorable rows, or given weights not finite"
+        or "its schedule: capacity overflow or invalid ids"))
     end
   end
 end
@@ -448,15 +591,125 @@ local ROUTER_FIELDS = { logits = "logits", ids = "ids", weights = "weights", rou
 local SHARED_EXPERT_FIELDS = { shared_gate_up = "w_gate_up", shared_down = "w_down", shared_gate_w = "gate_w",
   shared_y = "ys", shared_offsets = "offsets", gate = "gate" }
 
+-- The buffers a caller can reach through the layer's fields must all be open: one closed would
+-- fail inside a stage under the stage's name for it, or in this file.  Closing the view forward
+-- returns is harmless; closing layer.out is not.
+local function usable(self, fname)
+  local function open(t, path)
+    if t ~= nil and t.closed then
+      args.raise(string.format("layer:%s: the layer's buffer %s is closed; a layer's buffers must stay open while "
+        .. "it is used (closing a view of one, as forward returns, is harmless): make a new layer", fname, path))
+    end
+  end
+  local lists = self.space.lists
+  local function path(name, i)
+    return (lists or i > 1) and string.format("layer.%s[%d]", name, i) or "layer." .. name
+  end
+  for _, name in ipairs(SHARD_FIELDS) do
+    for i, sh in ipairs(self.shards) do open(sh[name], path(name, i)) end
+  end
+  for name, key in pairs(HELD_FIELDS) do
+    for j, h in ipairs(self.held) do
+      if key == "schedule" then
+        for _, f in ipairs(schedule.TENSORS) do
+          if f ~= "ids" then open(h.schedule[f], string.format("layer.schedules[%d].%s", j, f)) end
+        end
+      else
+        open(h[key], string.format("layer.%s[%d]", name, j))
+      end
+    end
+  end
+  if not lists then open(self.input, "layer.input") end
+end
+
 local function fields_of(sh, stage, names)
   for name, key in pairs(names) do sh[name] = stage[key] end
+end
+
+-- ---------------------------------------------------------------- memory
+
+-- Everything a layer (resolve's table) over the world class World will allocate, without
+-- allocating: {[device] = {weights =, buffers =}} in bytes, and the devices in order.  The lists
+-- are the ones Layer.new allocates from (the stages' buffers(), the layer's own, the world's), so
+-- the estimate cannot drift from the allocation.
+local function sizes(self, World, group)
+  local shards, held = World.layout(self, group)
+  local W, T, K, EL, C = self.world, self.tokens, self.k, self.local_experts, self.capacity
+  local per, order = {}, {}
+  local function add(dev, part, list)
+    if not per[dev] then per[dev], order[#order + 1] = { weights = 0, buffers = 0 }, dev end
+    per[dev][part] = per[dev][part] + memory.bytes("layer", list)
+  end
+  for _, sh in ipairs(shards) do
+    add(sh.device, "weights", shard_weights(self))
+    local list = stages.Router.buffers { lead = sh.lead, experts = self.experts, k = K }
+    if self.shared_ffn > 0 then
+      append(list, stages.SharedExpert.buffers { rows = sh.rows, hidden = self.hidden, gated = self.cfg.shared_gate })
+    end
+    add(sh.device, "buffers", append(append(list, own_shard_buffers(self, sh)), World.shard_buffers(self)))
+  end
+  for _, h in ipairs(held) do
+    add(h.device, "weights", held_weights(self, h.rank))
+    add(h.device, "buffers", append(append(schedule.buffers(W, T, K, EL, C), own_held_buffers(self)),
+      World.held_buffers(self)))
+  end
+  return per, order
+end
+
+-- Why a device cannot hold its part d ({weights =, buffers =}) of the layer, what to change.
+local function refusal(self, dev, d, words)
+  local advice
+  if d.buffers > d.weights then
+    advice = "pass fewer tokens or a smaller capacity"
+  elseif dev == "cpu" then
+    advice = "pass smaller hidden and ffn (the scenarios' CPU sizes: hidden = 256, ffn = 128), or run it on a GPU"
+  else
+    advice = "pass smaller hidden and ffn, or spread the experts over more GPUs (world = moe.world{...})"
+  end
+  return string.format("the layer %s: its weights take %s (hidden = %d, ffn = %d, %d experts%s), its buffers %s "
+    .. "(world = %d, tokens = %d, capacity = %d rows); %s, or state another budget with memory_limit = bytes", words,
+    memory.size(d.weights), self.hidden, self.ffn, self.experts,
+    self.shared_ffn > 0 and string.format(", shared_ffn = %d", self.shared_ffn) or "", memory.size(d.buffers),
+    self.world, self.tokens, self.capacity, advice)
+end
+
+-- The layer's memory, {host =, device = (the most on one GPU), weights =, buffers =,
+-- reference_host = (what the CPU reference adds on the host: every rank's weights, for a layer on
+-- GPUs)} in bytes, and the refusal where a device cannot hold its part (within memory_limit, or
+-- what it has free now), else nil.
+local function size_up(self, World, group)
+  local per, order = sizes(self, World, group)
+  local m, why = { host = 0, device = 0, weights = 0, buffers = 0, reference_host = 0 }, nil
+  for _, dev in ipairs(order) do
+    local d = per[dev]
+    local need = d.weights + d.buffers
+    if dev == "cpu" then m.host = m.host + need else m.device = math.max(m.device, need) end
+    m.weights, m.buffers = m.weights + d.weights, m.buffers + d.buffers
+    local fits, words = memory.fits(need, dev, self.memory_limit)
+    if not fits and not why then why = refusal(self, dev, d, words) end
+  end
+  if self.device ~= "cpu" then
+    m.reference_host = memory.bytes("layer", shard_weights(self))
+      + self.world * memory.bytes("layer", held_weights(self, 0))
+  end
+  return m, why
+end
+
+-- moe.layer_memory{...}: moe.layer's options -> the layer's memory (size_up), nothing allocated.
+function Layer.memory_of(o)
+  local r, group = resolve(o)
+  if r.checkpoint then r.checkpoint:release() end -- its shapes are the layer's: nothing to read
+  return (size_up(r, group and Real or Simulated, group))
 end
 
 function Layer.new(o)
   local r, group = resolve(o)
   local self = setmetatable(r, Layer)
   self.times = {}
-  local space = group and Real.new(self, group) or Simulated.new(self)
+  local why
+  self.memory, why = size_up(self, group and Real or Simulated, group)
+  if why and not group then args.fail("layer", why) end
+  local space = group and Real.new(self, group, why) or Simulated.new(self)
   self.space, self.shards, self.held = space, space.shards, space.held
   if group then self.device = group.devices[1] end
   local E, K, H, C, cfg = self.experts, self.k, self.hidden, self.capacity, self.cfg
@@ -484,10 +737,10 @@ function Layer.new(o)
   for j, h in ipairs(self.held) do
     h.schedule = schedule.plan({ ids = space:schedule_ids(j), experts = E, rank = h.rank, pad = self.pad,
       capacity = C, expert_capacity = self.expert_capacity, layout = self.layout, overflow = self.overflow,
-      invalid = self.invalid }, "layer")
-    h.xs = core.new("bf16", { C, H }, h.device)
+      invalid = self.invalid }, "layer", true)
+    memory.alloc(own_held_buffers(self), h.device, h)
   end
-  for _, sh in ipairs(self.shards) do sh.out = core.new("bf16", dims(sh.lead, H), sh.device) end
+  for _, sh in ipairs(self.shards) do memory.alloc(own_shard_buffers(self, sh), sh.device, sh) end
   space:connect(self) -- where the experts write: h.ys
   for _, h in ipairs(self.held) do
     h.experts = stages.Experts.plan { xs = h.xs, offsets = h.schedule.expert_offsets, w_gate_up = h.w_gate_up,
@@ -501,6 +754,7 @@ function Layer.new(o)
     self[name] = {}
     for j, h in ipairs(self.held) do self[name][j] = h[key] end
   end
+  if self.checkpoint then self.checkpoint:release() end -- its files, until a reference reads other ranks'
   return self
 end
 
@@ -513,11 +767,23 @@ local function on_ranks(self, fn)
   return res
 end
 
+-- fn(...) inside an NVTX range named name (moelab.h: moe_range_push), closed on an error too -> its
+-- first result.
+local function in_range(name, fn, ...)
+  core.range_push(name)
+  local ok, res = pcall(fn, ...)
+  core.range_pop()
+  if not ok then error(res, 0) end
+  return res
+end
+
 -- Device events (a monotonic clock on the CPU) around a stage on every shard's device, read back
 -- only when asked (stage_times), so a forward never waits for the device.  Nothing is timed while
 -- a graph is being captured.
-local function timed(self, name, fn)
+local function time_stage(self, name, fn)
   if not self.timing then return fn() end
+  local tr = self.tracing
+  if tr then tr.stage, tr[name], tr.order[#tr.order + 1] = name, {}, name end
   self.events = self.events or {}
   local ev = self.events[name]
   if not ev then
@@ -537,12 +803,16 @@ local function timed(self, name, fn)
   self.times[name] = ev
 end
 
+-- A stage of the pipeline: inside its NVTX range, timed.
+local function timed(self, name, fn) in_range(name, time_stage, self, name, fn) end
+
 -- Which kernel each stage with variants runs and why, per held rank (nothing runs):
 -- { { rank =, schedule = <choice>, experts = <choice>, shared = <choice> (with a shared expert) }, ... },
 -- each choice printing as its report (moelab.explain).  The shared expert runs on each shard, on
 -- the tokens forward is given: plan(x) asks about those; without x, about tokens laid out as the
 -- layer's own buffers are (a view of x at an odd offset can change the Hopper kernels' verdict).
 function Layer:plan(x)
+  usable(self, "plan")
   if x ~= nil then x = self.space:inputs(self, "plan", "x", x, "bf16", self.shards[1].out.shape) end
   return on_ranks(self, function()
     local ranks = {}
@@ -571,6 +841,48 @@ function Layer:stage_times()
   return t
 end
 
+-- The last forward's stages as spans of time, one per stage and rank, from device events (the
+-- host's clock on the CPU), in ms since that forward began on the rank's device:
+-- { { stage =, rank =, start_ms =, dur_ms =, device =, all_ranks = (one call made it for every rank) }, ... }
+-- in the order the stages ran, ranks ascending.  That forward must have been given trace = true.
+function Layer:trace()
+  local tr = self.traced
+  if not tr then
+    args.fail("trace", "the last forward was not traced: run layer:forward(x, { trace = true }) first")
+  end
+  local spans, times = {}, self.times
+  local origin = times[tr.order[1]]
+  local function add(stage, shard, rank, start, stop, all)
+    spans[#spans + 1] = { stage = stage, rank = rank, start_ms = start:elapsed_since(origin[shard][1]),
+      dur_ms = stop:elapsed_since(start), device = self.shards[shard].device, all_ranks = all }
+  end
+  for _, name in ipairs(tr.order) do
+    local ev, marks = times[name], tr[name]
+    local first = #spans + 1
+    if #marks == 0 then
+      for i, sh in ipairs(self.shards) do
+        if sh.rank then add(name, i, sh.rank, ev[i][1], ev[i][2], false)
+        else for r = 0, self.world - 1 do add(name, i, r, ev[i][1], ev[i][2], true) end end
+      end
+    end
+    for k, m in ipairs(marks) do
+      local stop = ev[m.shard][2] -- a rank's share ends where the next one on its device begins
+      for k2 = k + 1, #marks do
+        if marks[k2].shard == m.shard then
+          stop = marks[k2].event
+          break
+        end
+      end
+      add(name, m.shard, m.rank, m.event, stop, false)
+    end
+    local stage = {}
+    for k = first, #spans do stage[#stage + 1] = spans[k] end
+    table.sort(stage, function(a, b) return a.rank < b.rank end)
+    for k, sp in ipairs(stage) do spans[first + k - 1] = sp end
+  end
+  return spans
+end
+
 -- One forward pass over x (one tensor per shard) and o = {logits=, ids=, weights=} (one per
 -- shard, or nil), check = false: no read back.  Its errors carry no position: the caller's is
 -- given by forward.
@@ -578,6 +890,7 @@ local function run(self, x, o)
   local space = self.space
   local eager = o.check ~= false
   self.times, self.timing = {}, eager
+  self.tracing, self.traced = eager and o.trace and { order = {} } or nil, nil
   self.routing_given = o.ids ~= nil or o.logits ~= nil -- check's reference then takes this routing
   self.routed = o.ids == nil -- the router ran: route_stats are this pass's
   timed(self, "route", function()
@@ -586,6 +899,7 @@ local function run(self, x, o)
       if o.ids then
         sh.ids:copy(o.ids[i])
         sh.weights:copy(o.weights[i])
+        core.nonfinite(sh.weight_stats, sh.weights) -- on the device: read back below only when eager
       elseif o.logits then
         sh.router:run(nil, o.logits[i])
       else
@@ -595,14 +909,21 @@ local function run(self, x, o)
   end)
   -- What the layer's policies do not allow (NaN logits, a schedule's overflow or invalid ids) is
   -- decided by all ranks together in a real world, after the schedule.
-  local own, nan = {}, {} -- this process's messages and NaN rows, by shard
-  if eager and self.routed and self.nan == "error" then
+  -- Given routing weights must be finite whatever nan says: there is no row of the router's to mask.
+  local own, nan = {}, {} -- this process's messages and NaN rows (or weights), by shard
+  if eager and (not self.routed or self.nan == "error") then
     for i, sh in ipairs(self.shards) do
       space:bind(i)
-      local ok, err = pcall(sh.router.check, sh.router)
-      if not sh.router.stats then error(err, 0) end -- the read back itself failed: not a verdict, raised as is
-      nan[i] = sh.router.stats.unscored
-      if not ok then own[i] = "layer: " .. tostring(err) end
+      if self.routed then
+        local ok, err = pcall(sh.router.check, sh.router)
+        if not sh.router.stats then error(err, 0) end -- the read back itself failed: not a verdict, raised as is
+        nan[i] = sh.router.stats.unscored
+        if not ok then own[i] = "layer: " .. tostring(err) end
+      else
+        local st = sh.weight_stats:flat()
+        nan[i] = st[1]
+        if st[1] > 0 then own[i] = weights_error(self, sh, st) end
+      end
     end
     if not space.collective then space:agree(own) end
   end
@@ -610,6 +931,7 @@ local function run(self, x, o)
     space:gather_ids()
     for j, h in ipairs(self.held) do
       space:bind(j)
+      mark(self, j, h.rank)
       h.schedule:run()
     end
   end)
@@ -626,6 +948,7 @@ local function run(self, x, o)
   timed(self, "experts", function()
     for j, h in ipairs(self.held) do
       space:bind(j)
+      mark(self, j, h.rank)
       h.experts:run()
     end
   end)
@@ -638,24 +961,31 @@ local function run(self, x, o)
     end)
   end
   timed(self, "combine", function() space:combine(self) end)
+  self.traced, self.tracing = self.tracing, nil
   self.forwarded = true -- its buffers now hold a pass (capture puts the flag back: nothing ran)
   local out = {}
   for i, sh in ipairs(self.shards) do out[i] = sh.out:view(0, sh.out.shape) end
   return #out == 1 and out[1] or out
 end
 
--- forward(x [, {logits=} or {ids=, weights=}, check=]): x, logits, ids and weights as the world
--- takes them (see the top of this file); simulated: logits f32 [W*T, E], ids i32 and weights f32
--- [W, T, K]; real: [T, E] and [T, K] per local rank.  check = false reads nothing back (a
--- capture's pass): check() then raises what the pass broke.  Leaves the module's context unbound.
+-- forward(x [, {logits=} or {ids=, weights=}, check=, trace=]): x, logits, ids and weights as the
+-- world takes them (see the top of this file); simulated: logits f32 [W*T, E], ids i32 and weights
+-- f32 [W, T, K]; real: [T, E] and [T, K] per local rank.  check = false reads nothing back (a
+-- capture's pass): check() then raises what the pass broke.  trace = true records the spans that
+-- trace() returns.  Leaves the module's context unbound.
 function Layer:forward(x, o)
   local space = self.space
+  usable(self, "forward")
   local kind = space.lists and "any" or "tensor"
-  o = args.options("forward", o or {}, { logits = kind, ids = kind, weights = kind, check = "boolean" })
+  o = args.options("forward", o or {}, { logits = kind, ids = kind, weights = kind, check = "boolean",
+    trace = "boolean" })
+  if o.trace and o.check == false then
+    args.fail("forward", "trace = true times the pass, and check = false passes are not timed: give one of them")
+  end
   if (o.ids == nil) ~= (o.weights == nil) then args.fail("forward", "give 'ids' and 'weights' together") end
   if o.ids and o.logits then args.fail("forward", "give either 'logits' or 'ids' and 'weights', not both") end
   local sh = self.shards[1]
-  local given = { check = o.check }
+  local given = { check = o.check, trace = o.trace }
   x = space:inputs(self, "forward", "x", x, "bf16", sh.out.shape)
   if o.ids then
     given.ids = space:inputs(self, "forward", "ids", o.ids, "i32", sh.ids.shape)
@@ -663,7 +993,7 @@ function Layer:forward(x, o)
   end
   if o.logits then given.logits = space:inputs(self, "forward", "logits", o.logits, "f32", sh.logits.shape) end
   self.forwarded = false -- until this pass completes the buffers hold part of it
-  local ok, res = pcall(on_ranks, self, function() return run(self, x, given) end)
+  local ok, res = pcall(in_range, "layer", on_ranks, self, function() return run(self, x, given) end)
   if not ok then args.raise(tostring(res)) end
   return res
 end
@@ -704,15 +1034,15 @@ local function gather(self, bufs, tokens, width)
     return g
   end
   local g = core.new(dtype, { #tokens, width }, "cpu")
-  for k, t in ipairs(tokens) do g:select(k):copy(bufs[t // N + 1]:view(t % N * width, { width })) end
+  for k, t in ipairs(tokens) do g:select(k):copy(bufs[math.floor(t / N) + 1]:view(t % N * width, { width })) end
   return g
 end
 
 -- n evenly spaced tokens of each rank whose tokens are local, as gather takes them.
 local function sample_tokens(self, n)
   local T, tokens = self.tokens, {}
-  for r = 0, self.shards[1].rows * #self.shards // T - 1 do
-    for i = 0, n - 1 do tokens[#tokens + 1] = r * T + (i * T) // n end
+  for r = 0, self.shards[1].rows * #self.shards / T - 1 do
+    for i = 0, n - 1 do tokens[#tokens + 1] = r * T + math.floor(i * T / n) end
   end
   return tokens
 end
@@ -778,6 +1108,7 @@ end
 --     per local rank: a list, or the tensor itself with one local rank.
 function Layer:reference(x, o)
   local space = self.space
+  usable(self, "reference")
   o = args.options("reference", o or {}, space.REFERENCE_OPTIONS)
   if (o.ids == nil) ~= (o.weights == nil) then args.fail("reference", "give 'ids' and 'weights' together") end
   if (o.ids and 1 or 0) + (o.logits and 1 or 0) + (o.routing and 1 or 0) > 1 then
@@ -797,7 +1128,7 @@ function Layer:reference(x, o)
   local T, H, local_tokens = self.tokens, self.hidden, sh.rows * #self.shards
   local tokens, n = o.tokens, nil
   for i, tok in ipairs(tokens or {}) do
-    if math.type(tok) ~= "integer" or tok < 0 or tok >= local_tokens then
+    if compat.math_type(tok) ~= "integer" or tok < 0 or tok >= local_tokens then
       args.fail("reference", string.format("tokens[%d] must be a token index in [0, %d), got %s", i, local_tokens,
         args.describe(tok)))
     end
@@ -832,7 +1163,7 @@ local function applied_ids(self)
   local rows = {}
   for r, h in ipairs(self.held) do rows[r] = h.schedule.route_row:flat() end
   for i, e in ipairs(flat) do -- i - 1 = p T K + route: the same index in route_row [W, T K]
-    if e ~= -1 and (e < 0 or e >= E or rows[e // EL + 1][i] < 0) then flat[i] = -1 end
+    if e ~= -1 and (e < 0 or e >= E or rows[math.floor(e / EL) + 1][i] < 0) then flat[i] = -1 end
   end
   return core.from_table(flat, "i32", "cpu"):view(0, sh.ids.shape)
 end
@@ -846,6 +1177,8 @@ local function policy_error(self)
     for i = 1, math.max(#self.shards, #self.held) do -- shard i and held rank i share a device
       self.space:bind(i)
       local sh, h = self.shards[i], self.held[i]
+      local given = sh and not self.routed and sh.weight_stats:flat()
+      if given and given[1] > 0 then return weights_error(self, sh, given) end
       local unscored = sh and self.routed and self.nan == "error" and sh.router:read_stats().unscored or 0
       if unscored > 0 then
         return string.format("layer: route: router logits contained NaN or could not be scored (+inf, all -inf) in "
@@ -869,6 +1202,7 @@ end
 -- (policy_error), as an eager forward would have: a forward{check = false} leaves that to check,
 -- or to stats() to read.
 function Layer:check(x, o)
+  usable(self, "check")
   o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
   if not self.forwarded then
     args.fail("check", "no forward has completed (a capture runs nothing before its first replay): check "
@@ -892,8 +1226,10 @@ function Layer:check(x, o)
 end
 
 -- What the last forward did: rows, padding, loads, drops, per held rank and over them.
--- unscored: rows the router could not score (NaN, +inf, all -inf) on the local tokens.
+-- unscored: rows the router could not score (NaN, +inf, all -inf) on the local tokens;
+-- nonfinite_weights: given routing weights that were NaN or infinite (a forward with ids=, weights=).
 function Layer:stats()
+  usable(self, "stats")
   local EL = self.local_experts
   local st = { ranks = {}, loads = {}, rows_used = 0, rows_needed = 0, dropped = 0, invalid = 0, routes = 0 }
   for j, h in ipairs(self.held) do
@@ -920,15 +1256,14 @@ function Layer:stats()
   st.max_load, st.mean_load = max_load, #st.loads > 0 and sum / #st.loads or 0
   st.padding = st.rows_used - st.routes
   st.padding_waste = st.rows_used > 0 and st.padding / st.rows_used or 0
-  st.unscored = 0
-  if self.routed then
-    on_ranks(self, function()
-      for i, sh in ipairs(self.shards) do
-        self.space:bind(i)
-        st.unscored = st.unscored + sh.router:read_stats().unscored
-      end
-    end)
-  end
+  st.unscored, st.nonfinite_weights = 0, 0
+  on_ranks(self, function()
+    for i, sh in ipairs(self.shards) do
+      self.space:bind(i)
+      if self.routed then st.unscored = st.unscored + sh.router:read_stats().unscored
+      else st.nonfinite_weights = st.nonfinite_weights + sh.weight_stats:flat()[1] end
+    end
+  end)
   return st
 end
 
@@ -942,12 +1277,14 @@ Graph.__index = Graph
 
 function Layer:capture(x)
   local space = self.space
+  usable(self, "capture")
   space:can_capture(self)
   x = space:inputs(self, "capture", "x", x or space:capture_input(self), "bf16", self.shards[1].out.shape)
   -- a capture runs nothing: the buffers hold what they held before it, until a replay
   local forwarded, routing_given, routed = self.forwarded, self.routing_given, self.routed
   space:bind(1)
-  local ok, graph = pcall(moe_device.graph, function() run(self, x, { check = false }) end, { device = self.device })
+  local ok, graph = pcall(moe_device.graph, function() in_range("layer", run, self, x, { check = false }) end,
+    { device = self.device })
   self.forwarded, self.routing_given, self.routed = forwarded, routing_given, routed
   space:release()
   if not ok then args.raise(graph) end
@@ -955,6 +1292,7 @@ function Layer:capture(x)
 end
 
 function Graph:replay()
+  usable(self.layer, "replay")
   self.graph:replay()
   local layer = self.layer
   layer.forwarded, layer.routing_given, layer.routed = true, false, true -- it routes for itself
@@ -988,5 +1326,8 @@ function Layer:__tostring()
   lines[#lines + 1] = path
   return table.concat(lines, "\n")
 end
+
+args.methods(Layer, "layer", { "new", "memory_of" })
+args.methods(Graph, "g")
 
 return Layer

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Model presets: the MoE layer of each model as published (experts E, top-k K, hidden H,
 -- expert FFN width F, shared experts, router scoring, groups, routed scaling factor).
 --   shared_ffn: width of the shared-expert MLP (0 = none); shared_gate: Qwen-style sigmoid gate.

@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- Stage 1, route: router logits -> top-k expert ids and weights.
 local core = require "moelab.core"
 local args = require "moelab.args"
@@ -22,9 +23,9 @@ function route.options(fname, E, o)
   end
   local topk_groups = o.topk_groups or groups
   args.range(fname, "topk_groups", topk_groups, 1, groups)
-  if o.k > topk_groups * (E // groups) then
+  if o.k > topk_groups * (E / groups) then -- groups divides E
     args.fail(fname, string.format("option 'k' (%d) exceeds the %d experts in the %d kept groups",
-      o.k, topk_groups * (E // groups), topk_groups))
+      o.k, topk_groups * math.floor(E / groups), topk_groups))
   end
   local scale = o.scale or 1.0
   -- applied as an f32: it must stay finite and nonzero there (FLT_MIN .. FLT_MAX)
@@ -46,6 +47,10 @@ function route.route(o)
   }, { "logits", "k" })
   local logits = args.tensor("route", "logits", o.logits, "f32", { false, false })
   local N, E = logits.shape[1], logits.shape[2]
+  if E == 0 then -- else k's range below would read "between 1 and 0"
+    args.fail("route", "option 'logits' has no experts to route to (its second dimension is 0), got "
+      .. tostring(logits))
+  end
   local scoring, groups, topk_groups, scale = route.options("route", E, o)
   if o.bias ~= nil and scoring == "softmax" then
     args.fail("route", "option 'bias' needs scoring = 'sigmoid' or 'sqrtsoftplus'")

@@ -1,7 +1,10 @@
+-- SPDX-License-Identifier: MIT
 -- Stage 2, schedule: every route of the all-gathered ids placed in a row of its expert's rank.
 local core = require "moelab.core"
 local args = require "moelab.args"
+local compat = require "moelab.compat"
 local explain = require "moelab.explain"
+local memory = require "moelab.memory"
 
 local schedule = {}
 
@@ -19,7 +22,7 @@ local CAPACITY_POLICIES = {
   -- largest need there can be, so the schedule never overflows.  moe.schedule's default.
   worst = function(W, T, K, EL, pad, expert_capacity)
     local rows = W * T * K + EL * (pad - 1)
-    if expert_capacity then rows = math.min(rows, EL * ((expert_capacity + pad - 1) // pad) * pad) end
+    if expert_capacity then rows = math.min(rows, EL * math.floor((expert_capacity + pad - 1) / pad) * pad) end
     return rows, function(what) return what .. " exceeds 2^31 - 2 rows; pass capacity" end
   end,
   -- twice a rank's mean routes plus one pad per expert: memory that grows with T K rather than
@@ -45,7 +48,7 @@ function schedule.rows(fname, o, W, T, K, EL, default_policy)
   if type(capacity) == "string" then
     policy = CAPACITY_POLICIES[capacity] and capacity or args.fail(fname, string.format("option 'capacity' must be a "
       .. "number of rows or one of 'worst', 'twice_mean', got %s", args.describe(capacity)))
-  elseif capacity ~= nil and not math.tointeger(capacity) then
+  elseif capacity ~= nil and not compat.tointeger(capacity) then
     args.fail(fname, string.format("option 'capacity' must be an integer or one of 'worst', 'twice_mean', got %s",
       args.describe(capacity)))
   end
@@ -53,7 +56,7 @@ function schedule.rows(fname, o, W, T, K, EL, default_policy)
   -- a need of exactly that from an overflow
   if not policy then args.range(fname, "capacity", capacity, 0, 0x7ffffffe) end
   args.range(fname, "expert_capacity", o.expert_capacity, 0, 0x7fffffff)
-  if not policy then return pad, math.tointeger(capacity) end
+  if not policy then return pad, compat.tointeger(capacity) end
   local rows, too_large = CAPACITY_POLICIES[policy](W, T, K, EL, pad, o.expert_capacity)
   if rows > 0x7ffffffe then
     args.fail(fname, too_large(o.capacity == nil and "the default capacity" or string.format("capacity '%s'", policy)))
@@ -61,9 +64,35 @@ function schedule.rows(fname, o, W, T, K, EL, default_policy)
   return pad, rows
 end
 
+-- What a schedule of W ranks of T tokens, top-K, EL experts a rank and capacity C allocates
+-- (moelab.memory's buffers).
+function schedule.buffers(W, T, K, EL, C)
+  local rows = "capacity (" .. C .. " rows)"
+  return {
+    memory.buffer("peer_rank", "i32", { C }, rows),
+    memory.buffer("peer_route", "i32", { C }, rows),
+    memory.buffer("counts", "i32", { EL }, "experts per rank"),
+    memory.buffer("tokens_per_expert", "i32", { EL }, "experts per rank"),
+    memory.buffer("expert_offsets", "i32", { EL + 1 }, "experts per rank + 1"),
+    memory.buffer("route_row", "i32", { W, T * K }, "world x tokens x k"),
+    memory.buffer("stats_tensor", "i32", { 5 }, "the schedule's stats"),
+  }
+end
+
+-- The overflow policy covers every route a capacity drops, expert_capacity's too: one that drops
+-- all of them cannot be what overflow = "error" asks for.
+local function check_expert_capacity(fname, o)
+  if o.expert_capacity == 0 and (o.overflow or "error") == "error" then
+    args.fail(fname, "option 'expert_capacity' is 0, which drops every route, and option 'overflow' is 'error', "
+      .. "which forbids dropping one: pass overflow = 'drop' to drop them, or expert_capacity >= 1")
+  end
+end
+schedule.check_expert_capacity = check_expert_capacity
+
 -- Allocates a schedule's buffers without running it (the layer reruns it in place); fname: the
--- function a caller inside the front-end raises as.
-function schedule.plan(o, fname)
+-- function a caller inside the front-end raises as; sized: the caller has sized the buffers
+-- against the device's memory already (a layer, within its memory_limit).
+function schedule.plan(o, fname, sized)
   fname = fname or "schedule_plan"
   args.options(fname, o, {
     ids = "tensor", experts = "integer", rank = "integer", pad = "integer", capacity = "any",
@@ -80,22 +109,17 @@ function schedule.plan(o, fname)
   end
   local rank = o.rank or 0
   args.range(fname, "rank", rank, 0, W - 1)
-  local EL = E // W
+  local EL = math.floor(E / W)
   local pad, C = schedule.rows(fname, o, W, T, K, EL, "worst")
+  check_expert_capacity(fname, o)
   local dev = ids.device
   local s = setmetatable({
     ids = ids, world = W, tokens = T, k = K, experts = E, local_experts = EL, rank = rank, pad = pad,
     capacity = C, expert_capacity = o.expert_capacity, layout = o.layout or "roundrobin",
     overflow = o.overflow or "error", invalid = o.invalid or "error", device = dev,
-    peer_rank = core.new("i32", { C }, dev),
-    peer_route = core.new("i32", { C }, dev),
-    counts = core.new("i32", { EL }, dev),
-    tokens_per_expert = core.new("i32", { EL }, dev),
-    expert_offsets = core.new("i32", { EL + 1 }, dev),
-    route_row = core.new("i32", { W, T * K }, dev),
-    stats_tensor = core.new("i32", { 5 }, dev),
   }, Schedule)
-  return s
+  local list = schedule.buffers(W, T, K, EL, C)
+  return sized and memory.alloc(list, dev, s) or memory.new(fname, list, dev, s)
 end
 
 -- The C stage's arguments for this plan.
@@ -137,17 +161,22 @@ function Schedule:check()
   if st.invalid > 0 and self.invalid == "error" then
     local f = st.first_invalid
     local per_rank = self.tokens * self.k
-    local w, rest = f // per_rank, f % per_rank
+    local w, rest = math.floor(f / per_rank), f % per_rank
     -- the id itself, unless the caller closed the ids since the run
     local id = self.ids.closed and "" or string.format(" %d", self.ids:get(f + 1))
     args.raise(string.format("schedule: invalid expert id%s at rank %d, token %d, slot %d (expected -1 or 0..%d); "
-      .. "%d invalid id%s in all; pass invalid = 'skip' to drop them", id, w, rest // self.k,
+      .. "%d invalid id%s in all; pass invalid = 'skip' to drop them", id, w, math.floor(rest / self.k),
       rest % self.k, self.experts - 1, st.invalid, st.invalid == 1 and "" or "s"))
   end
   if st.rows_needed > self.capacity and self.overflow == "error" then
     args.raise(string.format("schedule: capacity overflow on rank %d: the routes need %d rows, capacity is %d "
       .. "(%d routes lost their row%s); raise capacity or pass overflow = 'drop'", self.rank, st.rows_needed,
       self.capacity, st.dropped, self.expert_capacity and ", those past expert_capacity included" or ""))
+  end
+  if st.dropped > 0 and self.overflow == "error" then -- within capacity: expert_capacity dropped them
+    args.raise(string.format("schedule: expert capacity overflow on rank %d: %d route%s past expert_capacity = %d "
+      .. "lost their row; raise expert_capacity or pass overflow = 'drop'", self.rank, st.dropped,
+      st.dropped == 1 and "" or "s", self.expert_capacity))
   end
   return self
 end
@@ -166,8 +195,11 @@ function schedule.schedule(o)
   return s
 end
 
+args.methods(Schedule, "s")
+
 local SCHEDULE_TENSORS = { "ids", "peer_rank", "peer_route", "counts", "tokens_per_expert", "expert_offsets",
   "route_row", "stats_tensor" }
+schedule.TENSORS = SCHEDULE_TENSORS
 function schedule.check_schedule(fname, name, s)
   if getmetatable(s) ~= Schedule then
     args.fail(fname, string.format("option '%s' must be a moelab.Schedule (from moe.schedule), got %s",

@@ -1,12 +1,16 @@
+-- SPDX-License-Identifier: MIT
 -- The layer's stages that hold buffers and state of their own, each shaped like schedule.Schedule:
 -- plan{...} allocates and owns the stage's outputs once, so that a forward allocates nothing;
 -- run(...) issues the stage on the bound stream and reads nothing back (capturable); check()
 -- reads the stage's device statistics and raises by its policy; explain() says which kernel run()
--- would issue where the stage has several.  The weights are given, never made here: the layer's
--- seed rule makes them.
+-- would issue where the stage has several; buffers(o) lists what plan(o) allocates (moelab.memory),
+-- so that a layer can size itself before making anything.  The weights are given, never made
+-- here: the layer's seed rule makes them.
 local core = require "moelab.core"
 local args = require "moelab.args"
+local compat = require "moelab.compat"
 local explain = require "moelab.explain"
+local memory = require "moelab.memory"
 
 local stages = {}
 
@@ -27,18 +31,26 @@ stages.Router = Router
 -- o: device; lead, the tokens' shape ({W, T} or {T}); tokens, T per rank; rank, the rank whose
 -- tokens (nil: every rank's, W of them); experts E, k K; w_router [E, H], bias [E] or nil; cfg
 -- (scoring, groups, topk_groups, scale); nan, the policy on rows it cannot score.
-function Router.plan(o)
-  local dev, lead, E, K = o.device, o.lead, o.experts, o.k
+function Router.buffers(o)
+  local lead, E, K = o.lead, o.experts, o.k
   local N = lead[1] * (lead[2] or 1)
-  local self = setmetatable({ device = dev, rows = N, tokens = o.tokens, rank = o.rank, experts = E, k = K,
-    w_router = o.w_router, bias = o.bias, cfg = o.cfg, nan = o.nan }, Router)
-  self.logits = core.new("f32", { N, E }, dev)
-  local shape = { table.unpack(lead) }
+  local shape = { compat.unpack(lead) }
   shape[#shape + 1] = K
-  self.ids = core.new("i32", shape, dev)
-  self.weights = core.new("f32", shape, dev)
+  local rows = #lead == 2 and "world x tokens" or "tokens"
+  return {
+    memory.buffer("logits", "f32", { N, E }, "the router's logits: " .. rows .. " x experts"),
+    memory.buffer("ids", "i32", shape, "the routing: " .. rows .. " x k"),
+    memory.buffer("weights", "f32", shape, "the routing: " .. rows .. " x k"),
+    memory.buffer("stats_tensor", "i32", { 2 }, "the router's stats"),
+  }
+end
+
+function Router.plan(o)
+  local dev, lead = o.device, o.lead
+  local self = setmetatable({ device = dev, rows = lead[1] * (lead[2] or 1), tokens = o.tokens, rank = o.rank,
+    experts = o.experts, k = o.k, w_router = o.w_router, bias = o.bias, cfg = o.cfg, nan = o.nan }, Router)
+  memory.alloc(Router.buffers(o), dev, self)
   self.ids_rows, self.weights_rows = stages.as_rows(self.ids), stages.as_rows(self.weights)
-  self.stats_tensor = core.new("i32", { 2 }, dev)
   return self
 end
 
@@ -72,7 +84,7 @@ function Router:check()
   local st, T = self:read_stats(), self.tokens
   if st.unscored > 0 then
     -- the rank named once: the shard's, or the first row's among every rank's tokens
-    local rank = string.format(" of rank %d", self.rank or st.first_unscored // T)
+    local rank = string.format(" of rank %d", self.rank or math.floor(st.first_unscored / T))
     args.raise(string.format("route: router logits contain NaN or cannot be scored (+inf, all -inf) in %d rows%s, "
       .. "the first is token %d%s", st.unscored, self.rank and rank or "", st.first_unscored % T,
       self.rank and "" or rank))
@@ -117,14 +129,23 @@ local SharedExpert = { __name = "moelab.SharedExpert" }
 SharedExpert.__index = SharedExpert
 stages.SharedExpert = SharedExpert
 
--- o: device, rows N, hidden H; w_gate_up [1, 2Fs, H], w_down [1, H, Fs], gate_w [H] or nil (no gate).
+-- o: device, rows N, hidden H; w_gate_up [1, 2Fs, H], w_down [1, H, Fs], gate_w [H] or nil (no gate);
+-- buffers(o) reads o.gated for gate_w's presence.
+function SharedExpert.buffers(o)
+  local list = {
+    memory.buffer("ys", "bf16", { o.rows, o.hidden }, "the shared expert's output: the shard's tokens x hidden"),
+    memory.buffer("offsets", "i32", { 2 }, "the shared expert's one segment"),
+  }
+  if o.gated then list[3] = memory.buffer("gate", "f32", { o.rows }, "the shared expert's gate: the shard's tokens") end
+  return list
+end
+
 function SharedExpert.plan(o)
   local dev, N = o.device, o.rows
   local self = setmetatable({ device = dev, rows = N, w_gate_up = o.w_gate_up, w_down = o.w_down, gate_w = o.gate_w },
     SharedExpert)
-  self.ys = core.new("bf16", { N, o.hidden }, dev)
-  self.offsets = core.from_table({ 0, N }, "i32", dev)
-  if o.gate_w then self.gate = core.new("f32", { N }, dev) end
+  memory.alloc(SharedExpert.buffers { rows = N, hidden = o.hidden, gated = o.gate_w ~= nil }, dev, self)
+  self.offsets:copy(core.from_table({ 0, N }, "i32", "cpu"))
   return self
 end
 

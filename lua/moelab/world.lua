@@ -1,3 +1,4 @@
+-- SPDX-License-Identifier: MIT
 -- moe.world{...}: this process's part of a world of expert-parallel ranks on real GPUs, with
 -- NCCL between them (moelab.core's World).  Two ways to make one:
 --
@@ -5,6 +6,8 @@
 --   moe.world { rank = r, size = W, device = d, id = hex }  -- one rank of a multi-process launch
 --   moe.world { rank = r, size = W, device = d, id_file = path }
 --   moe.world { from_env = true }  -- MOE_RANK, MOE_WORLD_SIZE, MOE_DEVICE, MOE_NCCL_ID or MOE_NCCL_ID_FILE
+--   moe.world { comm = address, device = d }  -- one rank over the caller's ncclComm_t (moelab.h:
+--                                              -- moe_world_open_comm; never destroyed here)
 --
 -- The id is an NCCL unique id as 256 hex digits, given to every process.  The process that
 -- makes it must stay up until every rank has joined (NCCL's bootstrap listens in it): with
@@ -15,6 +18,8 @@
 -- process holds one rank.
 local core = require "moelab.core"
 local args = require "moelab.args"
+local interop = require "moelab.interop"
+local compat = require "moelab.compat"
 
 local ENV = { rank = "MOE_RANK", size = "MOE_WORLD_SIZE", device = "MOE_DEVICE", id = "MOE_NCCL_ID",
   id_file = "MOE_NCCL_ID_FILE" }
@@ -60,7 +65,7 @@ local function id_from_file(path, rank, wait)
     return read_id_file(path), false
   end
   if rank == 0 then
-    local tmp = string.format("%s.tmp%d", path, math.random(1 << 30))
+    local tmp = string.format("%s.tmp%d", path, math.random(0x40000000))
     local out, err = io.open(tmp, "w")
     if not out then bad("option 'id_file': rank 0 makes the id but cannot write %q: %s", path, err) end
     local ok, id = pcall(core.world_unique_id)
@@ -107,7 +112,7 @@ local function from_env(o)
       if v == nil or v == "" then
         bad("from_env: the environment variable %s is not set (or pass option '%s')", name, key)
       end
-      local n = math.tointeger(tonumber(trim(v)))
+      local n = compat.tointeger(tonumber(trim(v)))
       if not n then bad("from_env: the environment variable %s must be an integer, got %q", name, v) end
       o[key] = n
     end
@@ -128,12 +133,27 @@ local function from_env(o)
   end
 end
 
+-- A world over the caller's communicator: nothing else may say how to make one.
+local function open_comm(o)
+  for _, k in ipairs { "devices", "rank", "size", "id", "id_file", "id_wait", "from_env" } do
+    if o[k] ~= nil and not (k == "from_env" and o[k] == false) then
+      bad("option 'comm' (the caller's NCCL communicator) cannot be combined with option '%s'", k)
+    end
+  end
+  interop.check_address("world", "option 'comm'", o.comm)
+  if o.comm == 0 or o.comm == nil then bad("option 'comm' is a NULL address") end -- LuaJIT: a NULL pointer == nil
+  if o.device == nil then bad("option 'device' is required with option 'comm' (the communicator's GPU, an integer)") end
+  if o.device < 0 then bad("option 'device' must be a GPU index >= 0, got %d", o.device) end
+  return core.world_open_comm(o.comm, o.device)
+end
+
 local function open(o)
   args.options("world", o, { devices = "table", rank = "integer", size = "integer", device = "integer",
-    id = "string", id_file = "string", id_wait = "number", from_env = "boolean" })
+    id = "string", id_file = "string", id_wait = "number", from_env = "boolean", comm = "any" })
   local copy = {}
   for k, v in pairs(o) do copy[k] = v end
   o = copy
+  if type(o.comm) ~= "nil" then return open_comm(o) end -- a NULL pointer cdata == nil, yet was given
   if o.devices ~= nil then
     for _, k in ipairs { "rank", "size", "device", "id", "id_file", "id_wait", "from_env" } do
       if o[k] ~= nil and not (k == "from_env" and o[k] == false) then -- from_env = false asks for nothing
@@ -145,12 +165,12 @@ local function open(o)
     if n == 0 then bad("option 'devices' must list at least one GPU index, got an empty table") end
     local seen = {}
     for k in pairs(o.devices) do
-      if math.type(k) ~= "integer" or k < 1 or k > n then
+      if compat.math_type(k) ~= "integer" or k < 1 or k > n then
         bad("option 'devices' must be a list of GPU indices, got a key %s", args.describe(k))
       end
     end
     for i, d in ipairs(o.devices) do
-      if math.type(d) ~= "integer" or d < 0 then
+      if compat.math_type(d) ~= "integer" or d < 0 then
         bad("devices[%d] must be a GPU index (an integer >= 0), got %s", i, args.describe(d))
       end
       if seen[d] then bad("devices[%d] repeats GPU %d (devices[%d]); one rank per GPU", i, d, seen[d]) end
@@ -161,7 +181,8 @@ local function open(o)
   if o.from_env then from_env(o) end
   if o.rank == nil and o.size == nil then
     bad("give option 'devices' (every rank in this process), or 'rank', 'size', 'device' and 'id' or 'id_file' "
-      .. "(one rank of a multi-process launch), or from_env = true")
+      .. "(one rank of a multi-process launch), or from_env = true, or 'comm' and 'device' (a rank over your own "
+      .. "NCCL communicator)")
   end
   for _, k in ipairs { "rank", "size", "device" } do
     if o[k] == nil then bad("option '%s' is required with a multi-process world (an integer)", k) end
@@ -380,6 +401,9 @@ function Exchange:__tostring()
   return string.format("moelab.Exchange(%d tokens, top-%d, hidden %d, capacity %d; %s)", self.tokens, self.k,
     self.hidden, self.capacity, tostring(self.world))
 end
+
+args.methods(World, "world")
+args.methods(Exchange, "ex")
 
 world.new, world.World, world.Exchange, world.unique_id = new_world, World, Exchange, core.world_unique_id
 return world

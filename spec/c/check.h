@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* check.h -- what the C test programs (spec/c) share: CHECK(cond, fmt, ...) counts a check and,
  * when cond is false, a failure, printing file:line, the condition and the message; and
  * cpu_tensor, a new CPU tensor of up to three dimensions or the end of the run. */

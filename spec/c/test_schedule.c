@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_schedule.c -- the CPU schedule against layouts worked out by hand from docs/design.md
  * section 2, and its argument errors.  Exits non-zero on the first failed case. */
 #include <stdio.h>

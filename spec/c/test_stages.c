@@ -1,5 +1,7 @@
+/* SPDX-License-Identifier: MIT */
 /* test_stages.c -- hand-checked cases for dispatch, experts, combine and the dense reference on
- * the CPU, through the public API only, plus each stage's argument errors.
+ * the CPU, through the public API only, plus each stage's argument errors, and the data checks
+ * (moe_nonfinite) and memory query (moe_device_memory) a caller sizes and checks its data by.
  * Exits non-zero on the first failed check's run; prints the number of checks passed. */
 #include <math.h>
 #include <stdio.h>
@@ -539,8 +541,58 @@ static void test_empty_extremes(void) {
         ((const int32_t *)moe_tensor_data(st))[1]);
 }
 
+/* ---- data checks and sizes: moe_nonfinite, moe_device_memory, randn's std ---- */
+
+static void check_nonfinite(const char *what, moe_tensor *t, int32_t count, int32_t first) {
+  moe_tensor *st = I32(((const int32_t[]){7, 7}), 2);
+  OK(moe_nonfinite(ctx, st, t));
+  const int32_t *got = moe_tensor_data(st);
+  CHECK(got[0] == count && got[1] == first, "nonfinite of %s: {%d, %d}, want {%d, %d}", what, got[0], got[1], count,
+        first);
+}
+
+static void test_data_checks(void) {
+  const float nan = NAN, inf = INFINITY;
+  /* the largest finite values, subnormals and -0 are finite; NaN and either infinity are not */
+  const float vals[] = {1, 3.4028235e38f, -3.4028235e38f, 1e-45f, -0.0f, inf, 2, nan, -inf};
+  check_nonfinite("f32", F32(vals, 9), 3, 5);
+  check_nonfinite("f32, finite", F32(vals, 5), 0, -1);
+  check_nonfinite("bf16 (3.4e38 rounds to +inf there)", BF16(vals, 3, 3), 5, 1);
+  check_nonfinite("an empty tensor", F32(NULL, 0, 4), 0, -1);
+  check_nonfinite("the last element alone", F32(((const float[]){0, 0, 0, nan}), 4), 1, 3);
+  ARG_ERROR(moe_nonfinite(ctx, I32(NULL, 2), I32(NULL, 3)), "nonfinite", "t must be an f32 or bf16 tensor, got i32 [3]");
+  ARG_ERROR(moe_nonfinite(ctx, I32(NULL, 3), F32(NULL, 3)), "nonfinite", "stats must be i32 [2], got i32 [3]");
+  moe_tensor *buf = F32(NULL, 4);
+  ARG_ERROR(moe_nonfinite(ctx, VIEW(buf, 0, 2), buf), "nonfinite", "stats must be i32 [2], got f32 [2]");
+  moe_tensor *ibuf = I32(NULL, 4);
+  moe_tensor *tail = NULL;
+  OK(moe_tensor_wrap(ctx, moe_tensor_data(ibuf), MOE_F32, 1, SHAPE(3), (moe_device){MOE_CPU, 0}, &tail));
+  ARG_ERROR(moe_nonfinite(ctx, VIEW(ibuf, 2, 2), tail), "nonfinite", "stats and t share memory");
+  moe_tensor_free(tail);
+
+  size_t free_bytes = 0, total_bytes = 0;
+  OK(moe_device_memory(ctx, (moe_device){MOE_CPU, 0}, &free_bytes, &total_bytes));
+  CHECK(total_bytes > 0 && free_bytes > 0 && free_bytes <= total_bytes, "host memory: %zu free of %zu", free_bytes,
+        total_bytes);
+  ARG_ERROR(moe_device_memory(ctx, (moe_device){MOE_CPU, 0}, NULL, &total_bytes), "device_memory", "must not be NULL");
+  int n = 0;
+  OK(moe_device_count(ctx, MOE_CUDA, &n));
+  if (n == 0) {
+    const int rc = moe_device_memory(ctx, (moe_device){MOE_CUDA, 0}, &free_bytes, &total_bytes);
+    CHECK(rc == MOE_ERR_UNSUPPORTED && strstr(moe_errmsg(ctx), "device_memory: cuda:0 is not available"),
+          "device_memory of cuda:0 without a GPU: %d \"%s\"", rc, moe_errmsg(ctx));
+  }
+
+  moe_tensor *r = F32(NULL, 4);
+  ARG_ERROR(moe_tensor_randn(ctx, r, 1, -1.0f), "randn", "std must be finite and >= 0, got -1");
+  ARG_ERROR(moe_tensor_randn(ctx, r, 1, inf), "randn", "std must be finite and >= 0, got inf");
+  OK(moe_tensor_randn(ctx, r, 1, 0.0f));
+  check_values("randn with std 0", r, 0, (const float[]){0, 0, 0, 0}, 4);
+}
+
 int main(void) {
   if (moe_ctx_open(&ctx) != MOE_OK) return 2;
+  test_data_checks();
   test_api();
   test_dispatch();
   test_experts();

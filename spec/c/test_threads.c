@@ -1,7 +1,9 @@
+/* SPDX-License-Identifier: MIT */
 /* test_threads.c -- the CPU backend's threaded loops (lib/parallel.c) give the same bits whatever
  * the thread count: the experts stage and the dense reference at a size where they split their
  * work (H = 1024, F = 2048), run with MOE_THREADS = 1, 3 and 4, compared byte for byte; and
- * moeI_parallel_for covers every index once, for uneven splits.  Exits non-zero on a failure. */
+ * moeI_parallel_for covers every index once, for uneven splits; and a MOE_THREADS that cannot be
+ * read is refused when a context opens.  Exits non-zero on a failure. */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,10 +43,37 @@ static void test_cover(void) {
   CHECK(moeI_cpu_threads() == 1, "MOE_THREADS=1 gives %d threads", moeI_cpu_threads());
   threads("4");
   CHECK(moeI_cpu_threads() == 4, "MOE_THREADS=4 gives %d threads", moeI_cpu_threads());
-  threads("1000");
-  CHECK(moeI_cpu_threads() == 256, "MOE_THREADS=1000 gives %d threads, expected the cap 256", moeI_cpu_threads());
-  threads("0");
-  CHECK(moeI_cpu_threads() >= 1, "MOE_THREADS=0 (invalid) falls back to the CPUs, got %d", moeI_cpu_threads());
+  threads("256");
+  CHECK(moeI_cpu_threads() == 256, "MOE_THREADS=256 gives %d threads", moeI_cpu_threads());
+}
+
+/* A MOE_THREADS that is not an integer from 1 to 256 is refused by moe_ctx_open, with a message
+ * that names the value, and the context it hands back closes; a threaded stage that meets one
+ * set later falls back to the online CPUs, as where it is unset or empty. */
+static void test_env(void) {
+  const char *bad[] = {"abc", "0", "-3", "257", "100000", "1.5", "4x", " 4", "99999999999999999999"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    threads(bad[i]);
+    CHECK(moeI_env_threads() == -1, "MOE_THREADS=\"%s\" reads as %d, expected -1 (refused)", bad[i],
+          moeI_env_threads());
+    moe_ctx *c = NULL;
+    const int rc = moe_ctx_open(&c);
+    CHECK(rc == MOE_ERR_ARG && c != NULL, "MOE_THREADS=\"%s\": open returned %d", bad[i], rc);
+    if (c) {
+      char want[64];
+      snprintf(want, sizeof want, "got \"%s\"", bad[i]);
+      CHECK(strstr(moe_errmsg(c), "MOE_THREADS must be an integer from 1 to 256") && strstr(moe_errmsg(c), want),
+            "MOE_THREADS=\"%s\": the message is \"%s\"", bad[i], moe_errmsg(c));
+      moe_ctx_close(c);
+    }
+    const int n = moeI_cpu_threads();
+    CHECK(n >= 1 && n <= 64, "MOE_THREADS=\"%s\" set after opening: %d threads, expected the online CPUs", bad[i], n);
+  }
+  threads("");
+  CHECK(moeI_env_threads() == 0, "an empty MOE_THREADS reads as %d, expected 0 (unset)", moeI_env_threads());
+  moe_ctx *c = NULL;
+  CHECK(moe_ctx_open(&c) == MOE_OK, "an empty MOE_THREADS: open failed: %s", c ? moe_errmsg(c) : "no context");
+  moe_ctx_close(c);
 }
 
 enum { H = 1024, F = 2048, EL = 3, C = 14, K = 2 };
@@ -104,6 +133,7 @@ static void test_experts_and_reference(void) {
 int main(void) {
   if (moe_ctx_open(&ctx)) return 2;
   test_cover();
+  test_env();
   test_experts_and_reference();
   moe_ctx_close(ctx);
   printf("%s: test_threads, %d checks, %d failures\n", failures ? "FAIL" : "PASS", checks, failures);

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* dispatch_test.h -- what test_route_dispatch_combine and bench/dispatch_combine_bench.c share:
  * tensors copied, the bit-for-bit comparison with the CPU reference, random routings
  * and their schedules on the CPU. */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* experts_test.h -- what test_experts_gpu and bench/experts_bench.c share: views, the comparison
  * with the CPU reference within bf16's tolerance, and a problem of the experts stage whose sampled
  * rows are checked against moeI_experts_cpu (the shapes too large for the CPU to run whole). */

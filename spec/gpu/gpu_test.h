@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* gpu_test.h -- what the GPU programs (spec/gpu's tests, bench/'s programs that check a stage
  * before timing it) share: the context, one PASS/FAIL line per check, API calls that must
  * succeed, and tensors made by shape.  Each program includes it once; its definitions are

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* schedule_test.h -- what test_schedule_gpu and bench/schedule_trace.c share: routings drawn from
  * a seed (top-k, skewed, lopsided, to one expert; masked and invalid ids), capacities relative to
  * the rows they need, outputs on the GPU as views into larger buffers prefilled with a sentinel

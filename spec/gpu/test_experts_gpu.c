@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_experts_gpu.c -- the experts stage on the GPU against moeI_experts_cpu, through the public API
  * only: fresh random inputs, ys poisoned with NaN so that rows the stage must not write are seen
  * to stay untouched, odd sizes, bad offsets, in place, a captured graph replayed on new offsets,
@@ -13,7 +14,8 @@
  * reported skipped.  moe_experts_explain must name the kernel that runs.
  * Prints one PASS/FAIL line per check; exits 77 without a GPU, 1 on any failure.  The program's own
  * variable, read once when it starts: MOE_EXPERTS_CHECK=<kernel> runs the checks through that
- * kernel alone (compute-sanitizer runs one kernel a run: bench/device.sh's memcheck step). */
+ * kernel alone (compute-sanitizer runs one kernel a run: bench/device.sh's memcheck step).
+ * --quick leaves out the shapes bench/experts_bench.c times (racecheck runs the mma kernel so). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -470,14 +472,22 @@ static void test_timed_shapes(void) {
   }
 }
 
-int main(void) {
+int main(int argc, char **argv) {
   only_check = getenv("MOE_EXPERTS_CHECK");
+  /* --quick: without the Kimi-width shapes, whose sampled rows take the mma kernel past five
+   * minutes under racecheck; the smaller cases run the same code paths (K loops of many steps,
+   * row and column tails) */
+  const int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
+  if (argc > 1 && !quick) {
+    fprintf(stderr, "usage: test_experts_gpu [--quick]\n");
+    return 2;
+  }
   open_gpu_ctx();
   test_cases();
   test_graph();
   test_concurrent();
   test_explain();
-  test_timed_shapes();
+  if (!quick) test_timed_shapes();
   moe_ctx_close(ctx);
   printf("%s: test_experts_gpu, %d failure%s\n", failures ? "FAIL" : "PASS", failures, failures == 1 ? "" : "s");
   return failures ? 1 : 0;

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_route_dispatch_combine.c -- route, dispatch, combine, logits, sigmoid_gate, randn, fill,
  * graphs and events on the GPU against the CPU reference, through the public API only.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_schedule_gpu.c -- the CUDA schedule against the CPU reference, every output bit for bit,
  * on random and adversarial routings of the shapes that matter (docs/design.md, "The stages", 2),
  * for both layouts, each through the library's choice of kernel and through each kernel forced

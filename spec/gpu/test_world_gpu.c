@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: MIT */
 /* test_world_gpu.c -- moe_world through NCCL, through the public API only.
  *
  * On one GPU: a world of one rank (ncclCommInitAll over {0}, and ncclCommInitRank of a world of
@@ -5,10 +6,18 @@
  * dispatch and combine against the plain stages, bit for bit; then the same captured in a CUDA
  * graph.  With 2, 4, 8 GPUs: a world of that many ranks in this process against the simulated
  * world of as many ranks on cuda:0, bit for bit, and a configuration mismatch reported.
+ * Worlds over communicators this program makes itself (moe_world_open_comm, where the build
+ * gives it nccl.h: MOE_TEST_NCCL): one rank through the one-rank checks, and 1, 2, 4, 8 ranks,
+ * one thread each, against a world of moe_world_open_local on the same inputs, bit for bit; each
+ * communicator still works after its world is closed.
  * One PASS/FAIL line per check; exits 77 without a GPU or without NCCL, 1 on any failure. */
 #include <string.h>
 
 #include <cuda_runtime.h>
+#ifdef MOE_TEST_NCCL
+#include <nccl.h>
+#include <pthread.h>
+#endif
 
 #include "gpu_test.h"
 
@@ -500,6 +509,186 @@ static void alternating_streams(void) {
   for (int i = 0; i < 2; i++) cudaStreamDestroy(s[i]);
 }
 
+#ifdef MOE_TEST_NCCL
+/* ---- worlds over the caller's communicators ---- */
+
+/* One all-reduce of (rank + 1) on comm, from the calling thread: the communicator still works. */
+static int comm_sums(ncclComm_t comm, int device, int rank, int W) {
+  if (cudaSetDevice(device) != cudaSuccess) return 0;
+  int *buf = NULL, got = -1, one = rank + 1;
+  cudaStream_t s;
+  if (cudaMalloc((void **)&buf, sizeof(int)) != cudaSuccess || cudaStreamCreate(&s) != cudaSuccess) return 0;
+  int ok = cudaMemcpy(buf, &one, sizeof one, cudaMemcpyHostToDevice) == cudaSuccess &&
+           ncclAllReduce(buf, buf, 1, ncclInt32, ncclSum, comm, s) == ncclSuccess && cudaStreamSynchronize(s) == cudaSuccess &&
+           cudaMemcpy(&got, buf, sizeof got, cudaMemcpyDeviceToHost) == cudaSuccess;
+  cudaFree(buf);
+  cudaStreamDestroy(s);
+  return ok && got == W * (W + 1) / 2;
+}
+
+/* One rank's part: its inputs (made by the main thread), its communicator, what it got. */
+typedef struct CommRank {
+  int r, W, T, K, E, H, C, pad;
+  ncclComm_t comm;
+  moe_tensor *ids, *x, *ys, *wts;                /* inputs, on cuda:r */
+  moe_tensor *all, *xs, *out, *dxs, *dout;       /* results, on cuda:r */
+  int size, rank, count, device, direct_rc, sums; /* what the world said, and the checks' verdicts */
+  char direct_msg[256];
+} CommRank;
+
+static void *comm_rank_main(void *arg) {
+  CommRank *a = arg;
+  const moe_device d = gpu(a->r);
+  moe_ctx *c = NULL;
+  TRY_ON(c, moe_ctx_open(&c));
+  moe_world *w = NULL;
+  TRY_ON(c, moe_world_open_comm(c, a->comm, a->r, &w));
+  a->size = moe_world_size(w), a->rank = moe_world_local_rank(w, 0), a->count = moe_world_local_count(w);
+  a->device = moe_world_local_device(w, 0);
+  TRY_ON(c, moe_world_bind(c, w, 0));
+  const int64_t TK = (int64_t)a->T * a->K;
+  a->all = tnew_on(c, MOE_I32, d, 3, SHAPE(a->W, a->T, a->K));
+  TRY_ON(c, moe_world_allgather_ids(c, w, &a->all, (const moe_tensor *const *)&a->ids));
+  Sched s = schedule(c, d, a->all, a->W, a->T, a->K, a->E, a->r, a->pad, a->C);
+  moe_tensor *x_all = tnew_on(c, MOE_BF16, d, 3, SHAPE(a->W, a->T, a->H));
+  moe_tensor *sr = tnew_on(c, MOE_BF16, d, 3, SHAPE(a->W, TK, a->H)), *rr = tnew_on(c, MOE_BF16, d, 3, SHAPE(a->W, TK, a->H));
+  moe_tensor *si = tnew_on(c, MOE_I32, d, 2, SHAPE(a->W, TK)), *ri = tnew_on(c, MOE_I32, d, 2, SHAPE(a->W, TK));
+  a->xs = tnew_on(c, MOE_BF16, d, 2, SHAPE(a->C, a->H)), a->out = tnew_on(c, MOE_BF16, d, 2, SHAPE(a->T, a->H));
+  moe_world_dispatch_args da = {a->xs, x_all, a->x, s.peer_rank, s.peer_route, a->K, 1, s.route_row};
+  moe_world_combine_args ca = {a->out, a->wts, a->ids, a->ys, s.route_row, sr, rr, si, ri, a->E, NULL, NULL};
+  TRY_ON(c, moe_world_dispatch(c, w, &da));
+  TRY_ON(c, moe_world_combine(c, w, &ca));
+  /* the direct exchange over the same communicator */
+  moe_world_exchange *ex = NULL;
+  a->direct_rc = moe_world_exchange_open(c, w, a->T, a->K, a->H, a->C, &ex);
+  snprintf(a->direct_msg, sizeof a->direct_msg, "%s", a->direct_rc ? moe_errmsg(c) : "ok");
+  if (ex) {
+    a->dxs = tnew_on(c, MOE_BF16, d, 2, SHAPE(a->C, a->H)), a->dout = tnew_on(c, MOE_BF16, d, 2, SHAPE(a->T, a->H));
+    moe_world_dispatch_args dd = da;
+    moe_world_combine_args dc = ca;
+    dd.out = a->dxs, dd.x_all = NULL, dc.out = a->dout;
+    TRY_ON(c, moe_world_exchange_dispatch(c, ex, &dd));
+    TRY_ON(c, moe_world_exchange_combine(c, ex, &dc));
+    moe_world_exchange_close(ex);
+  }
+  TRY_ON(c, moe_ctx_synchronize(c, d));
+  TRY_ON(c, moe_world_unbind(c, w));
+  moe_world_close(w);
+  a->sums = comm_sums(a->comm, a->r, a->r, a->W); /* moelab left the communicator as it was */
+  sched_free(&s);
+  moe_tensor *ts[] = {x_all, sr, rr, si, ri};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_free(ts[i]);
+  moe_ctx_close(c);
+  return NULL;
+}
+
+/* W ranks, one thread each, each a world over one of the W communicators ncclCommInitAll made,
+ * against a world of moe_world_open_local on the same inputs. */
+static void caller_comms(int W) {
+  const int T = 29, K = 4, E = 8 * W, H = 72, C = 4 * 29 * 4, pad = 2;
+  int devs[MAXW] = {0};
+  CommRank a[MAXW];
+  memset(a, 0, sizeof a);
+  for (int r = 0; r < W; r++) {
+    devs[r] = r;
+    CommRank *p = &a[r];
+    p->r = r, p->W = W, p->T = T, p->K = K, p->E = E, p->H = H, p->C = C, p->pad = pad;
+    p->ids = random_ids(ctx, gpu(r), T, K, E, 500 + r);
+    p->x = T2(ctx, MOE_BF16, gpu(r), T, H), p->ys = T2(ctx, MOE_BF16, gpu(r), C, H), p->wts = T2(ctx, MOE_F32, gpu(r), T, K);
+    TRY(moe_tensor_randn(ctx, p->x, 600 + r, 1.0f));
+    TRY(moe_tensor_randn(ctx, p->ys, 700 + r, 1.0f));
+    TRY(moe_tensor_randn(ctx, p->wts, 800 + r, 1.0f));
+    TRY(moe_ctx_synchronize(ctx, gpu(r)));
+  }
+
+  /* the reference: the same steps on a world of moe_world_open_local */
+  moe_world *lw = NULL;
+  TRY(moe_world_open_local(ctx, W, devs, &lw));
+  moe_tensor *all[MAXW], *xs[MAXW], *out[MAXW], *x_all[MAXW], *sr[MAXW], *rr[MAXW], *si[MAXW], *ri[MAXW];
+  Sched s[MAXW];
+  moe_world_dispatch_args da[MAXW];
+  moe_world_combine_args ca[MAXW];
+  const int64_t TK = (int64_t)T * K;
+  for (int r = 0; r < W; r++) all[r] = T3(ctx, MOE_I32, gpu(r), W, T, K);
+  const moe_tensor *ids[MAXW];
+  for (int r = 0; r < W; r++) ids[r] = a[r].ids;
+  TRY(moe_world_allgather_ids(ctx, lw, all, ids));
+  for (int r = 0; r < W; r++) {
+    TRY(moe_world_bind(ctx, lw, r));
+    s[r] = schedule(ctx, gpu(r), all[r], W, T, K, E, r, pad, C);
+    x_all[r] = T3(ctx, MOE_BF16, gpu(r), W, T, H), xs[r] = T2(ctx, MOE_BF16, gpu(r), C, H);
+    out[r] = T2(ctx, MOE_BF16, gpu(r), T, H);
+    sr[r] = T3(ctx, MOE_BF16, gpu(r), W, TK, H), rr[r] = T3(ctx, MOE_BF16, gpu(r), W, TK, H);
+    si[r] = T2(ctx, MOE_I32, gpu(r), W, TK), ri[r] = T2(ctx, MOE_I32, gpu(r), W, TK);
+    moe_world_dispatch_args dd = {xs[r], x_all[r], a[r].x, s[r].peer_rank, s[r].peer_route, K, 1, s[r].route_row};
+    moe_world_combine_args cc = {out[r], a[r].wts, a[r].ids, a[r].ys, s[r].route_row, sr[r], rr[r], si[r], ri[r], E, NULL, NULL};
+    da[r] = dd, ca[r] = cc;
+  }
+  TRY(moe_world_unbind(ctx, lw));
+  TRY(moe_world_dispatch(ctx, lw, da));
+  TRY(moe_world_combine(ctx, lw, ca));
+  moe_world_close(lw);
+
+  ncclComm_t comms[MAXW];
+  if (ncclCommInitAll(comms, W, devs) != ncclSuccess) {
+    check(0, "W=%d caller's communicators: ncclCommInitAll failed", W);
+    return;
+  }
+  pthread_t th[MAXW];
+  for (int r = 0; r < W; r++) {
+    a[r].comm = comms[r];
+    if (pthread_create(&th[r], NULL, comm_rank_main, &a[r])) exit(1);
+  }
+  for (int r = 0; r < W; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < W; r++) {
+    const CommRank *p = &a[r];
+    check(p->size == W && p->rank == r && p->count == 1 && p->device == r,
+          "W=%d caller's communicators: rank %d: the world says size %d, rank %d, %d local, cuda:%d", W, r, p->size,
+          p->rank, p->count, p->device);
+    check(same(ctx, p->all, all[r]), "W=%d caller's communicators: rank %d: allgather_ids equals open_local's", W, r);
+    check(same(ctx, p->xs, xs[r]), "W=%d caller's communicators: rank %d: dispatch equals open_local's bit for bit", W, r);
+    check(same(ctx, p->out, out[r]), "W=%d caller's communicators: rank %d: combine equals open_local's bit for bit", W, r);
+    check(p->direct_rc == MOE_OK, "W=%d caller's communicators: rank %d: the direct exchange opens (%s)", W, r,
+          p->direct_msg);
+    if (p->dxs)
+      check(same(ctx, p->dxs, xs[r]) && same(ctx, p->dout, out[r]),
+            "W=%d caller's communicators: rank %d: the direct exchange equals open_local's all-gather one", W, r);
+    check(p->sums, "W=%d caller's communicators: rank %d: the communicator still all-reduces after the world closed", W, r);
+  }
+  for (int r = 0; r < W; r++) {
+    check(ncclCommDestroy(comms[r]) == ncclSuccess, "W=%d caller's communicators: rank %d: the caller destroys it", W, r);
+    sched_free(&s[r]);
+    moe_tensor *ts[] = {a[r].ids, a[r].x, a[r].ys, a[r].wts, a[r].all, a[r].xs, a[r].out, a[r].dxs, a[r].dout,
+                        all[r], xs[r], out[r], x_all[r], sr[r], rr[r], si[r], ri[r]};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_free(ts[i]);
+  }
+}
+
+/* One rank over a communicator of one: every one-rank check, then the refusals. */
+static void caller_comm_one(int n) {
+  ncclComm_t comm = NULL;
+  const int dev0[1] = {0};
+  if (ncclCommInitAll(&comm, 1, dev0) != ncclSuccess) {
+    check(0, "W=1 caller's communicator: ncclCommInitAll failed");
+    return;
+  }
+  moe_world *w = NULL;
+  TRY(moe_world_open_comm(ctx, comm, 0, &w));
+  one_rank(w, "W=1 caller's communicator");
+  moe_world_close(w);
+  check(comm_sums(comm, 0, 0, 1), "W=1 caller's communicator: it still all-reduces after the world closed");
+  int rc = moe_world_open_comm(ctx, comm, n, &w);
+  check(rc == MOE_ERR_ARG && w == NULL && strstr(moe_errmsg(ctx), "does not exist"),
+        "a device that does not exist is refused: %s", moe_errmsg(ctx));
+  if (n >= 2) {
+    rc = moe_world_open_comm(ctx, comm, 1, &w);
+    check(rc == MOE_ERR_ARG && w == NULL && strstr(moe_errmsg(ctx), "the communicator's GPU is cuda:0, but device is 1"),
+          "a device other than the communicator's is refused: %s", moe_errmsg(ctx));
+  }
+  check(ncclCommDestroy(comm) == ncclSuccess, "W=1 caller's communicator: the caller destroys it");
+}
+#endif
+
 int main(void) {
   TRY(moe_ctx_open(&ctx));
   int n = 0;
@@ -533,6 +722,14 @@ int main(void) {
   for (int W = 2; W <= MAXW; W *= 2)
     if (n >= W) ranks(W, 0), ranks(W, 1);
     else printf("SKIP W=%d: %d GPU%s visible\n", W, n, n == 1 ? "" : "s");
+
+#ifdef MOE_TEST_NCCL
+  caller_comm_one(n);
+  for (int W = 1; W <= MAXW; W *= 2)
+    if (n >= W) caller_comms(W);
+#else
+  printf("SKIP worlds over the caller's communicators: built without nccl.h for the tests\n");
+#endif
 
   moe_ctx_close(ctx);
   printf("%s: %d failure%s\n", failures ? "FAIL" : "PASS", failures, failures == 1 ? "" : "s");
