@@ -44,7 +44,7 @@ function F:any_tensor(dtype)
   return t
 end
 
--- A closed tensor (a handle closed by its owner, as a <close> variable leaves it).
+-- A closed tensor (a handle its owner closed).
 function F:closed_tensor()
   local closed = {}
   for _, e in ipairs(self.pool.entries) do if e.closed then closed[#closed + 1] = e end end
@@ -140,11 +140,8 @@ end
 
 -- ---------------------------------------------------------------- judging one call
 
--- Closes a tensor as a <close> variable would, through its metatable's __close.
-function D.close(t)
-  local mt = getmetatable(t)
-  mt.__close(t)
-end
+-- Closes a tensor, as t:close() or a <close> variable leaving its scope does.
+function D.close(t) t:close() end
 
 -- A position at the caller's line: the fuzzer's own files (where the calls are written).
 local OWN_POSITION = "^" .. CHUNK .. ":%d+: "

@@ -72,8 +72,9 @@ local function layer_options(F)
   o.layout = F.rng:chance(0.3) and F.rng:pick { "roundrobin", "peer_major" } or nil
   local r = F.rng:int(1, 6)
   if r == 1 then o.capacity = F.rng:pick { "worst", "twice_mean" } elseif r == 2 then o.capacity = F.rng:int(0, 64) end
-  if F.rng:chance(0.15) then o.expert_capacity = F.rng:int(0, 3) end
   if F.rng:chance(0.4) then o.overflow = F.rng:pick { "error", "drop" } end
+  -- an expert_capacity of 0 drops every route: only where drops are allowed
+  if F.rng:chance(0.15) then o.expert_capacity = F.rng:int(o.overflow == "drop" and 0 or 1, 3) end
   if F.rng:chance(0.2) then o.invalid = F.rng:pick { "error", "skip" } end
   if F.rng:chance(0.2) then o.nan = F.rng:pick { "error", "mask" } end
   -- on the CPU, whatever the default device: the fuzzer's tensors are all there

@@ -7,6 +7,9 @@
 -- "fn", "device", "tensor" (dtype = the one it must have, if any), "any" (checked by
 -- the function itself).  An option may carry ok = function(v, opts) -> whether v is a valid
 -- value; then the edge values it refuses make the call bad.
+local moe = require "moelab"
+local compat = require "moelab.compat"
+
 local M = {}
 
 local unpack = table.unpack or unpack -- luacheck: ignore (LuaJIT)
@@ -41,10 +44,8 @@ end
 local function is_int(v) return type(v) == "number" and v == math.floor(v) and v == v and math.abs(v) < 2 ^ 63 end
 M.is_int = is_int
 
-local function is_real_tensor(v)
-  local mt = getmetatable(v)
-  return type(v) == "userdata" and type(mt) == "table" and mt.__name == "moelab.Tensor"
-end
+-- A tensor of either binding (userdata of the C module, cdata of the FFI one under LuaJIT).
+local function is_real_tensor(v) return moe.core.is_tensor(v) end
 M.is_tensor = is_real_tensor
 
 -- Whether v is of the option's kind (its type, not its range).
@@ -52,7 +53,11 @@ function M.fits(opt, v)
   local k = opt.kind
   if v == nil then return true end
   if k == "any" then return true end
-  if k == "int" then return is_int(v) and math.abs(v) < 2 ^ 53 end
+  -- an integer as the interpreter has one (LuaJIT: any whole number below 2^63), or a float
+  -- that is a whole number an integer holds exactly (2.0)
+  if k == "int" then
+    return compat.math_type(v) == "integer" or (is_int(v) and math.abs(v) < 2 ^ 53)
+  end
   if k == "num" then return type(v) == "number" end
   if k == "bool" then return type(v) == "boolean" end
   if k == "fn" then return type(v) == "function" end
@@ -145,12 +150,12 @@ function M.options(F, o, spec, required)
     end
     return c, "option " .. name, bad
   elseif r <= 13 then
-    -- the options arrive through a metatable: pairs() sees none of them
-    return setmetatable({}, { __index = c }), "options behind __index", nil
+    -- the options arrive through a metatable: pairs() sees none of them, so no name is checked
+    return setmetatable({}, { __index = c }), "options behind __index", "options with a metatable"
   elseif r <= 14 then
     local name = F.rng:pick(names)
     c[name] = nil
-    return setmetatable(c, { __index = trap }), "options whose __index raises", nil
+    return setmetatable(c, { __index = trap }), "options whose __index raises", "options with a metatable"
   elseif r <= 16 then
     local v = F.rng:pick { 1, "opts", true, F:any_tensor(), function() end }
     return v, "options not a table", "options not a table"

@@ -455,20 +455,20 @@ function G.misuse(F)
   local e = target(F)
   if F.rng:chance(0.5) then
     return F:expr({ name = "tensor[i]", text = e.name .. "[1]", bad = "indexing a tensor by a number",
-      names = { "tensor" } }, e.t, "return obj[1]")
+      names = { "moelab.Tensor" } }, e.t, "return obj[1]")
   end
   return F:expr({ name = "tensor.field=", text = e.name .. '.dtype = "bf16"', bad = "assigning to a tensor's field",
-    names = { "tensor" } }, e.t, 'obj.dtype = "bf16"')
+    names = { "moelab.Tensor" } }, e.t, 'obj.dtype = "bf16"')
 end
 
--- closing a handle (as a <close> variable leaving its scope), dropping one, collecting
+-- closing a handle (t:close(), as a <close> variable leaving its scope does), dropping one, collecting
 function G.close(F)
   local open = F.pool:open()
   if #open == 0 then return G.method(F) end
   local e = F.rng:pick(open)
   Pool.touch(e)
   if F.rng:chance(0.7) then
-    return { name = "close", text = string.format("do local _ <close> = %s end", e.name),
+    return { name = "close", text = e.name .. ":close()",
       fn = function() close(e.t) end, check = function() e.closed = true end }
   end
   return { name = "collect", text = string.format("%s = nil; collectgarbage()", e.name), fn = function()
