@@ -539,7 +539,7 @@ int moe_tensor_copy(moe_ctx *ctx, moe_tensor *dst, const moe_tensor *src) {
 int moe_tensor_fill(moe_ctx *ctx, moe_tensor *t, double value) {
   if (!t) return moeI_seterr(ctx, MOE_ERR_ARG, "fill: NULL tensor");
   if (t->dtype == MOE_I32 && (value != floor(value) || value < -2147483648.0 || value > 2147483647.0))
-    return moeI_seterr(ctx, MOE_ERR_ARG, "fill: %g is not an i32 value", value);
+    return moeI_seterr(ctx, MOE_ERR_ARG, "fill: %.17g is not an i32 value", value);
   if (t->device.kind != MOE_CPU) return moeI_cuda_fill(ctx, t, value);
   if (t->dtype == MOE_F32) {
     float v = (float)value, *p = t->data;

@@ -66,6 +66,7 @@ enum { REQUIRED = 0, OPTIONAL = 1 };
 moe_ctx *lc_getctx(lua_State *L);
 int lc_fail(lua_State *L, moe_ctx *ctx, int rc);
 int lc_stage_fail(lua_State *L, moe_ctx *ctx, int rc, const char *fname, const char *stage);
+int lc_stage_fail_as(lua_State *L, moe_ctx *ctx, int rc, const char *fname, const char *stage, const char *what);
 int lc_arg_error(lua_State *L, const char *fname, int arg, const char *fmt, ...);
 void *lc_check_self(lua_State *L, const char *tname, const char *var, const char *method);
 const char *lc_type_name(lua_State *L, int idx);

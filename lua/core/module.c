@@ -82,6 +82,14 @@ int lc_stage_fail(lua_State *L, moe_ctx *ctx, int rc, const char *fname, const c
   return lc_arg_error(L, fname, 1, "%s", msg + n + 2);
 }
 
+/* As lc_stage_fail, for any code, the stage's words after what (the argument they are about). */
+int lc_stage_fail_as(lua_State *L, moe_ctx *ctx, int rc, const char *fname, const char *stage, const char *what) {
+  const char *msg = moe_errmsg(ctx);
+  const size_t n = strlen(stage);
+  if (!msg || strncmp(msg, stage, n) != 0 || strncmp(msg + n, ": ", 2) != 0) return lc_fail(L, ctx, rc);
+  return lc_arg_error(L, fname, 1, "%s%s", what, msg + n + 2);
+}
+
 /* "bad argument #arg to 'fname' (...)" under a fixed name: the user-facing names of the
  * front-end, which survive the front-end's tail calls (luaL_argerror would then print '?' or
  * 'moelab.core.x'). */

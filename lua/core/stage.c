@@ -176,7 +176,7 @@ static int schedule_call(lua_State *L, const char *name, int explain) {
 }
 
 static int l_schedule(lua_State *L) { return schedule_call(L, "schedule", 0); }
-static int l_schedule_explain(lua_State *L) { return schedule_call(L, "schedule_explain", 1); }
+static int l_schedule_explain(lua_State *L) { return schedule_call(L, "explain", 1); }
 
 static int l_dispatch(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
@@ -220,10 +220,10 @@ static int l_experts(lua_State *L) {
 /* core.experts_explain{...} -> the report of moe_experts_explain: which kernel would run, and why. */
 static int l_experts_explain(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
-  moe_experts_args a = experts_fields(L, "experts_explain");
+  moe_experts_args a = experts_fields(L, "explain");
   char report[2048];
   int rc = moe_experts_explain(ctx, &a, report, sizeof report);
-  if (rc) return lc_stage_fail(L, ctx, rc, "experts_explain", "experts");
+  if (rc) return lc_stage_fail(L, ctx, rc, "explain", "experts");
   lua_pushstring(L, report);
   return 1;
 }

@@ -342,6 +342,8 @@ static int t_to(lua_State *L) {
   Tensor *u = lc_new_handle(L, 1);
   src = lc_check_tensor(L, 1); /* again: the allocation may have run a finalizer that closed it */
   int rc = moe_tensor_new(ctx, moe_tensor_dtype(src), nd, shape, dev, &u->t);
+  /* an absent device, named as t:to's argument rather than by the tensor made for it */
+  if (rc == MOE_ERR_UNSUPPORTED || rc == MOE_ERR_ARG) return lc_stage_fail_as(L, ctx, rc, "to", "tensor", "device ");
   if (!rc) rc = moe_tensor_copy(ctx, u->t, src);
   if (rc) return lc_fail(L, ctx, rc);
   return 1;
@@ -352,7 +354,7 @@ static int t_copy(lua_State *L) {
   moe_tensor *dst = self_tensor(L, "copy"), *src = lc_check_tensor(L, 2);
   lc_args_still_open(L, "copy", 1); /* pinning src into a capture may have run a finalizer */
   int rc = moe_tensor_copy(ctx, dst, src);
-  if (rc) return lc_fail(L, ctx, rc);
+  if (rc) return lc_stage_fail(L, ctx, rc, "copy", "tensor_copy");
   lua_settop(L, 1);
   return 1;
 }

@@ -54,6 +54,21 @@ function args.is_device(v)
   return type(n) == "string" and tonumber(n) <= 1000000
 end
 
+-- An option naming a device (nil: the default, "cpu") that this build and machine lack, refused
+-- as the option it is rather than by the tensor the function would then allocate.
+function args.available(fname, dev)
+  if dev == nil or dev == "cpu" then return end
+  local n = core.device_count("cuda")
+  local i = dev == "cuda" and 0 or tonumber(dev:match("^cuda:(%d+)$"))
+  if n == 0 then
+    args.fail(fname, string.format("option 'device' is %s, which is not available (no usable GPU in this build or "
+      .. "on this machine)", describe(dev)))
+  elseif i >= n then
+    args.fail(fname, string.format("option 'device' is %s, which does not exist (%d GPU%s visible)", describe(dev), n,
+      n == 1 and "" or "s"))
+  end
+end
+
 local function expected(kind)
   if type(kind) == "table" then
     local q = {}

@@ -32,6 +32,11 @@ local OPTIONS = { "schedule_kernel", "experts_kernel" }
 function explain.config(o)
   if o ~= nil then
     args.options("config", o, { schedule_kernel = "string", experts_kernel = "string" })
+    for _, name in ipairs(OPTIONS) do -- "" is no kernel's name, nor "auto"
+      if o[name] == "" then
+        args.fail("config", string.format("option '%s' must be a kernel name or 'auto', got \"\"", name))
+      end
+    end
     local before = {}
     for _, name in ipairs(OPTIONS) do before[name] = core.config(name) end
     for _, name in ipairs(OPTIONS) do

@@ -202,6 +202,13 @@ local function stage_fail(rc, fname, stage)
   arg_error(fname, 1, "%s", msg:sub(#stage + 3))
 end
 
+-- As stage_fail, for any code, the stage's words after what (the argument they are about).
+local function stage_fail_as(rc, fname, stage, what)
+  local msg = errmsg(rc)
+  if msg:sub(1, #stage + 2) ~= stage .. ": " then return fail(rc) end
+  arg_error(fname, 1, "%s%s", what, msg:sub(#stage + 3))
+end
+
 -- Whether the binding's function that was called from outside this file was called as a method
 -- (t:f(...), not t.f(t, ...)): how luaL_argerror tells whether to count self.
 local function called_as_method()
@@ -659,6 +666,8 @@ function methods.to(u, dev)
   local nd = u.h_ndim
   for i = 0, nd - 1 do shape_buf[i] = u.h_dims[i] end
   local rc = lib.moe_tensor_new(ctx, u.h_dtype, nd, shape_buf, d, tensor_out)
+  -- an absent device, named as t:to's argument rather than by the tensor made for it
+  if rc == 1 or rc == 4 then stage_fail_as(rc, "to", "tensor", "device ") end
   if rc ~= 0 then fail(rc) end
   local v = adopt(true)
   rc = lib.moe_tensor_copy(ctx, v.h_t, u.h_t)
@@ -671,7 +680,7 @@ function methods.copy(u, src)
   src = check_tensor("copy", 2, src, true)
   still_open("copy", u) -- pinning src into a capture may have run a finalizer
   local rc = lib.moe_tensor_copy(ctx, u.h_t, src.h_t)
-  if rc ~= 0 then fail(rc) end
+  if rc ~= 0 then stage_fail(rc, "copy", "tensor_copy") end
   return u
 end
 
@@ -1131,7 +1140,7 @@ local function schedule_call(o, name, explain)
 end
 
 function M.schedule(o) schedule_call(o, "schedule", false) end
-function M.schedule_explain(o) return schedule_call(o, "schedule_explain", true) end
+function M.schedule_explain(o) return schedule_call(o, "explain", true) end
 
 local dispatch_args = ffi.typeof("moe_dispatch_args")
 function M.dispatch(o)
@@ -1162,8 +1171,8 @@ end
 
 -- experts_explain{...} -> the report of moe_experts_explain: which kernel would run, and why.
 function M.experts_explain(o)
-  local rc = lib.moe_experts_explain(ctx, experts_fields(o, "experts_explain"), explain_report, 2048)
-  if rc ~= 0 then stage_fail(rc, "experts_explain", "experts") end
+  local rc = lib.moe_experts_explain(ctx, experts_fields(o, "explain"), explain_report, 2048)
+  if rc ~= 0 then stage_fail(rc, "explain", "experts") end
   return string_(explain_report)
 end
 

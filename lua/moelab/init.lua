@@ -77,6 +77,7 @@ end
 function moe.zeros(shape, opts)
   check_shape("zeros", shape)
   opts = args.options("zeros", opts or {}, { dtype = DTYPES, device = "device" })
+  args.available("zeros", opts.device)
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu")
 end
 
@@ -84,6 +85,11 @@ function moe.full(shape, value, opts)
   check_shape("full", shape)
   if type(value) ~= "number" then args.fail("full", "value must be a number, got " .. args.describe(value)) end
   opts = args.options("full", opts or {}, { dtype = DTYPES, device = "device" })
+  if opts.dtype == "i32" and (value ~= math.floor(value) or value < -2147483648 or value > 2147483647) then
+    args.fail("full", "value must be an i32 value, an integer from -2147483648 to 2147483647, got "
+      .. args.describe(value))
+  end
+  args.available("full", opts.device)
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu"):fill(value)
 end
 
@@ -91,6 +97,7 @@ end
 function moe.randn(shape, opts)
   check_shape("randn", shape)
   opts = args.options("randn", opts or {}, { dtype = { "f32", "bf16" }, device = "device", seed = "integer", std = "number" })
+  args.available("randn", opts.device)
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu"):randn(opts.seed or 0, opts.std or 1.0)
 end
 

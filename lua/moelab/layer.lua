@@ -70,6 +70,11 @@ local function resolve(o)
     args.fail("layer", "option 'world' must be an integer (a simulated world of that many ranks) or a moe.world, got "
       .. args.describe(o.world))
   end
+  if real and (real.handle == nil or compat.math_type(real.size) ~= "integer" or type(real.ranks) ~= "table"
+      or type(real.devices) ~= "table") then -- the metatable alone: no world was made
+    args.fail("layer", "option 'world' must be a moe.world made by moe.world{...}, got a table with its metatable "
+      .. "but not its fields (handle, size, ranks, devices)")
+  end
   local m = o.model
   if type(m) == "string" then
     if not models[m] then
@@ -104,6 +109,7 @@ local function resolve(o)
   cfg.name, cfg.scoring = cfg.name or "custom", cfg.scoring or "softmax"
   cfg.groups, cfg.topk_groups = cfg.groups or 1, cfg.topk_groups or cfg.groups or 1
   cfg.scale, cfg.shared_ffn = cfg.scale or 1.0, cfg.shared_ffn or 0
+  args.range("layer", "shared_ffn", cfg.shared_ffn, 0, nil) -- before shared = false sets it aside
   if o.shared == false then cfg.shared_ffn = 0 end
   if o.shared == true and cfg.shared_ffn == 0 then cfg.shared_ffn = cfg.ffn end
   if cfg.shared_ffn == 0 then
@@ -123,7 +129,6 @@ local function resolve(o)
   args.range("layer", "tokens", T, 1, 0x7fffffff)
   args.range("layer", "hidden", cfg.hidden, 1, nil)
   args.range("layer", "ffn", cfg.ffn, 1, nil)
-  args.range("layer", "shared_ffn", cfg.shared_ffn, 0, nil)
   args.range("layer", "experts", cfg.experts, 1, 0x7fffffff)
   args.range("layer", "k", cfg.k, 1, cfg.experts)
   -- the router's options, checked now rather than at the first forward
@@ -150,6 +155,7 @@ local function resolve(o)
     args.fail("layer", "a layer over a moe.world puts each rank on its own GPU: drop option 'device'")
   end
   local device = not real and (o.device or moe_device.default_device()) or nil
+  args.available("layer", device)
   if device == "cuda" then device = "cuda:0" end -- as its tensors will name it
   local weights = checkpoint.for_layer(o, { experts = E, hidden = H, ffn = F, shared_ffn = Fs, local_experts = EL,
     shared_gate = cfg.shared_gate, bias = cfg.scoring ~= "softmax" })

@@ -144,6 +144,11 @@ end
 
 -- Reads the stats back: {rows_needed, rows_used, dropped, invalid, first_invalid}.
 function Schedule:read_stats()
+  local t = self.stats_tensor
+  if not args.is_tensor(t) or not t.closed and (t.dtype ~= "i32" or #t.shape ~= 1 or t.shape[1] ~= #STAT_NAMES) then
+    args.raise(string.format("schedule: its stats tensor (stats_tensor) must be an i32 [%d] tensor, got %s: the "
+      .. "field was replaced", #STAT_NAMES, args.describe(t)))
+  end
   if self.stats_tensor.closed then
     args.raise("schedule: its stats tensor (stats_tensor) is closed: nothing to read")
   end
@@ -158,6 +163,23 @@ end
 -- without this table knowing.
 function Schedule:check()
   local st = self:read_stats()
+  -- stats a run cannot have left (the caller wrote over the tensor): nothing in them to trust
+  local n = self.world * self.tokens * self.k
+  local function foreign(what)
+    args.raise(string.format("schedule: its stats (stats_tensor) are not a run's: %s; run the schedule again", what))
+  end
+  for _, name in ipairs(STAT_NAMES) do
+    if st[name] < 0 and not (name == "first_invalid" and st[name] == -1) then
+      foreign(string.format("%s = %d is negative", name, st[name]))
+    end
+  end
+  if st.invalid > n then foreign(string.format("invalid = %d is more than the %d ids", st.invalid, n)) end
+  if st.invalid > 0 and (st.first_invalid < 0 or st.first_invalid >= n) then
+    foreign(string.format("first_invalid = %d is not an index of the %d ids", st.first_invalid, n))
+  end
+  if st.dropped > 0 and st.rows_needed <= self.capacity and not self.expert_capacity then
+    foreign(string.format("dropped = %d within capacity, and there is no expert_capacity to drop them", st.dropped))
+  end
   if st.invalid > 0 and self.invalid == "error" then
     local f = st.first_invalid
     local per_rank = self.tokens * self.k
@@ -206,6 +228,10 @@ function schedule.check_schedule(fname, name, s)
       name, args.describe(s)))
   end
   for _, f in ipairs(SCHEDULE_TENSORS) do -- the stages read them: a closed one would be named as the schedule
+    if not args.is_tensor(s[f]) then
+      args.fail(fname, string.format("option '%s' must be a moelab.Schedule from moe.schedule or moe.schedule_plan, "
+        .. "got a table with its metatable whose %s is %s", name, f, args.describe(s[f])))
+    end
     if s[f].closed then
       args.fail(fname, string.format("option '%s': the schedule's %s tensor is closed", name, f))
     end
