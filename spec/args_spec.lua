@@ -512,6 +512,55 @@ local ROWS = {
     "option 'memory_limit' must be >= 0, got -1" },
   { "layer: a NaN memory_limit", function() moe.layer { model = tiny, tokens = 2, memory_limit = 0 / 0 } end,
     "option 'memory_limit' must be >= 0, got " },
+  { "full: a value past i32, named exactly", function() moe.full({ 2 }, 2 ^ 31, { dtype = "i32" }) end,
+    { "bad argument #1 to 'full' (value must be an i32 value, an integer from -2147483648 to 2147483647, got ",
+      "2147483648" } },
+  { "fill: a value past i32, named exactly", function() i32({ 2 }):fill(2 ^ 31 + 1) end,
+    "fill: 2147483649 is not an i32 value" },
+  { "copy: a source of another size, named as copy", function() i32({ 3 }):copy(i32({ 30 })) end,
+    "bad argument #1 to 'copy' (cannot copy i32 [30] on cpu into i32 [3] on cpu)" },
+  { "to: a device this machine lacks", function() moe.zeros({ 2 }):to("cuda:999") end,
+    "bad argument #1 to 'to' (device cuda:999 " },
+  { "zeros: a device this machine lacks", function() moe.zeros({ 2 }, { device = "cuda:999" }) end,
+    "bad argument #1 to 'zeros' (option 'device' is \"cuda:999\", which " },
+  { "full: a device this machine lacks", function() moe.full({ 2 }, 1, { device = "cuda:999" }) end,
+    "bad argument #1 to 'full' (option 'device' is \"cuda:999\", which " },
+  { "randn: a device this machine lacks", function() moe.randn({ 2 }, { device = "cuda:999" }) end,
+    "bad argument #1 to 'randn' (option 'device' is \"cuda:999\", which " },
+  { "layer: a device this machine lacks", function() moe.layer { model = tiny, tokens = 2, device = "cuda:999" } end,
+    "bad argument #1 to 'layer' (option 'device' is \"cuda:999\", which " },
+  { "config: an empty kernel name", function() moe.config { experts_kernel = "" } end,
+    "bad argument #1 to 'config' (option 'experts_kernel' must be a kernel name or 'auto', got \"\")" },
+  { "layer: a negative shared_ffn beside shared = false", function()
+    moe.layer { model = tiny, tokens = 2, shared = false, shared_ffn = -1 }
+  end, "bad argument #1 to 'layer' (option 'shared_ffn' must be >= 0, got -1)" },
+  { "dispatch: a schedule that was never planned", function()
+    moe.dispatch { x = X, schedule = setmetatable({}, moe.Schedule), k = 2 }
+  end, "bad argument #1 to 'dispatch' (option 'schedule' must be a moelab.Schedule from moe.schedule or "
+    .. "moe.schedule_plan, got a table with its metatable whose ids is nil)" },
+  { "layer: a world that was never made", function()
+    moe.layer { model = tiny, tokens = 2, world = setmetatable({}, moe.World) }
+  end, "bad argument #1 to 'layer' (option 'world' must be a moe.world made by moe.world{...}, got a table with its "
+    .. "metatable but not its fields (handle, size, ranks, devices))" },
+  { "check: stats whose first invalid id is past the ids", function()
+    local s = moe.schedule { ids = I, experts = 4 }
+    s.stats_tensor:copy(S.tensor({ 0, 0, 0, 1, 99 }, "i32", { 5 }))
+    s:check()
+  end, "schedule: its stats (stats_tensor) are not a run's: first_invalid = 99 is not an index of the 12 ids" },
+  { "check: stats that drop routes within capacity, no expert_capacity", function()
+    local s = moe.schedule { ids = I, experts = 4 }
+    s.stats_tensor:copy(S.tensor({ 0, 0, 1, 0, -1 }, "i32", { 5 }))
+    s:check()
+  end, "schedule: its stats (stats_tensor) are not a run's: dropped = 1 within capacity, and there is no "
+    .. "expert_capacity to drop them" },
+  { "check: a stats tensor replaced by another", function()
+    local s = moe.schedule { ids = I, experts = 4 }
+    s.stats_tensor = moe.zeros({ 2 })
+    s:check()
+  end, "schedule: its stats tensor (stats_tensor) must be an i32 [5] tensor, got " },
+  { "explain: the experts' argument errors named as explain", function()
+    moe.explain("experts", { x = XS, offsets = OFF, w_gate_up = WGU, w_down = bf16 { 2, 8, 5 } })
+  end, "bad argument #1 to 'explain' (w_down must be bf16 [2, 8, 4], got bf16 [2, 8, 5] on cpu)" },
   { "layer_memory: the options of moe.layer, checked alike", function() moe.layer_memory { model = tiny, tokns = 2 } end,
     "bad argument #1 to 'layer' (unknown option 'tokns'" },
 }

@@ -16,23 +16,6 @@ local SEEDS, CALLS = 24, 400
 -- the caller's position, for "accepted" and "effect" a piece of the call's text.  Fixing one
 -- removes its row.
 local KNOWN_GAPS = {
-  { kind = "message", call = "^moe%.full$", message = "^fill: " }, -- full's value named as fill's, in %g
-  { kind = "message", call = ":copy$", message = "^tensor_copy: " }, -- t:copy named by its C function
-  { kind = "message", call = ":to$", message = "^tensor: " }, -- t:to(absent device) named as moe.tensor's
-  { kind = "message", call = "^moe%.%a+$", message = "^tensor: cuda:%d+ " }, -- zeros, randn...: an absent device
-  { kind = "accepted", call = "^moe%.config$", text = '= ""' }, -- an empty kernel name taken for "auto"
-  { kind = "accepted", call = "^moe%.layer$", text = "shared = false, shared_ffn = -" }, -- ignored, unchecked
-  -- a table with the Schedule metatable but none of its fields, passed as a schedule
-  { kind = "message", call = "^moe%.%a+$", message = "schedule%.lua:%d+: attempt to index a nil value" },
-  -- a table with the World metatable but none of its fields, given as a layer's world (Lua 5.4's
-  -- message, then LuaJIT's)
-  { kind = "message", call = "^moe%.layer$", message = "^attempt to index a nil value$" },
-  { kind = "message", call = "^moe%.layer$", message = "layer%.lua:%d+: bad argument #1 to 'ipairs'" },
-  -- s:check() trusts its stats tensor, which the caller overwrote: first_invalid past the ids
-  -- (ids:get), routes dropped within capacity and no expert_capacity to name (string.format)
-  { kind = "message", call = "^schedule:check$", message = "schedule%.lua:%d+: bad argument #%d+ to '%a+'" },
-  -- explain's errors named by the binding's functions
-  { kind = "message", call = "explain$", message = "^bad argument #1 to '%a+_explain'" },
 }
 
 local function env_number(name)
