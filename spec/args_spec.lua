@@ -516,7 +516,7 @@ local ROWS = {
     { "bad argument #1 to 'full' (value must be an i32 value, an integer from -2147483648 to 2147483647, got ",
       "2147483648" } },
   { "fill: a value past i32, named exactly", function() i32({ 2 }):fill(2 ^ 31 + 1) end,
-    "fill: 2147483649 is not an i32 value" },
+    "bad argument #1 to 'fill' (2147483649 is not an i32 value)" },
   { "copy: a source of another size, named as copy", function() i32({ 3 }):copy(i32({ 30 })) end,
     "bad argument #1 to 'copy' (cannot copy i32 [30] on cpu into i32 [3] on cpu)" },
   { "to: a device this machine lacks", function() moe.zeros({ 2 }):to("cuda:999") end,

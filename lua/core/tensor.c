@@ -364,7 +364,7 @@ static int t_fill(lua_State *L) {
   moe_tensor *t = self_tensor(L, "fill");
   lua_Number v = luaL_checknumber(L, 2);
   int rc = moe_tensor_fill(ctx, t, (double)v);
-  if (rc) return lc_fail(L, ctx, rc);
+  if (rc) return lc_stage_fail(L, ctx, rc, "fill", "fill");
   lua_settop(L, 1);
   return 1;
 }

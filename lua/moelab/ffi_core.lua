@@ -688,7 +688,7 @@ function methods.fill(u, v)
   u = self_tensor("fill", u)
   check_number("fill", 2, v, true)
   local rc = lib.moe_tensor_fill(ctx, u.h_t, v)
-  if rc ~= 0 then fail(rc) end
+  if rc ~= 0 then stage_fail(rc, "fill", "fill") end
   return u
 end
 
