@@ -53,7 +53,9 @@ enum {
   MOE_ERR_IO = 6           /* a file cannot be opened or read, or its contents are malformed */
 };
 
-typedef enum { MOE_F32 = 0, MOE_BF16 = 1, MOE_I32 = 2 } moe_dtype;
+/* e4m3: OCP FP8 E4M3 (e4m3fn), one byte: bias 7, subnormals, max 448, no infinities, S.1111.111
+ * is NaN.  Tensors of it hold the values of a block-scaled FP8 tensor (moe_quantize). */
+typedef enum { MOE_F32 = 0, MOE_BF16 = 1, MOE_I32 = 2, MOE_E4M3 = 3 } moe_dtype;
 typedef enum { MOE_CPU = 0, MOE_CUDA = 1 } moe_device_kind;
 typedef struct moe_device { int kind; int index; } moe_device;
 
@@ -221,6 +223,24 @@ MOE_API float moe_bf16_to_f32(uint16_t x);
  * is NaN. */
 MOE_API float moe_e4m3_to_f32(uint8_t x);
 
+/* ---- FP8: block-scaled e4m3 tensors.  A value is e4m3(q) x scale, the scale f32, one per block:
+ *   MOE_QUANT_BLOCK   (weights) x [..., R, K] -> q e4m3 [..., R, K], scale [..., ceil(R/128),
+ *                     ceil(K/128)]: blocks of 128 x 128, scale = amax / 448 (0 for a block whose
+ *                     elements are all 0, whose q are then 0), as the checkpoints' weight_scale_inv
+ *   MOE_QUANT_TOKEN   (activations) x [N, K] -> q e4m3 [N, K], scale [N, ceil(K/128)]: blocks of
+ *                     1 x 128 along a row, scale = max(amax, 1e-4) / 448
+ *   MOE_QUANT_TOKEN_T the same blocks, the scales transposed: [ceil(K/128), N] (what
+ *                     moe_experts_fp8 reads, each k block's scales contiguous)
+ * amax is the largest |x| of the block, NaN ignored; q = e4m3(x / scale), the division in f32,
+ * rounded to nearest even and saturated to +-448; NaN gives NaN (0x7F, or 0xFF when negative).
+ * x is f32 or bf16.  The CPU and the GPU give the same bits.  Dequantize writes
+ * e4m3(q) x scale (an f32 product) rounded to its f32 or bf16 output. ---- */
+typedef enum { MOE_QUANT_BLOCK = 0, MOE_QUANT_TOKEN = 1, MOE_QUANT_TOKEN_T = 2 } moe_quant_kind;
+MOE_API int moe_quantize(moe_ctx *ctx, moe_tensor *q, moe_tensor *scale, const moe_tensor *x, int kind);
+MOE_API int moe_dequantize(moe_ctx *ctx, moe_tensor *x, const moe_tensor *q, const moe_tensor *scale, int kind);
+/* f32 -> e4m3 as moe_quantize rounds (nearest even, saturating, NaN to NaN). */
+MOE_API uint8_t moe_f32_to_e4m3(float x);
+
 /* ---- 1. route: logits f32 [N, E] -> ids i32 [N, K], weights f32 [N, K] ---- */
 typedef enum { MOE_SCORE_SOFTMAX = 0, MOE_SCORE_SIGMOID = 1, MOE_SCORE_SQRTSOFTPLUS = 2 } moe_scoring;
 typedef struct moe_route_args {
@@ -287,6 +307,21 @@ typedef struct moe_dispatch_args {
 } moe_dispatch_args;
 MOE_API int moe_dispatch(moe_ctx *ctx, const moe_dispatch_args *a);
 
+/* ---- 3'. FP8 dispatch: moe_dispatch of e4m3 rows and their scales; the scales go out
+ * transposed, as moe_experts_fp8 reads them (a row without a route: zero_fill zeroes its q and
+ * its scales, else both are untouched) ---- */
+typedef struct moe_dispatch_fp8_args {
+  moe_tensor *out;               /* out: e4m3 [C, H] */
+  moe_tensor *out_scale;         /* out: f32 [H/128, C] */
+  const moe_tensor *x;           /* e4m3 [W, T, H] */
+  const moe_tensor *x_scale;     /* f32 [W, T, H/128] (MOE_QUANT_TOKEN) */
+  const moe_tensor *peer_rank;   /* i32 [C] */
+  const moe_tensor *peer_route;  /* i32 [C] */
+  int k;
+  int zero_fill;
+} moe_dispatch_fp8_args;
+MOE_API int moe_dispatch_fp8(moe_ctx *ctx, const moe_dispatch_fp8_args *a);
+
 /* ---- 4. experts: SwiGLU MLP per expert over its rows ---- */
 typedef struct moe_experts_args {
   moe_tensor *out;                   /* out: bf16 [C, H], or x itself; rows >= offsets[EL] untouched */
@@ -298,6 +333,24 @@ typedef struct moe_experts_args {
 MOE_API int moe_experts(moe_ctx *ctx, const moe_experts_args *a);
 /* Which kernel moe_experts would run for a, and why; as moe_schedule_explain. */
 MOE_API int moe_experts_explain(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n);
+
+/* ---- 4'. FP8 experts: the same SwiGLU MLP on block-scaled e4m3 operands ----
+ * For each row and each k block of 128 (K = H for gate_up, F for down) the e4m3 products are
+ * summed in f32 and the block's sum is added to the f32 accumulator times x_scale * w_scale (the
+ * product of the two scales first).  h = bf16(silu(gate) * up), then quantized per row and 128
+ * columns as MOE_QUANT_TOKEN does, is the down projection's input; out is bf16.  H and F must be
+ * multiples of 128. */
+typedef struct moe_experts_fp8_args {
+  moe_tensor *out;                   /* out: bf16 [C, H]; rows >= offsets[EL] untouched */
+  const moe_tensor *x;               /* e4m3 [C, H] */
+  const moe_tensor *x_scale;         /* f32 [H/128, C] (MOE_QUANT_TOKEN_T) */
+  const moe_tensor *offsets;         /* i32 [EL + 1], as moe_experts reads it */
+  const moe_tensor *w_gate_up;       /* e4m3 [EL, 2F, H]: F gate rows, then F up rows */
+  const moe_tensor *w_gate_up_scale; /* f32 [EL, 2F/128, H/128] (MOE_QUANT_BLOCK) */
+  const moe_tensor *w_down;          /* e4m3 [EL, H, F] */
+  const moe_tensor *w_down_scale;    /* f32 [EL, H/128, F/128] */
+} moe_experts_fp8_args;
+MOE_API int moe_experts_fp8(moe_ctx *ctx, const moe_experts_fp8_args *a);
 
 /* ---- router logits: out f32 [N, E] = x bf16 [N, H] . w bf16 [E, H]^T, f32 accumulation ---- */
 MOE_API int moe_logits(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
@@ -338,6 +391,28 @@ typedef struct moe_reference_args {
   const moe_tensor *shared_gate_w;        /* bf16 [H]: g = sigmoid(x . w), or NULL (g = 1) */
 } moe_reference_args;
 MOE_API int moe_reference(moe_ctx *ctx, const moe_reference_args *a);
+/* The same layer with FP8 experts and shared expert (moe_experts_fp8's weights): each weight is
+ * dequantized to f32 (e4m3(q) x scale), each token row x[n] is quantized as MOE_QUANT_TOKEN and
+ * dequantized, and so is the hidden activation silu(gate) * up (from f32, not rounded to bf16
+ * first); everything else in f32 as moe_reference.  CPU only. */
+typedef struct moe_reference_fp8_args {
+  moe_tensor *out;                        /* out: f32 [N, H] */
+  const moe_tensor *x;                    /* bf16 [N, H] */
+  const moe_tensor *ids;                  /* i32 [N, K] */
+  const moe_tensor *weights;              /* f32 [N, K] */
+  const moe_tensor *const *w_gate_up;     /* W ranks' e4m3 [EL, 2F, H] */
+  const moe_tensor *const *w_gate_up_scale; /* W ranks' f32 [EL, 2F/128, H/128] */
+  const moe_tensor *const *w_down;        /* W ranks' e4m3 [EL, H, F] */
+  const moe_tensor *const *w_down_scale;  /* W ranks' f32 [EL, H/128, F/128] */
+  int world;
+  int experts;
+  const moe_tensor *shared_gate_up;       /* e4m3 [1, 2Fs, H], or NULL */
+  const moe_tensor *shared_gate_up_scale; /* f32 [1, 2Fs/128, H/128] */
+  const moe_tensor *shared_down;          /* e4m3 [1, H, Fs], or NULL */
+  const moe_tensor *shared_down_scale;    /* f32 [1, H/128, Fs/128] */
+  const moe_tensor *shared_gate_w;        /* bf16 [H]: g = sigmoid(x . w), or NULL (g = 1) */
+} moe_reference_fp8_args;
+MOE_API int moe_reference_fp8(moe_ctx *ctx, const moe_reference_fp8_args *a);
 
 /* ---- safetensors: tensors read from a checkpoint file ----
  * open parses the whole header strictly (its JSON, every tensor's offsets against the file's
