@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common.cuh"
+#include "fp8_math.h"
 
 static void capture_started(void);
 static void capture_ended(void);
@@ -266,6 +267,8 @@ int moeI_cuda_fill(moe_ctx *ctx, moe_tensor *t, double value) {
     fill_kernel<uint32_t><<<blocks, threads, 0, s>>>((uint32_t *)t->data, t->numel, bits);
   } else if (t->dtype == MOE_BF16) {
     fill_kernel<uint16_t><<<blocks, threads, 0, s>>>((uint16_t *)t->data, t->numel, f32_to_bf16((float)value));
+  } else if (t->dtype == MOE_E4M3) {
+    fill_kernel<uint8_t><<<blocks, threads, 0, s>>>((uint8_t *)t->data, t->numel, moeI_f32_to_e4m3((float)value));
   } else {
     fill_kernel<int32_t><<<blocks, threads, 0, s>>>((int32_t *)t->data, t->numel, (int32_t)value);
   }

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "fp8_math.h"
 #include "internal.h"
 #include "moelab_dlpack.h"
 
@@ -168,6 +169,7 @@ size_t moe_dtype_size(moe_dtype dtype) {
   case MOE_F32: return 4;
   case MOE_BF16: return 2;
   case MOE_I32: return 4;
+  case MOE_E4M3: return 1;
   }
   return 0;
 }
@@ -177,6 +179,7 @@ const char *moe_dtype_name(moe_dtype dtype) {
   case MOE_F32: return "f32";
   case MOE_BF16: return "bf16";
   case MOE_I32: return "i32";
+  case MOE_E4M3: return "e4m3";
   }
   return "?";
 }
@@ -203,7 +206,7 @@ int moe_ctx_synchronize(moe_ctx *ctx, moe_device device) {
 
 int moeI_check_layout(moe_ctx *ctx, const char *what, moe_dtype dtype, int ndim, const int64_t *shape,
                       int64_t *numel) {
-  if (dtype != MOE_F32 && dtype != MOE_BF16 && dtype != MOE_I32)
+  if (dtype != MOE_F32 && dtype != MOE_BF16 && dtype != MOE_I32 && dtype != MOE_E4M3)
     return moeI_seterr(ctx, MOE_ERR_ARG, "%s: unknown dtype %d", what, (int)dtype);
   if (ndim < 0 || ndim > MOE_MAX_DIMS)
     return moeI_seterr(ctx, MOE_ERR_ARG, "%s: %d dimensions, expected 0 to %d", what, ndim, MOE_MAX_DIMS);
@@ -395,6 +398,7 @@ void *moe_tensor_data(moe_tensor *t) { return t->data; }
 
 uint16_t moe_f32_to_bf16(float x) { return f32_to_bf16(x); }
 float moe_bf16_to_f32(uint16_t x) { return bf16_to_f32(x); }
+uint8_t moe_f32_to_e4m3(float x) { return moeI_f32_to_e4m3(x); }
 
 const char *moeI_tensor_describe(const moe_tensor *t, char *buf, size_t n) {
   if (!t) {
@@ -547,6 +551,8 @@ int moe_tensor_fill(moe_ctx *ctx, moe_tensor *t, double value) {
   } else if (t->dtype == MOE_BF16) {
     uint16_t v = f32_to_bf16((float)value), *p = t->data;
     for (int64_t i = 0; i < t->numel; i++) p[i] = v;
+  } else if (t->dtype == MOE_E4M3) {
+    memset(t->data, moeI_f32_to_e4m3((float)value), (size_t)t->numel);
   } else {
     int32_t v = (int32_t)value, *p = t->data;
     for (int64_t i = 0; i < t->numel; i++) p[i] = v;
@@ -556,7 +562,8 @@ int moe_tensor_fill(moe_ctx *ctx, moe_tensor *t, double value) {
 
 int moe_tensor_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std) {
   if (!t) return moeI_seterr(ctx, MOE_ERR_ARG, "randn: NULL tensor");
-  if (t->dtype == MOE_I32) return moeI_seterr(ctx, MOE_ERR_ARG, "randn: dtype must be f32 or bf16, got i32");
+  if (t->dtype != MOE_F32 && t->dtype != MOE_BF16)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "randn: dtype must be f32 or bf16, got %s", moe_dtype_name(t->dtype));
   if (!isfinite(std) || std < 0.0f)
     return moeI_seterr(ctx, MOE_ERR_ARG, "randn: std must be finite and >= 0, got %g", (double)std);
   if (t->device.kind != MOE_CPU) return moeI_cuda_randn(ctx, t, seed, std);

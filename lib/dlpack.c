@@ -13,6 +13,7 @@ static const DLDataType dl_dtypes[] = {
   [MOE_F32] = {kDLFloat, 32, 1},
   [MOE_BF16] = {kDLBfloat, 16, 1},
   [MOE_I32] = {kDLInt, 32, 1},
+  [MOE_E4M3] = {kDLFloat8_e4m3fn, 8, 1},
 };
 
 static const char *device_type_name(int32_t type) {

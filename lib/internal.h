@@ -241,6 +241,8 @@ int moeI_route_cuda(moe_ctx *ctx, const moe_route_args *a);
 int moeI_schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a); /* kernels/schedule/select.cu */
 int moeI_dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a);
 int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a);
+/* a checked by moe_experts_fp8 (dtypes, shapes, devices, H and F multiples of 128) */
+int moeI_experts_fp8_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a);
 int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
 int moeI_sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);
 int moeI_combine_cuda(moe_ctx *ctx, const moe_combine_args *a);

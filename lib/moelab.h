@@ -232,13 +232,13 @@ MOE_API float moe_e4m3_to_f32(uint8_t x);
  *   MOE_QUANT_TOKEN_T the same blocks, the scales transposed: [ceil(K/128), N] (what
  *                     moe_experts_fp8 reads, each k block's scales contiguous)
  * amax is the largest |x| of the block, NaN ignored; q = e4m3(x / scale), the division in f32,
- * rounded to nearest even and saturated to +-448; NaN gives NaN (0x7F, or 0xFF when negative).
+ * rounded to nearest even and saturated to +-448; NaN gives 0x7F.
  * x is f32 or bf16.  The CPU and the GPU give the same bits.  Dequantize writes
  * e4m3(q) x scale (an f32 product) rounded to its f32 or bf16 output. ---- */
 typedef enum { MOE_QUANT_BLOCK = 0, MOE_QUANT_TOKEN = 1, MOE_QUANT_TOKEN_T = 2 } moe_quant_kind;
 MOE_API int moe_quantize(moe_ctx *ctx, moe_tensor *q, moe_tensor *scale, const moe_tensor *x, int kind);
 MOE_API int moe_dequantize(moe_ctx *ctx, moe_tensor *x, const moe_tensor *q, const moe_tensor *scale, int kind);
-/* f32 -> e4m3 as moe_quantize rounds (nearest even, saturating, NaN to NaN). */
+/* f32 -> e4m3 as moe_quantize rounds (nearest even, saturating to +-448, NaN to 0x7F). */
 MOE_API uint8_t moe_f32_to_e4m3(float x);
 
 /* ---- 1. route: logits f32 [N, E] -> ids i32 [N, K], weights f32 [N, K] ---- */

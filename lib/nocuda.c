@@ -74,6 +74,7 @@ int moeI_schedule_cuda(moe_ctx *ctx, const moe_schedule_args *a) { (void)a; retu
 void moeI_cuda_scratch_release(moe_ctx *ctx) { (void)ctx; }
 int moeI_dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a) { (void)a; return NO_CUDA("dispatch"); }
 int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a) { (void)a; return NO_CUDA("experts"); }
+int moeI_experts_fp8_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a) { (void)a; return NO_CUDA("experts_fp8"); }
 int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
   (void)out, (void)x, (void)w;
   return NO_CUDA("logits");

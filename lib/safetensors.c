@@ -20,6 +20,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "fp8_math.h"
 #include "internal.h"
 
 enum { MAX_DIMS = 8 };       /* the shape of moe_safetensors_info */
@@ -636,14 +637,7 @@ int moe_safetensors_tensor(moe_ctx *ctx, const moe_safetensors *f, int i, moe_sa
 
 /* ---- element conversion ---- */
 
-float moe_e4m3_to_f32(uint8_t x) {
-  const int e = (x >> 3) & 15, m = x & 7;
-  float v;
-  if (e == 15 && m == 7) v = NAN;        /* S.1111.111: the only NaN; no infinities */
-  else if (e == 0) v = ldexpf((float)m, -9); /* subnormal: m/8 x 2^-6 */
-  else v = ldexpf((float)(8 + m), e - 10);   /* (1 + m/8) x 2^(e-7) */
-  return x & 0x80 ? -v : v;
-}
+float moe_e4m3_to_f32(uint8_t x) { return moeI_e4m3_to_f32(x); }
 
 static float f16_to_f32(uint16_t h) {
   const int e = (h >> 10) & 31, m = h & 1023;

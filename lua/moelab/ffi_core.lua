@@ -320,7 +320,7 @@ local function check_device(fname, arg, v, method)
   return d
 end
 
-local DTYPES = { "f32", "bf16", "i32" } -- moe_dtype + 1
+local DTYPES = { "f32", "bf16", "i32", "e4m3" } -- moe_dtype + 1
 local DTYPE_SIZE = { 4, 2, 4 }
 
 -- A shape: a table of 0..4 non-negative integers, into the shared array shape_buf.

@@ -32,7 +32,7 @@ local moe = {}
 moe.version = core.version
 moe.core = core
 
-local DTYPES = { "f32", "bf16", "i32" }
+local DTYPES = { "f32", "bf16", "i32", "e4m3" }
 
 moe.devices, moe.default_device = device.devices, device.default_device
 moe.device_info = require("moelab.runinfo").device_info

@@ -7,7 +7,7 @@ local args = require "moelab.args"
 
 local interop = {}
 
-local DTYPES = { "f32", "bf16", "i32" }
+local DTYPES = { "f32", "bf16", "i32", "e4m3" }
 
 -- An address as other libraries give it: an integer >= 0 (ctypes, LuaJIT's FFI, to_dlpack), a
 -- light userdata (t:address()), or under LuaJIT a cdata (t:address() there, a pointer); the
