@@ -147,7 +147,7 @@ template <int CM, bool WT> int run(moe_ctx *ctx, const moe_experts_args *a) {
     err = cudaErrorInvalidValue;
   } else {
     sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->offsets->data, (int)EL, (int)C, CM,
-                                                   WT);
+                                                   WT ? 2 * NV_MAX : 0);
     err = cudaGetLastError();
   }
   int *waves = gate ? meta + 4 * EL + 2 : nullptr;

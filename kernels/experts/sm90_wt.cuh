@@ -29,6 +29,7 @@ namespace {
 // weights, and a band's token rows stay in L2 while its column tiles go by (with one band for
 // all of a large expert's units, the tokens would come from DRAM again for every column tile).
 constexpr int W_BAND = 6;
+template <int NVM = NV_MAX>
 __device__ __forceinline__ Work decode_w(int v, const int *__restrict__ meta, int EL, int NT, int rank) {
   const int *lo = meta + 2 * EL + 2, *hi = lo + EL, *wunits = hi + EL + 2;
   int a = 0, b = EL - 1;
@@ -39,7 +40,7 @@ __device__ __forceinline__ Work decode_w(int v, const int *__restrict__ meta, in
   }
   const int u = __ldg(wunits + a + 1) - __ldg(wunits + a), local = v - __ldg(wunits + a) * NT;
   const int l0 = __ldg(lo + a), r = __ldg(hi + a) - l0;
-  const int nv = ((r + 2 * u - 1) / (2 * u) + 7) & ~7;
+  const int nv = ((r + 2 * u - 1) / (2 * u) + 7) & ~7; // <= NVM: u = ceil(r / (2 NVM)) (the map kernel)
   int j, n;
   raster(local, u, NT, W_BAND, &j, &n);
   Work w;

@@ -29,19 +29,19 @@ encode_tiled_fn encode_tiled() {
   return fn;
 }
 
-// A row-major bf16 [rows, k] matrix as a 2D tensor map with a {box_k, box_rows} box; rows past
-// the end read as zeros.
+// A row-major [rows, k] matrix of bf16 (or of `type`: UINT8 for e4m3, FLOAT32) as a 2D tensor map
+// with a {box_k, box_rows} box; rows and columns past the end read as zeros.
 bool encode_2d(CUtensorMap *m, const void *base, long long rows, long long k, int box_rows, int box_k,
-               CUtensorMapSwizzle swizzle) {
+               CUtensorMapSwizzle swizzle, CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
   encode_tiled_fn fn = encode_tiled();
   if (!fn) return false;
+  const int esize = type == CU_TENSOR_MAP_DATA_TYPE_UINT8 ? 1 : type == CU_TENSOR_MAP_DATA_TYPE_FLOAT32 ? 4 : 2;
   const cuuint64_t dim[2] = {(cuuint64_t)k, (cuuint64_t)rows};
-  const cuuint64_t stride[1] = {(cuuint64_t)k * 2};
+  const cuuint64_t stride[1] = {(cuuint64_t)k * (cuuint64_t)esize};
   const cuuint32_t box[2] = {(cuuint32_t)box_k, (cuuint32_t)box_rows};
   const cuuint32_t estride[2] = {1, 1};
-  return fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dim, stride, box, estride,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return fn(m, type, 2, const_cast<void *>(base), dim, stride, box, estride, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 } // namespace

@@ -1,0 +1,211 @@
+/* SPDX-License-Identifier: MIT */
+// fp8.cu -- the host side of the FP8 experts (fp8.cuh): what the kernel needs of the GPU and the
+// tensors, the tensor maps, and the four launches of a pass: map (sm90.cuh's, in units of 2
+// NV8_MAX rows), gate_up (h bf16), the quantization of h (e4m3 and its transposed scales), down.
+#include <atomic>
+#include <limits.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "../sm90/tensor_map.cuh"
+#include "fp8.cuh"
+
+namespace {
+
+// e4m3 [rows, k] in the GEMM's boxes {128 bytes, box_rows}, 128-byte swizzle.
+bool encode_e4m3(CUtensorMap *m, const void *base, long long rows, long long k, int box_rows) {
+  return encode_2d(m, base, rows, k, box_rows, BK8, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+}
+// A's scales [kb, c4] f32 in boxes of NV8_MAX tokens of one k block.
+bool encode_scales(CUtensorMap *m, const void *base, long long kb, long long c4) {
+  return encode_2d(m, base, kb, c4, 1, NV8_MAX, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
+}
+// The three boxes of A's rows (128, 32, 8).
+bool encode_rows(CUtensorMap m[3], const void *base, long long rows, long long k) {
+  return encode_e4m3(&m[0], base, rows, k, 128) && encode_e4m3(&m[1], base, rows, k, 32) &&
+         encode_e4m3(&m[2], base, rows, k, 8);
+}
+
+// The stub the kernel becomes without sm_90a has static shared memory (fp8.cuh); the real one none.
+bool e4m3_built() {
+  cudaFuncAttributes fa;
+  if (cudaFuncGetAttributes(&fa, sm90_e4m3_kernel<GATE_UP>) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return fa.sharedSizeBytes == 0;
+}
+
+// Clusters of two that fit at once (the persistent grid), cached per device and pass; 0: none.
+template <int MODE> int resident_clusters(int dev) {
+  static std::atomic<int> cache[64];
+  if (dev >= 0 && dev < 64) {
+    const int c = cache[dev].load(std::memory_order_relaxed);
+    if (c > 0) return c - 1;
+  }
+  auto kernel = sm90_e4m3_kernel<MODE>;
+  int n = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM8_BYTES) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  cfg.gridDim = dim3(2 * 64, 1, 1);
+  cfg.blockDim = dim3(THREADS, 1, 1);
+  cfg.dynamicSmemBytes = SMEM8_BYTES;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (dev >= 0 && dev < 64) cache[dev].store(n + 1, std::memory_order_relaxed);
+  return n;
+}
+
+// One GEMM pass: the operand maps, out and its map, the weights' scales.
+struct Pass {
+  CUtensorMap a[3], b, sx, out_map;
+  uint16_t *out;
+  const float *wscale;
+  int NT, KT, N, b_rows;
+  int *waves;
+};
+
+template <int MODE>
+cudaError_t launch(cudaStream_t stream, int clusters, const Pass &p, const int *meta, int EL, int F) {
+  auto kernel = sm90_e4m3_kernel<MODE>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM8_BYTES);
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  cfg.gridDim = dim3((unsigned)(2 * clusters), 1, 1);
+  cfg.blockDim = dim3(THREADS, 1, 1);
+  cfg.dynamicSmemBytes = SMEM8_BYTES;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  err = cudaLaunchKernelEx(&cfg, kernel, p.a[0], p.a[1], p.a[2], p.b, p.sx, p.out_map, p.out, p.wscale, meta, EL, p.NT,
+                           p.KT, p.N, F, p.b_rows, p.waves);
+  if (err != cudaSuccess) return err;
+  return cudaGetLastError();
+}
+
+// What keeps the kernel from a problem, into why; "" when it can run.
+void e4m3_fits(const moe_experts_fp8_args *a, char *why, size_t n) {
+  const long long C = a->x->shape[0], H = a->x->shape[1];
+  const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
+  const int dev = a->x->device.index;
+  int major = 0, minor = 0, optin = 0;
+  why[0] = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    snprintf(why, n, "cannot read cuda:%d's compute capability", dev);
+  } else if (major != 9 || minor != 0) {
+    snprintf(why, n, "the FP8 kernel needs compute capability 9.0 (Hopper), cuda:%d has %d.%d", dev, major, minor);
+  } else if (optin < SMEM8_BYTES) {
+    snprintf(why, n, "the FP8 kernel needs %d bytes of shared memory per block, cuda:%d offers %d", SMEM8_BYTES, dev,
+             optin);
+  } else if (!e4m3_built()) {
+    snprintf(why, n, "the library was not built for sm_90a");
+  } else if (!aligned16(a->x->data) || !aligned16(a->out->data) || !aligned16(a->w_gate_up->data) ||
+             !aligned16(a->w_down->data) || !aligned16(a->x_scale->data)) {
+    snprintf(why, n, "needs x, x_scale, out, w_gate_up and w_down 16-byte aligned");
+  } else if (C >= (1ll << 30) || EL * 2 * F > INT_MAX || EL * H > INT_MAX) {
+    snprintf(why, n, "needs C < 2^30 and EL * 2F, EL * H < 2^31, got C = %lld, EL = %lld, H = %lld, F = %lld", C, EL, H,
+             F);
+  } else if (!encode_tiled()) {
+    snprintf(why, n, "the driver offers no cuTensorMapEncodeTiled");
+  } else if (resident_clusters<GATE_UP>(dev) <= 0 || resident_clusters<DOWN>(dev) <= 0) {
+    snprintf(why, n, "no cluster of two CTAs of the FP8 kernel fits on cuda:%d", dev);
+  }
+}
+
+} // namespace
+
+int moeI_experts_fp8_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a) {
+  const long long C = a->x->shape[0], H = a->x->shape[1];
+  const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
+  const int dev = a->x->device.index;
+  if (C == 0 || EL == 0) return moeI_ok(ctx);
+  char why[256];
+  e4m3_fits(a, why, sizeof why);
+  if (why[0]) return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts_fp8: %s", why);
+
+  cudaStream_t stream;
+  int rc = moeI_cuda_ctx_stream(ctx, dev, &stream);
+  if (rc) return rc;
+  // scratch: meta (sm90_map_kernel's), h bf16 [C, F], its e4m3 [C, F] and scales [F/128, C4], and
+  // x's scales again where C is not a multiple of 4 (a tensor map's rows are 16-byte multiples)
+  const long long C4 = (C + 3) & ~3ll;
+  auto up = [](size_t b) { return (b + 255) & ~(size_t)255; };
+  const size_t meta_bytes = up((size_t)(5 * EL + 5) * sizeof(int)), h_bytes = up((size_t)(C * F * 2));
+  const size_t hq_bytes = up((size_t)(C * F)), hs_bytes = up((size_t)(F / 128 * C4 * 4));
+  const size_t xs_bytes = C4 != C ? up((size_t)(H / 128 * C4 * 4)) : 0;
+  void *scratch = NULL;
+  if ((rc = experts_scratch(ctx, stream, dev, meta_bytes + h_bytes + hq_bytes + hs_bytes + xs_bytes, &scratch)))
+    return rc;
+  char *p = (char *)scratch;
+  int *meta = (int *)p;
+  uint16_t *h = (uint16_t *)(p + meta_bytes);
+  uint8_t *hq = (uint8_t *)(p + meta_bytes + h_bytes);
+  float *hs = (float *)(p + meta_bytes + h_bytes + hq_bytes);
+  float *xs = C4 != C ? (float *)(p + meta_bytes + h_bytes + hq_bytes + hs_bytes) : (float *)a->x_scale->data;
+
+  // units per column tile whatever the offsets: at most C / (2 NV8_MAX) + one an expert
+  const long long tmax = C / (2 * NV8_MAX) + (EL < C ? EL : C);
+  const bool gate = C >= 2 * BM * EL;
+  Pass gu = {}, dn = {};
+  gu.NT = (int)((F + BN / 2 - 1) / (BN / 2)), gu.KT = (int)(H / 128), gu.N = (int)F, gu.b_rows = (int)(EL * 2 * F);
+  dn.NT = (int)((H + BN - 1) / BN), dn.KT = (int)(F / 128), dn.N = (int)H, dn.b_rows = (int)(EL * H);
+  gu.out = h, dn.out = (uint16_t *)a->out->data;
+  gu.wscale = (const float *)a->w_gate_up_scale->data, dn.wscale = (const float *)a->w_down_scale->data;
+  gu.waves = gate ? meta + 4 * EL + 2 : nullptr, dn.waves = gate ? meta + 4 * EL + 3 : nullptr;
+  const int fit_gu = resident_clusters<GATE_UP>(dev), fit_dn = resident_clusters<DOWN>(dev);
+  const int g_gu = (int)(tmax * gu.NT < fit_gu ? tmax * gu.NT : fit_gu);
+  const int g_dn = (int)(tmax * dn.NT < fit_dn ? tmax * dn.NT : fit_dn);
+
+  const char *what = "cuTensorMapEncodeTiled";
+  cudaError_t err = cudaSuccess;
+  const bool maps = encode_rows(gu.a, a->x->data, C, H) && encode_e4m3(&gu.b, a->w_gate_up->data, EL * 2 * F, H, 128) &&
+                    encode_scales(&gu.sx, xs, H / 128, C4) &&
+                    encode_2d(&gu.out_map, h, C, F, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B) &&
+                    encode_rows(dn.a, hq, C, F) && encode_e4m3(&dn.b, a->w_down->data, EL * H, F, 128) &&
+                    encode_scales(&dn.sx, hs, F / 128, C4) &&
+                    encode_2d(&dn.out_map, dn.out, C, H, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B);
+  if (!maps) err = cudaErrorInvalidValue;
+  if (err == cudaSuccess && C4 != C) {
+    what = "cudaMemcpy2DAsync(x_scale)";
+    err = cudaMemcpy2DAsync(xs, (size_t)C4 * 4, a->x_scale->data, (size_t)C * 4, (size_t)C * 4, (size_t)(H / 128),
+                            cudaMemcpyDeviceToDevice, stream);
+  }
+  if (err == cudaSuccess) {
+    what = "map launch";
+    sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->offsets->data, (int)EL, (int)C, 2,
+                                                   2 * NV8_MAX);
+    err = cudaGetLastError();
+  }
+  if (err == cudaSuccess) {
+    what = "gate_up launch";
+    err = launch<GATE_UP>(stream, g_gu, gu, meta, (int)EL, (int)F);
+  }
+  if (err == cudaSuccess) {
+    what = "quantize launch";
+    int sms = 132;
+    (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    quantize_rows_kernel<<<4 * sms, 256, 0, stream>>>(h, hq, hs, meta, (int)EL, (int)C4, (int)F);
+    err = cudaGetLastError();
+  }
+  if (err == cudaSuccess) {
+    what = "down launch";
+    err = launch<DOWN>(stream, g_dn, dn, meta, (int)EL, (int)F);
+  }
+  return experts_finish(ctx, stream, scratch, err, what);
+}

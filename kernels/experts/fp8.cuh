@@ -1,0 +1,252 @@
+/* SPDX-License-Identifier: MIT */
+// fp8.cuh -- the FP8 experts GEMM on Hopper (moe_experts_fp8): the weights-as-M kernel of
+// sm90_wt.cuh (clusters of two sharing 256 weight rows by multicast, the tokens as wgmma's N, the
+// persistent walk of decode_w's units, the wave gate, w_epilogue's bulk stores) on e4m3 operands
+// with block scales.
+//
+// A stage is one k block of 128: 128 e4m3 bytes a row, the same 128-byte swizzle rows as bf16's
+// 64 columns, so the descriptors, boxes and k32 slices (32 bytes) are bf16's byte for byte.  A
+// stage also brings the CTA's tokens' scales of that k block (x_scale is [K/128, C]: one box of
+// NV8_MAX floats).  The weights' scale of a warpgroup's 64-row slice is one float a k block (a
+// slice never crosses a 128-row block), read from global memory (L1) before the stage's wait.
+//
+// Promotion: the tensor cores' f32 sums over a whole K would drift from the block-scaled sum the
+// format defines, so each k block's products go into a fresh accumulator (scale_d = 0 on its
+// first k32 slice), which is then added into the running one times x_scale * w_scale.  The fresh
+// accumulator holds one 64-row slice (NV / 2 registers) and the running ones both (NV): the gate
+// and the up slice (or down's two output slices) take turns, each waited for and promoted while
+// the other consumer warpgroup's MMAs keep the tensor cores busy.  NV8_MAX = 128 tokens keeps
+// 192 accumulator registers a thread under the consumers' 232.
+#pragma once
+
+#include "fp8_math.h"
+#include "sm90_wt.cuh"
+
+namespace {
+
+constexpr int NV8_MAX = 128;                             // tokens a CTA (wgmma N)
+constexpr int BK8 = 128;                                 // k a stage: one scale block, 128 bytes a row
+constexpr int A8_BYTES = NV8_MAX * BK8;                  // 16 KiB of tokens
+constexpr int S8_BYTES = 1024;                           // the tokens' scales (NV8_MAX floats), padded
+constexpr int STAGE8_BYTES = A8_BYTES + 2 * B_HALF + S8_BYTES;
+constexpr int STAGES8 = 3;
+constexpr int SMEM8_BYTES = STAGES8 * STAGE8_BYTES + 2 * STG_W_BYTES + 2 * STAGES8 * 8 + 1024;
+static_assert(B_HALF == 128 * BK8, "a weight half is 128 rows of 128 e4m3, as of 64 bf16");
+static_assert(STAGE8_BYTES % 1024 == 0 && A8_BYTES % 1024 == 0, "operands on 1024-byte swizzle atoms");
+static_assert(SMEM8_BYTES <= 232448, "fits the 227 KiB a Hopper block may opt in to");
+static_assert(NV8_MAX * 4 <= S8_BYTES, "a stage's token scales fit their slot");
+
+#if defined(MOE_SM90A)
+
+// d[OFF + i] += acc[i] * (x_scale of i's token * sw): acc is one 64-row slice (m64nNV); register i
+// of a thread holds token n = 8 (i / 4) + 2 (lane % 4) + (i % 2), so i and i + 1 are two
+// neighbouring tokens (one 8-byte load of their scales) and i + 2, i + 3 the same two tokens in
+// the row 8 further.
+template <int NV, int OFF>
+__device__ __forceinline__ void promote(float (&d)[NV], const float (&acc)[NV / 2], uint32_t scales, int lane,
+                                        float sw) {
+#pragma unroll
+  for (int j = 0; j < NV / 8; j++) {
+    const float2 sx = ld_shared_f2(scales + (uint32_t)(4 * (8 * j + 2 * (lane & 3))));
+    const float s0 = sx.x * sw, s1 = sx.y * sw;
+    d[OFF + 4 * j + 0] = __fmaf_rn(acc[4 * j + 0], s0, d[OFF + 4 * j + 0]);
+    d[OFF + 4 * j + 1] = __fmaf_rn(acc[4 * j + 1], s1, d[OFF + 4 * j + 1]);
+    d[OFF + 4 * j + 2] = __fmaf_rn(acc[4 * j + 2], s0, d[OFF + 4 * j + 2]);
+    d[OFF + 4 * j + 3] = __fmaf_rn(acc[4 * j + 3], s1, d[OFF + 4 * j + 3]);
+  }
+}
+
+// One k block's 64-row slice into acc: four k32 slices, the first overwriting.
+template <int NV>
+__device__ __forceinline__ void slice_mma(float (&acc)[NV / 2], uint64_t dw, uint64_t dx) {
+  wgmma_fence();
+  fence_acc(acc);
+#pragma unroll
+  for (int k = 0; k < BK8 / 32; k++) wgmma_e4m3_n<NV, 0>(acc, dw + 2 * k, dx + 2 * k, k > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_acc(acc);
+}
+
+// A consumer warpgroup's tile: its 128 weight rows (gate_up: 64 gate and the 64 up rows of the
+// same outputs; down: 128 outputs) x the CTA's NV tokens, over KT k blocks; ws0 and ws1 the two
+// slices' weight scales (one a k block).
+template <int MODE, int NV>
+__device__ __forceinline__ void w8_tile(int &s, uint32_t &ph, uint32_t ring, uint32_t bars, uint32_t stg, int cw,
+                                        int t, int KT, const CUtensorMap *tmo, uint16_t *__restrict__ out, int N,
+                                        int row0, int rows, int col0, uint32_t &sc, const float *__restrict__ ws0,
+                                        const float *__restrict__ ws1) {
+  constexpr int H2 = NV / 2;
+  float d[NV];
+#pragma unroll
+  for (int i = 0; i < NV; i++) d[i] = 0.f;
+  float acc[H2];
+  const int lane = t & 31;
+  const uint32_t wb = ring + A8_BYTES;
+  const uint32_t m0 = MODE == GATE_UP ? 64 * cw : 128 * cw, m1 = MODE == GATE_UP ? 128 + 64 * cw : 128 * cw + 64;
+  const uint64_t dw0 = smem_desc(wb + m0 * BK8), dw1 = smem_desc(wb + m1 * BK8), dx = smem_desc(ring);
+  for (int kb = 0; kb < KT; kb++) {
+    const float sw0 = __ldg(ws0 + kb), sw1 = __ldg(ws1 + kb);
+    mbar_wait(bars + 8u * (uint32_t)s, ph);
+    const uint64_t off = (uint64_t)(s * (STAGE8_BYTES >> 4));
+    const uint32_t scales = ring + (uint32_t)(s * STAGE8_BYTES + A8_BYTES + 2 * B_HALF);
+    slice_mma<NV>(acc, dw0 + off, dx + off);
+    promote<NV, 0>(d, acc, scales, lane, sw0);
+    slice_mma<NV>(acc, dw1 + off, dx + off);
+    promote<NV, H2>(d, acc, scales, lane, sw1);
+    __syncwarp(); // the warp's reads of the slot's scales are done
+    release_slot<2>(bars + 8u * (uint32_t)(STAGES8 + s), lane);
+    if (++s == STAGES8) s = 0, ph ^= 1u;
+  }
+  w_epilogue<MODE, NV>(d, stg, tmo, out, N, row0, rows, col0, t, sc);
+}
+
+#endif // MOE_SM90A
+
+// out [C, N] bf16 for the units of decode_w<NV8_MAX>:
+//   tma_a, tma_a32, tma_a8  A [C, K] e4m3 (x, or the quantized h) in boxes {128, 128 / 32 / 8 rows}
+//   tma_b   W [b_rows, K] e4m3: w_gate_up [EL * 2F, H] or w_down [EL * H, F], box {128, 128}
+//   tma_sx  A's scales [K / 128, C4] f32 (C4: C rounded up to 4), box {NV8_MAX, 1}
+//   tma_out out in w_epilogue's boxes {16, 32}
+//   wscale  W's scales [EL, b_rows / EL / 128, K / 128]
+//   N       output columns (F for gate_up, H for down); F the up rows' offset inside an expert
+template <int MODE>
+__global__ void __launch_bounds__(THREADS, 1)
+    sm90_e4m3_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_a32,
+                     const __grid_constant__ CUtensorMap tma_a8, const __grid_constant__ CUtensorMap tma_b,
+                     const __grid_constant__ CUtensorMap tma_sx, const __grid_constant__ CUtensorMap tma_out,
+                     uint16_t *__restrict__ out, const float *__restrict__ wscale, const int *__restrict__ meta, int EL,
+                     int NT, int KT, int N, int F, int b_rows, int *waves) {
+#if defined(MOE_SM90A)
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t staging = ring + STAGES8 * STAGE8_BYTES;
+  const uint32_t bars = staging + 2 * STG_W_BYTES; // full[STAGES8], then empty[STAGES8]
+  auto full_bar = [&](int s) { return bars + 8u * (uint32_t)s; };
+  auto empty_bar = [&](int s) { return bars + 8u * (uint32_t)(STAGES8 + s); };
+
+  const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
+  const int rank = (int)cluster_ctarank(), cid = (int)cluster_id_x(), ncl = (int)cluster_count_x();
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES8; s++) {
+      mbar_init(full_bar(s), 1);
+      mbar_init(empty_bar(s), 8 * 2); // every consumer warp of both CTAs
+    }
+    fence_mbarrier_init();
+  }
+  __syncwarp();
+  cluster_sync();
+
+  const int units = __ldg(meta + 5 * EL + 4) * NT;
+  if (wg == 0) {
+    setmaxnreg_dec<PRODUCER_REGS>();
+    if (threadIdx.x == 0) {
+      prefetch_tmap(&tma_a);
+      prefetch_tmap(&tma_a32);
+      prefetch_tmap(&tma_a8);
+      prefetch_tmap(&tma_b);
+      prefetch_tmap(&tma_sx);
+      int s = 0;
+      uint32_t ph = 0;
+      const int slack = min(WAVE_SLACK, ncl * 2);
+      bool gate = waves != nullptr;
+      int wave = 0;
+      for (int v = cid; v < units; v += ncl, wave++) {
+        if (gate && wave > 0) gate = wave_wait(waves, wave * ncl * 2 - slack);
+        const Work w = decode_w<NV8_MAX>(v, meta, EL, NT, rank);
+        int b0, b1;
+        if (MODE == GATE_UP) b0 = w.e * 2 * F + w.n * (BN / 2), b1 = b0 + F;
+        else b0 = w.e * N + w.n * BN, b1 = b0 + BN / 2;
+        b0 = min(b0, b_rows - 1), b1 = min(b1, b_rows - 1);
+        const int n8 = w.rows > 0 ? (w.rows + 7) & ~7 : 0;
+        for (int kb = 0; kb < KT; kb++) {
+          mbar_wait(empty_bar(s), ph ^ 1u);
+          const uint32_t sa = ring + (uint32_t)(s * STAGE8_BYTES), sb = sa + A8_BYTES, ss = sb + 2 * B_HALF;
+          mbar_expect_tx(full_bar(s), (uint32_t)(n8 * BK8 + 2 * B_HALF + (n8 ? NV8_MAX * 4 : 0)));
+          int r = 0;
+          for (; r + 128 <= n8; r += 128) tma_load(sa + (uint32_t)(r * BK8), &tma_a, kb * BK8, w.row0 + r, full_bar(s));
+          for (; r + 32 <= n8; r += 32) tma_load(sa + (uint32_t)(r * BK8), &tma_a32, kb * BK8, w.row0 + r, full_bar(s));
+          for (; r < n8; r += 8) tma_load(sa + (uint32_t)(r * BK8), &tma_a8, kb * BK8, w.row0 + r, full_bar(s));
+          if (n8) tma_load(ss, &tma_sx, w.row0, kb, full_bar(s));
+          tma_load_multicast(sb + (uint32_t)(rank * B_HALF), &tma_b, kb * BK8, rank ? b1 : b0, full_bar(s), 3);
+          if (++s == STAGES8) s = 0, ph ^= 1u;
+        }
+        if (waves) atomicAdd(waves, 1);
+      }
+    }
+  } else {
+    setmaxnreg_inc<CONSUMER_REGS>();
+    const int cw = wg - 1, t = (int)threadIdx.x & 127, lane = t & 31;
+    const uint32_t stg = staging + (uint32_t)(cw * STG_W_BYTES);
+    int s = 0;
+    uint32_t sc = 0, ph = 0;
+    const int nblk = b_rows / EL / 128; // weight-scale rows an expert
+    for (int v = cid; v < units; v += ncl) {
+      const Work w = decode_w<NV8_MAX>(v, meta, EL, NT, rank);
+      const int nv = __shfl_sync(0xffffffffu, w.rows > 0 ? (w.rows + 7) & ~7 : 0, 0);
+      const int col0 = MODE == GATE_UP ? w.n * (BN / 2) + 64 * cw : w.n * BN + 128 * cw;
+      // the slices' weight-scale rows: gate_up the gate block and the up block of the column tile;
+      // down the warpgroup's 128 outputs (past H when H % 256 != 0: any row, those are not stored)
+      const int r0 = MODE == GATE_UP ? w.n : min(2 * w.n + cw, nblk - 1);
+      const int r1 = MODE == GATE_UP ? F / 128 + w.n : r0;
+      const float *ws0 = wscale + ((long long)w.e * nblk + r0) * KT, *ws1 = wscale + ((long long)w.e * nblk + r1) * KT;
+      switch (nv) {
+#define W8_TILE_CASE(n)                                                                                          \
+  case n:                                                                                                        \
+    w8_tile<MODE, n>(s, ph, ring, bars, stg, cw, t, KT, &tma_out, out, N, w.row0, w.rows, col0, sc, ws0, ws1);   \
+    break;
+        W8_TILE_CASE(8) W8_TILE_CASE(16) W8_TILE_CASE(24) W8_TILE_CASE(32) W8_TILE_CASE(40) W8_TILE_CASE(48)
+        W8_TILE_CASE(56) W8_TILE_CASE(64) W8_TILE_CASE(72) W8_TILE_CASE(80) W8_TILE_CASE(88) W8_TILE_CASE(96)
+        W8_TILE_CASE(104) W8_TILE_CASE(112) W8_TILE_CASE(120) W8_TILE_CASE(128)
+#undef W8_TILE_CASE
+      default: // no rows: keep the ring in step
+        for (int kb = 0; kb < KT; kb++) {
+          mbar_wait(full_bar(s), ph);
+          release_slot<2>(empty_bar(s), lane);
+          if (++s == STAGES8) s = 0, ph ^= 1u;
+        }
+      }
+    }
+  }
+  if (wg > 0 && (threadIdx.x & 31) == 0) bulk_wait_all();
+  __syncwarp();
+  cluster_sync();
+#else
+  __shared__ volatile unsigned char stub_marker[16]; // as sm90_gemm_kernel's stub (sm90a_built)
+  stub_marker[threadIdx.x & 15] = 1;
+  __trap();
+#endif
+}
+
+// h [C, F] bf16 -> q e4m3 [C, F] and its scales [F / 128, C4], as MOE_QUANT_TOKEN_T: one warp a
+// block of 128 (four values a lane), blocks of a column of blocks in consecutive warps so that
+// the scales' stores of a warp group coalesce.
+__global__ void __launch_bounds__(256) quantize_rows_kernel(const uint16_t *__restrict__ h, uint8_t *__restrict__ q,
+                                                            float *__restrict__ scale, const int *__restrict__ meta,
+                                                            int EL, int C4, int F) {
+  // the rows the experts wrote: lo[0] .. hi[EL - 1] (sm90_map_kernel's meta)
+  const int first = __ldg(meta + 2 * EL + 2), rows = __ldg(meta + 4 * EL + 1) - first;
+  const int lane = threadIdx.x & 31, nb = F / 128;
+  const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long b = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); b < (long long)rows * nb;
+       b += nw) {
+    const int row = first + (int)(b % rows), kb = (int)(b / rows);
+    const uint2 raw = *reinterpret_cast<const uint2 *>(h + (long long)row * F + kb * 128 + 4 * lane);
+    float v[4];
+    v[0] = __uint_as_float(raw.x << 16), v[1] = __uint_as_float(raw.x & 0xFFFF0000u);
+    v[2] = __uint_as_float(raw.y << 16), v[3] = __uint_as_float(raw.y & 0xFFFF0000u);
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) amax = moeI_fp8_amax(amax, v[i]);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = moeI_fp8_token_scale(amax);
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) packed |= (uint32_t)moeI_fp8_quantize(v[i], s) << (8 * i);
+    *reinterpret_cast<uint32_t *>(q + (long long)row * F + kb * 128 + 4 * lane) = packed;
+    if (lane == 0) scale[(long long)kb * C4 + row] = s;
+  }
+}
+
+} // namespace
