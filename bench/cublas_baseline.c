@@ -2,7 +2,7 @@
 /* cublas_baseline.c -- the cuBLAS reference points of scenarios/experts.lua.
  *
  *   cublas_baseline H F [--device N] [--warmup N] [--iters N] [--data normal|uniform]
- *                   (--file PATH | N_0 N_1 ... N_{EL-1})
+ *                   [--precision bf16|fp8] (--file PATH | N_0 N_1 ... N_{EL-1})
  *
  * A case is a list of expert row counts (on the command line, or one case per line of PATH:
  * counts separated by blanks or commas, '#' starts a comment).  For each case it times, with
@@ -11,7 +11,12 @@
  *               down [rows x F] x [F x H] (one GEMM each, the same FLOPs as the experts stage);
  *   per_expert: the same two GEMMs for each expert with its own row count and its own weights,
  *               launched back to back on one stream (empty experts launch nothing).
- * bf16 inputs, f32 accumulation (cublasGemmEx, CUBLAS_COMPUTE_32F), bf16 outputs.  SwiGLU is
+ * bf16 inputs, f32 accumulation (cublasGemmEx, CUBLAS_COMPUTE_32F), bf16 outputs.
+ * --precision fp8: the dense pair only, in cuBLASLt on e4m3 operands with the FP8 experts' block
+ * scales (weights one f32 a 128 x 128 block, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F; rows
+ * one f32 a 1 x 128 block, VEC128_32F), f32 accumulation, bf16 out; down reads an e4m3 [rows, F]
+ * of its own (the quantization of h is omitted with SwiGLU).  The e4m3 values are normal draws
+ * quantized with the scale their amax would give, so their bits are the FP8 stage's.  SwiGLU is
  * omitted: down reads the gate half of the gate_up output in place (leading dimension 2F), so
  * the traffic and the FLOPs are those of the stage without its elementwise epilogue.
  * Inputs are random bf16, by default as the experts stage's scenarios and tests draw them
@@ -24,6 +29,7 @@
  * Output, one line per case and kind, key=value separated by blanks (a leading '#' marks a note):
  *   case=1 kind=dense experts=48 rows=57344 gemms=2 ms=8.123 tflops=621.6 min_ms=8.001 max_ms=8.250
  * TFLOP/s counts rows x 6 x H x F.  Errors go to stderr with exit status 1. */
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <errno.h>
@@ -32,6 +38,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fp8_math.h"
 
 #define CUDA_OK(call)                                                                                       \
   do {                                                                                                      \
@@ -56,7 +64,7 @@
 static void die(const char *msg, const char *what) {
   fprintf(stderr, "error: %s%s%s\n", msg, what ? ": " : "", what ? what : "");
   fprintf(stderr, "usage: cublas_baseline H F [--device N] [--warmup N] [--iters N] [--data normal|uniform] "
-                  "(--file PATH | N_0 N_1 ...)\n");
+                  "[--precision bf16|fp8] (--file PATH | N_0 N_1 ...)\n");
   exit(1);
 }
 
@@ -120,6 +128,71 @@ static void gemm(cublasHandle_t h, int64_t M, int64_t N, int64_t K, const void *
   CUBLAS_OK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)M, (int)K, &one, W, CUDA_R_16BF, (int)ldw, X,
                          CUDA_R_16BF, (int)ldx, &zero, Y, CUDA_R_16BF, (int)ldy, CUBLAS_COMPUTE_32F,
                          CUBLAS_GEMM_DEFAULT));
+}
+
+/* The FP8 GEMM of the same shape: Y [M x N] bf16 = X [M x K] . W^T, e4m3 operands with the
+ * block scales (sw: W's [N/128, K/128], sx: X's per row and 128 of k), through cuBLASLt's "TN". */
+typedef struct {
+  cublasLtHandle_t lt;
+  void *ws;
+  size_t ws_bytes;
+  cudaStream_t stream;
+} Lt;
+
+#define LT_OK(call)                                                                                         \
+  do {                                                                                                      \
+    cublasStatus_t s_ = (call);                                                                             \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                      \
+      fprintf(stderr, "error: %s failed at %s:%d: status %d\n", #call, __FILE__, __LINE__, (int)s_);        \
+      exit(1);                                                                                              \
+    }                                                                                                       \
+  } while (0)
+
+typedef struct {
+  cublasLtMatmulDesc_t op;
+  cublasLtMatrixLayout_t la, lb, ld;
+  cublasLtMatmulAlgo_t algo;
+  const void *W, *X;
+  void *Y;
+} Fp8Gemm;
+
+/* Made once a case, so that no heuristic query is on the clock. */
+static void fp8_plan(const Lt *lt, Fp8Gemm *g, int64_t M, int64_t N, int64_t K, const void *W, const float *sw,
+                     const void *X, const float *sx, void *Y) {
+  LT_OK(cublasLtMatmulDescCreate(&g->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  const cublasLtMatmulMatrixScale_t ma = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+                                    mb = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  LT_OK(cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  LT_OK(cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  LT_OK(cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &ma, sizeof ma));
+  LT_OK(cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mb, sizeof mb));
+  LT_OK(cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sw, sizeof sw));
+  LT_OK(cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx, sizeof sx));
+  LT_OK(cublasLtMatrixLayoutCreate(&g->la, CUDA_R_8F_E4M3, (uint64_t)K, (uint64_t)N, K));
+  LT_OK(cublasLtMatrixLayoutCreate(&g->lb, CUDA_R_8F_E4M3, (uint64_t)K, (uint64_t)M, K));
+  LT_OK(cublasLtMatrixLayoutCreate(&g->ld, CUDA_R_16BF, (uint64_t)N, (uint64_t)M, N));
+  cublasLtMatmulPreference_t pref;
+  LT_OK(cublasLtMatmulPreferenceCreate(&pref));
+  LT_OK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &lt->ws_bytes,
+                                             sizeof lt->ws_bytes));
+  cublasLtMatmulHeuristicResult_t heur;
+  int found = 0;
+  LT_OK(cublasLtMatmulAlgoGetHeuristic(lt->lt, g->op, g->la, g->lb, g->ld, g->ld, pref, 1, &heur, &found));
+  if (!found) die("cuBLASLt offers no FP8 block-scaled algorithm for this shape", NULL);
+  cublasLtMatmulPreferenceDestroy(pref);
+  g->algo = heur.algo, g->W = W, g->X = X, g->Y = Y;
+}
+
+static void fp8_run(const Lt *lt, const Fp8Gemm *g) {
+  const float one = 1.0f, zero = 0.0f;
+  LT_OK(cublasLtMatmul(lt->lt, g->op, &one, g->W, g->la, g->X, g->lb, &zero, g->Y, g->ld, g->Y, g->ld, &g->algo,
+                       lt->ws, lt->ws_bytes, lt->stream));
+}
+
+static void fp8_free(Fp8Gemm *g) {
+  cublasLtMatrixLayoutDestroy(g->la), cublasLtMatrixLayoutDestroy(g->lb), cublasLtMatrixLayoutDestroy(g->ld);
+  cublasLtMatmulDescDestroy(g->op);
 }
 
 /* Fills n bf16 values at dst by copying the random pool over it. */
@@ -186,9 +259,96 @@ static void run_case(const Bufs *b, const Case *c, int dense) {
   }
 }
 
+/* The median of n timings (sorted in place). */
+static double median(float *ms, int n) {
+  qsort(ms, (size_t)n, sizeof *ms, cmp_float);
+  return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+}
+
+/* n e4m3 values on the device: sd-scaled normal (or uniform) draws quantized with the scale of
+ * their expected amax, as moe_quantize would scale them. */
+static uint8_t *make_pool8(size_t n, int normal, uint64_t seed) {
+  uint8_t *host = malloc(n);
+  if (!host) die("out of host memory", NULL);
+  uint64_t s = seed;
+  const float scale = moeI_fp8_weight_scale(normal ? 3.5f : 1.0f);
+  for (size_t i = 0; i < n; i++) {
+    double u = 0;
+    for (int j = 0; j < (normal ? 4 : 1); j++) {
+      s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+      u += (double)(s >> 40) / (double)(1ull << 24);
+    }
+    host[i] = moeI_fp8_quantize((float)(normal ? (u - 2.0) * sqrt(3.0) : u * 2.0 - 1.0), scale);
+  }
+  uint8_t *pool;
+  CUDA_OK(cudaMalloc((void **)&pool, n));
+  CUDA_OK(cudaMemcpy(pool, host, n, cudaMemcpyHostToDevice));
+  free(host);
+  return pool;
+}
+
+static void *dev_fill8(size_t n, const uint8_t *pool, size_t pool_n) {
+  char *d;
+  CUDA_OK(cudaMalloc((void **)&d, n ? n : 1));
+  for (size_t done = 0; done < n; done += pool_n)
+    CUDA_OK(cudaMemcpy(d + done, pool, n - done < pool_n ? n - done : pool_n, cudaMemcpyDeviceToDevice));
+  return d;
+}
+
+static float *dev_scales(size_t n, float v) {
+  float *host = malloc(n * sizeof *host), *d;
+  if (!host) die("out of host memory", NULL);
+  for (size_t i = 0; i < n; i++) host[i] = v;
+  CUDA_OK(cudaMalloc((void **)&d, n * sizeof *d));
+  CUDA_OK(cudaMemcpy(d, host, n * sizeof *d, cudaMemcpyHostToDevice));
+  free(host);
+  return d;
+}
+
+/* --precision fp8: the dense pair of every case in cuBLASLt FP8, one line a case. */
+static void time_fp8(const Cases *cs, int64_t H, int64_t F, int64_t max_rows, int normal, int warmup, int iters,
+                     cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, float *ms) {
+  const size_t pool_n = (size_t)1 << 24, rows = (size_t)(max_rows ? max_rows : 1);
+  uint8_t *pool = make_pool8(pool_n, normal, 0x243f6a8885a308d3ull);
+  void *x8 = dev_fill8(rows * (size_t)H, pool, pool_n), *h8 = dev_fill8(rows * (size_t)F, pool, pool_n);
+  void *wgu8 = dev_fill8((size_t)(2 * F) * (size_t)H, pool, pool_n), *wdn8 = dev_fill8((size_t)H * (size_t)F, pool, pool_n);
+  const size_t kb = (size_t)((H > F ? H : F) + 127) / 128;
+  float *sx = dev_scales(rows * kb, 1.0f / 64), *sw = dev_scales(kb * kb * 2, 1.0f / 512);
+  uint16_t *hbuf, *y;
+  CUDA_OK(cudaMalloc((void **)&hbuf, rows * (size_t)(2 * F) * 2));
+  CUDA_OK(cudaMalloc((void **)&y, rows * (size_t)H * 2));
+  Lt lt = {.ws_bytes = (size_t)64 << 20, .stream = stream};
+  LT_OK(cublasLtCreate(&lt.lt));
+  CUDA_OK(cudaMalloc(&lt.ws, lt.ws_bytes));
+  for (int ci = 0; ci < cs->n; ci++) {
+    const Case *c = &cs->v[ci];
+    if (!c->total) continue;
+    Fp8Gemm gu, dn;
+    fp8_plan(&lt, &gu, c->total, 2 * F, H, wgu8, sw, x8, sx, hbuf);
+    fp8_plan(&lt, &dn, c->total, H, F, wdn8, sw, h8, sx, y);
+    for (int i = 0; i < warmup + iters; i++) {
+      CUDA_OK(cudaEventRecord(start, stream));
+      fp8_run(&lt, &gu);
+      fp8_run(&lt, &dn);
+      CUDA_OK(cudaEventRecord(stop, stream));
+      CUDA_OK(cudaEventSynchronize(stop));
+      if (i >= warmup) CUDA_OK(cudaEventElapsedTime(&ms[i - warmup], start, stop));
+    }
+    CUDA_OK(cudaGetLastError());
+    const double med = median(ms, iters), flop = (double)c->total * 6.0 * (double)H * (double)F;
+    printf("case=%d kind=dense_fp8 experts=%d rows=%lld gemms=2 ms=%.4f tflops=%.2f min_ms=%.4f max_ms=%.4f\n", ci + 1,
+           c->n, (long long)c->total, med, flop / (med * 1e9), ms[0], ms[iters - 1]);
+    fflush(stdout);
+    fp8_free(&gu), fp8_free(&dn);
+  }
+  cublasLtDestroy(lt.lt);
+  cudaFree(lt.ws), cudaFree(pool), cudaFree(x8), cudaFree(h8), cudaFree(wgu8), cudaFree(wdn8), cudaFree(sx);
+  cudaFree(sw), cudaFree(hbuf), cudaFree(y);
+}
+
 int main(int argc, char **argv) {
   int64_t H = 0, F = 0;
-  int device = 0, warmup = 3, iters = 10, npos = 0, normal = 1;
+  int device = 0, warmup = 3, iters = 10, npos = 0, normal = 1, fp8 = 0;
   const char *file = NULL;
   Cases cs = {0};
   int64_t *cmd = calloc((size_t)argc, sizeof *cmd);
@@ -198,7 +358,7 @@ int main(int argc, char **argv) {
     const char *a = argv[i];
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
       printf("usage: cublas_baseline H F [--device N] [--warmup N] [--iters N] [--data normal|uniform] "
-             "(--file PATH | N_0 N_1 ...)\n");
+             "[--precision bf16|fp8] (--file PATH | N_0 N_1 ...)\n");
       return 0;
     }
     if (!strncmp(a, "--", 2)) {
@@ -208,7 +368,10 @@ int main(int argc, char **argv) {
       else if (!strcmp(a, "--warmup")) warmup = (int)parse_long(v, "--warmup needs an integer >= 0", 0, 100000);
       else if (!strcmp(a, "--iters")) iters = (int)parse_long(v, "--iters needs an integer >= 1", 1, 100000);
       else if (!strcmp(a, "--file")) file = v;
-      else if (!strcmp(a, "--data")) {
+      else if (!strcmp(a, "--precision")) {
+        if (strcmp(v, "bf16") && strcmp(v, "fp8")) die("--precision is bf16 or fp8", v);
+        fp8 = !strcmp(v, "fp8");
+      } else if (!strcmp(a, "--data")) {
         if (strcmp(v, "normal") && strcmp(v, "uniform")) die("--data is normal or uniform", v);
         normal = !strcmp(v, "normal");
       }
@@ -244,6 +407,25 @@ int main(int argc, char **argv) {
   CUDA_OK(cudaSetDevice(device));
   struct cudaDeviceProp prop;
   CUDA_OK(cudaGetDeviceProperties(&prop, device));
+  if (fp8) {
+    cudaStream_t st;
+    cudaEvent_t e0, e1;
+    float *t = malloc((size_t)iters * sizeof *t);
+    if (!t) die("out of host memory", NULL);
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    printf("# cublas_baseline: H=%lld F=%lld on device %d (%s); cuBLASLt e4m3 in, block scales 128x128 (weights) "
+           "and 1x128 (rows), f32 accumulate, bf16 out; gate_up then down, SwiGLU and the quantization of h omitted; "
+           "%s data; median of %d after %d warm-up\n",
+           (long long)H, (long long)F, device, prop.name, normal ? "normal" : "uniform", iters, warmup);
+    time_fp8(&cs, H, F, max_rows, normal, warmup, iters, st, e0, e1, t);
+    cudaEventDestroy(e0), cudaEventDestroy(e1), cudaStreamDestroy(st);
+    free(t), free(cmd);
+    for (int i = 0; i < cs.n; i++) free(cs.v[i].rows);
+    free(cs.v);
+    return 0;
+  }
 
   /* pools of random bf16 values, copied over every buffer: filling gigabytes of weights from
    * the host would take longer than the timing */
@@ -295,8 +477,7 @@ int main(int argc, char **argv) {
         CUDA_OK(cudaEventElapsedTime(&ms[i], start, stop));
       }
       CUDA_OK(cudaGetLastError());
-      qsort(ms, (size_t)iters, sizeof *ms, cmp_float);
-      double med = iters % 2 ? ms[iters / 2] : 0.5 * (ms[iters / 2 - 1] + ms[iters / 2]);
+      double med = median(ms, iters);
       double flop = (double)c->total * 6.0 * (double)H * (double)F;
       printf("case=%d kind=%s experts=%d rows=%lld gemms=%d ms=%.4f tflops=%.2f min_ms=%.4f max_ms=%.4f\n", ci + 1,
              dense ? "dense" : "per_expert", c->n, (long long)c->total, dense ? (c->total ? 2 : 0) : 2 * nonempty,
