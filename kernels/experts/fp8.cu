@@ -16,9 +16,9 @@ namespace {
 bool encode_e4m3(CUtensorMap *m, const void *base, long long rows, long long k, int box_rows) {
   return encode_2d(m, base, rows, k, box_rows, BK8, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_DATA_TYPE_UINT8);
 }
-// A's scales [kb, c4] f32 in boxes of NV8_MAX tokens of one k block.
+// A's scales [kb, c4] f32 in boxes of S8_COUNT tokens of one k block.
 bool encode_scales(CUtensorMap *m, const void *base, long long kb, long long c4) {
-  return encode_2d(m, base, kb, c4, 1, NV8_MAX, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
+  return encode_2d(m, base, kb, c4, 1, S8_COUNT, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
 }
 // The three boxes of A's rows (128, 32, 8).
 bool encode_rows(CUtensorMap m[3], const void *base, long long rows, long long k) {

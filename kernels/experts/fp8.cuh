@@ -7,7 +7,7 @@
 // A stage is one k block of 128: 128 e4m3 bytes a row, the same 128-byte swizzle rows as bf16's
 // 64 columns, so the descriptors, boxes and k32 slices (32 bytes) are bf16's byte for byte.  A
 // stage also brings the CTA's tokens' scales of that k block (x_scale is [K/128, C]: one box of
-// NV8_MAX floats).  The weights' scale of a warpgroup's 64-row slice is one float a k block (a
+// S8_COUNT floats from the first token rounded down to 4, since a box starts on 16 bytes).  The weights' scale of a warpgroup's 64-row slice is one float a k block (a
 // slice never crosses a 128-row block), read from global memory (L1) before the stage's wait.
 //
 // Promotion: the tensor cores' f32 sums over a whole K would drift from the block-scaled sum the
@@ -27,28 +27,30 @@ namespace {
 constexpr int NV8_MAX = 128;                             // tokens a CTA (wgmma N)
 constexpr int BK8 = 128;                                 // k a stage: one scale block, 128 bytes a row
 constexpr int A8_BYTES = NV8_MAX * BK8;                  // 16 KiB of tokens
-constexpr int S8_BYTES = 1024;                           // the tokens' scales (NV8_MAX floats), padded
+constexpr int S8_COUNT = NV8_MAX + 4;                    // a box of scales: from the CTA's first token rounded
+                                                         // down to 4 (a box starts on 16 bytes)
+constexpr int S8_BYTES = 1024;                           // their slot
 constexpr int STAGE8_BYTES = A8_BYTES + 2 * B_HALF + S8_BYTES;
 constexpr int STAGES8 = 3;
 constexpr int SMEM8_BYTES = STAGES8 * STAGE8_BYTES + 2 * STG_W_BYTES + 2 * STAGES8 * 8 + 1024;
 static_assert(B_HALF == 128 * BK8, "a weight half is 128 rows of 128 e4m3, as of 64 bf16");
 static_assert(STAGE8_BYTES % 1024 == 0 && A8_BYTES % 1024 == 0, "operands on 1024-byte swizzle atoms");
 static_assert(SMEM8_BYTES <= 232448, "fits the 227 KiB a Hopper block may opt in to");
-static_assert(NV8_MAX * 4 <= S8_BYTES, "a stage's token scales fit their slot");
+static_assert(S8_COUNT * 4 <= S8_BYTES && S8_COUNT * 4 % 16 == 0, "a stage's token scales fit their slot");
 
 #if defined(MOE_SM90A)
 
 // d[OFF + i] += acc[i] * (x_scale of i's token * sw): acc is one 64-row slice (m64nNV); register i
 // of a thread holds token n = 8 (i / 4) + 2 (lane % 4) + (i % 2), so i and i + 1 are two
-// neighbouring tokens (one 8-byte load of their scales) and i + 2, i + 3 the same two tokens in
-// the row 8 further.
+// neighbouring tokens and i + 2, i + 3 the same two tokens in the row 8 further.  scales: the
+// CTA's first token's scale.
 template <int NV, int OFF>
 __device__ __forceinline__ void promote(float (&d)[NV], const float (&acc)[NV / 2], uint32_t scales, int lane,
                                         float sw) {
 #pragma unroll
   for (int j = 0; j < NV / 8; j++) {
-    const float2 sx = ld_shared_f2(scales + (uint32_t)(4 * (8 * j + 2 * (lane & 3))));
-    const float s0 = sx.x * sw, s1 = sx.y * sw;
+    const uint32_t at = scales + (uint32_t)(4 * (8 * j + 2 * (lane & 3)));
+    const float s0 = ld_shared_f32(at) * sw, s1 = ld_shared_f32(at + 4) * sw;
     d[OFF + 4 * j + 0] = __fmaf_rn(acc[4 * j + 0], s0, d[OFF + 4 * j + 0]);
     d[OFF + 4 * j + 1] = __fmaf_rn(acc[4 * j + 1], s1, d[OFF + 4 * j + 1]);
     d[OFF + 4 * j + 2] = __fmaf_rn(acc[4 * j + 2], s0, d[OFF + 4 * j + 2]);
@@ -76,6 +78,7 @@ __device__ __forceinline__ void w8_tile(int &s, uint32_t &ph, uint32_t ring, uin
                                         int t, int KT, const CUtensorMap *tmo, uint16_t *__restrict__ out, int N,
                                         int row0, int rows, int col0, uint32_t &sc, const float *__restrict__ ws0,
                                         const float *__restrict__ ws1) {
+  const uint32_t first_scale = 4u * (uint32_t)(row0 & 3); // where the box of scales has row0's (producer)
   constexpr int H2 = NV / 2;
   float d[NV];
 #pragma unroll
@@ -89,7 +92,7 @@ __device__ __forceinline__ void w8_tile(int &s, uint32_t &ph, uint32_t ring, uin
     const float sw0 = __ldg(ws0 + kb), sw1 = __ldg(ws1 + kb);
     mbar_wait(bars + 8u * (uint32_t)s, ph);
     const uint64_t off = (uint64_t)(s * (STAGE8_BYTES >> 4));
-    const uint32_t scales = ring + (uint32_t)(s * STAGE8_BYTES + A8_BYTES + 2 * B_HALF);
+    const uint32_t scales = ring + (uint32_t)(s * STAGE8_BYTES + A8_BYTES + 2 * B_HALF) + first_scale;
     slice_mma<NV>(acc, dw0 + off, dx + off);
     promote<NV, 0>(d, acc, scales, lane, sw0);
     slice_mma<NV>(acc, dw1 + off, dx + off);
@@ -106,7 +109,7 @@ __device__ __forceinline__ void w8_tile(int &s, uint32_t &ph, uint32_t ring, uin
 // out [C, N] bf16 for the units of decode_w<NV8_MAX>:
 //   tma_a, tma_a32, tma_a8  A [C, K] e4m3 (x, or the quantized h) in boxes {128, 128 / 32 / 8 rows}
 //   tma_b   W [b_rows, K] e4m3: w_gate_up [EL * 2F, H] or w_down [EL * H, F], box {128, 128}
-//   tma_sx  A's scales [K / 128, C4] f32 (C4: C rounded up to 4), box {NV8_MAX, 1}
+//   tma_sx  A's scales [K / 128, C4] f32 (C4: C rounded up to 4), box {S8_COUNT, 1}
 //   tma_out out in w_epilogue's boxes {16, 32}
 //   wscale  W's scales [EL, b_rows / EL / 128, K / 128]
 //   N       output columns (F for gate_up, H for down); F the up rows' offset inside an expert
@@ -162,12 +165,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int kb = 0; kb < KT; kb++) {
           mbar_wait(empty_bar(s), ph ^ 1u);
           const uint32_t sa = ring + (uint32_t)(s * STAGE8_BYTES), sb = sa + A8_BYTES, ss = sb + 2 * B_HALF;
-          mbar_expect_tx(full_bar(s), (uint32_t)(n8 * BK8 + 2 * B_HALF + (n8 ? NV8_MAX * 4 : 0)));
+          mbar_expect_tx(full_bar(s), (uint32_t)(n8 * BK8 + 2 * B_HALF + (n8 ? S8_COUNT * 4 : 0)));
           int r = 0;
           for (; r + 128 <= n8; r += 128) tma_load(sa + (uint32_t)(r * BK8), &tma_a, kb * BK8, w.row0 + r, full_bar(s));
           for (; r + 32 <= n8; r += 32) tma_load(sa + (uint32_t)(r * BK8), &tma_a32, kb * BK8, w.row0 + r, full_bar(s));
           for (; r < n8; r += 8) tma_load(sa + (uint32_t)(r * BK8), &tma_a8, kb * BK8, w.row0 + r, full_bar(s));
-          if (n8) tma_load(ss, &tma_sx, w.row0, kb, full_bar(s));
+          if (n8) tma_load(ss, &tma_sx, w.row0 & ~3, kb, full_bar(s)); // a box starts on 16 bytes
           tma_load_multicast(sb + (uint32_t)(rank * B_HALF), &tma_b, kb * BK8, rank ? b1 : b0, full_bar(s), 3);
           if (++s == STAGES8) s = 0, ph ^= 1u;
         }
