@@ -48,17 +48,17 @@ static int check_args(moe_ctx *ctx, const char *stage, const char *vname, const 
   sshape[nd - 2] = kind == MOE_QUANT_TOKEN_T ? nbk : nbr;
   sshape[nd - 1] = kind == MOE_QUANT_TOKEN_T ? nbr : nbk;
   if (moeI_check_tensor(ctx, stage, "scale", scale, MOE_F32, nd, sshape)) {
-    char vtext[160];
+    char qtext[160];
     shape_text(want, sizeof want, MOE_F32, nd, sshape);
-    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: scale must be %s for %s %s (kind %s: %s), got %s", stage, want, vname,
-                       moeI_tensor_describe(v, vtext, sizeof vtext), kind_name(kind),
+    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: scale must be %s for q %s (kind %s: %s), got %s", stage, want,
+                       moeI_tensor_describe(q, qtext, sizeof qtext), kind_name(kind),
                        block ? "one per 128 x 128 block" : kind == MOE_QUANT_TOKEN ? "one per row and 128 columns"
                                                                            : "one per 128 columns and row, transposed",
                        moeI_tensor_describe(scale, got, sizeof got));
   }
   const moe_tensor *ts[] = {q, scale, v};
   const char *const names[] = {"q", "scale", vname};
-  if ((rc = moeI_check_same_device(ctx, stage, vname, v->device, ts, names, 3))) return rc;
+  if ((rc = moeI_check_same_device(ctx, stage, "q", q->device, ts, names, 3))) return rc;
   /* the outputs first: q and scale, or the dequantized v */
   if (v_is_out) {
     const moe_tensor *outs[] = {v, q, scale};
