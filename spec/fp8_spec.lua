@@ -162,7 +162,7 @@ describe("the e4m3 dtype [#cpu]", function()
     local rows = {
       { name, moe.zeros(ts[name].shape, { dtype = "e4m3" }), moe.zeros({ 2, 2 }), "is read into e4m3 as it is, without a scale" },
       { "model.layers.1.mlp.gate.weight", moe.zeros({ 1, 136 }, { dtype = "e4m3" }), nil,
-        "only F8_E4M3 is read into e4m3, got e4m3 [1, 136] on cpu" },
+        "which reads into bf16 or f32; only F8_E4M3 reads into e4m3, got e4m3 [1, 136] on cpu" },
     }
     for _, row in ipairs(rows) do
       local ok, err = pcall(f.read, f, row[1], row[2], row[3])
