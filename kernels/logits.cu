@@ -2,23 +2,35 @@
 // logits.cu -- router logits out f32 [N, E] = x bf16 [N, H] . w bf16 [E, H]^T, and the Qwen3.5
 // shared-expert gate g f32 [T] = sigmoid(x . w), on the GPU.
 //
-// Both give moeI_logits_cpu's / moeI_sigmoid_gate_cpu's dot products bit for bit, because the route
-// stage selects experts on them: a logit one ulp away from the CPU's could flip a near tie, and
-// the layer's forward (GPU) and reference (CPU) would then route a token differently.  mlp.h
-// fixes one summation order: element i goes into partial sum i % 8, in ascending i, and the
+// Two paths for the logits, chosen by the context's option "logits" (moeI_logits_tensor):
+//
+// tensor (the default): bf16 mma.sync.m16n8k16 with f32 accumulators, the GEMM of
+// kernels/experts/mma.cu (128 x 128 x 64 block tiles, 8 warps of 64 x 32, cp.async three stages
+// deep, ldmatrix from XOR-swizzled shared memory) with f32 stores.  Each output is one thread's
+// accumulator, fed the k16 steps of H in ascending order and nothing else: no split of H across
+// blocks or warps, so its order of summation depends neither on N nor on the grid nor on the
+// other rows of the batch, and a row's logits are the same bits alone or batched.  They are not
+// the CPU's bits: the tensor cores sum 16 products at a time in an order (and with a rounding)
+// of their own.  Zero-filled rows past N or E and chunks past H add exact zeros.
+//
+// exact: gives moeI_logits_cpu's / moeI_sigmoid_gate_cpu's dot products bit for bit, because
+// the route stage selects experts on them: a logit one ulp away from the CPU's could flip a near
+// tie, and the layer's forward (GPU) and reference (CPU) would then route a token differently.
+// mlp.h fixes one summation order: element i goes into partial sum i % 8, in ascending i, and the
 // eight partial sums are added as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)).  Here each
 // partial sum is a chain of fused multiply-adds: the product of two bf16 values has at most 16
 // significant bits, so it is exact in f32 and fma(w, x, s) = s + w * x rounded once, which is
 // what the CPU's separate multiply and add compute.  (The one exception is a product below
 // 2^-126 whose subnormal would lose bits: |w x| < 1.2e-38, far from router data.)
 //
-// logits: a SIMT tile kernel without tensor cores (their accumulation order is not IEEE's).
+// The exact kernel is a SIMT tile kernel without tensor cores.
 // A block computes a 32 x 64 tile of out with 8 warps, warp j owning partial sum j: it
 // accumulates elements i = j (mod 8) for the whole tile, 8 x 8 outputs per thread.  The
 // warps' partial tiles are then added pairwise through shared memory in the order above.
 #include <stdint.h>
 
 #include "common.cuh"
+#include "mma.cuh"
 #include "route_math.h"
 
 namespace {
@@ -206,26 +218,167 @@ gate_kernel(float *__restrict__ g, const uint16_t *__restrict__ x, const uint16_
   if (j == 0 && t0 + tok < T) g[t0 + tok] = moeI_rm_sigmoid(s);
 }
 
+// ---- the tensor-core path ----
+
+namespace tc {
+constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3; // tokens, experts, elements of H per stage
+constexpr int THREADS = 256;                           // 8 warps: 2 along tokens x 4 along experts
+constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES; // 96 KiB: two blocks per SM
+constexpr int LOADS = BM * BK / 8 / THREADS;     // 16-byte chunks per thread per operand
+static_assert(BM == BN && LOADS * THREADS * 8 == BM * BK, "the loader covers both tiles");
+static_assert(BK * 2 == MMA_ROW_BYTES, "a stage row is one swizzled row of mma.cuh");
+} // namespace tc
+
+// out [N, E] for the block's 128 tokens and 128 experts.  H % 8 == 0, x and w 16-byte aligned
+// (moeI_logits_tensor); pairs: E is even and out 8-byte aligned, so two columns store as one.
+__global__ void __launch_bounds__(tc::THREADS, 2)
+logits_tc_kernel(float *__restrict__ out, const uint16_t *__restrict__ x, const uint16_t *__restrict__ w,
+                 int64_t N, int64_t E, int64_t H, bool pairs) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp >> 2, wn = warp & 3;
+  // blockIdx.x, the expert tile, varies fastest: the blocks of one token tile run together and
+  // read its x from memory once (w, 5.5 MB for Kimi K2, stays in L2)
+  const int64_t n0 = (int64_t)blockIdx.y * tc::BM, e0 = (int64_t)blockIdx.x * tc::BN;
+
+  // Loader: thread tid moves chunk (tid & 7) of tile rows tid/8 + 32i, i < tc::LOADS, of x and w;
+  // rows past N or E are zero-filled (src_bytes 0 reads nothing, from an address that is valid).
+  const int lch = tid & 7, lrow = tid >> 3;
+  const int64_t step = 32 * H;
+  const uint16_t *a_base = x + (n0 + lrow) * H + 8 * lch;
+  const uint16_t *b_base = w + (e0 + lrow) * H + 8 * lch;
+  unsigned a_ok = 0, b_ok = 0;
+#pragma unroll
+  for (int i = 0; i < tc::LOADS; i++) {
+    a_ok |= (unsigned)(n0 + lrow + 32 * i < N) << i;
+    b_ok |= (unsigned)(e0 + lrow + 32 * i < E) << i;
+  }
+  const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+  const int st_off = swz(lrow, lch); // rows 32i further keep the same swizzle
+
+  auto load_stage = [&](int slot, int64_t kt) {
+    const int64_t k = kt * tc::BK;
+    const bool kin = k + 8 * lch < H; // H % 8 == 0: a chunk is all in or all out
+    const uint32_t sa = sbase + (uint32_t)(slot * tc::STAGE_BYTES + st_off), sb = sa + tc::A_BYTES;
+#pragma unroll
+    for (int i = 0; i < tc::LOADS; i++) {
+      const bool aok = kin && ((a_ok >> i) & 1), bok = kin && ((b_ok >> i) & 1);
+      cp_async16(sa + i * 32 * MMA_ROW_BYTES, aok ? a_base + i * step + k : x, aok ? 16 : 0);
+      cp_async16(sb + i * 32 * MMA_ROW_BYTES, bok ? b_base + i * step + k : w, bok ? 16 : 0);
+    }
+  };
+
+  // ldmatrix addressing.  A (m16 x k16 of mma tile mi): lane l gives row l & 15, chunk l >> 4.
+  // B (two n8 x k16 tiles of pair p): lane l gives row 8 (l >> 4) + (l & 7), chunk (l >> 3) & 1.
+  // Tile rows are multiples of 8 apart, so the swizzle term is lane & 7 throughout.
+  const int a_row = wm * 64 + (lane & 15);
+  const int b_row = wn * 32 + ((lane >> 4) << 3) + (lane & 7);
+
+  float acc[4][4][4];
+#pragma unroll
+  for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int q = 0; q < 4; q++) acc[mi][j][q] = 0.f;
+
+  const int64_t KT = (H + tc::BK - 1) / tc::BK;
+#pragma unroll
+  for (int s = 0; s < tc::STAGES - 1; s++) {
+    if (s < KT) load_stage(s, s);
+    cp_async_commit();
+  }
+  for (int64_t kt = 0; kt < KT; kt++) {
+    cp_async_wait<tc::STAGES - 2>(); // this thread's copies of stage kt have landed
+    __syncthreads();             // everyone's have, and everyone is done with stage kt - 1
+    const int64_t nk = kt + tc::STAGES - 1;
+    if (nk < KT) load_stage((int)(nk % tc::STAGES), nk);
+    cp_async_commit();
+
+    const uint32_t sa = sbase + (uint32_t)((kt % tc::STAGES) * tc::STAGE_BYTES), sb = sa + tc::A_BYTES;
+#pragma unroll
+    for (int ks = 0; ks < tc::BK / 16; ks++) {
+      uint32_t af[4][4], bfr[2][4];
+#pragma unroll
+      for (int mi = 0; mi < 4; mi++) ldsm_x4(af[mi], sa + swz(a_row + mi * 16, 2 * ks + (lane >> 4)));
+#pragma unroll
+      for (int p = 0; p < 2; p++) ldsm_x4(bfr[p], sb + swz(b_row + p * 16, 2 * ks + ((lane >> 3) & 1)));
+#pragma unroll
+      for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+          mma_bf16(acc[mi][j], af[mi], bfr[j >> 1][(j & 1) * 2], bfr[j >> 1][(j & 1) * 2 + 1]);
+    }
+  }
+  cp_async_wait<0>(); // no copy outlives the block (the last groups are empty)
+
+  // Accumulator (mi, j), element q: token wm*64 + 16mi + (lane >> 2) + 8(q >> 1), expert
+  // wn*32 + 8j + 2(lane & 3) + (q & 1).
+#pragma unroll
+  for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const int64_t n = n0 + wm * 64 + mi * 16 + (lane >> 2) + half * 8;
+      if (n >= N) continue;
+      float *row = out + n * E;
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        const int64_t e = e0 + wn * 32 + j * 8 + (lane & 3) * 2;
+        const float v0 = acc[mi][j][2 * half], v1 = acc[mi][j][2 * half + 1];
+        if (pairs && e + 1 < E) {
+          *reinterpret_cast<float2 *>(row + e) = make_float2(v0, v1);
+        } else {
+          if (e < E) row[e] = v0;
+          if (e + 1 < E) row[e + 1] = v1;
+        }
+      }
+    }
+}
+
 bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
 
+
+// The compute capability's major number of the device.
+int device_major(moe_ctx *ctx, int device, int *major) {
+  MOE_CUDA_TRY(ctx, "logits", cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device));
+  return MOE_OK;
+}
+
 } // namespace
+
+int moeI_logits_explain_cuda(moe_ctx *ctx, const moe_tensor *x, const moe_tensor *w, char *report, size_t n) {
+  int major = 0, rc = device_major(ctx, x->device.index, &major);
+  if (rc) return rc;
+  moeI_logits_tensor(ctx, x, w, major, report, n);
+  return moeI_ok(ctx);
+}
 
 int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
   const int64_t N = x->shape[0], H = x->shape[1], E = w->shape[0];
   if (!N || !E) return moeI_ok(ctx);
-  const int64_t gx = (E + BN - 1) / BN;
-  if (gx > INT32_MAX)
-    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "logits: [%lld, %lld] is too large for cuda", (long long)N, (long long)E);
   cudaStream_t s;
   int rc = moeI_cuda_ctx_stream(ctx, x->device.index, &s);
-  if (rc) return rc;
+  int major = 0;
+  if (rc || (rc = device_major(ctx, x->device.index, &major))) return rc;
+  const bool tensor = moeI_logits_tensor(ctx, x, w, major, NULL, 0);
+  const int64_t bm = tensor ? tc::BM : BM, bn = tensor ? tc::BN : BN;
+  const int64_t gx = (E + bn - 1) / bn;
+  if (gx > INT32_MAX)
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "logits: [%lld, %lld] is too large for cuda", (long long)N, (long long)E);
+  if (tensor)
+    MOE_CUDA_TRY(ctx, "logits",
+                 cudaFuncSetAttribute(logits_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tc::SMEM_BYTES));
+  const bool pairs = E % 2 == 0 && (uintptr_t)out->data % 8 == 0;
   // y is limited to 65535 blocks: long inputs go in slices of rows
-  for (int64_t r0 = 0; r0 < N; r0 += (int64_t)65535 * BM) {
-    const int64_t n = N - r0 < (int64_t)65535 * BM ? N - r0 : (int64_t)65535 * BM;
-    const dim3 grid((unsigned)gx, (unsigned)((n + BM - 1) / BM));
+  for (int64_t r0 = 0; r0 < N; r0 += 65535 * bm) {
+    const int64_t n = N - r0 < 65535 * bm ? N - r0 : 65535 * bm;
+    const dim3 grid((unsigned)gx, (unsigned)((n + bm - 1) / bm));
     const uint16_t *xp = (const uint16_t *)x->data + r0 * H;
     float *op = (float *)out->data + r0 * E;
-    if (H % 8 == 0 && aligned16(xp) && aligned16(w->data))
+    if (tensor)
+      logits_tc_kernel<<<grid, tc::THREADS, tc::SMEM_BYTES, s>>>(op, xp, (const uint16_t *)w->data, n, E, H, pairs);
+    else if (H % 8 == 0 && aligned16(xp) && aligned16(w->data))
       logits_kernel<true><<<grid, 256, 0, s>>>(op, xp, (const uint16_t *)w->data, n, E, H);
     else
       logits_kernel<false><<<grid, 256, 0, s>>>(op, xp, (const uint16_t *)w->data, n, E, H);

@@ -44,14 +44,16 @@ int moeI_ok(moe_ctx *ctx) {
   return MOE_OK;
 }
 
-/* The options of moe_ctx_config, indexed by MOEI_CFG_*: name, environment variable, and the
- * stage's kernel names (the valid values besides "auto"). */
+/* The options of moe_ctx_config, indexed by MOEI_CFG_*: name, environment variable, the valid
+ * values besides "auto" (a stage's kernel names), and what "auto" is called when read back. */
 static const struct config_option {
   const char *name, *env;
   const char *(*kernels)(void);
+  const char *dflt;
 } config_options[MOEI_CFG_COUNT] = {
-  [MOEI_CFG_SCHEDULE_KERNEL] = {"schedule_kernel", "MOE_SCHEDULE_KERNEL", moeI_schedule_kernels},
-  [MOEI_CFG_EXPERTS_KERNEL] = {"experts_kernel", "MOE_EXPERTS_KERNEL", moeI_experts_kernels},
+  [MOEI_CFG_SCHEDULE_KERNEL] = {"schedule_kernel", "MOE_SCHEDULE_KERNEL", moeI_schedule_kernels, "auto"},
+  [MOEI_CFG_EXPERTS_KERNEL] = {"experts_kernel", "MOE_EXPERTS_KERNEL", moeI_experts_kernels, "auto"},
+  [MOEI_CFG_LOGITS] = {"logits", "MOE_LOGITS", moeI_logits_paths, "tensor"},
 };
 
 /* Is name one of the ", "-separated names of list? */
@@ -68,7 +70,7 @@ static int listed(const char *list, const char *name) {
 
 static int config_set(moe_ctx *ctx, int option, const char *value) {
   const struct config_option *o = &config_options[option];
-  if (strcmp(value, "auto") == 0 || value[0] == '\0') {
+  if (strcmp(value, "auto") == 0 || value[0] == '\0' || strcmp(value, o->dflt) == 0) {
     ctx->config[option][0] = '\0';
     return moeI_ok(ctx);
   }
@@ -87,7 +89,7 @@ int moe_ctx_config(moe_ctx *ctx, const char *option, const char *value) {
   if (!option || !value) return moeI_seterr(ctx, MOE_ERR_ARG, "config: option and value must not be NULL");
   for (int i = 0; i < MOEI_CFG_COUNT; i++)
     if (strcmp(option, config_options[i].name) == 0) return config_set(ctx, i, value);
-  return moeI_seterr(ctx, MOE_ERR_ARG, "config: no option \"%s\" (schedule_kernel, experts_kernel)", option);
+  return moeI_seterr(ctx, MOE_ERR_ARG, "config: no option \"%s\" (schedule_kernel, experts_kernel, logits)", option);
 }
 
 const char *moe_ctx_config_value(const moe_ctx *ctx, const char *option) {
@@ -98,7 +100,7 @@ const char *moe_ctx_config_value(const moe_ctx *ctx, const char *option) {
 }
 
 const char *moeI_config(const moe_ctx *ctx, int option) {
-  return ctx->config[option][0] ? ctx->config[option] : "auto";
+  return ctx->config[option][0] ? ctx->config[option] : config_options[option].dflt;
 }
 
 int moeI_explain_cpu(moe_ctx *ctx, char *report, size_t n) {

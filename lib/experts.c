@@ -2,6 +2,8 @@
 /* experts.c -- stage 4, the SwiGLU MLP of each local expert over its rows, with the f32 dot
  * products it shares with the dense reference (mlp.h); also the router logits and the
  * shared-expert sigmoid gate, which are the same kind of product. */
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -292,7 +294,42 @@ int moeI_logits_cpu(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const mo
   return moeI_ok(ctx);
 }
 
-int moe_logits(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
+const char *moeI_logits_paths(void) { return "tensor, exact"; }
+
+int moeI_logits_tensor(const moe_ctx *ctx, const moe_tensor *x, const moe_tensor *w, int cc_major, char *report,
+                       size_t n) {
+  const int64_t H = x->shape[1];
+  const char *option = moeI_config(ctx, MOEI_CFG_LOGITS);
+  char why[160];
+  /* the 16-byte copies of the tensor-core kernel: whole rows of 8 elements, aligned */
+  if (strcmp(option, "exact") == 0)
+    snprintf(why, sizeof why, "not chosen (the context's option logits is \"exact\")");
+  else if (cc_major < 8)
+    snprintf(why, sizeof why, "cannot take it: compute capability %d.x has no bf16 tensor cores (8.0 or later)",
+             cc_major);
+  else if (H % 8 != 0)
+    snprintf(why, sizeof why, "cannot take it: H = %lld is not a multiple of 8", (long long)H);
+  else if ((uintptr_t)x->data % 16 != 0 || (uintptr_t)w->data % 16 != 0)
+    snprintf(why, sizeof why, "cannot take it: %s is not 16-byte aligned (a view at an odd offset)",
+             (uintptr_t)x->data % 16 != 0 ? "x" : "w");
+  else
+    why[0] = '\0';
+  const int tensor = why[0] == '\0';
+  if (report && n > 0) {
+    if (tensor)
+      snprintf(report, n,
+               "tensor\ntensor: runs (bf16 tensor-core products, f32 accumulation in a fixed order)\n"
+               "exact: not needed\n");
+    else
+      snprintf(report, n, "exact\ntensor: %s\nexact: runs (f32 fused multiply-adds, the CPU's sums bit for bit)\n",
+               why);
+  }
+  return tensor;
+}
+
+/* The checks of moe_logits and moe_logits_explain; on a GPU also the context's option, which a
+ * context may hold unchecked (a bad MOE_LOGITS is kept so that here it fails with the list). */
+static int logits_check(moe_ctx *ctx, const moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
   static const char *stage = "logits";
   int rc;
   if ((rc = moeI_check_tensor(ctx, stage, "x", x, MOE_BF16, 2, NULL))) return rc;
@@ -305,7 +342,26 @@ int moe_logits(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_ten
   static const char *const names[] = {"out", "x", "w"};
   if ((rc = moeI_check_same_device(ctx, stage, "x", x->device, ts, names, 3))) return rc;
   if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 3))) return rc;
-  return MOE_IN_RANGE(stage, moeI_on_cpu(x) ? moeI_logits_cpu(ctx, out, x, w) : moeI_logits_cuda(ctx, out, x, w));
+  const char *option = moeI_config(ctx, MOEI_CFG_LOGITS);
+  if (!moeI_on_cpu(x) && strcmp(option, "tensor") != 0 && strcmp(option, "exact") != 0)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "logits: the context's option logits must be tensor or exact, got \"%s\"",
+                       option);
+  return MOE_OK;
+}
+
+int moe_logits(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
+  int rc = logits_check(ctx, out, x, w);
+  if (rc) return rc;
+  return MOE_IN_RANGE("logits", moeI_on_cpu(x) ? moeI_logits_cpu(ctx, out, x, w) : moeI_logits_cuda(ctx, out, x, w));
+}
+
+int moe_logits_explain(moe_ctx *ctx, const moe_tensor *out, const moe_tensor *x, const moe_tensor *w, char *report,
+                       size_t n) {
+  int rc = logits_check(ctx, out, x, w);
+  if (rc) return rc;
+  if (!report || n == 0) return moeI_seterr(ctx, MOE_ERR_ARG, "logits: report must hold at least one byte");
+  if (moeI_on_cpu(x)) return moeI_explain_cpu(ctx, report, n);
+  return moeI_logits_explain_cuda(ctx, x, w, report, n);
 }
 
 /* ---- shared-expert gate ---- */

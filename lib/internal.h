@@ -29,7 +29,7 @@ enum { MOE_CAPTURE_WORLDS = 4 }; /* worlds one capture may use */
 enum { MOE_SCRATCH_SLOTS = 8 };  /* (device, stream) pairs whose scratch a context keeps at once */
 
 /* The options of moe_ctx_config (lib/core.c holds their names and variables). */
-enum { MOEI_CFG_SCHEDULE_KERNEL, MOEI_CFG_EXPERTS_KERNEL, MOEI_CFG_COUNT };
+enum { MOEI_CFG_SCHEDULE_KERNEL, MOEI_CFG_EXPERTS_KERNEL, MOEI_CFG_LOGITS, MOEI_CFG_COUNT };
 enum { MOEI_CFG_LEN = 32 }; /* the longest value, NUL included */
 
 struct moe_ctx {
@@ -93,6 +93,14 @@ const char *moeI_config(const moe_ctx *ctx, int option);
  * without CUDA): the valid values of its kernel option besides "auto". */
 const char *moeI_schedule_kernels(void);
 const char *moeI_experts_kernels(void);
+/* The GPU paths of moe_logits, the values of its option: "tensor, exact" in every build. */
+const char *moeI_logits_paths(void);
+/* Does moe_logits take the tensor-core path for x and w on a GPU of compute capability cc_major
+ * (tensor cores with bf16 from 8), under ctx's option?  1 or 0; with report (n > 0), the choice in
+ * moe_logits_explain's format. */
+int moeI_logits_tensor(const moe_ctx *ctx, const moe_tensor *x, const moe_tensor *w, int cc_major, char *report,
+                       size_t n);
+int moeI_logits_explain_cuda(moe_ctx *ctx, const moe_tensor *x, const moe_tensor *w, char *report, size_t n);
 /* The report of moe_<stage>_explain (moelab.h) for tensors on the CPU, and on a GPU (the
  * stage's selector, arguments already checked). */
 int moeI_explain_cpu(moe_ctx *ctx, char *report, size_t n);

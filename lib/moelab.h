@@ -99,13 +99,16 @@ MOE_API int moe_ctx_synchronize(moe_ctx *ctx, moe_device device);
 /* ---- a context's configuration: named options with text values ----
  *   "schedule_kernel"  the GPU kernel moe_schedule runs: "auto" (the default) or a kernel's name
  *   "experts_kernel"   the GPU kernel moe_experts runs: "auto" or a kernel's name
+ *   "logits"           moe_logits' GPU path: "tensor" (the default, which "auto" also names) or
+ *                      "exact" (the CPU's sums bit for bit); see moe_logits
  * When a context opens, each option takes the value of its environment variable if that is set
- * (MOE_SCHEDULE_KERNEL, MOE_EXPERTS_KERNEL); nothing reads the environment after that.  An
+ * (MOE_SCHEDULE_KERNEL, MOE_EXPERTS_KERNEL, MOE_LOGITS); nothing reads the environment after that.  An
  * unknown option or kernel name is MOE_ERR_ARG, and the message lists the valid ones.  A forced
  * kernel that cannot take a problem makes the stage fail with MOE_ERR_UNSUPPORTED and the reason;
  * moe_schedule_explain and moe_experts_explain tell which kernel a call would run and why. */
 MOE_API int moe_ctx_config(moe_ctx *ctx, const char *option, const char *value);
-/* The option's value ("auto" where none was set), or NULL for an unknown option. */
+/* The option's value (its default where none was set: "auto", or "tensor" for "logits"), or NULL
+ * for an unknown option. */
 MOE_API const char *moe_ctx_config_value(const moe_ctx *ctx, const char *option);
 
 /* ---- CUDA graphs: stages issued between begin and end on the context's stream are captured,
@@ -352,8 +355,17 @@ typedef struct moe_experts_fp8_args {
 } moe_experts_fp8_args;
 MOE_API int moe_experts_fp8(moe_ctx *ctx, const moe_experts_fp8_args *a);
 
-/* ---- router logits: out f32 [N, E] = x bf16 [N, H] . w bf16 [E, H]^T, f32 accumulation ---- */
+/* ---- router logits: out f32 [N, E] = x bf16 [N, H] . w bf16 [E, H]^T, f32 accumulation ----
+ * The CPU sums in f32 in the fixed order of docs/design.md.  On a GPU the context's option
+ * "logits" picks the path: "tensor" (the default) runs bf16 tensor-core products with f32
+ * accumulation where the device and the problem allow (compute capability 8.0 or later, H a
+ * multiple of 8, x and w 16-byte aligned), else the exact path; "exact" gives the CPU's sums bit
+ * for bit.  Both fix each output's summation order whatever N and the other rows: a row's logits
+ * are the same bits alone or in any batch.  moe_logits_explain says which path a call takes, and
+ * why, in moe_experts_explain's format. */
 MOE_API int moe_logits(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
+MOE_API int moe_logits_explain(moe_ctx *ctx, const moe_tensor *out, const moe_tensor *x, const moe_tensor *w,
+                               char *report, size_t n);
 
 /* ---- gate: g f32 [T] = sigmoid(x . w) for the Qwen3.5 shared-expert gate ---- */
 MOE_API int moe_sigmoid_gate(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);

@@ -89,6 +89,10 @@ int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const m
   (void)out, (void)x, (void)w;
   return NO_CUDA("logits");
 }
+int moeI_logits_explain_cuda(moe_ctx *ctx, const moe_tensor *x, const moe_tensor *w, char *report, size_t n) {
+  (void)x, (void)w, (void)report, (void)n;
+  return NO_CUDA("logits");
+}
 int moeI_sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w) {
   (void)g, (void)x, (void)w;
   return NO_CUDA("sigmoid_gate");

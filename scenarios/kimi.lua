@@ -4,6 +4,7 @@
 --   lua scenarios/kimi.lua [--tokens N] [--hidden H] [--ffn F] [--world W] [--layout L] [--pad B]
 --                          [--device D] [--devices 0,1,...] [--capacity C] [--seed S] [--sample N]
 --                          [--json FILE] [--trace FILE] [--svg FILE] [--checkpoint DIR --layer N]
+--                          [--router tensor|exact]
 --
 -- By default the W ranks are simulated side by side on one device.  With --devices they are real:
 -- one rank per listed GPU, in this process (moe.world), tokens exchanged over NVLink.
@@ -15,8 +16,9 @@
 -- Kimi K2 names), and E, H, F and the shared expert's width are the checkpoint's.
 -- --trace writes one more forward's stages per rank as a Chrome trace (ui.perfetto.dev), --svg a
 -- picture: the stage times against their ceilings, each rank's expert load and padding.
--- Exits 1 when the layer does not match the reference (or, on a GPU, the router's ids differ
--- from the CPU's); 2 on a bad flag or a configuration the library refuses.
+-- Exits 1 when the layer does not match the reference (or, on a GPU, the router's ids or weights
+-- differ from the CPU route stage's on the GPU's logits); 2 on a bad flag or a configuration the
+-- library refuses.
 local cli = require "moelab.cli"
 local moe = cli.require "moelab"
 local json = require "moelab.json"
@@ -44,6 +46,7 @@ local opts = cli.parse(arg, {
   { "layer", "integer", nil, "the MoE layer N of --checkpoint (model.layers.N)" },
   { "trace", "string", nil, "also write a forward's stages per rank as a Chrome trace (ui.perfetto.dev) to this file" },
   { "svg", "string", nil, "also draw the report as an SVG picture in this file" },
+  { "router", "string", "tensor", "the router logits' GPU path: tensor (tensor cores) or exact (the CPU's sums)" },
 }, "lua scenarios/kimi.lua: one Kimi K2 MoE layer, expert parallel, checked and timed")
 local json_file = cli.output("json", opts.json)
 local trace_file, svg_file = cli.output("trace", opts.trace), cli.output("svg", opts.svg)
@@ -95,7 +98,7 @@ local reduced = not ckpt and (H ~= model.hidden or F ~= model.ffn or T ~= 7168)
 local layer = cli.guard("moe.layer", moe.layer, { model = model, world = group or W, tokens = T, hidden = H, ffn = F,
   shared_ffn = ckpt and ckpt.shared_ffn or F, pad = opts.pad, layout = opts.layout, capacity = opts.capacity,
   device = not group and opts.device or nil, seed = opts.seed, experts = ckpt and ckpt.experts,
-  checkpoint = opts.checkpoint, layer = opts.layer })
+  checkpoint = opts.checkpoint, layer = opts.layer, router = opts.router })
 local E = layer.experts
 local x = moe.randn({ W, T, H }, { dtype = "bf16", device = opts.device, seed = opts.seed * 7919 + 1 })
 -- In a real world each rank's tokens go into its exchange window (layer.inputs): the same values
@@ -110,8 +113,9 @@ end
 local out = cli.guard("the first forward", layer.forward, layer, x)
 local stats = layer:stats()
 -- On the CPU every token is checked against a reference that routes x itself; on a GPU, a
--- sample of tokens of each rank against the routing the GPU chose, and that routing against
--- the CPU router run on the GPU's own logits, id for id.
+-- sample of tokens of each rank against the routing the GPU chose, and that routing, for every
+-- token, against the CPU route stage run on the GPU's own logits, ids and weights bit for bit
+-- (the logits themselves are the CPU's only with --router exact).
 local t0 = moe.core.now()
 local sample = not small and opts.sample or nil
 local metrics = layer:check(x, { sample = sample, raise = false })
@@ -120,20 +124,21 @@ local rtol, l2tol = metrics.rtol, metrics.l2
 local pass = metrics.pass
 local route_exact
 if not small then
-  local function cpu_route(logits, bias)
-    local ids = moe.route { logits = logits:to("cpu"), k = model.k, scoring = model.scoring, bias = bias:to("cpu"),
+  -- the ids and weights of rows [N, K] against the CPU route stage's on logits and bias
+  local function cpu_route_equal(ids, weights, logits, bias)
+    local ci, cw = moe.route { logits = logits:to("cpu"), k = model.k, scoring = model.scoring, bias = bias:to("cpu"),
       scale = model.scale, groups = model.groups, topk_groups = model.topk_groups }
-    return ids -- the ids alone: moe.check.equal takes a third argument
+    local shape = { logits.shape[1], model.k }
+    return pcall(moe.check.equal, ids:to("cpu"):view(0, shape), ci)
+      and pcall(moe.check.equal, weights:to("cpu"):view(0, shape), cw)
   end
   if group then
     route_exact = true
     for i = 1, group.local_count do
-      route_exact = route_exact and pcall(moe.check.equal, layer.ids[i]:to("cpu"), cpu_route(layer.logits[i],
-        layer.bias[i]))
+      route_exact = route_exact and cpu_route_equal(layer.ids[i], layer.weights[i], layer.logits[i], layer.bias[i])
     end
   else
-    route_exact = pcall(moe.check.equal, layer.ids:to("cpu"):view(0, { W * T, model.k }),
-      cpu_route(layer.logits, layer.bias))
+    route_exact = cpu_route_equal(layer.ids, layer.weights, layer.logits, layer.bias)
   end
   pass = pass and route_exact
 end
@@ -176,16 +181,18 @@ end
 
 -- Work per stage, for rates beside the ceilings measured on an H200 (docs/perf/README.md): copy
 -- ~4.3 TB/s (bytes read + written), dense bf16 ~790 TFLOP/s.  The route stage is mostly the
--- router's logits GEMM, in f32 fused multiply-adds without tensor cores (its sums must equal the
--- CPU's bit for bit, or a near tie could route differently): beside it the H200's f32 peak,
--- 132 SMs x 128 lanes x 2 x 1.98 GHz ~67 TFLOP/s (from the chip's figures, not measured).
+-- router's logits GEMM: on tensor cores by default (beside it the dense bf16 ceiling), or with
+-- --router exact in f32 fused multiply-adds, whose sums equal the CPU's bit for bit (beside it
+-- the H200's f32 peak, 132 SMs x 128 lanes x 2 x 1.98 GHz ~67 TFLOP/s, from the chip's figures,
+-- not measured).
 -- In a real world a stage's time is its slowest GPU's and the rates are per GPU.
 local rows, nr = stats.rows_used, group and group.local_count or W
 local per = group and nr or 1
 local BF16, COPY = "(ceiling ~790)", "(ceiling ~4.3)"
 -- peak: the ceiling in TFLOP/s or TB/s, so that the work over it is the stage's floor in time
 local work = {
-  route = { flop = nr * T * 2.0 * H * E / per, ceiling = "(f32 FMA, peak ~67)", peak = 67 },
+  route = opts.router == "exact" and { flop = nr * T * 2.0 * H * E / per, ceiling = "(f32 FMA, peak ~67)", peak = 67 }
+    or { flop = nr * T * 2.0 * H * E / per, ceiling = BF16, peak = 790 },
   experts = { flop = rows * 6.0 * H * F / per, ceiling = BF16, peak = 790 },
   shared = { flop = nr * T * 6.0 * H * layer.shared_ffn / per, ceiling = BF16, peak = 790 },
   dispatch = { bytes = rows * H * 2.0 * 2 / per, ceiling = COPY, peak = 4.3 },
@@ -284,7 +291,8 @@ p("  dropped %d, invalid %d routes", stats.dropped, stats.invalid)
 p("  check         max |out - ref| / max |ref| = %.3e (tol %.0e), relative L2 = %.3e (tol %.0e), %d NaN: %s",
   metrics.rel_max, rtol, metrics.rel_l2, l2tol, metrics.nans, metrics.pass and "PASS" or "FAIL")
 if route_exact ~= nil then
-  p("  route         GPU ids equal the CPU router's on the same logits: %s", route_exact and "PASS" or "FAIL")
+  p("  route         GPU ids and weights equal the CPU router's on the same logits (%s logits): %s", opts.router,
+    route_exact and "PASS" or "FAIL")
 end
 p("")
 p("  real shape: %d ranks x %d tokens, E = %d, top-%d, pad %d, %s (router-like logits, std 1.5)", real.W, real.T,

@@ -32,6 +32,7 @@
 #include <limits.h>
 #include <stdint.h>
 
+#include "../mma.cuh"
 #include "experts.cuh"
 
 namespace {
@@ -50,40 +51,13 @@ constexpr int SMEM_BYTES = STAGES * STAGE_BYTES; // 96 KiB: two blocks per SM
 constexpr int LOADS = BM * BK / 8 / THREADS;     // 16-byte chunks per thread per operand
 
 static_assert(BM == BN && LOADS * THREADS * 8 == BM * BK, "loader covers the tiles");
+static_assert(BK * 2 == MMA_ROW_BYTES, "a stage row is one swizzled row of mma.cuh");
 
 template <int MODE> struct Shape {
   static constexpr int OUT_N = MODE == GATE_UP ? BN / 2 : BN; // output columns per tile
   static constexpr int OUT_LD = OUT_N + 8;                    // staging row, padded off the banks
 };
 static_assert(BM * Shape<DOWN>::OUT_LD * 2 <= SMEM_BYTES, "output staging fits");
-
-// ---- small PTX wrappers ----
-
-// 16 bytes from global to shared; src_bytes = 0 fills zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void mma_bf16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-               "{%8, %9}, {%0, %1, %2, %3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Byte offset of 16-byte chunk ch of tile row r: rows are 128 bytes, chunks XOR-swizzled by
-// r & 7 so that both the cp.async writes and the ldmatrix reads of 8 rows hit 8 distinct bank groups.
-__device__ __forceinline__ int swz(int r, int ch) { return r * (BK * 2) + ((ch ^ (r & 7)) << 4); }
 
 // ---- the tile map ----
 

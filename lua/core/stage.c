@@ -277,6 +277,17 @@ static int l_logits(lua_State *L) {
   return 0;
 }
 
+/* core.logits_explain(out, x, w) -> the report of moe_logits_explain: which path would run, and why. */
+static int l_logits_explain(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  moe_tensor *out = lc_check_tensor(L, 1), *x = lc_check_tensor(L, 2), *w = lc_check_tensor(L, 3);
+  char report[512];
+  int rc = moe_logits_explain(ctx, out, x, w, report, sizeof report);
+  if (rc) return lc_fail(L, ctx, rc);
+  lua_pushstring(L, report);
+  return 1;
+}
+
 static int l_sigmoid_gate(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   moe_tensor *g = lc_check_tensor(L, 1), *x = lc_check_tensor(L, 2), *w = lc_check_tensor(L, 3);
@@ -350,6 +361,7 @@ static const luaL_Reg stage_funcs[] = {
   {"experts", l_experts},
   {"experts_explain", l_experts_explain},
   {"logits", l_logits},
+  {"logits_explain", l_logits_explain},
   {"sigmoid_gate", l_sigmoid_gate},
   {"nonfinite", l_nonfinite},
   {"combine", l_combine},

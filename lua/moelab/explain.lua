@@ -1,6 +1,6 @@
 -- SPDX-License-Identifier: MIT
 -- Which kernel a stage runs and why: the C library's report (moe_<stage>_explain) as a table,
--- and the context's kernel options (moe_ctx_config).
+-- and the context's options (moe_ctx_config): its kernels, and the router logits' path.
 local core = require "moelab.core"
 local args = require "moelab.args"
 
@@ -25,16 +25,18 @@ function explain.parse(report)
   return choice
 end
 
-local OPTIONS = { "schedule_kernel", "experts_kernel" }
+local OPTIONS = { "schedule_kernel", "experts_kernel", "logits" }
 
--- config() -> { schedule_kernel = "auto", experts_kernel = "auto" }; config{ experts_kernel = "mma" }
--- sets the named options (kernel names are checked by the library) and returns them all.
+-- config() -> { schedule_kernel = "auto", experts_kernel = "auto", logits = "tensor" };
+-- config{ experts_kernel = "mma", logits = "exact" } sets the named options (their values are
+-- checked by the library) and returns them all.
 function explain.config(o)
   if o ~= nil then
-    args.options("config", o, { schedule_kernel = "string", experts_kernel = "string" })
-    for _, name in ipairs(OPTIONS) do -- "" is no kernel's name, nor "auto"
+    args.options("config", o, { schedule_kernel = "string", experts_kernel = "string", logits = "string" })
+    for _, name in ipairs(OPTIONS) do -- "" is no value's name, nor "auto"
       if o[name] == "" then
-        args.fail("config", string.format("option '%s' must be a kernel name or 'auto', got \"\"", name))
+        args.fail("config", string.format("option '%s' must be %s or 'auto', got \"\"", name,
+          name == "logits" and "'tensor', 'exact'" or "a kernel name"))
       end
     end
     local before = {}

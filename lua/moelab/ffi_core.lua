@@ -1227,6 +1227,14 @@ function M.logits(out, x, w)
   if rc ~= 0 then fail(rc) end
 end
 
+-- logits_explain(out, x, w) -> the report of moe_logits_explain: which path would run, and why.
+function M.logits_explain(out, x, w)
+  out, x, w = tensor_args("logits_explain", 3, out, x, w)
+  local rc = lib.moe_logits_explain(ctx, out.h_t, x.h_t, w.h_t, explain_report, 2048)
+  if rc ~= 0 then fail(rc) end
+  return string_(explain_report)
+end
+
 function M.sigmoid_gate(g, x, w)
   g, x, w = tensor_args("sigmoid_gate", 3, g, x, w)
   local rc = lib.moe_sigmoid_gate(ctx, g.h_t, x.h_t, w.h_t)

@@ -256,12 +256,19 @@ moe.checkpoint, moe.safetensors = checkpoint.open, checkpoint.safetensors
 local explain = require "moelab.explain"
 moe.config = explain.config
 
--- explain("schedule", options of moe.schedule) or explain("experts", options of moe.experts):
--- the kernel the stage would run on them and every candidate's verdict; nothing runs.
+-- explain("schedule", options of moe.schedule), explain("experts", options of moe.experts) or
+-- explain("logits", {x =, w = [, out =]}): the kernel the stage would run on them and every
+-- candidate's verdict; nothing runs.
 function moe.explain(stage, o)
   if stage == "schedule" then return moe.schedule_plan(o):explain() end
   if stage == "experts" then return explain.parse(core.experts_explain(experts_args(o, true))) end
-  args.fail("explain", string.format("stage must be \"schedule\" or \"experts\", got %s", args.describe(stage)))
+  if stage == "logits" then
+    o = args.options("explain", o, { x = "tensor", w = "tensor", out = "tensor" }, { "x", "w" })
+    local out = o.out or output("explain", "f32", { o.x.shape[1], o.w.shape[1] }, o.x.device, "x and w")
+    return explain.parse(core.logits_explain(out, o.x, o.w))
+  end
+  args.fail("explain", string.format("stage must be \"schedule\", \"experts\" or \"logits\", got %s",
+    args.describe(stage)))
 end
 
 return moe

@@ -44,7 +44,7 @@ local SPEC = {
   scoring = { "softmax", "sigmoid", "sqrtsoftplus" }, groups = "integer", topk_groups = "integer",
   scale = "number", pad = "integer", layout = { "roundrobin", "peer_major" }, capacity = "any",
   expert_capacity = "integer", overflow = { "error", "drop" }, invalid = { "error", "skip" },
-  nan = { "error", "mask" }, device = "device", seed = "integer", checkpoint = "string", layer = "integer",
+  nan = { "error", "mask" }, router = { "tensor", "exact" }, device = "device", seed = "integer", checkpoint = "string", layer = "integer",
   memory_limit = "number",
 }
 local MODEL_FIELDS = { "name", "experts", "k", "hidden", "ffn", "shared_ffn", "shared_gate", "scoring", "groups",
@@ -163,7 +163,7 @@ local function resolve(o)
     cfg = cfg, world = W, tokens = T, experts = E, local_experts = EL, k = K, hidden = H, ffn = F,
     shared_ffn = Fs, pad = pad, layout = o.layout or "roundrobin", capacity = capacity,
     expert_capacity = o.expert_capacity, overflow = o.overflow or "error", invalid = o.invalid or "error",
-    nan = o.nan or "error", device = device, seed = o.seed or 0, checkpoint = weights, memory_limit = o.memory_limit,
+    nan = o.nan or "error", router = o.router or "tensor", device = device, seed = o.seed or 0, checkpoint = weights, memory_limit = o.memory_limit,
   }, real
 end
 
@@ -736,7 +736,7 @@ function Layer.new(o)
       fields_of(sh, sh.shared, SHARED_EXPERT_FIELDS)
     end
     sh.router = stages.Router.plan { device = dev, lead = sh.lead, tokens = self.tokens, rank = sh.rank,
-      experts = E, k = K, w_router = sh.w_router, bias = sh.bias, cfg = cfg, nan = self.nan }
+      experts = E, k = K, w_router = sh.w_router, bias = sh.bias, cfg = cfg, nan = self.nan, router = self.router }
     fields_of(sh, sh.router, ROUTER_FIELDS)
     space:alloc_shard(self, sh)
   end
@@ -813,8 +813,9 @@ end
 local function timed(self, name, fn) in_range(name, time_stage, self, name, fn) end
 
 -- Which kernel each stage with variants runs and why, per held rank (nothing runs):
--- { { rank =, schedule = <choice>, experts = <choice>, shared = <choice> (with a shared expert) }, ... },
--- each choice printing as its report (moelab.explain).  The shared expert runs on each shard, on
+-- { { rank =, schedule = <choice>, experts = <choice>, router = <choice>, shared = <choice> (with a
+-- shared expert) }, ... }, each choice printing as its report (moelab.explain).  The router (its
+-- logits' path) and the shared expert run on each shard, on
 -- the tokens forward is given: plan(x) asks about those; without x, about tokens laid out as the
 -- layer's own buffers are (a view of x at an odd offset can change the Hopper kernels' verdict).
 function Layer:plan(x)
@@ -827,9 +828,10 @@ function Layer:plan(x)
       ranks[j] = { rank = h.rank, schedule = h.schedule:explain(), experts = h.experts:explain() }
     end
     for i, sh in ipairs(self.shards) do
-      if sh.shared and ranks[i] then
+      if ranks[i] then
         self.space:bind(i)
-        ranks[i].shared = sh.shared:explain(x and as_rows(x[i]))
+        ranks[i].router = sh.router:explain(x and as_rows(x[i]))
+        if sh.shared then ranks[i].shared = sh.shared:explain(x and as_rows(x[i])) end
       end
     end
     return ranks
@@ -1063,6 +1065,35 @@ local function skip_invalid(ids, E)
   return any and core.from_table(flat, "i32", "cpu"):view(0, ids.shape) or ids
 end
 
+-- The layer's route stage on the CPU over logits f32 [N, E] -> ids, weights, {unscored, first}.
+local function cpu_route(self, logits, bias)
+  local N, K, cfg = logits.shape[1], self.k, self.cfg
+  local ids, weights = core.new("i32", { N, K }, "cpu"), core.new("f32", { N, K }, "cpu")
+  local stats = core.new("i32", { 2 }, "cpu")
+  core.route { ids = ids, weights = weights, stats = stats, logits = logits, bias = bias, k = K,
+    scoring = cfg.scoring, groups = cfg.groups, topk_groups = cfg.topk_groups, scale = cfg.scale }
+  return ids, weights, stats:flat()
+end
+
+-- The router's contract on a GPU: the ids and weights the last forward chose for the local
+-- tokens (nil: all) are, bit for bit, the CPU route stage's on the same logits -- the GPU's own,
+-- which its tensor-core path makes differ from the CPU's sums in the last bits.  -> the
+-- difference as a message, or nil.  Nothing to compare where the forward was given its routing
+-- or its logits, or ran on the CPU.
+local function routing_error(self, tokens)
+  if self.device == "cpu" or not self.routed or self.routing_given then return nil end
+  local K, E = self.k, self.experts
+  local ids, weights = cpu_route(self, gather(self, shard_list(self, "logits"), tokens, E),
+    cpu_weights(self, true).bias)
+  local ok, err = pcall(check.equal, gather(self, shard_list(self, "ids"), tokens, K), ids, "the router's ids")
+  if ok then
+    ok, err = pcall(check.equal, gather(self, shard_list(self, "weights"), tokens, K), weights,
+      "the router's weights")
+  end
+  if ok then return nil end
+  return "layer: check: the GPU's routing differs from the CPU route stage's on the GPU's logits: " .. tostring(err)
+end
+
 -- The dense f32 reference on the CPU of the local tokens (nil: all), independent of any
 -- schedule -> [#tokens, H].  how: {ids=, weights=} (one per shard: this routing), {forward = true}
 -- (the last forward's, its invalid ids skipped as that forward did), {logits=} (route these), or
@@ -1086,12 +1117,8 @@ local function dense(self, x, tokens, how)
       logits = core.new("f32", { N, E }, "cpu")
       core.logits(logits, xr, c.w_router)
     end
-    ids, weights = core.new("i32", { N, K }, "cpu"), core.new("f32", { N, K }, "cpu")
-    local stats = core.new("i32", { 2 }, "cpu")
-    local cfg = self.cfg
-    core.route { ids = ids, weights = weights, stats = stats, logits = logits, bias = c.bias, k = K,
-      scoring = cfg.scoring, groups = cfg.groups, topk_groups = cfg.topk_groups, scale = cfg.scale }
-    local st = stats:flat()
+    local st
+    ids, weights, st = cpu_route(self, logits, c.bias)
     if st[1] > 0 and self.nan == "error" then -- the layer's policy, as forward applies it
       args.raise(string.format("layer: reference: router logits contain NaN or cannot be scored (+inf, all -inf) "
         .. "in %d of its %d rows; the layer has nan = 'error'", st[1], N))
@@ -1204,9 +1231,11 @@ end
 -- false, which returns the metrics and .pass.  With sample, n evenly spaced tokens of each rank:
 -- the way to check a layer too large for a full CPU reference.  On the CPU, a whole check of a
 -- forward that routed for itself takes the reference's own routing, so the router is checked
--- too.  First, whatever raise says, it raises what the layer's policies do not allow in that pass
--- (policy_error), as an eager forward would have: a forward{check = false} leaves that to check,
--- or to stats() to read.
+-- too; on a GPU, the routing of a forward that routed x is checked against the CPU route stage
+-- run on the GPU's own logits, ids and weights bit for bit (with raise = false a difference
+-- makes .pass false and .routing says what differs).  First, whatever raise says, it raises what
+-- the layer's policies do not allow in that pass (policy_error), as an eager forward would have:
+-- a forward{check = false} leaves that to check, or to stats() to read.
 function Layer:check(x, o)
   usable(self, "check")
   o = args.options("check", o or {}, { sample = "integer", rtol = "number", l2 = "number", raise = "boolean" })
@@ -1225,10 +1254,14 @@ function Layer:check(x, o)
   local ids = applied_ids(self)
   local how = ids and { ids = { ids }, weights = { sh.weights } }
     or { forward = tokens ~= nil or self.device ~= "cpu" or self.routing_given }
+  local routing = routing_error(self, tokens)
+  if routing and o.raise ~= false then args.raise(routing) end
   local ref = dense(self, x, tokens, how)
   local got = gather(self, shard_list(self, "out"), tokens, self.hidden)
   if not tokens and #self.shards == 1 then got, ref = sh.out, ref:view(0, sh.out.shape) end
-  return check.verdict(got, ref, o, "layer")
+  local verdict = check.verdict(got, ref, o, "layer")
+  if routing then verdict.pass, verdict.routing = false, routing end -- raise = false: the metrics
+  return verdict
 end
 
 -- What the last forward did: rows, padding, loads, drops, per held rank and over them.

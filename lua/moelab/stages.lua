@@ -30,7 +30,8 @@ stages.Router = Router
 
 -- o: device; lead, the tokens' shape ({W, T} or {T}); tokens, T per rank; rank, the rank whose
 -- tokens (nil: every rank's, W of them); experts E, k K; w_router [E, H], bias [E] or nil; cfg
--- (scoring, groups, topk_groups, scale); nan, the policy on rows it cannot score.
+-- (scoring, groups, topk_groups, scale); nan, the policy on rows it cannot score; router, the
+-- logits' GPU path ("tensor" or "exact", the context's option "logits" while they run).
 function Router.buffers(o)
   local lead, E, K = o.lead, o.experts, o.k
   local N = lead[1] * (lead[2] or 1)
@@ -48,10 +49,23 @@ end
 function Router.plan(o)
   local dev, lead = o.device, o.lead
   local self = setmetatable({ device = dev, rows = lead[1] * (lead[2] or 1), tokens = o.tokens, rank = o.rank,
-    experts = o.experts, k = o.k, w_router = o.w_router, bias = o.bias, cfg = o.cfg, nan = o.nan }, Router)
+    experts = o.experts, k = o.k, w_router = o.w_router, bias = o.bias, cfg = o.cfg, nan = o.nan,
+    router = o.router or "tensor" }, Router)
   memory.alloc(Router.buffers(o), dev, self)
   self.ids_rows, self.weights_rows = stages.as_rows(self.ids), stages.as_rows(self.weights)
   return self
+end
+
+-- fn(...) with the context's option "logits" set to path, put back after (the option is the
+-- context's, which every stage of this Lua state shares).
+local function with_logits_path(path, fn, ...)
+  local before = core.config("logits")
+  if before == path then return fn(...) end
+  core.config("logits", path)
+  local ok, res = pcall(fn, ...)
+  pcall(core.config, "logits", before) -- a value MOE_LOGITS gave that the option refuses stays refused
+  if not ok then error(res, 0) end
+  return res
 end
 
 -- Routes x_rows [N, H] (or the given logits [N, E], the router's own not computed) into ids and
@@ -59,7 +73,7 @@ end
 function Router:run(x_rows, logits)
   if not logits then
     logits = self.logits
-    core.logits(logits, x_rows, self.w_router)
+    with_logits_path(self.router, core.logits, logits, x_rows, self.w_router)
   end
   local cfg = self.cfg
   core.route { ids = self.ids_rows, weights = self.weights_rows, stats = self.stats_tensor, logits = logits,
@@ -67,6 +81,17 @@ function Router:run(x_rows, logits)
     scale = cfg.scale }
   self.stats = nil
   return self
+end
+
+-- The path run(x_rows) would take for the logits (moe_logits_explain); without x_rows, for tokens
+-- in a whole tensor of their own (aligned, as the layer's buffers are).
+function Router:explain(x_rows)
+  local out = self.logits
+  if not x_rows then
+    x_rows = core.new("bf16", { 1, self.w_router.shape[2] }, self.device)
+    out = out:view(0, { 1, self.experts })
+  end
+  return explain.parse(with_logits_path(self.router, core.logits_explain, out, x_rows, self.w_router))
 end
 
 -- Reads the stats back: {unscored = rows it could not score (NaN, +inf, all -inf), first_unscored

@@ -5,7 +5,8 @@
  * Integer outputs must equal the CPU's bit for bit.  The float outputs of these stages are
  * designed to equal the CPU's bit for bit too (same operations in the same order); the checks
  * print the max relative error and the number of differing elements, and require equality
- * except for sigmoid_gate, whose sigmoid is a different (few-ulp) exp from the CPU's expf.
+ * except for sigmoid_gate, whose sigmoid is a different (few-ulp) exp from the CPU's expf (the
+ * logits on their exact path).
  * bench/dispatch_combine_bench.c times dispatch and combine at the Kimi K2 rank-of-EP8 shape.  One
  * PASS/FAIL line per check; exits 77 without a GPU, 1 on any failure. */
 #include <math.h>
@@ -155,7 +156,10 @@ static void test_route(void) {
 
 /* ---- logits and the gate ---- */
 
+/* The exact path, the CPU's sums bit for bit (spec/logits_spec.lua checks the tensor-core path
+ * against its bound). */
 static void test_logits(void) {
+  TRY(moe_ctx_config(ctx, "logits", "exact"));
   const struct { int n, e, h; } cases[] = {{77, 100, 520}, {33, 64, 203}, {300, 384, 1024}, {5, 3, 8}, {100, 384, 7168}};
   for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
     const int n = cases[c].n, e = cases[c].e, h = cases[c].h;
@@ -193,6 +197,7 @@ static void test_logits(void) {
     moe_tensor *all[] = {xc, wc, xg, wg, oc, og, gwc, gwg, gc, gg};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) moe_tensor_free(all[i]);
   }
+  TRY(moe_ctx_config(ctx, "logits", "tensor"));
 }
 
 /* ---- dispatch ---- */
