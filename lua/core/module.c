@@ -176,7 +176,7 @@ void lc_push_device(lua_State *L, moe_device d) {
 
 moe_dtype lc_check_dtype(lua_State *L, int idx) {
   static const char *const names[] = {"f32", "bf16", "i32", "e4m3", NULL};
-  static const moe_dtype dtypes[] = {MOE_F32, MOE_BF16, MOE_I32};
+  static const moe_dtype dtypes[] = {MOE_F32, MOE_BF16, MOE_I32, MOE_E4M3};
   return dtypes[luaL_checkoption(L, idx, NULL, names)];
 }
 
