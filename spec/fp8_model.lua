@@ -84,17 +84,18 @@ local function token_block(v, i0)
 end
 M.token_block = token_block
 
--- One block's dot product of w[wo + 1 ..] and x[xo + 1 ..] (128 each).
-local function block_dot(w, wo, x, xo, exact)
+-- The dot product of w[wo + 1 .. wo + n] and x[xo + 1 .. xo + n] (n = 128 by default).
+local function block_dot(w, wo, x, xo, exact, n)
+  n = n or BLOCK
   if not exact then
     local s = 0
-    for i = 1, BLOCK do s = s + w[wo + i] * x[xo + i] end
+    for i = 1, n do s = s + w[wo + i] * x[xo + i] end
     return s
   end
   local p = { 0, 0, 0, 0, 0, 0, 0, 0 }
-  for i = 0, BLOCK - 1 do
+  for i = 0, n - 1 do
     local l = i % 8 + 1
-    p[l] = f32(p[l] + w[wo + i + 1] * x[xo + i + 1]) -- the product of two e4m3 values is exact
+    p[l] = f32(p[l] + f32(w[wo + i + 1] * x[xo + i + 1])) -- exact already for two e4m3 values
   end
   return f32(f32(f32(p[1] + p[2]) + f32(p[3] + p[4])) + f32(f32(p[5] + p[6]) + f32(p[7] + p[8])))
 end
@@ -168,6 +169,86 @@ function M.experts(o, C, H, F, EL, out, exact)
     lo = hi
   end
   return res, sum_abs, max_abs
+end
+
+-- The f32 weights of expert e (codes w [.., R, K], scales ws [.., R/128, K/128]) as the FP8
+-- reference dequantizes them.
+local function dequantized(w, ws, e, R, K)
+  local v, KB = {}, K / BLOCK
+  for r = 0, R - 1 do
+    for k = 1, K do
+      local s = ws[e * (R / BLOCK) * KB + floor(r / BLOCK) * KB + floor((k - 1) / BLOCK) + 1]
+      v[r * K + k] = f32(W.e4m3_value(w[e * R * K + r * K + k]) * s)
+    end
+  end
+  return v
+end
+
+-- v quantized per 128 (MOE_QUANT_TOKEN) and dequantized, every operation in f32.
+local function token_qdq(v)
+  local out = {}
+  for b = 0, #v / BLOCK - 1 do
+    local s, q = token_block(v, b * BLOCK)
+    for i = 1, BLOCK do out[b * BLOCK + i] = f32(q[i] * s) end
+  end
+  return out
+end
+
+-- The f32 SwiGLU MLP of the FP8 reference on one input row x (already dequantized): h in f32,
+-- quantized and dequantized, and mlp.h's order in every dot product.
+local function reference_mlp(x, wgu, wd, H, F)
+  local h = {}
+  for j = 0, F - 1 do
+    local g = block_dot(wgu, j * H, x, 0, true, H)
+    local u = block_dot(wgu, (F + j) * H, x, 0, true, H)
+    h[j + 1] = f32(f32(g / f32(1 + f32(math.exp(-g)))) * u)
+  end
+  local hq, y = token_qdq(h), {}
+  for i = 0, H - 1 do y[i + 1] = block_dot(wd, i * F, hq, 0, true, F) end
+  return y
+end
+
+-- moe_reference_fp8 of o = {x (bf16 values [N, H]), ids, weights ([N, K]), experts, world,
+-- w_gate_up, w_gate_up_scale, w_down, w_down_scale (one flat table per rank), shared_gate_up,
+-- shared_gate_up_scale, shared_down, shared_down_scale (flat, or nil)} without a shared gate,
+-- every f32 operation rounded as the CPU rounds it -> out's values [N, H].
+function M.reference(o, N, H, F, K, Fs)
+  local EL = o.experts / o.world
+  local experts, shared = {}, nil
+  local function expert(e)
+    if not experts[e] then
+      local r, l = floor(e / EL) + 1, e % EL
+      experts[e] = { dequantized(o.w_gate_up[r], o.w_gate_up_scale[r], l, 2 * F, H),
+        dequantized(o.w_down[r], o.w_down_scale[r], l, H, F) }
+    end
+    return experts[e]
+  end
+  if o.shared_gate_up then
+    shared = { dequantized(o.shared_gate_up, o.shared_gate_up_scale, 0, 2 * Fs, H),
+      dequantized(o.shared_down, o.shared_down_scale, 0, H, Fs) }
+  end
+  local out = {}
+  for n = 0, N - 1 do
+    local x = {}
+    for i = 1, H do x[i] = o.x[n * H + i] end
+    local xq = token_qdq(x)
+    local acc = {}
+    for i = 1, H do acc[i] = 0 end
+    for k = 1, K do
+      local id = o.ids[n * K + k]
+      if id >= 0 then
+        local w = expert(id)
+        local y = reference_mlp(xq, w[1], w[2], H, F)
+        for i = 1, H do acc[i] = f32(acc[i] + f32(o.weights[n * K + k] * y[i])) end
+      end
+    end
+    if shared then
+      local y = reference_mlp(xq, shared[1], shared[2], H, Fs)
+      for i = 1, H do acc[i] = f32(acc[i] + y[i]) end -- g = 1: 1 * y is y
+    end
+    for i = 1, H do out[n * H + i] = acc[i] end
+  end
+  return out
 end
 
 return M
