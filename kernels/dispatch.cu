@@ -6,9 +6,12 @@
 // once (into shared memory); its threads then walk the run's RB * H bytes in 16-byte pieces,
 // several pieces in flight per thread (all loads of a pass are issued before its stores), and
 // consecutive threads take consecutive pieces, so every warp reads and writes whole 512-byte
-// stretches.  Narrower pieces (4 or 2 bytes) serve rows that are not 16-byte multiples or
+// stretches.  Narrower pieces (4, 2 or 1 bytes) serve rows that are not 16-byte multiples or
 // tensors (views) that are not 16-byte aligned.  The grid covers all C rows: nothing depends on
 // how many rows the schedule used, so no host synchronisation and a graph can capture it.
+// moe_dispatch_fp8 runs the same kernel over rows of H e4m3 bytes (H a multiple of 128: 16-byte
+// pieces wherever the tensors are aligned), then a second one that gathers the rows' scales into
+// their transposed layout.
 #include <stdint.h>
 
 #include "common.cuh"
@@ -28,7 +31,7 @@ __device__ __forceinline__ int64_t source_of(const int32_t *__restrict__ peer_ra
   return (p >= 0 && p < W && q >= 0 && q < routes) ? p * T + q / k : -1;
 }
 
-// V: the piece (uint4, uint32_t or uint16_t); pieces: H in pieces.
+// V: the piece (uint4, uint32_t, uint16_t or uint8_t); pieces: a row in pieces.
 template <typename V>
 __global__ void __launch_bounds__(THREADS)
 dispatch_kernel(V *__restrict__ xs, const V *__restrict__ x, const int32_t *__restrict__ peer_rank,
@@ -56,7 +59,7 @@ dispatch_kernel(V *__restrict__ xs, const V *__restrict__ x, const int32_t *__re
         const uint32_t j = f / pieces, c = f - j * pieces;
         const int64_t s = src[j];
         if (s >= 0) v[u] = __ldg(x + s * pieces + c);
-        put[u] = s >= 0 || zero_fill; // all-zero bits are bf16 +0
+        put[u] = s >= 0 || zero_fill; // all-zero bits are +0 in bf16 and e4m3
       }
     }
 #pragma unroll
@@ -65,23 +68,57 @@ dispatch_kernel(V *__restrict__ xs, const V *__restrict__ x, const int32_t *__re
   }
 }
 
+// The rows of both dispatches: row_bytes bytes each (bf16 or e4m3 elements), in pieces of V.
+struct Rows {
+  void *out;
+  const void *x;
+  const int32_t *peer_rank, *peer_route;
+  int64_t C, W, T, row_bytes;
+  int k, zero_fill;
+};
+
 template <typename V>
-int launch(moe_ctx *ctx, cudaStream_t s, const moe_dispatch_args *a) {
-  const int64_t W = a->x->shape[0], T = a->x->shape[1], H = a->x->shape[2], C = a->out->shape[0];
-  const int64_t pieces = H * 2 / (int64_t)sizeof(V);
+int launch(moe_ctx *ctx, cudaStream_t s, const char *stage, const Rows &g) {
+  const int64_t pieces = g.row_bytes / (int64_t)sizeof(V);
   if (pieces * MAX_RB >= ((int64_t)1 << 31))
-    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "dispatch: rows of %lld elements are too long for cuda", (long long)H);
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: rows of %lld bytes are too long for cuda", stage,
+                       (long long)g.row_bytes);
   // enough rows per block for several passes of THREADS * UNROLL pieces
   int64_t rb = (4 * THREADS * UNROLL + pieces - 1) / pieces;
   rb = rb < 1 ? 1 : rb > MAX_RB ? MAX_RB : rb;
-  const int64_t blocks = (C + rb - 1) / rb;
-  if (blocks > INT32_MAX) return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "dispatch: %lld rows are too many for cuda", (long long)C);
-  dispatch_kernel<V><<<(unsigned)blocks, THREADS, 0, s>>>(
-      (V *)a->out->data, (const V *)a->x->data, (const int32_t *)a->peer_rank->data,
-      (const int32_t *)a->peer_route->data, C, W, T, moeI_dispatch_routes(T, a->k), a->k, (uint32_t)pieces, (int)rb,
-      a->zero_fill != 0);
-  MOE_CUDA_LAUNCHED(ctx, "dispatch");
+  const int64_t blocks = (g.C + rb - 1) / rb;
+  if (blocks > INT32_MAX)
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: %lld rows are too many for cuda", stage, (long long)g.C);
+  dispatch_kernel<V><<<(unsigned)blocks, THREADS, 0, s>>>((V *)g.out, (const V *)g.x, g.peer_rank, g.peer_route, g.C,
+                                                          g.W, g.T, moeI_dispatch_routes(g.T, g.k), g.k,
+                                                          (uint32_t)pieces, (int)rb, g.zero_fill != 0);
+  MOE_CUDA_LAUNCHED(ctx, stage);
   return moeI_ok(ctx);
+}
+
+// The widest piece that the row length and both base addresses allow.
+int launch_rows(moe_ctx *ctx, cudaStream_t s, const char *stage, const Rows &g) {
+  const uintptr_t px = (uintptr_t)g.x, pxs = (uintptr_t)g.out;
+  const int64_t row = g.row_bytes;
+  if (row % 16 == 0 && px % 16 == 0 && pxs % 16 == 0) return launch<uint4>(ctx, s, stage, g);
+  if (row % 4 == 0 && px % 4 == 0 && pxs % 4 == 0) return launch<uint32_t>(ctx, s, stage, g);
+  if (row % 2 == 0 && px % 2 == 0 && pxs % 2 == 0) return launch<uint16_t>(ctx, s, stage, g);
+  return launch<uint8_t>(ctx, s, stage, g);
+}
+
+// out_scale [nb, C] from x_scale [W * T, nb]: one thread per output, rows fastest, so that the
+// writes (the transposed side) are whole runs; each row's source is looked up nb times, from L1.
+__global__ void dispatch_scale_kernel(float *__restrict__ out_scale, const float *__restrict__ x_scale,
+                                      const int32_t *__restrict__ peer_rank, const int32_t *__restrict__ peer_route,
+                                      int64_t C, int64_t nb, int64_t W, int64_t T, int64_t routes, int k,
+                                      int zero_fill) {
+  const int64_t n = C * nb;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t b = i / C, r = i - b * C;
+    const int64_t src = source_of(peer_rank, peer_route, r, W, T, routes, k);
+    if (src >= 0) out_scale[i] = x_scale[src * nb + b];
+    else if (zero_fill) out_scale[i] = 0.0f;
+  }
 }
 
 } // namespace
@@ -98,8 +135,27 @@ int moeI_dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a) {
   cudaStream_t s;
   int rc = moeI_cuda_ctx_stream(ctx, a->out->device.index, &s);
   if (rc) return rc;
-  const size_t row = (size_t)H * 2;
-  if (row % 16 == 0 && px % 16 == 0 && pxs % 16 == 0) return launch<uint4>(ctx, s, a);
-  if (row % 4 == 0 && px % 4 == 0 && pxs % 4 == 0) return launch<uint32_t>(ctx, s, a);
-  return launch<uint16_t>(ctx, s, a);
+  const Rows g = {a->out->data, a->x->data, (const int32_t *)a->peer_rank->data, (const int32_t *)a->peer_route->data,
+                  C, a->x->shape[0], a->x->shape[1], H * 2, a->k, a->zero_fill};
+  return launch_rows(ctx, s, "dispatch", g);
+}
+
+// moe_dispatch_fp8 has checked that no output overlaps an input, and that H is a multiple of 128.
+int moeI_dispatch_fp8_cuda(moe_ctx *ctx, const moe_dispatch_fp8_args *a) {
+  const int64_t W = a->x->shape[0], T = a->x->shape[1], H = a->x->shape[2], C = a->out->shape[0];
+  if (!C || !H) return moeI_ok(ctx);
+  cudaStream_t s;
+  int rc = moeI_cuda_ctx_stream(ctx, a->out->device.index, &s);
+  if (rc) return rc;
+  const int32_t *peer_rank = (const int32_t *)a->peer_rank->data, *peer_route = (const int32_t *)a->peer_route->data;
+  const Rows g = {a->out->data, a->x->data, peer_rank, peer_route, C, W, T, H, a->k, a->zero_fill};
+  if ((rc = launch_rows(ctx, s, "dispatch_fp8", g))) return rc;
+  const int64_t n = C * (H / 128);
+  const int64_t blocks = (n + THREADS - 1) / THREADS < 65536 ? (n + THREADS - 1) / THREADS : 65536;
+  dispatch_scale_kernel<<<(unsigned)blocks, THREADS, 0, s>>>((float *)a->out_scale->data,
+                                                             (const float *)a->x_scale->data, peer_rank, peer_route, C,
+                                                             H / 128, W, T, moeI_dispatch_routes(T, a->k), a->k,
+                                                             a->zero_fill != 0);
+  MOE_CUDA_LAUNCHED(ctx, "dispatch_fp8");
+  return moeI_ok(ctx);
 }

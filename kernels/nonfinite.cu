@@ -7,13 +7,15 @@
 
 enum { NONFINITE_THREADS = 1024 };
 
-template <int BF16>
+// BYTES: the element's size (4 f32, 2 bf16, 1 e4m3, whose only non-finite value is its NaN).
+template <int BYTES>
 __global__ void nonfinite_kernel(int32_t *__restrict__ stats, const void *__restrict__ p, int64_t n) {
   __shared__ int32_t counts[NONFINITE_THREADS], firsts[NONFINITE_THREADS];
   int32_t count = 0, first = INT32_MAX;
   for (int64_t i = threadIdx.x; i < n; i += NONFINITE_THREADS) {
-    const int bad = BF16 ? (((const uint16_t *)p)[i] & 0x7f80u) == 0x7f80u
-                         : (((const uint32_t *)p)[i] & 0x7f800000u) == 0x7f800000u;
+    const int bad = BYTES == 1   ? (((const uint8_t *)p)[i] & 0x7fu) == 0x7fu
+                    : BYTES == 2 ? (((const uint16_t *)p)[i] & 0x7f80u) == 0x7f80u
+                                 : (((const uint32_t *)p)[i] & 0x7f800000u) == 0x7f800000u;
     if (!bad) continue;
     if (first == INT32_MAX) first = (int32_t)i; // a thread's indices ascend
     count++;
@@ -38,10 +40,12 @@ int moeI_nonfinite_cuda(moe_ctx *ctx, moe_tensor *stats, const moe_tensor *t) {
   cudaStream_t s;
   int rc = moeI_cuda_ctx_stream(ctx, t->device.index, &s);
   if (rc) return rc;
-  if (t->dtype == MOE_BF16)
+  if (t->dtype == MOE_E4M3)
     nonfinite_kernel<1><<<1, NONFINITE_THREADS, 0, s>>>((int32_t *)stats->data, t->data, t->numel);
+  else if (t->dtype == MOE_BF16)
+    nonfinite_kernel<2><<<1, NONFINITE_THREADS, 0, s>>>((int32_t *)stats->data, t->data, t->numel);
   else
-    nonfinite_kernel<0><<<1, NONFINITE_THREADS, 0, s>>>((int32_t *)stats->data, t->data, t->numel);
+    nonfinite_kernel<4><<<1, NONFINITE_THREADS, 0, s>>>((int32_t *)stats->data, t->data, t->numel);
   MOE_CUDA_LAUNCHED(ctx, "nonfinite");
   return moeI_ok(ctx);
 }

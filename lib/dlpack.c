@@ -71,7 +71,8 @@ static int import(moe_ctx *ctx, const DLTensor *d, void *managed, int versioned,
   if (dtype < 0)
     return moeI_seterr(ctx, MOE_ERR_ARG,
                        "%s: dtype code %u, bits %u, lanes %u is none of moelab's: f32 (code 2 kDLFloat, bits 32), "
-                       "bf16 (code 4 kDLBfloat, bits 16), i32 (code 0 kDLInt, bits 32), each of lanes 1",
+                       "bf16 (code 4 kDLBfloat, bits 16), i32 (code 0 kDLInt, bits 32), e4m3 (code 10 "
+                       "kDLFloat8_e4m3fn, bits 8), each of lanes 1",
                        what, (unsigned)dt.code, (unsigned)dt.bits, (unsigned)dt.lanes);
   moe_device device = {MOE_CPU, 0};
   const int32_t type = (int32_t)d->device.device_type;

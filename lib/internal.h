@@ -180,6 +180,18 @@ static inline MOE_HOSTDEV uint16_t f32_to_bf16(float f) {
   return (uint16_t)(v.u >> 16);
 }
 
+/* The blocks of moe_quantize and moe_dequantize (lib/quantize.c): the tensor as [B, R, K], blocks
+ * of br (128, or 1 for the token kinds) x 128 elements, nbr x nbk of them per b; block (b, i, j)'s
+ * scale at b * nbr * nbk + i * srow + j * scol (TOKEN_T: srow 1, scol nbr, B 1).  token: the
+ * activations' scale rule, else the weights'. */
+typedef struct moeI_qlayout {
+  int64_t B, R, K, br, nbr, nbk, srow, scol;
+  int token;
+} moeI_qlayout;
+static inline MOE_HOSTDEV int64_t moeI_qlayout_scale_at(const moeI_qlayout *l, int64_t b, int64_t i, int64_t j) {
+  return b * l->nbr * l->nbk + i * l->srow + j * l->scol;
+}
+
 /* The randn hash: element i of seed s -> four 16-bit uniforms summed.  Shared by the CPU fill
  * and the CUDA fill so that both give the same bits. */
 static inline MOE_HOSTDEV uint64_t moeI_mix64(uint64_t z) {
@@ -250,6 +262,10 @@ int moeI_dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a);
 int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a);
 /* a checked by moe_experts_fp8 (dtypes, shapes, devices, H and F multiples of 128) */
 int moeI_experts_fp8_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a);
+int moeI_quantize_cuda(moe_ctx *ctx, moe_tensor *q, moe_tensor *scale, const moe_tensor *x, const moeI_qlayout *l);
+int moeI_dequantize_cuda(moe_ctx *ctx, moe_tensor *x, const moe_tensor *q, const moe_tensor *scale,
+                         const moeI_qlayout *l);
+int moeI_dispatch_fp8_cuda(moe_ctx *ctx, const moe_dispatch_fp8_args *a);
 int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
 int moeI_sigmoid_gate_cuda(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);
 int moeI_combine_cuda(moe_ctx *ctx, const moe_combine_args *a);

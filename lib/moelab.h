@@ -210,7 +210,7 @@ MOE_API int moe_tensor_fill(moe_ctx *ctx, moe_tensor *t, double value);
  * arithmetic and correctly rounded multiplies only, so every device produces the same bits. */
 MOE_API int moe_tensor_randn(moe_ctx *ctx, moe_tensor *t, uint64_t seed, float std);
 
-/* Data checks: stats i32 [2] = {elements of t (f32 or bf16, fewer than 2^31) that are NaN or
+/* Data checks: stats i32 [2] = {elements of t (f32, bf16 or e4m3, fewer than 2^31) that are NaN or
  * infinite, the flat index of the first of them or -1}, computed and written where t lives:
  * nothing is read back, so it can be captured.  The front-end raises on routing weights given
  * to it that are not finite. */
@@ -437,8 +437,8 @@ MOE_API int moe_safetensors_count(const moe_safetensors *f);
 MOE_API int moe_safetensors_find(const moe_safetensors *f, const char *name); /* its i, or -1 */
 MOE_API int moe_safetensors_tensor(moe_ctx *ctx, const moe_safetensors *f, int i, moe_safetensors_info *out);
 /* Tensor name into dst, bf16 or f32 of the same shape on any device.  BF16, F16, F32 and F8_E4M3
- * are read: BF16 into bf16 and F32 into f32 bit for bit, the rest converted to f32 and rounded
- * to the destination (to nearest even).  scale (F8_E4M3 of 2 dimensions [R, C] only; NULL: none)
+ * are read: BF16 into bf16, F32 into f32 and F8_E4M3 into e4m3 (without a scale) bit for bit, the
+ * rest converted to f32 and rounded to the destination (to nearest even).  scale (F8_E4M3 of 2 dimensions [R, C] only; NULL: none)
  * is its block scale, f32 [ceil(R/128), ceil(C/128)] on the CPU, as Hugging Face FP8 checkpoints
  * keep it beside each weight ("weight_scale_inv"): element (r, c) is
  * e4m3(q) x scale[r/128][c/128], an f32 product, then rounded to the destination. */

@@ -75,6 +75,16 @@ void moeI_cuda_scratch_release(moe_ctx *ctx) { (void)ctx; }
 int moeI_dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a) { (void)a; return NO_CUDA("dispatch"); }
 int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a) { (void)a; return NO_CUDA("experts"); }
 int moeI_experts_fp8_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a) { (void)a; return NO_CUDA("experts_fp8"); }
+int moeI_quantize_cuda(moe_ctx *ctx, moe_tensor *q, moe_tensor *scale, const moe_tensor *x, const moeI_qlayout *l) {
+  (void)q, (void)scale, (void)x, (void)l;
+  return NO_CUDA("quantize");
+}
+int moeI_dequantize_cuda(moe_ctx *ctx, moe_tensor *x, const moe_tensor *q, const moe_tensor *scale,
+                         const moeI_qlayout *l) {
+  (void)x, (void)q, (void)scale, (void)l;
+  return NO_CUDA("dequantize");
+}
+int moeI_dispatch_fp8_cuda(moe_ctx *ctx, const moe_dispatch_fp8_args *a) { (void)a; return NO_CUDA("dispatch_fp8"); }
 int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {
   (void)out, (void)x, (void)w;
   return NO_CUDA("logits");

@@ -10,8 +10,10 @@
 #define STAGE "nonfinite"
 
 /* On the bits, so that no compiler's notion of NaN comparisons can change the verdict: the
- * exponent all ones is an infinity or a NaN, in f32 and bf16 alike. */
+ * exponent all ones is an infinity or a NaN, in f32 and bf16 alike; e4m3 has no infinities, and
+ * S.1111.111 is its NaN. */
 static int nonfinite_at(const moe_tensor *t, int64_t i) {
+  if (t->dtype == MOE_E4M3) return (((const uint8_t *)t->data)[i] & 0x7fu) == 0x7fu;
   if (t->dtype == MOE_BF16) return (((const uint16_t *)t->data)[i] & 0x7f80u) == 0x7f80u;
   uint32_t u;
   memcpy(&u, (const float *)t->data + i, sizeof u);
@@ -22,9 +24,9 @@ int moe_nonfinite(moe_ctx *ctx, moe_tensor *stats, const moe_tensor *t) {
   int rc;
   const int64_t two = 2;
   if ((rc = moeI_check_tensor(ctx, STAGE, "stats", stats, MOE_I32, 1, &two))) return rc;
-  if (!t || (t->dtype != MOE_F32 && t->dtype != MOE_BF16)) {
+  if (!t || t->dtype == MOE_I32) {
     char got[160];
-    return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": t must be an f32 or bf16 tensor, got %s",
+    return moeI_seterr(ctx, MOE_ERR_ARG, STAGE ": t must be an f32, bf16 or e4m3 tensor, got %s",
                        moeI_tensor_describe(t, got, sizeof got));
   }
   if (t->numel > INT32_MAX) /* the first index is an i32 */

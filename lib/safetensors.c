@@ -709,15 +709,22 @@ static int check_read(moe_ctx *ctx, const moe_safetensors *f, const struct entry
   if (e->dtype->kind == ST_OTHER)
     return moeI_seterr(ctx, MOE_ERR_ARG, "safetensors: '%s': tensor '%s' is %s; only " READABLE " can be read",
                        f->path, e->name, entry_text(e, a, sizeof a));
-  if (dst->dtype != MOE_BF16 && dst->dtype != MOE_F32)
-    return moeI_seterr(ctx, MOE_ERR_ARG, "safetensors: '%s': tensor '%s' is read into bf16 or f32, not into %s",
-                       f->path, e->name, moeI_tensor_describe(dst, b, sizeof b));
+  if (dst->dtype == MOE_E4M3 && e->dtype->kind != ST_E4M3)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "safetensors: '%s': tensor '%s' is %s, read into bf16 or f32; only F8_E4M3 "
+                       "is read into e4m3, got %s", f->path, e->name, entry_text(e, a, sizeof a),
+                       moeI_tensor_describe(dst, b, sizeof b));
+  if (dst->dtype != MOE_BF16 && dst->dtype != MOE_F32 && dst->dtype != MOE_E4M3)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "safetensors: '%s': tensor '%s' is read into bf16 or f32 (F8_E4M3 also into "
+                       "e4m3), not into %s", f->path, e->name, moeI_tensor_describe(dst, b, sizeof b));
   int same = dst->ndim == e->ndim;
   for (int d = 0; same && d < e->ndim; d++) same = dst->shape[d] == e->shape[d];
   if (!same)
     return moeI_seterr(ctx, MOE_ERR_ARG, "safetensors: '%s': tensor '%s' is %s, the destination is %s", f->path,
                        e->name, entry_text(e, a, sizeof a), moeI_tensor_describe(dst, b, sizeof b));
   if (!scale) return MOE_OK;
+  if (dst->dtype == MOE_E4M3)
+    return moeI_seterr(ctx, MOE_ERR_ARG, "safetensors: '%s': tensor '%s' is read into e4m3 as it is, without a scale; "
+                       "read its scale into a tensor of its own", f->path, e->name);
   if (e->dtype->kind != ST_E4M3 || e->ndim != 2)
     return moeI_seterr(ctx, MOE_ERR_ARG, "safetensors: '%s': a block scale goes with a 2-D F8_E4M3 tensor; '%s' is %s",
                        f->path, e->name, entry_text(e, a, sizeof a));
@@ -772,7 +779,8 @@ int moe_safetensors_read(moe_ctx *ctx, moe_safetensors *f, const char *name, con
     c.first = first;
     char *out = staged ? (char *)staged : (char *)dst->data + (size_t)first * dst_size;
     c.out = out;
-    moeI_parallel_for(n, (int64_t)1 << 18, convert, &c);
+    if (dst->dtype == MOE_E4M3) memcpy(out, raw, (size_t)n); /* the file's bytes are the tensor's */
+    else moeI_parallel_for(n, (int64_t)1 << 18, convert, &c);
     if (staged)
       rc = moeI_cuda_memcpy(ctx, dst->device, (char *)dst->data + (size_t)first * dst_size, cpu, staged,
                             (size_t)n * dst_size);

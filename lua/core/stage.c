@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * stage.c -- the stages (route, schedule, dispatch, experts, experts_fp8, logits, sigmoid_gate,
- * nonfinite, combine, reference, reference_fp8) and the explain calls of schedule and experts.
+ * stage.c -- the stages (route, schedule, dispatch, dispatch_fp8, experts, experts_fp8, logits,
+ * sigmoid_gate, nonfinite, combine, reference, reference_fp8), quantize and dequantize, and the
+ * explain calls of schedule and experts.
  *
  * Stage arguments: one table of named fields at index 1.  Every value fetched stays on the stack
  * until the call returns, so nothing the C call sees can be collected under it; that none was
@@ -195,6 +196,45 @@ static int l_dispatch(lua_State *L) {
   return 0;
 }
 
+static int l_dispatch_fp8(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  Args A = args_open(L, "dispatch_fp8");
+  moe_dispatch_fp8_args a;
+  memset(&a, 0, sizeof a);
+  a.out = tensor_field(&A, "out", REQUIRED);
+  a.out_scale = tensor_field(&A, "out_scale", REQUIRED);
+  a.x = tensor_field(&A, "x", REQUIRED);
+  a.x_scale = tensor_field(&A, "x_scale", REQUIRED);
+  a.peer_rank = tensor_field(&A, "peer_rank", REQUIRED);
+  a.peer_route = tensor_field(&A, "peer_route", REQUIRED);
+  a.k = int_field(&A, "k", REQUIRED, 0);
+  a.zero_fill = bool_field(&A, "zero_fill");
+  lc_args_still_open(L, A.fname, 2);
+  int rc = moe_dispatch_fp8(ctx, &a);
+  if (rc) return lc_stage_fail(L, ctx, rc, "dispatch_fp8", "dispatch_fp8");
+  return 0;
+}
+
+/* core.quantize{q =, scale =, x =, kind =} and core.dequantize{x =, q =, scale =, kind =}; kind is
+ * "block", "token" or "token_t" (moe_quant_kind's order). */
+static int quant_call(lua_State *L, const char *name, int quantize) {
+  static const char *const kinds[] = {"block", "token", "token_t", NULL};
+  moe_ctx *ctx = lc_getctx(L);
+  Args A = args_open(L, name);
+  moe_tensor *q = tensor_field(&A, "q", REQUIRED), *scale = tensor_field(&A, "scale", REQUIRED);
+  moe_tensor *x = tensor_field(&A, "x", REQUIRED);
+  if (lua_getfield(L, 1, "kind") == LUA_TNIL) lc_arg_error(L, name, 1, "field 'kind': expected 'block', 'token' or "
+                                                           "'token_t', got nil");
+  int kind = option_field(&A, "kind", kinds, "'block', 'token' or 'token_t'");
+  lc_args_still_open(L, A.fname, 2);
+  int rc = quantize ? moe_quantize(ctx, q, scale, x, kind) : moe_dequantize(ctx, x, q, scale, kind);
+  if (rc) return lc_stage_fail(L, ctx, rc, name, name);
+  return 0;
+}
+
+static int l_quantize(lua_State *L) { return quant_call(L, "quantize", 1); }
+static int l_dequantize(lua_State *L) { return quant_call(L, "dequantize", 0); }
+
 /* The table of core.experts{...} and core.experts_explain{...}. */
 static moe_experts_args experts_fields(lua_State *L, const char *name) {
   Args A = args_open(L, name);
@@ -349,6 +389,9 @@ static const luaL_Reg stage_funcs[] = {
   {"schedule", l_schedule},
   {"schedule_explain", l_schedule_explain},
   {"dispatch", l_dispatch},
+  {"dispatch_fp8", l_dispatch_fp8},
+  {"quantize", l_quantize},
+  {"dequantize", l_dequantize},
   {"experts", l_experts},
   {"experts_explain", l_experts_explain},
   {"experts_fp8", l_experts_fp8},

@@ -159,6 +159,7 @@ static void push_element(lua_State *L, moe_dtype dtype, const void *buf, int64_t
   case MOE_F32: lua_pushnumber(L, (lua_Number)((const float *)buf)[i]); break;
   case MOE_BF16: lua_pushnumber(L, (lua_Number)moe_bf16_to_f32(((const uint16_t *)buf)[i])); break;
   case MOE_I32: lua_pushinteger(L, (lua_Integer)((const int32_t *)buf)[i]); break;
+  case MOE_E4M3: lua_pushnumber(L, (lua_Number)moe_e4m3_to_f32(((const uint8_t *)buf)[i])); break;
   }
 }
 
@@ -322,7 +323,7 @@ static int t_get(lua_State *L) {
     return 1;
   }
   /* one element through a temporary view; nothing here can raise until it is freed */
-  union { float f; uint16_t h; int32_t i; } one;
+  union { float f; uint16_t h; int32_t i; uint8_t q; } one;
   moe_tensor *v = NULL;
   int rc = moe_tensor_view(ctx, t, (int64_t)(i - 1), 0, NULL, &v);
   if (!rc) rc = moe_tensor_read(ctx, v, &one, moe_dtype_size(dtype));

@@ -121,6 +121,7 @@ static void put_number(Fill *f, int idx, int depth) {
     /* rounded to f32 first, as moe_tensor_fill rounds */
     float x = (float)lua_tonumber(L, idx);
     if (f->dtype == MOE_F32) ((float *)f->buf)[f->pos] = x;
+    else if (f->dtype == MOE_E4M3) ((uint8_t *)f->buf)[f->pos] = moe_f32_to_e4m3(x);
     else ((uint16_t *)f->buf)[f->pos] = moe_f32_to_bf16(x);
   }
   f->pos++;

@@ -321,7 +321,7 @@ local function check_device(fname, arg, v, method)
 end
 
 local DTYPES = { "f32", "bf16", "i32", "e4m3" } -- moe_dtype + 1
-local DTYPE_SIZE = { 4, 2, 4 }
+local DTYPE_SIZE = { 4, 2, 4, 1 }
 
 -- A shape: a table of 0..4 non-negative integers, into the shared array shape_buf.
 local shape_buf = new("int64_t[4]")
@@ -580,9 +580,9 @@ local function numel(u)
   return n
 end
 
-local ELEMENT = { "float[?]", "uint16_t[?]", "int32_t[?]" }
-local ELEMENT_PTR = { ffi.typeof("float *"), ffi.typeof("uint16_t *"), ffi.typeof("int32_t *") }
-local bf16_to_f32 = lib.moe_bf16_to_f32
+local ELEMENT = { "float[?]", "uint16_t[?]", "int32_t[?]", "uint8_t[?]" }
+local ELEMENT_PTR = { ffi.typeof("float *"), ffi.typeof("uint16_t *"), ffi.typeof("int32_t *"), ffi.typeof("uint8_t *") }
+local bf16_to_f32, e4m3_to_f32 = lib.moe_bf16_to_f32, lib.moe_e4m3_to_f32
 
 -- The whole tensor read into a host buffer of its dtype (a copy: a finalizer run while the
 -- tables are built may close the tensor) -> the buffer, numel, dtype.
@@ -598,6 +598,7 @@ end
 
 local function element(buf, dtype, i)
   if dtype == 1 then return bf16_to_f32(buf[i]) end
+  if dtype == 3 then return e4m3_to_f32(buf[i]) end
   return tonumber(buf[i])
 end
 
@@ -637,7 +638,7 @@ function methods.flat(u)
   return t
 end
 
-local one = new("union { float f; uint16_t h; int32_t i; }")
+local one = new("union { float f; uint16_t h; int32_t i; uint8_t q; }")
 local view_out = new("moe_tensor *[1]")
 
 function methods.get(u, i)
@@ -657,6 +658,7 @@ function methods.get(u, i)
   if rc ~= 0 then fail(rc) end
   if dtype == 0 then return tonumber(one.f) end
   if dtype == 1 then return bf16_to_f32(one.h) end
+  if dtype == 3 then return e4m3_to_f32(one.q) end
   return tonumber(one.i)
 end
 
@@ -835,7 +837,7 @@ local function element_name(path, depth)
   return "element " .. path_string(path, depth)
 end
 
-local f32_to_bf16 = lib.moe_f32_to_bf16
+local f32_to_bf16, f32_to_e4m3 = lib.moe_f32_to_bf16, lib.moe_f32_to_e4m3
 
 local function put_number(f, v, depth)
   if type(v) ~= "number" then data_error("%s %s, expected a number", element_name(f.path, depth), is_what(v, false)) end
@@ -850,7 +852,7 @@ local function put_number(f, v, depth)
     if f.buf then f.buf[pos] = v end
   elseif f.buf then
     -- rounded to f32 first (the C cast of the call), as moe_tensor_fill rounds
-    f.buf[pos] = f.dtype == 0 and v or f32_to_bf16(v)
+    f.buf[pos] = f.dtype == 0 and v or f.dtype == 3 and f32_to_e4m3(v) or f32_to_bf16(v)
   end
   f.pos = pos + 1
 end
@@ -1153,6 +1155,38 @@ function M.dispatch(o)
   local rc = lib.moe_dispatch(ctx, a)
   if rc ~= 0 then stage_fail(rc, "dispatch", "dispatch") end
 end
+
+local dispatch_fp8_args = ffi.typeof("moe_dispatch_fp8_args")
+function M.dispatch_fp8(o)
+  local f = "dispatch_fp8"
+  args_open(o, f)
+  local out, out_scale, x, x_scale, peer_rank, peer_route = tensor_fields(o, f, REQUIRED, "out", "out_scale", "x",
+    "x_scale", "peer_rank", "peer_route")
+  local k = int_field(o, f, "k", REQUIRED, 0)
+  local zero_fill = bool_field(o, f, "zero_fill")
+  each_open(f, out, out_scale, x, x_scale, peer_rank, peer_route)
+  local a = dispatch_fp8_args(out.h_t, out_scale.h_t, x.h_t, x_scale.h_t, peer_rank.h_t, peer_route.h_t, k,
+    zero_fill and 1 or 0)
+  local rc = lib.moe_dispatch_fp8(ctx, a)
+  if rc ~= 0 then stage_fail(rc, f, f) end
+end
+
+-- quantize{q =, scale =, x =, kind =} and dequantize{x =, q =, scale =, kind =} (moe_quant_kind's order).
+local QUANT_KINDS = { "block", "token", "token_t" }
+local function quant_call(o, name, quantize)
+  args_open(o, name)
+  local q, scale, x = tensor_fields(o, name, REQUIRED, "q", "scale", "x")
+  local expected = "'block', 'token' or 'token_t'"
+  if o.kind == nil then arg_error(name, 1, "field 'kind': expected %s, got nil", expected) end
+  local kind = option_field(o, name, "kind", QUANT_KINDS, expected)
+  each_open(name, q, scale, x)
+  local rc
+  if quantize then rc = lib.moe_quantize(ctx, q.h_t, scale.h_t, x.h_t, kind)
+  else rc = lib.moe_dequantize(ctx, x.h_t, q.h_t, scale.h_t, kind) end
+  if rc ~= 0 then stage_fail(rc, name, name) end
+end
+function M.quantize(o) quant_call(o, "quantize", true) end
+function M.dequantize(o) quant_call(o, "dequantize", false) end
 
 -- The table of experts{...} and experts_explain{...}.
 local experts_args = ffi.typeof("moe_experts_args")
