@@ -10,7 +10,7 @@ local args = require "moelab.args"
 
 local memory = {}
 
-local BYTES = { f32 = 4, bf16 = 2, i32 = 4 }
+local BYTES = { f32 = 4, bf16 = 2, i32 = 4, e4m3 = 1 }
 local MAX_ELEMENTS = 2 ^ 40 -- moe_tensor_new's bound on the dimensions other than 0 multiplied
 -- Below this a request is not worth a look at /proc: the allocation itself says when it fails.
 local ASK_ABOVE = 256 * 2 ^ 20
