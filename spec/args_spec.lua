@@ -44,7 +44,7 @@ local ROWS = {
   -- tensors
   { "tensor: unknown option", function() moe.tensor({ 1 }, { dtyp = "f32" }) end, "unknown option 'dtyp'" },
   { "tensor: unknown dtype", function() moe.tensor({ 1 }, { dtype = "f16" }) end,
-    "option 'dtype' must be one of 'f32', 'bf16', 'i32', got \"f16\"" },
+    "option 'dtype' must be one of 'f32', 'bf16', 'i32', 'e4m3', got \"f16\"" },
   { "tensor: options not a table", function() moe.tensor({ 1 }, "f32") end, "expected a table of options, got string" },
   { "tensor: a fraction for i32", function() moe.tensor({ 1, 1.5 }, { dtype = "i32" }) end,
     { "element [2] is 1.5", "i32" } },

@@ -301,7 +301,7 @@ static void test_reads(void) {
   EXPECT_ERROR(moe_safetensors_read(ctx, f, "zz", NULL, ab), MOE_ERR_ARG, "has no tensor 'zz'");
   EXPECT_ERROR(moe_safetensors_read(ctx, f, "a", NULL, wrong), MOE_ERR_ARG,
                "tensor 'a' is BF16 [2, 3], the destination is bf16 [3, 2] on cpu");
-  EXPECT_ERROR(moe_safetensors_read(ctx, f, "a", NULL, i32), MOE_ERR_ARG, "read into bf16 or f32, not into i32 [2, 3]");
+  EXPECT_ERROR(moe_safetensors_read(ctx, f, "a", NULL, i32), MOE_ERR_ARG, "read into bf16 or f32 (F8_E4M3 also into e4m3), not into i32 [2, 3]");
   EXPECT_ERROR(moe_safetensors_read(ctx, f, "g", NULL, g), MOE_ERR_ARG,
                "tensor 'g' is I64 [1]; only BF16, F16, F32 and F8_E4M3 can be read");
   EXPECT_ERROR(moe_safetensors_read(ctx, f, "c\xc3\xa9\xf0\x9f\x98\x80", s, cb), MOE_ERR_ARG,

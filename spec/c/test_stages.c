@@ -560,7 +560,7 @@ static void test_data_checks(void) {
   check_nonfinite("bf16 (3.4e38 rounds to +inf there)", BF16(vals, 3, 3), 5, 1);
   check_nonfinite("an empty tensor", F32(NULL, 0, 4), 0, -1);
   check_nonfinite("the last element alone", F32(((const float[]){0, 0, 0, nan}), 4), 1, 3);
-  ARG_ERROR(moe_nonfinite(ctx, I32(NULL, 2), I32(NULL, 3)), "nonfinite", "t must be an f32 or bf16 tensor, got i32 [3]");
+  ARG_ERROR(moe_nonfinite(ctx, I32(NULL, 2), I32(NULL, 3)), "nonfinite", "t must be an f32, bf16 or e4m3 tensor, got i32 [3]");
   ARG_ERROR(moe_nonfinite(ctx, I32(NULL, 3), F32(NULL, 3)), "nonfinite", "stats must be i32 [2], got i32 [3]");
   moe_tensor *buf = F32(NULL, 4);
   ARG_ERROR(moe_nonfinite(ctx, VIEW(buf, 0, 2), buf), "nonfinite", "stats must be i32 [2], got f32 [2]");
