@@ -712,7 +712,8 @@ local function sizes(self, World, group)
     add(sh.device, "weights", shard_weights(self))
     local list = stages.Router.buffers { lead = sh.lead, experts = self.experts, k = K }
     if self.shared_ffn > 0 then
-      append(list, stages.SharedExpert.buffers { rows = sh.rows, hidden = self.hidden, gated = self.cfg.shared_gate })
+      append(list, stages.SharedExpert.buffers { rows = sh.rows, hidden = self.hidden, gated = self.cfg.shared_gate,
+        fp8 = self.fp8 })
     end
     add(sh.device, "buffers", append(append(list, own_shard_buffers(self, sh)), World.shard_buffers(self)))
   end
