@@ -63,6 +63,17 @@ function M.random_codes(n, max_code)
   return t
 end
 
+-- n codes of a weight or activation block as moe_quantize makes them from normal values: std 100
+-- puts the largest of a few hundred near 448, where a block's amax lands, and nothing is NaN.
+function M.normal_codes(n)
+  local t = {}
+  for i = 1, n do
+    local z = math.sqrt(-2 * math.log(1 - math.random())) * math.cos(2 * math.pi * math.random())
+    t[i] = M.code(M.round(100 * z))
+  end
+  return t
+end
+
 -- Random positive scales (f32), n of them, around `around`.
 function M.random_scales(n, around)
   local t = {}
