@@ -21,10 +21,10 @@ static void shape_text(char *s, size_t n, moe_dtype dtype, int ndim, const int64
   if (len < n) snprintf(s + len, n - len, "]");
 }
 
-/* The checks of quantize and dequantize alike: v (x or the dequantized output) f32 or bf16 of
+/* The checks of quantize and dequantize alike: v (quantize's input, dequantize's output) f32 or bf16 of
  * the kind's rank, q e4m3 of v's shape, scale f32 of the kind's scale shape, one device, and no
  * output over an input.  On success *l describes the blocks. */
-static int check_args(moe_ctx *ctx, const char *stage, const char *vname, const moe_tensor *v, const moe_tensor *q,
+static int check_args(moe_ctx *ctx, const char *stage, const moe_tensor *v, const moe_tensor *q,
                       const moe_tensor *scale, int kind, int v_is_out, moeI_qlayout *l) {
   char want[160], got[160];
   if (kind != MOE_QUANT_BLOCK && kind != MOE_QUANT_TOKEN && kind != MOE_QUANT_TOKEN_T)
@@ -32,7 +32,7 @@ static int check_args(moe_ctx *ctx, const char *stage, const char *vname, const 
                        "MOE_QUANT_TOKEN_T (%d), got %d", stage, MOE_QUANT_BLOCK, MOE_QUANT_TOKEN, MOE_QUANT_TOKEN_T, kind);
   const int block = kind == MOE_QUANT_BLOCK;
   if (!v || (v->dtype != MOE_F32 && v->dtype != MOE_BF16) || (block ? v->ndim < 2 : v->ndim != 2))
-    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: %s must be f32 or bf16 of %s (kind %s), got %s", stage, vname,
+    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: x must be f32 or bf16 of %s (kind %s), got %s", stage,
                        block ? "2 to 4 dimensions [..., R, K]" : "2 dimensions [N, K]", kind_name(kind),
                        moeI_tensor_describe(v, got, sizeof got));
   int rc = moeI_check_tensor(ctx, stage, "q", q, MOE_E4M3, v->ndim, v->shape);
@@ -48,21 +48,21 @@ static int check_args(moe_ctx *ctx, const char *stage, const char *vname, const 
   sshape[nd - 2] = kind == MOE_QUANT_TOKEN_T ? nbk : nbr;
   sshape[nd - 1] = kind == MOE_QUANT_TOKEN_T ? nbr : nbk;
   if (moeI_check_tensor(ctx, stage, "scale", scale, MOE_F32, nd, sshape)) {
-    char vtext[160];
+    char qtext[160];
     shape_text(want, sizeof want, MOE_F32, nd, sshape);
-    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: scale must be %s for %s %s (kind %s: %s), got %s", stage, want, vname,
-                       moeI_tensor_describe(v, vtext, sizeof vtext), kind_name(kind),
+    return moeI_seterr(ctx, MOE_ERR_ARG, "%s: scale must be %s for q %s (kind %s: %s), got %s", stage, want,
+                       moeI_tensor_describe(q, qtext, sizeof qtext), kind_name(kind),
                        block ? "one per 128 x 128 block" : kind == MOE_QUANT_TOKEN ? "one per row and 128 columns"
                                                                            : "one per 128 columns and row, transposed",
                        moeI_tensor_describe(scale, got, sizeof got));
   }
   const moe_tensor *ts[] = {q, scale, v};
-  const char *const names[] = {"q", "scale", vname};
-  if ((rc = moeI_check_same_device(ctx, stage, vname, v->device, ts, names, 3))) return rc;
+  const char *const names[] = {"q", "scale", "x"};
+  if ((rc = moeI_check_same_device(ctx, stage, "q", q->device, ts, names, 3))) return rc;
   /* the outputs first: q and scale, or the dequantized v */
   if (v_is_out) {
     const moe_tensor *outs[] = {v, q, scale};
-    const char *const onames[] = {vname, "q", "scale"};
+    const char *const onames[] = {"x", "q", "scale"};
     if ((rc = moeI_check_no_overlap(ctx, stage, outs, onames, 1, 3))) return rc;
   } else if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 2, 3))) {
     return rc;
@@ -126,7 +126,7 @@ static void dequantize_rows(void *arg, int64_t begin, int64_t end) {
 int moe_quantize(moe_ctx *ctx, moe_tensor *q, moe_tensor *scale, const moe_tensor *x, int kind) {
   static const char *stage = "quantize";
   moeI_qlayout l;
-  int rc = check_args(ctx, stage, "x", x, q, scale, kind, 0, &l);
+  int rc = check_args(ctx, stage, x, q, scale, kind, 0, &l);
   if (rc) return rc;
   if (!moeI_on_cpu(x)) return MOE_IN_RANGE(stage, moeI_quantize_cuda(ctx, q, scale, x, &l));
   job J = {&l, x->data, NULL, q->data, scale->data, NULL, NULL, x->dtype == MOE_BF16};
@@ -139,7 +139,7 @@ int moe_quantize(moe_ctx *ctx, moe_tensor *q, moe_tensor *scale, const moe_tenso
 int moe_dequantize(moe_ctx *ctx, moe_tensor *x, const moe_tensor *q, const moe_tensor *scale, int kind) {
   static const char *stage = "dequantize";
   moeI_qlayout l;
-  int rc = check_args(ctx, stage, "x", x, q, scale, kind, 1, &l);
+  int rc = check_args(ctx, stage, x, q, scale, kind, 1, &l);
   if (rc) return rc;
   if (!moeI_on_cpu(x)) return MOE_IN_RANGE(stage, moeI_dequantize_cuda(ctx, x, q, scale, &l));
   job J = {&l, NULL, x->data, NULL, NULL, q->data, scale->data, x->dtype == MOE_BF16};

@@ -710,8 +710,8 @@ static int check_read(moe_ctx *ctx, const moe_safetensors *f, const struct entry
     return moeI_seterr(ctx, MOE_ERR_ARG, "safetensors: '%s': tensor '%s' is %s; only " READABLE " can be read",
                        f->path, e->name, entry_text(e, a, sizeof a));
   if (dst->dtype == MOE_E4M3 && e->dtype->kind != ST_E4M3)
-    return moeI_seterr(ctx, MOE_ERR_ARG, "safetensors: '%s': tensor '%s' is %s, read into bf16 or f32; only F8_E4M3 "
-                       "is read into e4m3, got %s", f->path, e->name, entry_text(e, a, sizeof a),
+    return moeI_seterr(ctx, MOE_ERR_ARG, "safetensors: '%s': tensor '%s' is %s, which reads into bf16 or f32; "
+                       "only F8_E4M3 reads into e4m3, got %s", f->path, e->name, entry_text(e, a, sizeof a),
                        moeI_tensor_describe(dst, b, sizeof b));
   if (dst->dtype != MOE_BF16 && dst->dtype != MOE_F32 && dst->dtype != MOE_E4M3)
     return moeI_seterr(ctx, MOE_ERR_ARG, "safetensors: '%s': tensor '%s' is read into bf16 or f32 (F8_E4M3 also into "

@@ -6,7 +6,8 @@
 -- one's own adds this folder to its own workspace.library.  spec/annotations_spec.lua holds it to
 -- the module as it runs and to docs/lua-api.md, name for name.
 
----@alias moe.dtype "f32"|"bf16"|"i32"
+---@alias moe.dtype "f32"|"bf16"|"i32"|"e4m3"
+---@alias moe.quant_kind "block"|"token"|"token_t"
 ---@alias moe.device string "cpu", "cuda" (cuda:0) or "cuda:N"
 ---@alias moe.scoring "softmax"|"sigmoid"|"sqrtsoftplus"
 ---@alias moe.layout "roundrobin"|"peer_major"
@@ -162,11 +163,23 @@ function Graph:replay() end
 ---@field invalid? "error"|"skip"
 
 ---@class moe.DispatchOptions
----@field x moe.Tensor bf16 [W, T, H]
+---@field x moe.Tensor bf16 or e4m3 [W, T, H]
 ---@field schedule moe.Schedule
 ---@field k? integer the schedule's top-k
----@field zero_fill? boolean rows without a route zeroed
----@field out? moe.Tensor bf16 [C, H]
+---@field zero_fill? boolean rows without a route zeroed (and their scales, for e4m3)
+---@field out? moe.Tensor bf16 or e4m3 (x's) [C, H]
+---@field x_scale? moe.Tensor f32 [W, T, H/128], x's scales: required with an e4m3 x
+---@field out_scale? moe.Tensor f32 [H/128, C], the rows' scales transposed (e4m3 x only)
+
+---@class moe.QuantizeOptions
+---@field kind moe.quant_kind "block": 128 x 128 blocks; "token": 1 x 128; "token_t": 1 x 128, scales transposed
+---@field q? moe.Tensor e4m3 of x's shape
+---@field scale? moe.Tensor f32, one per block
+
+---@class moe.DequantizeOptions
+---@field kind moe.quant_kind as the scales were made
+---@field dtype? "f32"|"bf16" default "f32"
+---@field out? moe.Tensor f32 or bf16 of q's shape
 
 ---@class moe.ExpertsOptions
 ---@field x moe.Tensor bf16 [C, H]
@@ -753,8 +766,23 @@ function moe.schedule_plan(o) end
 
 ---Stage 3: the rows of x the schedule placed on this rank.
 ---@param o moe.DispatchOptions
----@return moe.Tensor bf16 [C, H]
+---@return moe.Tensor out bf16 or e4m3 [C, H]
+---@return moe.Tensor? out_scale f32 [H/128, C], for an e4m3 x
 function moe.dispatch(o) end
+
+---Block-scaled e4m3 of x (f32 or bf16): q = e4m3(x / scale), one f32 scale per block.
+---@param x moe.Tensor
+---@param opts moe.QuantizeOptions
+---@return moe.Tensor q
+---@return moe.Tensor scale
+function moe.quantize(x, opts) end
+
+---e4m3(q) x scale, rounded to f32 or bf16.
+---@param q moe.Tensor
+---@param scale moe.Tensor
+---@param opts moe.DequantizeOptions
+---@return moe.Tensor
+function moe.dequantize(q, scale, opts) end
 
 ---Stage 4: each expert's SwiGLU MLP over its rows.
 ---@param o moe.ExpertsOptions

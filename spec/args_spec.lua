@@ -206,7 +206,7 @@ local ROWS = {
     "unknown option 'zero_fil'" },
   { "dispatch: schedule missing", function() moe.dispatch { x = X } end, "option 'schedule' is required" },
   { "dispatch: x f32", function() moe.dispatch { x = moe.zeros({ 2, 3, 4 }), schedule = s0 } end,
-    "option 'x' must be bf16 [_, _, _], got moelab.Tensor(f32 [2, 3, 4] on cpu)" },
+    "option 'x' must be bf16 or e4m3 [_, _, _], got moelab.Tensor(f32 [2, 3, 4] on cpu)" },
   { "dispatch: x of another world size", function() moe.dispatch { x = bf16 { 3, 3, 4 }, schedule = s0 } end,
     "option 'x' is [3, 3, 4] but the schedule was made for 2 ranks of 3 tokens" },
   { "dispatch: x of another token count", function() moe.dispatch { x = bf16 { 2, 4, 4 }, schedule = s0 } end,

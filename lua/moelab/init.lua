@@ -101,6 +101,10 @@ function moe.randn(shape, opts)
   return core.new(opts.dtype or "f32", shape, opts.device or "cpu"):randn(opts.seed or 0, opts.std or 1.0)
 end
 
+-- Block-scaled e4m3 tensors (moelab.fp8).
+local fp8 = require "moelab.fp8"
+moe.quantize, moe.dequantize = fp8.quantize, fp8.dequantize
+
 -- Tensors over memory another library owns: a raw address, or DLPack (moelab.interop).
 local interop = require "moelab.interop"
 function moe.wrap(o) return interop.wrap(o, check_shape) end
@@ -119,10 +123,13 @@ local function output(fname, dtype, shape, device, from)
 end
 
 function moe.dispatch(o)
-  args.options("dispatch", o, { x = "tensor", schedule = "table", k = "integer", zero_fill = "boolean", out = "tensor" },
-    { "x", "schedule" })
+  args.options("dispatch", o, { x = "tensor", schedule = "table", k = "integer", zero_fill = "boolean", out = "tensor",
+    x_scale = "tensor", out_scale = "tensor" }, { "x", "schedule" })
   local s = check_schedule("dispatch", "schedule", o.schedule)
-  local x = args.tensor("dispatch", "x", o.x, "bf16", { false, false, false })
+  local x = args.tensor("dispatch", "x", o.x, nil, { false, false, false })
+  if x.dtype ~= "bf16" and x.dtype ~= "e4m3" then
+    args.fail("dispatch", "option 'x' must be bf16 or e4m3 [_, _, _], got " .. tostring(x))
+  end
   if x.shape[1] ~= s.world or x.shape[2] ~= s.tokens then
     args.fail("dispatch", string.format("option 'x' is %s but the schedule was made for %d ranks of %d tokens",
       args.shape_str(x.shape), s.world, s.tokens))
@@ -132,6 +139,10 @@ function moe.dispatch(o)
   end
   -- the schedule's device is x's: the stage would name the schedule's peer_rank, not an option
   args.same_device("dispatch", { x = x, schedule = s.peer_rank }, { "x", "schedule" })
+  if x.dtype == "e4m3" then return fp8.dispatch(o, s, x) end
+  for _, k in ipairs { "x_scale", "out_scale" } do
+    if o[k] then args.fail("dispatch", string.format("option '%s' goes with an e4m3 x; x is bf16", k)) end
+  end
   local out = o.out or output("dispatch", "bf16", { s.capacity, x.shape[3] }, x.device,
     "the schedule's capacity x the hidden size of x")
   core.dispatch { out = out, x = x, peer_rank = s.peer_rank, peer_route = s.peer_route, k = s.k,
