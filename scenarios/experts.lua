@@ -171,17 +171,6 @@ local function make_ids(dist, E, K, seed)
   return moe.tensor(ids, { dtype = "i32", device = dev, shape = { W, T, K } })
 end
 
--- x quantized as moe_quantize's kind ("block": weights [EL, R, K]; "token_t": rows [N, K]) -> q
--- e4m3 and its scales, on x's device.
-local function quantize(x, kind)
-  local s = x.shape
-  local scale_shape = kind == "block" and { s[1], math.ceil(s[2] / 128), math.ceil(s[3] / 128) }
-    or { math.ceil(s[2] / 128), s[1] }
-  local q, scale = moe.core.new("e4m3", s, x.device), moe.core.new("f32", scale_shape, x.device)
-  moe.core.quantize { q = q, scale = scale, x = x, kind = kind }
-  return q, scale
-end
-
 -- ---------------------------------------------------------------- checks against the CPU
 
 -- A small CPU problem per (model, distribution): the first and the last row of the segments of
@@ -298,8 +287,8 @@ local function run_model(key)
   -- FP8: the weights quantized per 128 x 128 block, the bf16 copies dropped
   local w = { w_gate_up = wgu, w_down = wd }
   if fp8 then
-    w.w_gate_up, w.w_gate_up_scale = quantize(wgu, "block")
-    w.w_down, w.w_down_scale = quantize(wd, "block")
+    w.w_gate_up, w.w_gate_up_scale = moe.quantize(wgu, { kind = "block" })
+    w.w_down, w.w_down_scale = moe.quantize(wd, { kind = "block" })
     wgu:close()
     wd:close()
   end
@@ -345,7 +334,7 @@ local function run_model(key)
         local xv, yv = xs:view(0, { C, H }), ys:view(0, { C, H })
         local xv_scale
         if fp8 then -- the rows quantized per token, scales transposed (what the FP8 experts read)
-          local q, sc_t = quantize(xv, "token_t")
+          local q, sc_t = moe.quantize(xv, { kind = "token_t" })
           xv:close()
           xv, xv_scale = q, sc_t
         end
