@@ -36,10 +36,10 @@ local stages = require "moelab.stages"
 local world = require "moelab.world"
 
 local Layer = { __name = "moelab.Layer" }
+Layer.__index = Layer
 
 -- The FP8 layer's check against moe_reference_fp8 (docs/design.md, "FP8 tolerance" derives them).
 local FP8_RTOL, FP8_L2 = 5e-2, 2e-2
-Layer.__index = Layer
 
 local SPEC = {
   model = "any", world = "any", tokens = "integer", hidden = "integer", ffn = "integer",
@@ -389,7 +389,9 @@ end
 
 function Simulated:dispatch(layer, x)
   local sh = self.shards[1]
-  if layer.fp8 then core.quantize { q = as_rows(sh.xq), scale = as_rows(sh.xq_scale), x = as_rows(x[1]), kind = "token" } end
+  if layer.fp8 then -- each token quantized once, on its source rank, whichever ranks it goes to
+    core.quantize { q = as_rows(sh.xq), scale = as_rows(sh.xq_scale), x = as_rows(x[1]), kind = "token" }
+  end
   for j, h in ipairs(self.held) do
     mark(layer, j, h.rank)
     local s = h.schedule
