@@ -124,8 +124,7 @@ void moeI_mlp_dot4(float out[MLP_ROWS], const float *w, const float *const x[MLP
   out[0] = sum8(s0), out[1] = sum8(s1), out[2] = sum8(s2), out[3] = sum8(s3);
 }
 
-/* out[r] = w . x[r] for r < nrows; a short block runs row by row (same bits, see mlp.h). */
-static void dot_rows(float *out, const float *w, const float *const x[MLP_ROWS], int nrows, int64_t n) {
+void moeI_mlp_dot_rows(float *out, const float *w, const float *const x[MLP_ROWS], int nrows, int64_t n) {
   if (nrows == MLP_ROWS) {
     moeI_mlp_dot4(out, w, x, n);
     return;
@@ -139,7 +138,7 @@ typedef struct {
   float *const *y;
   const float *const *x;
   const float *hr[MLP_ROWS];
-  int nrows, round_h;
+  int nrows, h_mode;
   const float *w_gate_up, *w_down;
   int64_t H, F;
   float *h;
@@ -149,11 +148,11 @@ static void swiglu_hidden(void *p, int64_t j0, int64_t j1) {
   const swiglu_job *J = p;
   for (int64_t j = j0; j < j1; j++) {
     float g[MLP_ROWS], u[MLP_ROWS];
-    dot_rows(g, J->w_gate_up + j * J->H, J->x, J->nrows, J->H);
-    dot_rows(u, J->w_gate_up + (J->F + j) * J->H, J->x, J->nrows, J->H);
+    moeI_mlp_dot_rows(g, J->w_gate_up + j * J->H, J->x, J->nrows, J->H);
+    moeI_mlp_dot_rows(u, J->w_gate_up + (J->F + j) * J->H, J->x, J->nrows, J->H);
     for (int r = 0; r < J->nrows; r++) {
       float v = mlp_silu(g[r]) * u[r];
-      J->h[r * J->F + j] = J->round_h ? bf16_to_f32(f32_to_bf16(v)) : v;
+      J->h[r * J->F + j] = J->h_mode == MLP_H_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v;
     }
   }
 }
@@ -162,8 +161,24 @@ static void swiglu_out(void *p, int64_t i0, int64_t i1) {
   const swiglu_job *J = p;
   for (int64_t i = i0; i < i1; i++) {
     float o[MLP_ROWS];
-    dot_rows(o, J->w_down + i * J->F, J->hr, J->nrows, J->F);
+    moeI_mlp_dot_rows(o, J->w_down + i * J->F, J->hr, J->nrows, J->F);
     for (int r = 0; r < J->nrows; r++) J->y[r][i] = o[r];
+  }
+}
+
+float moeI_mlp_fp8_token_block(float q[MOE_FP8_BLOCK], const float *v) {
+  float amax = 0.0f;
+  for (int i = 0; i < MOE_FP8_BLOCK; i++) amax = moeI_fp8_amax(amax, v[i]);
+  const float s = moeI_fp8_token_scale(amax);
+  for (int i = 0; i < MOE_FP8_BLOCK; i++) q[i] = moeI_e4m3_to_f32(moeI_fp8_quantize(v[i], s));
+  return s;
+}
+
+void moeI_mlp_fp8_token_qdq(float *v, int64_t n) {
+  for (int64_t b = 0; b < n; b += MOE_FP8_BLOCK) {
+    float q[MOE_FP8_BLOCK];
+    const float s = moeI_mlp_fp8_token_block(q, v + b);
+    for (int i = 0; i < MOE_FP8_BLOCK; i++) v[b + i] = q[i] * s;
   }
 }
 
@@ -171,21 +186,15 @@ static void swiglu_out(void *p, int64_t i0, int64_t i1) {
 static int64_t rows_per_thread(int64_t macs_per_row) { return ((int64_t)1 << 20) / (macs_per_row > 0 ? macs_per_row : 1) + 1; }
 
 void moeI_mlp_swiglu(float *const y[MLP_ROWS], const float *const x[MLP_ROWS], int nrows, const float *w_gate_up,
-                const float *w_down, int64_t H, int64_t F, int round_h, float *h) {
-  swiglu_job J = {y, x, {0}, nrows, round_h, w_gate_up, w_down, H, F, h};
+                const float *w_down, int64_t H, int64_t F, int h_mode, float *h) {
+  swiglu_job J = {y, x, {0}, nrows, h_mode, w_gate_up, w_down, H, F, h};
   for (int r = 0; r < MLP_ROWS; r++) J.hr[r] = h + r * F;
   moeI_parallel_for(F, rows_per_thread(2 * H * nrows), swiglu_hidden, &J);
+  if (h_mode == MLP_H_FP8) moeI_mlp_fp8_token_qdq(h, nrows * F);
   moeI_parallel_for(H, rows_per_thread(F * nrows), swiglu_out, &J);
 }
 
 /* ---- experts ---- */
-
-/* Offsets are data (written on the device by the schedule), so the stage trusts none of them.
- * Expert e owns the rows [m_e, m_{e+1}), where m is the running maximum of the offsets clamped
- * to [0, C]: for a valid schedule (non-decreasing offsets within [0, C]) that is exactly
- * [offsets[e], offsets[e+1]); otherwise a decreasing step is an empty expert and nothing
- * outside [0, C) is read or written, and each row is still written at most once. */
-static int64_t clamp_offset(int32_t v, int64_t C) { return v < 0 ? 0 : v > C ? C : v; }
 
 int moeI_experts_cpu(moe_ctx *ctx, const moe_experts_args *a) {
   const int64_t C = a->x->shape[0], H = a->x->shape[1];
@@ -204,9 +213,9 @@ int moeI_experts_cpu(moe_ctx *ctx, const moe_experts_args *a) {
   float *yr[MLP_ROWS];
   for (int r = 0; r < MLP_ROWS; r++) xr[r] = xb + r * H, yr[r] = yb + r * H;
 
-  int64_t lo = clamp_offset(off[0], C);
+  int64_t lo = moeI_clamp_offset(off[0], C);
   for (int64_t e = 0; e < EL; e++) {
-    int64_t hi = clamp_offset(off[e + 1], C);
+    int64_t hi = moeI_clamp_offset(off[e + 1], C);
     if (hi < lo) hi = lo;
     if (hi > lo) {
       moeI_mlp_bf16_to_f32(wguf, wgu + e * 2 * F * H, 2 * F * H);
@@ -215,7 +224,7 @@ int moeI_experts_cpu(moe_ctx *ctx, const moe_experts_args *a) {
         int n = hi - row < MLP_ROWS ? (int)(hi - row) : MLP_ROWS;
         /* the block is read whole before any of it is written, so ys may be xs itself */
         moeI_mlp_bf16_to_f32(xb, xs + row * H, n * H);
-        moeI_mlp_swiglu(yr, xr, n, wguf, wdf, H, F, 1, hb);
+        moeI_mlp_swiglu(yr, xr, n, wguf, wdf, H, F, MLP_H_BF16, hb);
         for (int64_t i = 0; i < n * H; i++) ys[row * H + i] = f32_to_bf16(yb[i]);
       }
     }
@@ -286,7 +295,7 @@ int moeI_logits_cpu(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const mo
     moeI_mlp_bf16_to_f32(xb, xh + n0 * H, nr * H);
     for (int64_t e = 0; e < E; e++) {
       float v[MLP_ROWS];
-      dot_rows(v, wf + e * H, xr, nr, H);
+      moeI_mlp_dot_rows(v, wf + e * H, xr, nr, H);
       for (int r = 0; r < nr; r++) o[(n0 + r) * E + e] = v[r];
     }
   }
@@ -380,7 +389,7 @@ int moeI_sigmoid_gate_cpu(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, cons
     int nr = T - t0 < MLP_ROWS ? (int)(T - t0) : MLP_ROWS;
     float v[MLP_ROWS];
     moeI_mlp_bf16_to_f32(xb, xh + t0 * H, nr * H);
-    dot_rows(v, wf, xr, nr, H);
+    moeI_mlp_dot_rows(v, wf, xr, nr, H);
     for (int r = 0; r < nr; r++) o[t0 + r] = mlp_sigmoid(v[r]);
   }
   free(wf);

@@ -221,6 +221,13 @@ int moeI_route_cpu(moe_ctx *ctx, const moe_route_args *a);
 int moeI_schedule_cpu(moe_ctx *ctx, const moe_schedule_args *a);
 int moeI_dispatch_cpu(moe_ctx *ctx, const moe_dispatch_args *a);
 int moeI_experts_cpu(moe_ctx *ctx, const moe_experts_args *a);
+/* Offsets are data (written on the device by the schedule), so the experts stages trust none of
+ * them.  Expert e owns the rows [m_e, m_{e+1}), where m is the running maximum of the offsets
+ * clamped to [0, C]: for a valid schedule (non-decreasing offsets within [0, C]) that is exactly
+ * [offsets[e], offsets[e+1]); otherwise a decreasing step is an empty expert and nothing
+ * outside [0, C) is read or written, and each row is still written at most once. */
+static inline int64_t moeI_clamp_offset(int32_t v, int64_t C) { return v < 0 ? 0 : v > C ? C : v; }
+int moeI_experts_fp8_cpu(moe_ctx *ctx, const moe_experts_fp8_args *a);
 int moeI_logits_cpu(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
 int moeI_sigmoid_gate_cpu(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);
 int moeI_combine_cpu(moe_ctx *ctx, const moe_combine_args *a);

@@ -342,7 +342,7 @@ MOE_API int moe_experts_explain(moe_ctx *ctx, const moe_experts_args *a, char *r
  * summed in f32 and the block's sum is added to the f32 accumulator times x_scale * w_scale (the
  * product of the two scales first).  h = bf16(silu(gate) * up), then quantized per row and 128
  * columns as MOE_QUANT_TOKEN does, is the down projection's input; out is bf16.  H and F must be
- * multiples of 128. */
+ * multiples of 128.  out may overlap no input (it cannot be x: the dtypes differ). */
 typedef struct moe_experts_fp8_args {
   moe_tensor *out;                   /* out: bf16 [C, H]; rows >= offsets[EL] untouched */
   const moe_tensor *x;               /* e4m3 [C, H] */
@@ -406,7 +406,8 @@ MOE_API int moe_reference(moe_ctx *ctx, const moe_reference_args *a);
 /* The same layer with FP8 experts and shared expert (moe_experts_fp8's weights): each weight is
  * dequantized to f32 (e4m3(q) x scale), each token row x[n] is quantized as MOE_QUANT_TOKEN and
  * dequantized, and so is the hidden activation silu(gate) * up (from f32, not rounded to bf16
- * first); everything else in f32 as moe_reference.  CPU only. */
+ * first); everything else in f32 as moe_reference (the shared gate reads the bf16 x).  H, F and
+ * Fs must be multiples of 128.  CPU only. */
 typedef struct moe_reference_fp8_args {
   moe_tensor *out;                        /* out: f32 [N, H] */
   const moe_tensor *x;                    /* bf16 [N, H] */

@@ -182,11 +182,14 @@ function Graph:replay() end
 ---@field out? moe.Tensor f32 or bf16 of q's shape
 
 ---@class moe.ExpertsOptions
----@field x moe.Tensor bf16 [C, H]
+---@field x moe.Tensor bf16 [C, H], or e4m3 (FP8 experts: H and F multiples of 128)
 ---@field offsets moe.Tensor i32 [EL + 1], the schedule's expert_offsets
----@field w_gate_up moe.Tensor bf16 [EL, 2F, H]
----@field w_down moe.Tensor bf16 [EL, H, F]
----@field out? moe.Tensor bf16 [C, H], or x itself
+---@field w_gate_up moe.Tensor bf16 [EL, 2F, H], e4m3 with an e4m3 x
+---@field w_down moe.Tensor bf16 [EL, H, F], e4m3 with an e4m3 x
+---@field x_scale? moe.Tensor f32 [H/128, C] ("token_t" scales), with an e4m3 x only
+---@field w_gate_up_scale? moe.Tensor f32 [EL, 2F/128, H/128] ("block" scales), with an e4m3 x only
+---@field w_down_scale? moe.Tensor f32 [EL, H/128, F/128], with an e4m3 x only
+---@field out? moe.Tensor bf16 [C, H], or x itself (bf16 x only)
 
 ---@class moe.CombineOptions
 ---@field schedule? moe.Schedule a world of one rank
@@ -372,6 +375,7 @@ function Check.verdict(got, ref, o, what) end
 ---@field memory_limit? number bytes the layer may take (default: what the device has free)
 ---@field checkpoint? string a Hugging Face checkpoint whose MoE layer `layer` gives the weights
 ---@field layer? integer that layer's N (model.layers.N)
+---@field precision? "bf16"|"fp8" the experts' (default "bf16"); fp8: e4m3 weights and tokens, simulated worlds
 
 ---@class moe.ForwardOptions
 ---@field logits? moe.Tensor|moe.Tensor[] routing given as logits

@@ -4,7 +4,7 @@
 --   lua scenarios/kimi.lua [--tokens N] [--hidden H] [--ffn F] [--world W] [--layout L] [--pad B]
 --                          [--device D] [--devices 0,1,...] [--capacity C] [--seed S] [--sample N]
 --                          [--json FILE] [--trace FILE] [--svg FILE] [--checkpoint DIR --layer N]
---                          [--router tensor|exact]
+--                          [--router tensor|exact] [--precision bf16|fp8]
 --
 -- By default the W ranks are simulated side by side on one device.  With --devices they are real:
 -- one rank per listed GPU, in this process (moe.world), tokens exchanged over NVLink.
@@ -16,6 +16,8 @@
 -- Kimi K2 names), and E, H, F and the shared expert's width are the checkpoint's.
 -- --trace writes one more forward's stages per rank as a Chrome trace (ui.perfetto.dev), --svg a
 -- picture: the stage times against their ceilings, each rank's expert load and padding.
+-- --precision fp8 runs the FP8 layer (moe.layer{precision = "fp8"}), checked against the FP8
+-- reference at its tolerance (docs/design.md, "FP8 tolerance"); simulated worlds only.
 -- Exits 1 when the layer does not match the reference (or, on a GPU, the router's ids or weights
 -- differ from the CPU route stage's on the GPU's logits); 2 on a bad flag or a configuration the
 -- library refuses.
@@ -47,9 +49,13 @@ local opts = cli.parse(arg, {
   { "trace", "string", nil, "also write a forward's stages per rank as a Chrome trace (ui.perfetto.dev) to this file" },
   { "svg", "string", nil, "also draw the report as an SVG picture in this file" },
   { "router", "string", "tensor", "the router logits' GPU path: tensor (tensor cores) or exact (the CPU's sums)" },
+  { "precision", "string", "bf16", "the experts' precision: bf16, or fp8 (block-scaled e4m3 weights and tokens)" },
 }, "lua scenarios/kimi.lua: one Kimi K2 MoE layer, expert parallel, checked and timed")
 local json_file = cli.output("json", opts.json)
 local trace_file, svg_file = cli.output("trace", opts.trace), cli.output("svg", opts.svg)
+if opts.precision ~= "bf16" and opts.precision ~= "fp8" then
+  cli.fail(string.format("--precision must be bf16 or fp8, got '%s'", opts.precision))
+end
 if opts.sample < 1 then cli.fail(string.format("--sample must be >= 1, got %d", opts.sample)) end
 local device_given = opts.device
 -- A checkpoint's layer has its own sizes: a flag may repeat them, not change them.
@@ -98,7 +104,7 @@ local reduced = not ckpt and (H ~= model.hidden or F ~= model.ffn or T ~= 7168)
 local layer = cli.guard("moe.layer", moe.layer, { model = model, world = group or W, tokens = T, hidden = H, ffn = F,
   shared_ffn = ckpt and ckpt.shared_ffn or F, pad = opts.pad, layout = opts.layout, capacity = opts.capacity,
   device = not group and opts.device or nil, seed = opts.seed, experts = ckpt and ckpt.experts,
-  checkpoint = opts.checkpoint, layer = opts.layer, router = opts.router })
+  checkpoint = opts.checkpoint, layer = opts.layer, router = opts.router, precision = opts.precision })
 local E = layer.experts
 local x = moe.randn({ W, T, H }, { dtype = "bf16", device = opts.device, seed = opts.seed * 7919 + 1 })
 -- In a real world each rank's tokens go into its exchange window (layer.inputs): the same values
@@ -255,6 +261,10 @@ p("  shape     H = %d, F = %d, %d tokens per rank%s", H, F, T,
   reduced and string.format("  (real: H = %d, F = %d, T = 7168; reduced so the %s run takes seconds)", model.hidden,
     model.ffn, opts.device) or "")
 p("  schedule  %s, pad %d, capacity %d rows per rank", layer.layout, layer.pad, layer.capacity)
+if opts.precision == "fp8" then
+  p("  precision FP8: e4m3 expert weights (128 x 128 scales), tokens quantized per token (1 x 128); checked against "
+    .. "the FP8 reference")
+end
 p("")
 p("  stage       median ms of %d%s%s", iters, small and " (wall clock)" or " (device events)",
   group and ", the slowest GPU's; rates per GPU" or "")
@@ -312,7 +322,7 @@ if json_file then
     run = run,
     model = model.name, checkpoint = opts.checkpoint, layer = opts.layer, device = opts.device,
     devices = group and group.devices or nil, world = W, tokens = T,
-    hidden = H, ffn = F, pad = layer.pad,
+    hidden = H, ffn = F, pad = layer.pad, precision = opts.precision,
     layout = layer.layout, capacity = layer.capacity,
     stage_ms = (function()
       local m = {}

@@ -28,6 +28,14 @@ local m = layer:check(x, { raise = false })
 print("check", m.pass, string.format("%.17g %.17g", m.rel_max, m.rel_l2))
 print("reference", values(layer:reference(x, { tokens = { 0, 7 } })))
 
+-- the FP8 layer: its output and its check against the FP8 reference
+local layer8 = moe.layer { model = "kimi_k2", world = 2, tokens = 3, hidden = 128, ffn = 128, experts = 8, seed = 3,
+  precision = "fp8" }
+local x8 = moe.randn({ 2, 3, 128 }, { dtype = "bf16", seed = 4 })
+print("fp8 out", values(layer8:forward(x8)))
+local m8 = layer8:check(x8, { raise = false })
+print("fp8 check", m8.pass, string.format("%.17g %.17g", m8.rel_max, m8.rel_l2))
+
 -- tensors: every dtype in and out, views, properties
 local t = moe.tensor({ { 1.5, -2 }, { 3, 2 ^ 24 + 1 } }, { dtype = "f32" })
 print("f32", values(t), bits(t:get(4)), t.ndim, t:numel(), t:nbytes(), t.dtype, t.device)
@@ -80,6 +88,13 @@ local CASES = {
   function() core.combine { out = v, weights = v, ids = v, world = 2, ys = { v } } end,
   function() core.experts { out = v, x = v, offsets = v, w_gate_up = v, w_down = v } end,
   function() core.experts { out = v, x = t, offsets = v, w_gate_up = v, w_down = v } end,
+  function() core.experts_fp8 { out = v, x = v, x_scale = v, offsets = v, w_gate_up = v, w_gate_up_scale = v, w_down = v,
+    w_down_scale = v } end,
+  function() core.experts_fp8 { out = v, x = v } end,
+  function() core.reference_fp8 { out = v, x = v, ids = v, weights = v, world = 1, w_gate_up = { v },
+    w_gate_up_scale = { v }, w_down = { v }, w_down_scale = {}, experts = 1 } end,
+  function() core.reference_fp8 { out = v, x = v, ids = v, weights = v, world = 1, w_gate_up = { v },
+    w_gate_up_scale = { v }, w_down = { v }, w_down_scale = { v }, experts = 1 } end,
   function() core.logits(v, v, 1) end,
   function() core.config("nonesuch") end,
   function() core.config("experts_kernel", "nonesuch") end,

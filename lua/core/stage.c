@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * stage.c -- the stages (route, schedule, dispatch, dispatch_fp8, experts, logits, sigmoid_gate,
- * nonfinite, combine, reference), quantize and dequantize, and the explain calls of schedule and
- * experts.
+ * stage.c -- the stages (route, schedule, dispatch, dispatch_fp8, experts, experts_fp8, logits,
+ * sigmoid_gate, nonfinite, combine, reference, reference_fp8), quantize and dequantize, and the
+ * explain calls of schedule and experts.
  *
  * Stage arguments: one table of named fields at index 1.  Every value fetched stays on the stack
  * until the call returns, so nothing the C call sees can be collected under it; that none was
@@ -268,6 +268,25 @@ static int l_experts_explain(lua_State *L) {
   return 1;
 }
 
+static int l_experts_fp8(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  Args A = args_open(L, "experts_fp8");
+  moe_experts_fp8_args a;
+  memset(&a, 0, sizeof a);
+  a.out = tensor_field(&A, "out", REQUIRED);
+  a.x = tensor_field(&A, "x", REQUIRED);
+  a.x_scale = tensor_field(&A, "x_scale", REQUIRED);
+  a.offsets = tensor_field(&A, "offsets", REQUIRED);
+  a.w_gate_up = tensor_field(&A, "w_gate_up", REQUIRED);
+  a.w_gate_up_scale = tensor_field(&A, "w_gate_up_scale", REQUIRED);
+  a.w_down = tensor_field(&A, "w_down", REQUIRED);
+  a.w_down_scale = tensor_field(&A, "w_down_scale", REQUIRED);
+  lc_args_still_open(L, A.fname, 2);
+  int rc = moe_experts_fp8(ctx, &a);
+  if (rc) return lc_stage_fail(L, ctx, rc, "experts_fp8", "experts_fp8");
+  return 0;
+}
+
 static int l_logits(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   moe_tensor *out = lc_check_tensor(L, 1), *x = lc_check_tensor(L, 2), *w = lc_check_tensor(L, 3);
@@ -350,6 +369,32 @@ static int l_reference(lua_State *L) {
   return 0;
 }
 
+static int l_reference_fp8(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  Args A = args_open(L, "reference_fp8");
+  moe_reference_fp8_args a;
+  memset(&a, 0, sizeof a);
+  a.out = tensor_field(&A, "out", REQUIRED);
+  a.x = tensor_field(&A, "x", REQUIRED);
+  a.ids = tensor_field(&A, "ids", REQUIRED);
+  a.weights = tensor_field(&A, "weights", REQUIRED);
+  a.world = world_field(&A);
+  a.w_gate_up = tensors_field(&A, "w_gate_up", a.world);
+  a.w_gate_up_scale = tensors_field(&A, "w_gate_up_scale", a.world);
+  a.w_down = tensors_field(&A, "w_down", a.world);
+  a.w_down_scale = tensors_field(&A, "w_down_scale", a.world);
+  a.experts = int_field(&A, "experts", REQUIRED, 0);
+  a.shared_gate_up = tensor_field(&A, "shared_gate_up", OPTIONAL);
+  a.shared_gate_up_scale = tensor_field(&A, "shared_gate_up_scale", OPTIONAL);
+  a.shared_down = tensor_field(&A, "shared_down", OPTIONAL);
+  a.shared_down_scale = tensor_field(&A, "shared_down_scale", OPTIONAL);
+  a.shared_gate_w = tensor_field(&A, "shared_gate_w", OPTIONAL);
+  lc_args_still_open(L, A.fname, 2);
+  int rc = moe_reference_fp8(ctx, &a);
+  if (rc) return lc_stage_fail(L, ctx, rc, "reference_fp8", "reference_fp8");
+  return 0;
+}
+
 static const luaL_Reg stage_funcs[] = {
   {"route", l_route},
   {"schedule", l_schedule},
@@ -360,12 +405,14 @@ static const luaL_Reg stage_funcs[] = {
   {"dequantize", l_dequantize},
   {"experts", l_experts},
   {"experts_explain", l_experts_explain},
+  {"experts_fp8", l_experts_fp8},
   {"logits", l_logits},
   {"logits_explain", l_logits_explain},
   {"sigmoid_gate", l_sigmoid_gate},
   {"nonfinite", l_nonfinite},
   {"combine", l_combine},
   {"reference", l_reference},
+  {"reference_fp8", l_reference_fp8},
   {NULL, NULL}
 };
 

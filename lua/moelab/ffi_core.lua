@@ -1210,6 +1210,19 @@ function M.experts_explain(o)
   return string_(explain_report)
 end
 
+local experts_fp8_args = ffi.typeof("moe_experts_fp8_args")
+function M.experts_fp8(o)
+  local name = "experts_fp8"
+  args_open(o, name)
+  local out, x, x_scale, offsets, w_gate_up, w_gate_up_scale, w_down, w_down_scale = tensor_fields(o, name, REQUIRED,
+    "out", "x", "x_scale", "offsets", "w_gate_up", "w_gate_up_scale", "w_down", "w_down_scale")
+  each_open(name, out, x, x_scale, offsets, w_gate_up, w_gate_up_scale, w_down, w_down_scale)
+  local a = experts_fp8_args(out.h_t, x.h_t, x_scale.h_t, offsets.h_t, w_gate_up.h_t, w_gate_up_scale.h_t, w_down.h_t,
+    w_down_scale.h_t)
+  local rc = lib.moe_experts_fp8(ctx, a)
+  if rc ~= 0 then stage_fail(rc, name, name) end
+end
+
 -- logits(out, x, w), sigmoid_gate(g, x, w) and nonfinite(stats, t): n tensors (2 or 3), as the C
 -- module takes them.
 local function tensor_args(fname, n, a, b, c)
@@ -1283,6 +1296,31 @@ function M.reference(o)
   local a = reference_args(out.h_t, x.h_t, ids.h_t, weights.h_t, wgu, wd, world, experts, ptr(sgu), ptr(sd), ptr(sgw))
   local rc = lib.moe_reference(ctx, a)
   if rc ~= 0 then stage_fail(rc, "reference", "reference") end
+end
+
+local reference_fp8_args = ffi.typeof("moe_reference_fp8_args")
+function M.reference_fp8(o)
+  local name = "reference_fp8"
+  args_open(o, name)
+  local out, x, ids, weights = tensor_fields(o, name, REQUIRED, "out", "x", "ids", "weights")
+  local world = world_field(o, name)
+  local wgu, wgu_h = tensors_field(o, name, "w_gate_up", world)
+  local wgus, wgus_h = tensors_field(o, name, "w_gate_up_scale", world)
+  local wd, wd_h = tensors_field(o, name, "w_down", world)
+  local wds, wds_h = tensors_field(o, name, "w_down_scale", world)
+  local experts = int_field(o, name, "experts", REQUIRED, 0)
+  local sgu, sgus, sd, sds, sgw = tensor_fields(o, name, OPTIONAL, "shared_gate_up", "shared_gate_up_scale",
+    "shared_down", "shared_down_scale", "shared_gate_w")
+  each_open(name, out, x, ids, weights)
+  all_open(name, wgu_h)
+  all_open(name, wgus_h)
+  all_open(name, wd_h)
+  all_open(name, wds_h)
+  each_open(name, sgu, sgus, sd, sds, sgw)
+  local a = reference_fp8_args(out.h_t, x.h_t, ids.h_t, weights.h_t, wgu, wgus, wd, wds, world, experts, ptr(sgu),
+    ptr(sgus), ptr(sd), ptr(sds), ptr(sgw))
+  local rc = lib.moe_reference_fp8(ctx, a)
+  if rc ~= 0 then stage_fail(rc, name, name) end
 end
 
 -- ---------------------------------------------------------------- timing, events, graphs

@@ -151,18 +151,30 @@ function moe.dispatch(o)
 end
 
 -- moe.experts's options -> the C stage's arguments (out, or x itself where only the choice of
--- kernel is asked: explain runs nothing).
+-- kernel is asked: explain runs nothing) and the stage: experts, or experts_fp8 where x is e4m3
+-- (block-scaled, with its scales and the weights').
+local FP8_SCALES = { "x_scale", "w_gate_up_scale", "w_down_scale" }
 local function experts_args(o, explaining)
-  args.options("experts", o, { x = "tensor", offsets = "tensor", w_gate_up = "tensor", w_down = "tensor", out = "tensor" },
-    { "x", "offsets", "w_gate_up", "w_down" })
-  local x = args.tensor("experts", "x", o.x, "bf16", { false, false })
+  args.options("experts", o, { x = "tensor", offsets = "tensor", w_gate_up = "tensor", w_down = "tensor", out = "tensor",
+    x_scale = "tensor", w_gate_up_scale = "tensor", w_down_scale = "tensor" }, { "x", "offsets", "w_gate_up", "w_down" })
+  local is_fp8 = args.is_tensor(o.x) and o.x.dtype == "e4m3"
+  local x = args.tensor("experts", "x", o.x, not is_fp8 and "bf16" or nil, { false, false })
+  for _, name in ipairs(FP8_SCALES) do
+    if is_fp8 and o[name] == nil then
+      args.fail("experts", string.format("option '%s' is required where x is e4m3 (FP8 experts)", name))
+    elseif not is_fp8 and o[name] ~= nil then
+      args.fail("experts", string.format("option '%s' is for an e4m3 x (FP8 experts), got x %s", name, tostring(x)))
+    end
+  end
+  if is_fp8 and explaining then args.fail("explain", "the FP8 experts (e4m3 x) have no explain: one kernel runs them") end
   local out = o.out or explaining and x or output("experts", "bf16", x.shape, x.device, "the shape of x")
-  return { out = out, x = x, offsets = o.offsets, w_gate_up = o.w_gate_up, w_down = o.w_down }
+  return { out = out, x = x, offsets = o.offsets, w_gate_up = o.w_gate_up, w_down = o.w_down, x_scale = o.x_scale,
+    w_gate_up_scale = o.w_gate_up_scale, w_down_scale = o.w_down_scale }, is_fp8
 end
 
 function moe.experts(o)
-  local a = experts_args(o)
-  core.experts(a)
+  local a, is_fp8 = experts_args(o)
+  if is_fp8 then core.experts_fp8(a) else core.experts(a) end
   return a.out
 end
 

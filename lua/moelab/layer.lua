@@ -38,6 +38,9 @@ local world = require "moelab.world"
 local Layer = { __name = "moelab.Layer" }
 Layer.__index = Layer
 
+-- The FP8 layer's check against moe_reference_fp8 (docs/design.md, "FP8 tolerance" derives them).
+local FP8_RTOL, FP8_L2 = 5e-2, 2e-2
+
 local SPEC = {
   model = "any", world = "any", tokens = "integer", hidden = "integer", ffn = "integer",
   experts = "integer", k = "integer", shared_ffn = "integer", shared_gate = "boolean", shared = "boolean",
@@ -45,7 +48,7 @@ local SPEC = {
   scale = "number", pad = "integer", layout = { "roundrobin", "peer_major" }, capacity = "any",
   expert_capacity = "integer", overflow = { "error", "drop" }, invalid = { "error", "skip" },
   nan = { "error", "mask" }, router = { "tensor", "exact" }, device = "device", seed = "integer", checkpoint = "string", layer = "integer",
-  memory_limit = "number",
+  memory_limit = "number", precision = { "bf16", "fp8" },
 }
 local MODEL_FIELDS = { "name", "experts", "k", "hidden", "ffn", "shared_ffn", "shared_gate", "scoring", "groups",
   "topk_groups", "scale" }
@@ -148,6 +151,19 @@ local function resolve(o)
   end
   local E, K, H, F, Fs = cfg.experts, cfg.k, cfg.hidden, cfg.ffn, cfg.shared_ffn
   local EL = math.floor(E / W)
+  local precision = o.precision or "bf16"
+  if precision == "fp8" then
+    if real then
+      args.fail("layer", "precision = 'fp8' over a moe.world (NCCL) is not yet supported: the exchange moves bf16 "
+        .. "rows; use a simulated world (world = n) for the FP8 layer")
+    end
+    for _, d in ipairs { { "hidden", H }, { "ffn", F }, { "shared_ffn", Fs } } do
+      if d[2] % 128 ~= 0 then
+        args.fail("layer", string.format("precision = 'fp8' needs %s a multiple of 128 (the FP8 block), got %d", d[1],
+          d[2]))
+      end
+    end
+  end
   local pad, capacity = schedule.rows("layer", o, W, T, K, EL, "twice_mean")
   schedule.check_expert_capacity("layer", o)
   args.range("layer", "memory_limit", o.memory_limit, 0)
@@ -164,6 +180,7 @@ local function resolve(o)
     shared_ffn = Fs, pad = pad, layout = o.layout or "roundrobin", capacity = capacity,
     expert_capacity = o.expert_capacity, overflow = o.overflow or "error", invalid = o.invalid or "error",
     nan = o.nan or "error", router = o.router or "tensor", device = device, seed = o.seed or 0, checkpoint = weights, memory_limit = o.memory_limit,
+    precision = precision, fp8 = precision == "fp8",
   }, real
 end
 
@@ -198,20 +215,47 @@ local function init_weight(self, name, dev, rank)
   return core.new(w.dtype, w.shape, dev):randn(self.seed * 1000 + w.offset, w.std)
 end
 
+-- An expert weight as the layer holds it: the bf16 buffer b itself, or for an FP8 layer its e4m3
+-- values and their block scales (moe_quantize's MOE_QUANT_BLOCK: one f32 per 128 x 128), appended
+-- to list.
+local function expert_weight(self, list, b)
+  if not self.fp8 then
+    list[#list + 1] = b
+    return list
+  end
+  local s = b.shape
+  list[#list + 1] = memory.buffer(b.name, "e4m3", s, b.from .. " (e4m3)")
+  list[#list + 1] = memory.buffer(b.name .. "_scale", "f32", { s[1], math.ceil(s[2] / 128), math.ceil(s[3] / 128) },
+    "its block scales: one per 128 x 128")
+  return list
+end
+
 -- The weights each shard holds (the router's, the shared expert's), and each held rank (its experts').
 local function shard_weights(self)
   local list = { weight(self, "w_router") }
   if self.cfg.scoring ~= "softmax" then list[#list + 1] = weight(self, "bias") end
   if self.shared_ffn > 0 then
-    list[#list + 1] = weight(self, "shared_gate_up")
-    list[#list + 1] = weight(self, "shared_down")
+    expert_weight(self, list, weight(self, "shared_gate_up"))
+    expert_weight(self, list, weight(self, "shared_down"))
     if self.cfg.shared_gate then list[#list + 1] = weight(self, "shared_gate_w") end
   end
   return list
 end
 
 local function held_weights(self, rank)
-  return { weight(self, "w_gate_up", rank), weight(self, "w_down", rank) }
+  return expert_weight(self, expert_weight(self, {}, weight(self, "w_gate_up", rank)), weight(self, "w_down", rank))
+end
+
+-- An expert weight on dev as the layer holds it: the bf16 tensor, or (FP8) its e4m3 values and
+-- scales, quantized from it (a checkpoint's FP8 weights arrive in bf16: see moelab.checkpoint).
+local function init_expert_weight(self, name, dev, rank)
+  local w = init_weight(self, name, dev, rank)
+  if not self.fp8 then return w end
+  local q, scale = core.new("e4m3", w.shape, dev), core.new("f32", { w.shape[1], math.ceil(w.shape[2] / 128),
+    math.ceil(w.shape[3] / 128) }, dev)
+  core.quantize { q = q, scale = scale, x = w, kind = "block" }
+  w:close()
+  return q, scale
 end
 
 -- list with the buffers of more appended.
@@ -232,13 +276,22 @@ local as_rows = stages.as_rows
 -- The buffers the layer itself makes for a shard (its output; the count of given routing weights
 -- that are not finite) and for a held rank (the tokens its experts read).
 local function own_shard_buffers(self, sh)
-  return {
+  local list = {
     memory.buffer("out", "bf16", dims(sh.lead, self.hidden), "the output: tokens x hidden"),
     memory.buffer("weight_stats", "i32", { 2 }, "the count of given routing weights that are not finite"),
   }
+  if self.fp8 then -- the tokens quantized per token on their source rank, before dispatch
+    list[3] = memory.buffer("xq", "e4m3", dims(sh.lead, self.hidden), "the FP8 tokens: tokens x hidden")
+    list[4] = memory.buffer("xq_scale", "f32", dims(sh.lead, self.hidden / 128), "their scales: tokens x hidden / 128")
+  end
+  return list
 end
 
 local function own_held_buffers(self)
+  if self.fp8 then
+    return { memory.buffer("xs", "e4m3", { self.capacity, self.hidden }, "the experts' FP8 input: capacity x hidden"),
+      memory.buffer("xs_scale", "f32", { self.hidden / 128, self.capacity }, "its scales: hidden / 128 x capacity") }
+  end
   return { memory.buffer("xs", "bf16", { self.capacity, self.hidden }, "the experts' input: capacity x hidden") }
 end
 
@@ -335,11 +388,20 @@ function Simulated:agree(own)
 end
 
 function Simulated:dispatch(layer, x)
+  local sh = self.shards[1]
+  if layer.fp8 then -- each token quantized once, on its source rank, whichever ranks it goes to
+    core.quantize { q = as_rows(sh.xq), scale = as_rows(sh.xq_scale), x = as_rows(x[1]), kind = "token" }
+  end
   for j, h in ipairs(self.held) do
     mark(layer, j, h.rank)
     local s = h.schedule
-    core.dispatch { out = h.xs, x = x[1], peer_rank = s.peer_rank, peer_route = s.peer_route, k = layer.k,
-      zero_fill = false }
+    if layer.fp8 then
+      core.dispatch_fp8 { out = h.xs, out_scale = h.xs_scale, x = sh.xq, x_scale = sh.xq_scale, peer_rank = s.peer_rank,
+        peer_route = s.peer_route, k = layer.k, zero_fill = false }
+    else
+      core.dispatch { out = h.xs, x = x[1], peer_rank = s.peer_rank, peer_route = s.peer_route, k = layer.k,
+        zero_fill = false }
+    end
   end
 end
 
@@ -589,12 +651,14 @@ end
 -- The buffers of a shard and of a held rank, under the names the layer shows them by: one
 -- tensor each in a simulated world (its one shard), a list of one per local rank in a real one.
 local SHARD_FIELDS = { "w_router", "bias", "shared_gate_up", "shared_down", "shared_gate_w", "logits", "ids",
-  "weights", "route_stats", "out", "shared_y", "shared_offsets", "gate", "all_ids", "verdict", "verdicts" }
+  "weights", "route_stats", "out", "shared_y", "shared_offsets", "gate", "all_ids", "verdict", "verdicts",
+  "shared_gate_up_scale", "shared_down_scale", "xq", "xq_scale" }
 local HELD_FIELDS = { w_gate_up = "w_gate_up", w_down = "w_down", schedules = "schedule", xs = "xs", ys = "ys",
-  route_rows = "route_row" }
+  route_rows = "route_row", w_gate_up_scale = "w_gate_up_scale", w_down_scale = "w_down_scale", xs_scale = "xs_scale" }
 -- A shard's names for its stages' buffers (the worlds and the reference read them by these names).
 local ROUTER_FIELDS = { logits = "logits", ids = "ids", weights = "weights", route_stats = "stats_tensor" }
 local SHARED_EXPERT_FIELDS = { shared_gate_up = "w_gate_up", shared_down = "w_down", shared_gate_w = "gate_w",
+  shared_gate_up_scale = "w_gate_up_scale", shared_down_scale = "w_down_scale",
   shared_y = "ys", shared_offsets = "offsets", gate = "gate" }
 
 -- The buffers a caller can reach through the layer's fields must all be open: one closed would
@@ -650,7 +714,8 @@ local function sizes(self, World, group)
     add(sh.device, "weights", shard_weights(self))
     local list = stages.Router.buffers { lead = sh.lead, experts = self.experts, k = K }
     if self.shared_ffn > 0 then
-      append(list, stages.SharedExpert.buffers { rows = sh.rows, hidden = self.hidden, gated = self.cfg.shared_gate })
+      append(list, stages.SharedExpert.buffers { rows = sh.rows, hidden = self.hidden, gated = self.cfg.shared_gate,
+        fp8 = self.fp8 })
     end
     add(sh.device, "buffers", append(append(list, own_shard_buffers(self, sh)), World.shard_buffers(self)))
   end
@@ -724,14 +789,16 @@ function Layer.new(o)
     if cfg.scoring ~= "softmax" then sh.bias = init_weight(self, "bias", sh.device) end
   end
   for _, h in ipairs(self.held) do
-    h.w_gate_up = init_weight(self, "w_gate_up", h.device, h.rank)
-    h.w_down = init_weight(self, "w_down", h.device, h.rank)
+    h.w_gate_up, h.w_gate_up_scale = init_expert_weight(self, "w_gate_up", h.device, h.rank)
+    h.w_down, h.w_down_scale = init_expert_weight(self, "w_down", h.device, h.rank)
   end
   for _, sh in ipairs(self.shards) do
     local dev = sh.device
     if self.shared_ffn > 0 then
-      sh.shared = stages.SharedExpert.plan { device = dev, rows = sh.rows, hidden = H,
-        w_gate_up = init_weight(self, "shared_gate_up", dev), w_down = init_weight(self, "shared_down", dev),
+      local gu, gu_scale = init_expert_weight(self, "shared_gate_up", dev)
+      local dn, dn_scale = init_expert_weight(self, "shared_down", dev)
+      sh.shared = stages.SharedExpert.plan { device = dev, rows = sh.rows, hidden = H, w_gate_up = gu,
+        w_gate_up_scale = gu_scale, w_down = dn, w_down_scale = dn_scale,
         gate_w = cfg.shared_gate and init_weight(self, "shared_gate_w", dev) or nil }
       fields_of(sh, sh.shared, SHARED_EXPERT_FIELDS)
     end
@@ -749,8 +816,9 @@ function Layer.new(o)
   for _, sh in ipairs(self.shards) do memory.alloc(own_shard_buffers(self, sh), sh.device, sh) end
   space:connect(self) -- where the experts write: h.ys
   for _, h in ipairs(self.held) do
-    h.experts = stages.Experts.plan { xs = h.xs, offsets = h.schedule.expert_offsets, w_gate_up = h.w_gate_up,
-      w_down = h.w_down, ys = h.ys }
+    h.experts = stages.Experts.plan { xs = h.xs, xs_scale = h.xs_scale, offsets = h.schedule.expert_offsets,
+      w_gate_up = h.w_gate_up, w_gate_up_scale = h.w_gate_up_scale, w_down = h.w_down, w_down_scale = h.w_down_scale,
+      ys = h.ys }
   end
   for _, name in ipairs(SHARD_FIELDS) do
     local list = shard_list(self, name)
@@ -1014,17 +1082,20 @@ local function host(t) return t and (t.device == "cpu" and t or t:to("cpu")) end
 local function cpu_weights(self, routes)
   local c = self.cpu
   if not c then
-    c = { w_gate_up = {}, w_down = {} }
+    c = { w_gate_up = {}, w_down = {}, w_gate_up_scale = {}, w_down_scale = {} }
     local held = {}
     for _, h in ipairs(self.held) do held[h.rank] = h end
     for r = 0, self.world - 1 do
       local h = held[r]
-      c.w_gate_up[r + 1] = h and host(h.w_gate_up) or init_weight(self, "w_gate_up", "cpu", r)
-      c.w_down[r + 1] = h and host(h.w_down) or init_weight(self, "w_down", "cpu", r)
+      for _, name in ipairs { "w_gate_up", "w_down" } do
+        if h then c[name][r + 1], c[name .. "_scale"][r + 1] = host(h[name]), host(h[name .. "_scale"])
+        else c[name][r + 1], c[name .. "_scale"][r + 1] = init_expert_weight(self, name, "cpu", r) end
+      end
     end
     local sh = self.shards[1]
     c.shared_gate_up, c.shared_down, c.shared_gate_w = host(sh.shared_gate_up), host(sh.shared_down),
       host(sh.shared_gate_w)
+    c.shared_gate_up_scale, c.shared_down_scale = host(sh.shared_gate_up_scale), host(sh.shared_down_scale)
     self.cpu = c
   end
   if routes and not c.w_router then c.w_router, c.bias = host(self.shards[1].w_router), host(self.shards[1].bias) end
@@ -1125,9 +1196,16 @@ local function dense(self, x, tokens, how)
     end
   end
   local out = core.new("f32", { N, self.hidden }, "cpu")
-  core.reference { out = out, x = xr, ids = ids, weights = weights, w_gate_up = c.w_gate_up, w_down = c.w_down,
+  local a = { out = out, x = xr, ids = ids, weights = weights, w_gate_up = c.w_gate_up, w_down = c.w_down,
     world = self.world, experts = E, shared_gate_up = c.shared_gate_up, shared_down = c.shared_down,
     shared_gate_w = c.shared_gate_w }
+  if self.fp8 then
+    a.w_gate_up_scale, a.w_down_scale = c.w_gate_up_scale, c.w_down_scale
+    a.shared_gate_up_scale, a.shared_down_scale = c.shared_gate_up_scale, c.shared_down_scale
+    core.reference_fp8(a)
+  else
+    core.reference(a)
+  end
   return out
 end
 
@@ -1259,6 +1337,9 @@ function Layer:check(x, o)
   local ref = dense(self, x, tokens, how)
   local got = gather(self, shard_list(self, "out"), tokens, self.hidden)
   if not tokens and #self.shards == 1 then got, ref = sh.out, ref:view(0, sh.out.shape) end
+  if self.fp8 then -- the FP8 layer's tolerance (docs/design.md, "FP8 tolerance")
+    o = { rtol = o.rtol or FP8_RTOL, l2 = o.l2 or FP8_L2, raise = o.raise }
+  end
   local verdict = check.verdict(got, ref, o, "layer")
   if routing then verdict.pass, verdict.routing = false, routing end -- raise = false: the metrics
   return verdict
@@ -1356,7 +1437,8 @@ function Layer:__tostring()
       c.groups > 1 and string.format(", %d groups keep %d", c.groups, c.topk_groups) or "", c.scale),
     string.format("  schedule  %s, pad %d, capacity %d rows per rank%s, overflow %s", self.layout, self.pad,
       self.capacity, self.expert_capacity and (", expert capacity " .. self.expert_capacity) or "", self.overflow),
-    string.format("  experts   %d per rank, SwiGLU H = %d, F = %d", self.local_experts, self.hidden, self.ffn),
+    string.format("  experts   %d per rank, SwiGLU H = %d, F = %d%s", self.local_experts, self.hidden, self.ffn,
+      self.fp8 and ", FP8 (e4m3, 128-blocks)" or ""),
   }
   if self.shared_ffn > 0 then
     lines[#lines + 1] = string.format("  shared    SwiGLU F = %d%s", self.shared_ffn,

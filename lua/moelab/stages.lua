@@ -119,9 +119,24 @@ end
 
 -- ---------------------------------------------------------------- experts
 
--- The C stage's arguments: the experts of offsets' segments over x into out.
-local function experts_args(out, x, offsets, w_gate_up, w_down)
-  return { out = out, x = x, offsets = offsets, w_gate_up = w_gate_up, w_down = w_down }
+-- The C stage's arguments: the experts of offsets' segments over x into out; w is the weights'
+-- table (w_gate_up, w_down, and for FP8 their scales), x_scale the FP8 tokens' scales or nil.
+local function experts_args(out, x, offsets, w, x_scale)
+  return { out = out, x = x, offsets = offsets, w_gate_up = w.w_gate_up, w_down = w.w_down, x_scale = x_scale,
+    w_gate_up_scale = w.w_gate_up_scale, w_down_scale = w.w_down_scale }
+end
+
+-- The experts stage of a plan: FP8 where the weights are e4m3 (core.experts_fp8), else bf16.
+local function run_experts(a)
+  if a.x_scale then core.experts_fp8(a) else core.experts(a) end
+end
+
+-- explain of the FP8 experts: one kernel runs them on each device, with nothing to choose.
+local function explain_experts(a)
+  if a.x_scale then
+    return explain.parse(a.x.device == "cpu" and "cpu" or "fp8: the FP8 grouped GEMM (one kernel, nothing to choose)")
+  end
+  return explain.parse(core.experts_explain(a))
 end
 
 -- Stage 4, experts: a rank's experts over the rows its schedule placed in xs.
@@ -131,20 +146,21 @@ stages.Experts = Experts
 
 -- o: xs [C, H], offsets (the schedule's expert_offsets [EL + 1]), w_gate_up [EL, 2F, H], w_down
 -- [EL, H, F], ys [C, H]; ys is given, not made, where the world says where experts write (a real
--- world's exchange windows).
+-- world's exchange windows).  FP8: xs and the weights e4m3, with xs_scale [H/128, C],
+-- w_gate_up_scale and w_down_scale (moe_experts_fp8's).
 function Experts.plan(o)
-  return setmetatable({ xs = o.xs, offsets = o.offsets, w_gate_up = o.w_gate_up, w_down = o.w_down, ys = o.ys },
-    Experts)
+  return setmetatable({ xs = o.xs, xs_scale = o.xs_scale, offsets = o.offsets, ys = o.ys,
+    w = { w_gate_up = o.w_gate_up, w_down = o.w_down, w_gate_up_scale = o.w_gate_up_scale,
+      w_down_scale = o.w_down_scale } }, Experts)
 end
 
 function Experts:run()
-  core.experts(experts_args(self.ys, self.xs, self.offsets, self.w_gate_up, self.w_down))
+  run_experts(experts_args(self.ys, self.xs, self.offsets, self.w, self.xs_scale))
   return self
 end
 
 function Experts:explain()
-  return explain.parse(core.experts_explain(experts_args(self.ys, self.xs, self.offsets, self.w_gate_up,
-    self.w_down)))
+  return explain_experts(experts_args(self.ys, self.xs, self.offsets, self.w, self.xs_scale))
 end
 
 -- ---------------------------------------------------------------- shared expert
@@ -155,28 +171,45 @@ SharedExpert.__index = SharedExpert
 stages.SharedExpert = SharedExpert
 
 -- o: device, rows N, hidden H; w_gate_up [1, 2Fs, H], w_down [1, H, Fs], gate_w [H] or nil (no gate);
--- buffers(o) reads o.gated for gate_w's presence.
+-- FP8: the weights e4m3 with w_gate_up_scale and w_down_scale, the tokens quantized here (fp8).
+-- buffers(o) reads o.gated for gate_w's presence and o.fp8 for the quantized tokens'.
 function SharedExpert.buffers(o)
   local list = {
     memory.buffer("ys", "bf16", { o.rows, o.hidden }, "the shared expert's output: the shard's tokens x hidden"),
     memory.buffer("offsets", "i32", { 2 }, "the shared expert's one segment"),
   }
-  if o.gated then list[3] = memory.buffer("gate", "f32", { o.rows }, "the shared expert's gate: the shard's tokens") end
+  if o.gated then list[#list + 1] = memory.buffer("gate", "f32", { o.rows }, "the shared expert's gate: the shard's tokens") end
+  if o.fp8 then
+    list[#list + 1] = memory.buffer("xq", "e4m3", { o.rows, o.hidden }, "the shared expert's FP8 tokens: tokens x hidden")
+    list[#list + 1] = memory.buffer("xq_scale", "f32", { o.hidden / 128, o.rows },
+      "their scales: hidden / 128 x tokens")
+  end
   return list
 end
 
 function SharedExpert.plan(o)
   local dev, N = o.device, o.rows
-  local self = setmetatable({ device = dev, rows = N, w_gate_up = o.w_gate_up, w_down = o.w_down, gate_w = o.gate_w },
-    SharedExpert)
-  memory.alloc(SharedExpert.buffers { rows = N, hidden = o.hidden, gated = o.gate_w ~= nil }, dev, self)
+  local self = setmetatable({ device = dev, rows = N, gate_w = o.gate_w, w = { w_gate_up = o.w_gate_up,
+    w_down = o.w_down, w_gate_up_scale = o.w_gate_up_scale, w_down_scale = o.w_down_scale } }, SharedExpert)
+  self.w_gate_up, self.w_down, self.w_gate_up_scale, self.w_down_scale = o.w_gate_up, o.w_down, o.w_gate_up_scale,
+    o.w_down_scale
+  memory.alloc(SharedExpert.buffers { rows = N, hidden = o.hidden, gated = o.gate_w ~= nil,
+    fp8 = o.w_gate_up_scale ~= nil }, dev, self)
   self.offsets:copy(core.from_table({ 0, N }, "i32", "cpu"))
   return self
 end
 
--- The expert, then the gate, over x_rows [N, H].
+-- The expert's arguments over x_rows [N, H] (FP8: over its quantized copy, which run fills).
+function SharedExpert:args(x_rows)
+  if self.xq then return experts_args(self.ys, self.xq, self.offsets, self.w, self.xq_scale) end
+  return experts_args(self.ys, x_rows, self.offsets, self.w)
+end
+
+-- The expert, then the gate, over x_rows [N, H]; FP8 quantizes the rows first, per token, the
+-- scales transposed as the FP8 experts read them.
 function SharedExpert:run(x_rows)
-  core.experts(experts_args(self.ys, x_rows, self.offsets, self.w_gate_up, self.w_down))
+  if self.xq then core.quantize { q = self.xq, scale = self.xq_scale, x = x_rows, kind = "token_t" } end
+  run_experts(self:args(x_rows))
   if self.gate then core.sigmoid_gate(self.gate, x_rows, self.gate_w) end
   return self
 end
@@ -184,8 +217,7 @@ end
 -- The experts kernel run(x_rows) would issue; without x_rows, for tokens laid out as its own ys
 -- (the kernels' verdict can depend on where the rows start).
 function SharedExpert:explain(x_rows)
-  return explain.parse(core.experts_explain(experts_args(self.ys, x_rows or self.ys, self.offsets, self.w_gate_up,
-    self.w_down)))
+  return explain_experts(self:args(x_rows or self.ys))
 end
 
 return stages
