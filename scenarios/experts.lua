@@ -20,8 +20,9 @@
 -- --progress writes a line per configuration with the time left on stderr (auto: where it is a
 -- terminal).  --precision fp8 runs the FP8 experts (moe.experts on e4m3 xs and weights,
 -- block-scaled: moe_experts_fp8) and checks them against the CPU's FP8 experts; H and F must
--- then be multiples of 128 (on the CPU, F defaults to 128), and its cuBLASLt FP8 anchor is the
--- hook fp8_baseline below.  Exits 1 when a check fails, 2 on a bad flag or a configuration the library refuses.
+-- then be multiples of 128 (on the CPU, F defaults to 128), and the cuBLAS column is cuBLASLt's
+-- block-scaled FP8 dense pair (cublas_baseline --precision fp8).  Exits 1 when a check fails, 2 on
+-- a bad flag or a configuration the library refuses.
 local cli = require "moelab.cli"
 local moe = cli.require "moelab"
 local json = require "moelab.json"
@@ -380,8 +381,6 @@ do
   if f then f:close() end
   if not gpu then
     baseline_note = "cuBLAS baselines: n/a on the CPU"
-  elseif fp8 then
-    baseline_note = nil -- the FP8 anchor's hook (fp8_baseline) runs instead
   elseif not f then
     baseline_note = string.format("cuBLAS baselines: n/a (%s not found; it is built with CUDA: cmake --build %s)",
       baseline_path, build_dir)
@@ -391,14 +390,16 @@ end
 local function shell_quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
 
 -- Runs the baseline on one preset's cases (each a list of padded per-expert row counts, the
--- work our kernel did) and fills the rows' cuBLAS columns.  Returns an error line or nil.
+-- work our kernel did) and fills the rows' cuBLAS columns.  Returns an error line or nil.  With
+-- --precision fp8 the baseline is cuBLASLt's block-scaled FP8 dense pair (its dense column; no
+-- per-expert loop).
 local function run_baseline(shape, rows, cases)
   local tmp = os.tmpname()
   local f = assert(io.open(tmp, "w"))
   for _, c in ipairs(cases) do f:write(table.concat(c, " "), "\n") end
   f:close()
-  local cmd = string.format("%s %d %d --device %s --warmup 3 --iters %d --file %s 2>&1", shell_quote(baseline_path),
-    shape.H, shape.F, dev:match("%d+$"), iters, shell_quote(tmp))
+  local cmd = string.format("%s %d %d --device %s --warmup 3 --iters %d --precision %s --file %s 2>&1",
+    shell_quote(baseline_path), shape.H, shape.F, dev:match("%d+$"), iters, opts.precision, shell_quote(tmp))
   local pipe = io.popen(cmd, "r")
   local results, notes, errs = {}, {}, {}
   for line in pipe:lines() do
@@ -407,8 +408,9 @@ local function run_baseline(shape, rows, cases)
       for k, v in line:gmatch("([%w_]+)=(%S+)") do kv[k] = v end
       local i = compat.tointeger(tonumber(kv.case))
       if i and rows[i] then
-        rows[i][kv.kind .. "_ms"] = tonumber(kv.ms)
-        rows[i][kv.kind .. "_tflops"] = tonumber(kv.tflops)
+        local kind = kv.kind == "dense_fp8" and "dense" or kv.kind
+        rows[i][kind .. "_ms"] = tonumber(kv.ms)
+        rows[i][kind .. "_tflops"] = tonumber(kv.tflops)
       end
       results[#results + 1] = line
     elseif line:match("^#") then
@@ -423,14 +425,6 @@ local function run_baseline(shape, rows, cases)
     return string.format("cublas_baseline %s %s: %s", how, tostring(code), errs[1] or "(no output)"), notes
   end
   return nil, notes
-end
-
--- The hook of the FP8 anchor: cuBLASLt's block-scaled FP8 GEMMs on the same cases, filling the
--- rows' cuBLAS columns as run_baseline does.  -> an error line or nil, and notes.  Not yet written:
--- it reports so, and the FP8 rows show n/a there.
-local function fp8_baseline(shape, rows, cases)
-  local _ = { shape, rows, cases }
-  return nil, { "# cuBLASLt FP8 anchor: not yet" }
 end
 
 -- ---------------------------------------------------------------- the report
@@ -469,7 +463,7 @@ for _, key in ipairs(model_keys) do
   collectgarbage()
   shapes[#shapes + 1] = shape
   if not baseline_note then
-    local err, notes = (fp8 and fp8_baseline or run_baseline)(shape, rows, cases)
+    local err, notes = run_baseline(shape, rows, cases)
     if err then baseline_errors[#baseline_errors + 1] = shape.name .. ": " .. err end
     for _, n in ipairs(notes) do baseline_notes[#baseline_notes + 1] = n end
   end
