@@ -13,9 +13,10 @@
 // Promotion: the tensor cores' f32 sums over a whole K would drift from the block-scaled sum the
 // format defines, so each k block's products go into a fresh accumulator (scale_d = 0 on its
 // first k32 slice), which is then added into the running one times x_scale * w_scale.  The fresh
-// accumulators hold one 64-row slice each (NV / 2 registers), the gate and the up slice (or
-// down's two output slices), and the running ones both (NV): NV8_MAX = 96 tokens keeps 192
-// accumulator registers a thread under the consumers' 232.
+// accumulator holds one 64-row slice (NV / 2 registers) and the running ones both (NV): the gate
+// and the up slice (or down's two output slices) take turns, each waited for and promoted while
+// the other consumer warpgroup's MMAs keep the tensor cores busy.  NV8_MAX = 128 tokens keeps
+// 192 accumulator registers a thread under the consumers' 232.
 #pragma once
 
 #include "fp8_math.h"
@@ -23,7 +24,7 @@
 
 namespace {
 
-constexpr int NV8_MAX = 96;                              // tokens a CTA (wgmma N)
+constexpr int NV8_MAX = 128;                             // tokens a CTA (wgmma N)
 constexpr int BK8 = 128;                                 // k a stage: one scale block, 128 bytes a row
 constexpr int A8_BYTES = NV8_MAX * BK8;                  // 16 KiB of tokens
 constexpr int S8_COUNT = NV8_MAX + 4;                    // a box of scales: from the CTA's first token rounded
@@ -57,26 +58,21 @@ __device__ __forceinline__ void promote(float (&d)[NV], const float (&acc)[NV / 
   }
 }
 
-// One k block's 64-row slice into acc: four k32 slices, the first overwriting, as one group.
+// One k block's 64-row slice into acc: four k32 slices, the first overwriting.
 template <int NV>
-__device__ __forceinline__ void slice_issue(float (&acc)[NV / 2], uint64_t dw, uint64_t dx) {
+__device__ __forceinline__ void slice_mma(float (&acc)[NV / 2], uint64_t dw, uint64_t dx) {
   wgmma_fence();
   fence_acc(acc);
 #pragma unroll
   for (int k = 0; k < BK8 / 32; k++) wgmma_e4m3_n<NV, 0>(acc, dw + 2 * k, dx + 2 * k, k > 0);
   wgmma_commit();
-}
-// Waits until at most N groups are in flight; acc (of a group that retired) is then readable.
-template <int N, int ACC> __device__ __forceinline__ void slice_wait(float (&acc)[ACC]) {
-  wgmma_wait<N>();
+  wgmma_wait<0>();
   fence_acc(acc);
 }
 
 // A consumer warpgroup's tile: its 128 weight rows (gate_up: 64 gate and the 64 up rows of the
 // same outputs; down: 128 outputs) x the CTA's NV tokens, over KT k blocks; ws0 and ws1 the two
-// slices' weight scales (one a k block).  The slices' groups are pipelined across k blocks: while
-// one slice's products are promoted, the next one's are on the tensor cores (slice 1 of block kb,
-// then slice 0 of block kb + 1), so a warpgroup always has a group in flight.
+// slices' weight scales (one a k block).
 template <int MODE, int NV>
 __device__ __forceinline__ void w8_tile(int &s, uint32_t &ph, uint32_t ring, uint32_t bars, uint32_t stg, int cw,
                                         int t, int KT, const CUtensorMap *tmo, uint16_t *__restrict__ out, int N,
@@ -87,37 +83,24 @@ __device__ __forceinline__ void w8_tile(int &s, uint32_t &ph, uint32_t ring, uin
   float d[NV];
 #pragma unroll
   for (int i = 0; i < NV; i++) d[i] = 0.f;
-  float acc0[H2], acc1[H2];
+  float acc[H2];
   const int lane = t & 31;
   const uint32_t wb = ring + A8_BYTES;
   const uint32_t m0 = MODE == GATE_UP ? 64 * cw : 128 * cw, m1 = MODE == GATE_UP ? 128 + 64 * cw : 128 * cw + 64;
   const uint64_t dw0 = smem_desc(wb + m0 * BK8), dw1 = smem_desc(wb + m1 * BK8), dx = smem_desc(ring);
-  auto stage_off = [](int st) { return (uint64_t)(st * (STAGE8_BYTES >> 4)); };
-  // block kb's second slice, then (more: there is a block kb + 1) the next block's first slice
-  // in flight while kb's are promoted; the last block apart, so that no issue is conditional
-  auto block = [&](int kb, bool more) {
+  for (int kb = 0; kb < KT; kb++) {
     const float sw0 = __ldg(ws0 + kb), sw1 = __ldg(ws1 + kb);
+    mbar_wait(bars + 8u * (uint32_t)s, ph);
+    const uint64_t off = (uint64_t)(s * (STAGE8_BYTES >> 4));
     const uint32_t scales = ring + (uint32_t)(s * STAGE8_BYTES + A8_BYTES + 2 * B_HALF) + first_scale;
-    slice_issue<NV>(acc1, dw1 + stage_off(s), dx + stage_off(s));
-    slice_wait<1>(acc0);
-    promote<NV, 0>(d, acc0, scales, lane, sw0);
-    const int prev = s;
-    if (++s == STAGES8) s = 0, ph ^= 1u;
-    if (more) {
-      mbar_wait(bars + 8u * (uint32_t)s, ph);
-      slice_issue<NV>(acc0, dw0 + stage_off(s), dx + stage_off(s));
-      slice_wait<1>(acc1);
-    } else {
-      slice_wait<0>(acc1);
-    }
-    promote<NV, H2>(d, acc1, scales, lane, sw1);
+    slice_mma<NV>(acc, dw0 + off, dx + off);
+    promote<NV, 0>(d, acc, scales, lane, sw0);
+    slice_mma<NV>(acc, dw1 + off, dx + off);
+    promote<NV, H2>(d, acc, scales, lane, sw1);
     __syncwarp(); // the warp's reads of the slot's scales are done
-    release_slot<2>(bars + 8u * (uint32_t)(STAGES8 + prev), lane);
-  };
-  mbar_wait(bars + 8u * (uint32_t)s, ph);
-  slice_issue<NV>(acc0, dw0 + stage_off(s), dx + stage_off(s));
-  for (int kb = 0; kb + 1 < KT; kb++) block(kb, true);
-  block(KT - 1, false);
+    release_slot<2>(bars + 8u * (uint32_t)(STAGES8 + s), lane);
+    if (++s == STAGES8) s = 0, ph ^= 1u;
+  }
   w_epilogue<MODE, NV>(d, stg, tmo, out, N, row0, rows, col0, t, sc);
 }
 
@@ -217,6 +200,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     break;
         W8_TILE_CASE(8) W8_TILE_CASE(16) W8_TILE_CASE(24) W8_TILE_CASE(32) W8_TILE_CASE(40) W8_TILE_CASE(48)
         W8_TILE_CASE(56) W8_TILE_CASE(64) W8_TILE_CASE(72) W8_TILE_CASE(80) W8_TILE_CASE(88) W8_TILE_CASE(96)
+        W8_TILE_CASE(104) W8_TILE_CASE(112) W8_TILE_CASE(120) W8_TILE_CASE(128)
 #undef W8_TILE_CASE
       default: // no rows: keep the ring in step
         for (int kb = 0; kb < KT; kb++) {
