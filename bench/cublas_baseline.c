@@ -12,9 +12,10 @@
  *   per_expert: the same two GEMMs for each expert with its own row count and its own weights,
  *               launched back to back on one stream (empty experts launch nothing).
  * bf16 inputs, f32 accumulation (cublasGemmEx, CUBLAS_COMPUTE_32F), bf16 outputs.
- * --precision fp8: the dense pair only, in cuBLASLt on e4m3 operands with the FP8 experts' block
- * scales (weights one f32 a 128 x 128 block, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F; rows
- * one f32 a 1 x 128 block, VEC128_32F), f32 accumulation, bf16 out; down reads an e4m3 [rows, F]
+ * --precision fp8: the dense pair only (its rows rounded up to 16, which cuBLASLt needs), in
+ * cuBLASLt on e4m3 operands with the FP8 experts' block scales (weights one f32 a 128 x 128
+ * block, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F; rows one f32 a 1 x 128 block,
+ * VEC128_32F), f32 accumulation, bf16 out; down reads an e4m3 [rows, F]
  * of its own (the quantization of h is omitted with SwiGLU).  The e4m3 values are normal draws
  * quantized with the scale their amax would give, so their bits are the FP8 stage's.  SwiGLU is
  * omitted: down reads the gate half of the gate_up output in place (leading dimension 2F), so
@@ -305,10 +306,14 @@ static float *dev_scales(size_t n, float v) {
   return d;
 }
 
+/* cuBLASLt's block-scaled FP8 GEMMs take the rows in multiples of 16 (other counts: no algorithm),
+ * so a case's rows are rounded up to 16 for them: at most 15 rows of work more than ours. */
+static int64_t fp8_rows(int64_t rows) { return (rows + 15) / 16 * 16; }
+
 /* --precision fp8: the dense pair of every case in cuBLASLt FP8, one line a case. */
 static void time_fp8(const Cases *cs, int64_t H, int64_t F, int64_t max_rows, int normal, int warmup, int iters,
                      cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, float *ms) {
-  const size_t pool_n = (size_t)1 << 24, rows = (size_t)(max_rows ? max_rows : 1);
+  const size_t pool_n = (size_t)1 << 24, rows = (size_t)(fp8_rows(max_rows) ? fp8_rows(max_rows) : 16);
   uint8_t *pool = make_pool8(pool_n, normal, 0x243f6a8885a308d3ull);
   void *x8 = dev_fill8(rows * (size_t)H, pool, pool_n), *h8 = dev_fill8(rows * (size_t)F, pool, pool_n);
   void *wgu8 = dev_fill8((size_t)(2 * F) * (size_t)H, pool, pool_n), *wdn8 = dev_fill8((size_t)H * (size_t)F, pool, pool_n);
@@ -324,8 +329,8 @@ static void time_fp8(const Cases *cs, int64_t H, int64_t F, int64_t max_rows, in
     const Case *c = &cs->v[ci];
     if (!c->total) continue;
     Fp8Gemm gu, dn;
-    fp8_plan(&lt, &gu, c->total, 2 * F, H, wgu8, sw, x8, sx, hbuf);
-    fp8_plan(&lt, &dn, c->total, H, F, wdn8, sw, h8, sx, y);
+    fp8_plan(&lt, &gu, fp8_rows(c->total), 2 * F, H, wgu8, sw, x8, sx, hbuf);
+    fp8_plan(&lt, &dn, fp8_rows(c->total), H, F, wdn8, sw, h8, sx, y);
     for (int i = 0; i < warmup + iters; i++) {
       CUDA_OK(cudaEventRecord(start, stream));
       fp8_run(&lt, &gu);
