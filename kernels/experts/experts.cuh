@@ -63,6 +63,22 @@ template <bool MAX> __device__ int block_scan(int v, int *ws, int *total) {
 
 bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
+// The launch of `blocks` CTAs of `threads` with `smem` bytes of dynamic shared memory each, in
+// clusters of cm (1: no cluster); attr is the storage of its one attribute.
+cudaLaunchConfig_t launch_config(cudaLaunchAttribute (&attr)[1], int cm, unsigned blocks, int threads, int smem,
+                                 cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = (unsigned)cm, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  cfg.gridDim = dim3(blocks, 1, 1);
+  cfg.blockDim = dim3((unsigned)threads, 1, 1);
+  cfg.dynamicSmemBytes = (size_t)smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = cm > 1 ? 1 : 0;
+  return cfg;
+}
+
 // The stage's device scratch: taken with cudaMallocAsync on the stream and given back with
 // cudaFreeAsync after the last launch (both captured as graph memory nodes), so that a captured
 // graph owns its own.

@@ -49,15 +49,8 @@ template <int MODE> int resident_clusters(int dev) {
     (void)cudaGetLastError();
     return 0;
   }
-  cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3(2 * 64, 1, 1);
-  cfg.blockDim = dim3(THREADS, 1, 1);
-  cfg.dynamicSmemBytes = SMEM8_BYTES;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  const cudaLaunchConfig_t cfg = launch_config(attr, 2, 2 * 64, THREADS, SMEM8_BYTES, 0);
   if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
@@ -80,16 +73,8 @@ cudaError_t launch(cudaStream_t stream, int clusters, const Pass &p, const int *
   auto kernel = sm90_e4m3_kernel<MODE>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM8_BYTES);
   if (err != cudaSuccess) return err;
-  cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 2, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3((unsigned)(2 * clusters), 1, 1);
-  cfg.blockDim = dim3(THREADS, 1, 1);
-  cfg.dynamicSmemBytes = SMEM8_BYTES;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  const cudaLaunchConfig_t cfg = launch_config(attr, 2, (unsigned)(2 * clusters), THREADS, SMEM8_BYTES, stream);
   err = cudaLaunchKernelEx(&cfg, kernel, p.a[0], p.a[1], p.a[2], p.b, p.sx, p.out_map, p.out, p.wscale, meta, EL, p.NT,
                            p.KT, p.N, F, p.b_rows, p.waves);
   if (err != cudaSuccess) return err;

@@ -52,15 +52,8 @@ template <int MODE, int CM, bool WT> int resident_groups(int dev) {
     }
     n = sms * per_sm;
   } else {
-    cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = CM, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(CM * 64, 1, 1);
-    cfg.blockDim = dim3(THREADS, 1, 1);
-    cfg.dynamicSmemBytes = smem;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    const cudaLaunchConfig_t cfg = launch_config(attr, CM, CM * 64, THREADS, smem, 0);
     if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
       (void)cudaGetLastError();
       return 0;
@@ -78,16 +71,8 @@ cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, 
   constexpr int smem = smem_bytes<WT>();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = CM, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3((unsigned)(groups * CM), 1, 1);
-  cfg.blockDim = dim3(THREADS, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = CM > 1 ? 1 : 0;
+  const cudaLaunchConfig_t cfg = launch_config(attr, CM, (unsigned)(groups * CM), THREADS, smem, stream);
   err = cudaLaunchKernelEx(&cfg, kernel, ta, ta_half, ta8, tb, tout, out, meta, EL, NT, KT, N, F, b_rows, waves);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();

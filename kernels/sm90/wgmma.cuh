@@ -81,28 +81,22 @@
 #define MOE_WG_ACCS_256 MOE_WG_ACCS_248, MOE_WG_A4(124)
 
 // wgmma_m64n<N>k16 (bf16) and wgmma_m64n<N>k32_e4m3; DA, DB, SD: the operand numbers N/2 .. N/2 + 2.
-// e4m3 takes no transpose immediates: both operands K-major is the only layout it has.
-#define MOE_WGMMA_DEF(N, DA, DB, SD)                                                                  \
+// SHAPE_TYPES is the instruction's tail after m64nN, IMM its immediates after scale_d: e4m3 takes
+// no transpose immediates (both operands K-major is the only layout it has).
+#define MOE_WGMMA_ONE(N, NAME, SHAPE_TYPES, IMM, DA, DB, SD)                                           \
   template <int OFF, int ACC>                                                                          \
-  __device__ __forceinline__ void wgmma_m64n##N##k16(float(&d)[ACC], uint64_t da, uint64_t db, int scale_d) { \
+  __device__ __forceinline__ void NAME(float(&d)[ACC], uint64_t da, uint64_t db, int scale_d) {         \
     static_assert(OFF + N / 2 <= ACC, "accumulators out of range");                                    \
     asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %" #SD ", 0;\n\t"                                \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" MOE_WG_REGS_##N          \
-                 "}, %" #DA ", %" #DB ", p, 1, 1, 0, 0;\n\t}\n"                                         \
-                 : MOE_WG_ACCS_##N                                                                      \
-                 : "l"(da), "l"(db), "r"(scale_d)                                                       \
-                 : "memory");                                                                           \
-  }                                                                                                     \
-  template <int OFF, int ACC>                                                                          \
-  __device__ __forceinline__ void wgmma_m64n##N##k32_e4m3(float(&d)[ACC], uint64_t da, uint64_t db, int scale_d) { \
-    static_assert(OFF + N / 2 <= ACC, "accumulators out of range");                                    \
-    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %" #SD ", 0;\n\t"                                \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" MOE_WG_REGS_##N          \
-                 "}, %" #DA ", %" #DB ", p, 1, 1;\n\t}\n"                                              \
+                 "wgmma.mma_async.sync.aligned.m64n" #N SHAPE_TYPES " {" MOE_WG_REGS_##N "}, %" #DA     \
+                 ", %" #DB ", p" IMM ";\n\t}\n"                                                        \
                  : MOE_WG_ACCS_##N                                                                      \
                  : "l"(da), "l"(db), "r"(scale_d)                                                       \
                  : "memory");                                                                           \
   }
+#define MOE_WGMMA_DEF(N, DA, DB, SD)                                                                  \
+  MOE_WGMMA_ONE(N, wgmma_m64n##N##k16, "k16.f32.bf16.bf16", ", 1, 1, 0, 0", DA, DB, SD)                 \
+  MOE_WGMMA_ONE(N, wgmma_m64n##N##k32_e4m3, "k32.f32.e4m3.e4m3", ", 1, 1", DA, DB, SD)
 
 MOE_WGMMA_DEF(8, 4, 5, 6)
 MOE_WGMMA_DEF(16, 8, 9, 10)
