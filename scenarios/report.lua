@@ -2,10 +2,12 @@
 -- The README's results table, regenerated: runs the scenarios and measuring programs that
 -- produce each number, on this machine, and prints one markdown row per measurement.
 --
---   lua scenarios/report.lua [--cpu] [--devices 0,1,...] [--out FILE]
+--   lua scenarios/report.lua [--cpu] [--devices 0,1,...] [--only WORDS] [--out FILE]
 --
 -- Without a GPU (or with --cpu) it reports the CPU rows; with one, the single-GPU rows (a few
--- minutes on an H200); --devices adds the layer over real GPUs.  The experts sweep over presets,
+-- minutes on an H200); --devices adds the layer over real GPUs; --only keeps the rows whose
+-- description contains one of the comma-separated words (e.g. FP8,router), running only their
+-- commands.  The experts sweep over presets,
 -- routings and pads has its own report: lua scenarios/experts.lua.  A measurement whose command
 -- fails or prints no number shows the failure in its row; the table is still written, and the
 -- exit status is 1.
@@ -16,6 +18,7 @@ local compat = require "moelab.compat"
 local opts = cli.parse(arg, {
   { "cpu", "flag", false, "the CPU rows only, even where a GPU is usable" },
   { "devices", "string", nil, "also run the Kimi K2 layer over these GPUs, one rank each" },
+  { "only", "list", nil, "only the rows whose description contains one of these words" },
   { "out", "string", nil, "write the table to this file as well" },
 }, "lua scenarios/report.lua: the results table, measured now")
 local out_file = cli.output("out", opts.out)
@@ -40,7 +43,15 @@ local rows, ok = {}, true
 -- A row: what is measured, the command, and how to read the result from its output.  Several rows
 -- may share one command: it runs once.
 local outputs = {} -- command -> { text, exited 0 }
+local function wanted(what)
+  if not opts.only then return true end
+  for _, word in ipairs(opts.only) do
+    if what:find(word, 1, true) then return true end
+  end
+  return false
+end
 local function row(what, command, read, machine)
+  if not wanted(what) then return end
   outputs[command] = outputs[command] or { run(command) }
   local text, done = compat.unpack(outputs[command])
   local result = done and read(text) or nil
@@ -104,6 +115,22 @@ if gpu then
   row("experts, decode: 48 experts x 8 rows", ex, function(text)
     return grab(text, "TIME experts %[([%w]+)%] decode[^\n]-median ([%d.]+) ms[^\n]-= (%d+) GB/s",
       "kernel %s: %s ms = %s GB/s of weights read")
+  end, here)
+  row("Kimi K2 FP8 layer, 8 ranks simulated on one GPU (8 x 7,168 tokens)",
+    lua .. " scenarios/kimi.lua --precision fp8", layer_result, here)
+  row("Kimi K2 FP8 layer, decode (8 x 128 tokens)", lua .. " scenarios/kimi.lua --precision fp8 --tokens 128",
+    layer_result, here)
+  row("FP8 experts, Kimi K2 rank 0 of EP8 (uniform routing), beside cuBLASLt's FP8 dense pair of the same rows",
+    lua .. " scenarios/experts.lua --precision fp8 --models kimi_k2 --dists uniform --pads 1", function(text)
+      local ms, ours, dense = text:match("\nKimi K2%s+uniform%s+1%s+%d+%s+[%d.]+ / [%d.]+%s+([%d.]+)%s+([%d.]+)%s+"
+        .. "[%d.]+%s+([%d.]+)")
+      return ms and string.format("%s ms = %s TFLOP/s; cuBLASLt %s TFLOP/s (ours %.2fx)", ms, ours, dense,
+        tonumber(ours) / tonumber(dense))
+    end, here)
+  row("router logits, Kimi K2 rank (7,168 tokens, H 7168, E 384)", build .. "/bench/logits_bench", function(text)
+    local t, tt = text:match("TIME logits %[tensor%][^\n]-median ([%d.]+) ms[^\n]-= ([%d.]+) TFLOP/s")
+    local c = text:match("TIME logits %[cublas%][^\n]-median ([%d.]+) ms")
+    return t and string.format("tensor cores %s ms = %s TFLOP/s (cuBLAS's GEMM %s ms)", t, tt, c or "n/a")
   end, here)
 end
 if opts.devices then
