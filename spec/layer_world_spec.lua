@@ -132,6 +132,10 @@ describe("moe.layer over a real world, with a stand-in for NCCL [#cpu]", functio
       assert.is_true(m.pass, string.format("rel_max %.3g, rel_l2 %.3g", m.rel_max, m.rel_l2))
       assert.are.equal(5e-2, m.rtol) -- the FP8 layer's tolerance, not the bf16 one
       assert.is_true(real:check(real.inputs, { sample = 3, raise = false }).pass)
+      -- its memory is what it allocates, the gathered FP8 tokens and scales counted; the stand-in
+      -- makes no route_row windows, which lib/world.c lays out beside x and ys
+      local stated, got = real.memory, S.allocated(real)
+      assert.are.equal(W * W * T * 2 * 4, stated.host - got.cpu)
       local plan = real:plan()
       assert.are.equal("allgather", plan[1].exchange.kernel)
       assert.is_nil(sim:plan()[1].exchange)
