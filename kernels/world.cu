@@ -349,10 +349,14 @@ int moeI_nccl_unbind(moe_ctx *ctx, moe_world *w) {
 
 // ---- collectives ----
 
+// Local rank i's tensor in gathered into out, as bytes whatever their dtype.
+static void gather_bytes(Group &g, moe_world *w, int i, const moe_tensor *in, moe_tensor *out) {
+  g.call(i, "ncclAllGather",
+         ncclAllGather(in->data, out->data, moe_tensor_nbytes(in), ncclUint8, comm_of(w, i), stream_of(w, i)));
+}
+
 static void issue_allgather(Group &g, moe_world *w, moe_tensor *const *out, const moe_tensor *const *in) {
-  for (int i = 0; i < w->nlocal && g.ok(); i++)
-    g.call(i, "ncclAllGather",
-           ncclAllGather(in[i]->data, out[i]->data, moe_tensor_nbytes(in[i]), ncclUint8, comm_of(w, i), stream_of(w, i)));
+  for (int i = 0; i < w->nlocal && g.ok(); i++) gather_bytes(g, w, i, in[i], out[i]);
 }
 
 int moeI_nccl_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, const moe_tensor *const *in) {
@@ -417,10 +421,7 @@ int moeI_nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args
   if (rc) return rc;
   {
     Group g(ctx, w);
-    for (int i = 0; i < w->nlocal && g.ok(); i++)
-      g.call(i, "ncclAllGather",
-             ncclAllGather(a[i].x->data, a[i].x_all->data, moe_tensor_nbytes(a[i].x), ncclUint8, comm_of(w, i),
-                           stream_of(w, i)));
+    for (int i = 0; i < w->nlocal && g.ok(); i++) gather_bytes(g, w, i, a[i].x, a[i].x_all);
     if ((rc = g.end())) return rc;
   }
   for (int i = 0; i < w->nlocal; i++) {
@@ -434,6 +435,38 @@ int moeI_nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args
     d.zero_fill = a[i].zero_fill;
     StreamCtx sc(w, i);
     if ((rc = sc.pass(ctx, moeI_dispatch_cuda(&sc.c, &d)))) return rc;
+  }
+  return leave(ctx, w, stage, unbound);
+}
+
+// The FP8 tokens: the e4m3 rows and their scales gathered in one group, then moe_dispatch_fp8's
+// kernel over them on each rank's stream.
+int moeI_nccl_dispatch_fp8(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_fp8_args *a) {
+  static const char *stage = "world: dispatch_fp8";
+  bool unbound;
+  int rc = enter(ctx, w, stage, &unbound);
+  if (rc) return rc;
+  {
+    Group g(ctx, w);
+    for (int i = 0; i < w->nlocal && g.ok(); i++) {
+      gather_bytes(g, w, i, a[i].x, a[i].x_all);
+      if (g.ok()) gather_bytes(g, w, i, a[i].x_scale, a[i].x_scale_all);
+    }
+    if ((rc = g.end())) return rc;
+  }
+  for (int i = 0; i < w->nlocal; i++) {
+    moe_dispatch_fp8_args d;
+    memset(&d, 0, sizeof d);
+    d.out = a[i].out;
+    d.out_scale = a[i].out_scale;
+    d.x = a[i].x_all;
+    d.x_scale = a[i].x_scale_all;
+    d.peer_rank = a[i].peer_rank;
+    d.peer_route = a[i].peer_route;
+    d.k = a[i].k;
+    d.zero_fill = a[i].zero_fill;
+    StreamCtx sc(w, i);
+    if ((rc = sc.pass(ctx, moeI_dispatch_fp8_cuda(&sc.c, &d)))) return rc;
   }
   return leave(ctx, w, stage, unbound);
 }

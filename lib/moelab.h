@@ -555,6 +555,26 @@ typedef struct moe_world_dispatch_args {
 } moe_world_dispatch_args;
 MOE_API int moe_world_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a);
 
+/* The same all-gather exchange of FP8 tokens: x_all and x_scale_all = all-gathers of every rank's
+ * e4m3 rows x [T, H] and their scales x_scale [T, H/128] (moe_quantize's MOE_QUANT_TOKEN;
+ * W*T*H bytes and W*T*H/128 f32 arrive on each rank), then moe_dispatch_fp8 of them by this
+ * rank's schedule, exactly as in a simulated world whose x and x_scale are x_all and
+ * x_scale_all.  H must be a multiple of 128.  The direct exchange below has no FP8 form: its
+ * windows hold bf16 rows. */
+typedef struct moe_world_dispatch_fp8_args {
+  moe_tensor *out;              /* out: e4m3 [C, H] */
+  moe_tensor *out_scale;        /* out: f32 [H/128, C], transposed as moe_experts_fp8 reads it */
+  moe_tensor *x_all;            /* out: e4m3 [W, T, H]; x may be this rank's own slot of it */
+  moe_tensor *x_scale_all;      /* out: f32 [W, T, H/128]; x_scale may be this rank's own slot */
+  const moe_tensor *x;          /* e4m3 [T, H], this rank's tokens */
+  const moe_tensor *x_scale;    /* f32 [T, H/128] */
+  const moe_tensor *peer_rank;  /* i32 [C], this rank's schedule */
+  const moe_tensor *peer_route; /* i32 [C] */
+  int k;
+  int zero_fill;
+} moe_world_dispatch_fp8_args;
+MOE_API int moe_world_dispatch_fp8(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_fp8_args *a);
+
 /* Combine across ranks.  Each owner o packs, for every source rank p, the rows of its ys that
  * p's routes got (route_row[p, t*K+k]) into send_rows[p] [T*K, H] in (t, k) order (zero where
  * the route has no row on o) and their marks into send_index[p] (t*K+k, or -1); a grouped

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fp8_math.h"
 #include "world.h"
 
 _Static_assert(sizeof(moe_world_config) == MOE_WORLD_CONFIG_FIELDS * sizeof(int),
@@ -271,6 +272,11 @@ static int check_on(moe_ctx *ctx, const char *stage, const char *what, const moe
                     moeI_tensor_describe(t, got, sizeof got));
 }
 
+/* Whether t is this rank's own slot of all ([W, ...]): NCCL's in-place all-gather. */
+static int own_slot(const moe_world *w, int i, const moe_tensor *t, const moe_tensor *all) {
+  return (const char *)t->data == (const char *)all->data + moe_tensor_nbytes(t) * (size_t)w->ranks[i];
+}
+
 static int check_gather(moe_ctx *ctx, const char *stage, const moe_world *w, int i, const moe_tensor *out,
                         const moe_tensor *in) {
   char what[48], got[160], want[160];
@@ -297,8 +303,7 @@ static int check_gather(moe_ctx *ctx, const char *stage, const moe_world *w, int
   if (rc) return rc;
   /* NCCL's in-place form (in is this rank's own slot of out) or disjoint buffers; a partial
    * overlap would be overwritten while it is still sent */
-  const size_t slot = moe_tensor_nbytes(in);
-  if ((char *)in->data == (char *)out->data + slot * (size_t)w->ranks[i]) return MOE_OK;
+  if (own_slot(w, i, in, out)) return MOE_OK;
   const moe_tensor *ts[] = {out, in};
   const char *const names[] = {"out", "in"};
   return moeI_check_no_overlap(ctx, stage, ts, names, 1, 2);
@@ -365,13 +370,51 @@ int moe_world_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args
     if ((rc = check_on(ctx, stage, "x_all", a->x_all, w->devices[i]))) return rc;
     /* x_all is an output too: x may be this rank's own slot of it (NCCL's in-place all-gather, as
      * in moe_world_allgather) and nothing else may share its memory */
-    const char *own_slot = (const char *)a->x_all->data + moe_tensor_nbytes(a->x) * (size_t)w->ranks[i];
-    const int in_place = (const char *)a->x->data == own_slot;
-    const moe_tensor *ts[] = {a->x_all, a->out, a->peer_rank, a->peer_route, in_place ? NULL : a->x};
+    const moe_tensor *ts[] = {a->x_all, a->out, a->peer_rank, a->peer_route,
+                              own_slot(w, i, a->x, a->x_all) ? NULL : a->x};
     static const char *names[] = {"x_all", "out", "peer_rank", "peer_route", "x"};
     if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 1, 5))) return rc;
   }
   return MOE_IN_RANGE("dispatch", moeI_nccl_dispatch(ctx, w, args));
+}
+
+int moe_world_dispatch_fp8(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_fp8_args *args) {
+  static const char *stage = "world: dispatch_fp8";
+  if (!w || !args) return moeI_seterr(ctx, MOE_ERR_ARG, "%s: NULL argument", stage);
+  int rc;
+  for (int i = 0; i < w->nlocal; i++) {
+    const moe_world_dispatch_fp8_args *a = &args[i];
+    if ((rc = moeI_check_tensor(ctx, stage, "x", a->x, MOE_E4M3, 2, NULL))) return rc;
+    const int64_t T = a->x->shape[0], H = a->x->shape[1], nb = H / MOE_FP8_BLOCK;
+    if (H % MOE_FP8_BLOCK)
+      return moeI_seterr(ctx, MOE_ERR_ARG, "%s: the hidden size H (x's last dimension) must be a multiple of %d, got %lld",
+                        stage, MOE_FP8_BLOCK, (long long)H);
+    const int64_t xs_shape[] = {T, nb}, out_shape[] = {-1, H};
+    if ((rc = moeI_check_tensor(ctx, stage, "x_scale", a->x_scale, MOE_F32, 2, xs_shape))) return rc;
+    if ((rc = moeI_check_tensor(ctx, stage, "out", a->out, MOE_E4M3, 2, out_shape))) return rc;
+    const int64_t C = a->out->shape[0];
+    const int64_t os_shape[] = {nb, C}, row_shape[] = {C};
+    const int64_t all_shape[] = {w->size, T, H}, all_scale_shape[] = {w->size, T, nb};
+    if ((rc = moeI_check_tensor(ctx, stage, "out_scale", a->out_scale, MOE_F32, 2, os_shape))) return rc;
+    if ((rc = moeI_check_tensor(ctx, stage, "peer_rank", a->peer_rank, MOE_I32, 1, row_shape))) return rc;
+    if ((rc = moeI_check_tensor(ctx, stage, "peer_route", a->peer_route, MOE_I32, 1, row_shape))) return rc;
+    if (a->k < 1) return moeI_seterr(ctx, MOE_ERR_ARG, "%s: k must be >= 1, got %d", stage, a->k);
+    if ((rc = moeI_check_tensor(ctx, stage, "x_all", a->x_all, MOE_E4M3, 3, all_shape))) return rc;
+    if ((rc = moeI_check_tensor(ctx, stage, "x_scale_all", a->x_scale_all, MOE_F32, 3, all_scale_shape))) return rc;
+    /* x and x_scale may be their rank's own slots of the gathered outputs (in place); nothing
+     * else may share an output's memory */
+    const moe_tensor *ts[] = {a->out, a->out_scale, a->x_all, a->x_scale_all, a->peer_rank, a->peer_route,
+                              own_slot(w, i, a->x, a->x_all) ? NULL : a->x,
+                              own_slot(w, i, a->x_scale, a->x_scale_all) ? NULL : a->x_scale};
+    static const char *names[] = {"out", "out_scale", "x_all", "x_scale_all", "peer_rank", "peer_route", "x",
+                                  "x_scale"};
+    const moe_tensor *on[] = {a->out, a->out_scale, a->x_all, a->x_scale_all, a->peer_rank, a->peer_route, a->x,
+                              a->x_scale};
+    for (int j = 0; j < 8; j++)
+      if ((rc = check_on(ctx, stage, names[j], on[j], w->devices[i]))) return rc;
+    if ((rc = moeI_check_no_overlap(ctx, stage, ts, names, 4, 8))) return rc;
+  }
+  return MOE_IN_RANGE("dispatch_fp8", moeI_nccl_dispatch_fp8(ctx, w, args));
 }
 
 /* The combine arguments of local rank i that both exchanges take, on the rank's GPU. */
@@ -622,6 +665,10 @@ int moeI_nccl_gather_configs(moe_ctx *ctx, moe_world *w, const moe_world_config 
 int moeI_nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a) {
   (void)w, (void)a;
   return NO_NCCL("dispatch");
+}
+int moeI_nccl_dispatch_fp8(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_fp8_args *a) {
+  (void)w, (void)a;
+  return NO_NCCL("dispatch_fp8");
 }
 int moeI_nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a) {
   (void)w, (void)a;

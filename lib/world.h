@@ -66,6 +66,7 @@ int moeI_nccl_allgather(moe_ctx *ctx, moe_world *w, moe_tensor *const *out, cons
 /* all: nlocal * W configs, local rank i's gathered table at all + i * W. */
 int moeI_nccl_gather_configs(moe_ctx *ctx, moe_world *w, const moe_world_config *cfgs, moe_world_config *all);
 int moeI_nccl_dispatch(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_args *a);
+int moeI_nccl_dispatch_fp8(moe_ctx *ctx, moe_world *w, const moe_world_dispatch_fp8_args *a);
 int moeI_nccl_combine(moe_ctx *ctx, moe_world *w, const moe_world_combine_args *a);
 /* Allocates and registers ex's windows (layout already set in ex); on failure what was made
  * is left in ex for moeI_nccl_exchange_release. */

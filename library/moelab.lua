@@ -560,6 +560,11 @@ function World:check_config(cfg) end
 ---@return moe.Tensor|moe.Tensor[]
 function World:dispatch(o) end
 
+---The all-gather exchange's dispatch of FP8 tokens: out e4m3 [C, H], out_scale f32 [H/128, C], x_all, x_scale_all.
+---@param o table|table[] { x, x_scale, schedule, out?, out_scale?, x_all?, x_scale_all?, zero_fill? } per local rank
+---@return moe.Tensor|moe.Tensor[]
+function World:dispatch_fp8(o) end
+
 ---The all-gather exchange's combine.
 ---@param o table|table[] { schedule, y, weights, ids?, out?, shared?, shared_gate? } per local rank
 ---@return moe.Tensor|moe.Tensor[]

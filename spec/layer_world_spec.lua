@@ -1,8 +1,8 @@
 -- SPDX-License-Identifier: MIT
 -- moe.layer over a real world, its Lua path run on the CPU: a moe.World whose NCCL handle is a
 -- stand-in (every rank in this process, the exchange done with the plain stages), against the
--- simulated layer of the same options bit for bit.  The world itself is exercised on GPUs by
--- world_spec.lua's #gpu cases.
+-- simulated layer of the same options bit for bit, bf16 and FP8.  The world itself is exercised
+-- on GPUs by world_spec.lua's #gpu cases.
 local S = require "support"
 
 -- A stand-in for the binding's World handle of W ranks, all on the CPU.
@@ -17,6 +17,19 @@ local function stand_in(W)
   function h:allgather_ids(outs, list)
     for _, out in ipairs(outs) do
       for r, t in ipairs(list) do out:select(r):copy(t) end
+    end
+  end
+  -- the all-gather exchange of FP8 tokens, as lib/world.c composes it: every rank's rows and
+  -- scales gathered, then each rank's dispatch of them
+  function h:dispatch_fp8(calls)
+    self.calls[#self.calls + 1] = "dispatch_fp8"
+    for _, c in ipairs(calls) do
+      for r, src in ipairs(calls) do
+        c.x_all:select(r):copy(src.x)
+        c.x_scale_all:select(r):copy(src.x_scale)
+      end
+      moe.core.dispatch_fp8 { out = c.out, out_scale = c.out_scale, x = c.x_all, x_scale = c.x_scale_all,
+        peer_rank = c.peer_rank, peer_route = c.peer_route, k = c.k, zero_fill = c.zero_fill }
     end
   end
   function h:exchange(T, _, H, C)
@@ -90,6 +103,51 @@ describe("moe.layer over a real world, with a stand-in for NCCL [#cpu]", functio
       for r = 1, W do assert.tensor_equal(again[r], ref:select(r)) end
     end)
   end
+
+  for _, shared in ipairs { true, false } do
+    it("precision = 'fp8'" .. (shared and " (shared expert)" or "") .. ": the simulated FP8 layer's bits, its check "
+      .. "and its plan", function()
+      local W, T, H = 2, 6, 128
+      local opts = { model = "kimi_k2", tokens = T, hidden = H, ffn = 128, shared_ffn = 128, shared = shared,
+        experts = 8, k = 2, seed = 3, precision = "fp8" }
+      local world, h = stand_in(W)
+      opts.world = world
+      local real = moe.layer(opts)
+      opts.world, opts.device = W, "cpu"
+      local sim = moe.layer(opts)
+      local x = moe.randn({ W, T, H }, { dtype = "bf16", seed = 78 })
+      for r = 1, W do real.inputs[r]:copy(x:select(r)) end
+      local outs = real:forward(real.inputs)
+      local ref = sim:forward(x)
+      local crossed = 0
+      for _, call in ipairs(h.calls) do if call == "dispatch_fp8" then crossed = crossed + 1 end end
+      assert.are.equal(1, crossed) -- the tokens crossed as e4m3 rows, once
+      for r = 1, W do
+        assert.tensor_equal(real.xq[r], sim.xq:select(r))
+        assert.tensor_equal(real.xs[r], sim.xs[r])
+        assert.tensor_equal(real.xs_scale[r], sim.xs_scale[r])
+        assert.tensor_equal(outs[r], ref:select(r))
+      end
+      local m = real:check(real.inputs, { raise = false })
+      assert.is_true(m.pass, string.format("rel_max %.3g, rel_l2 %.3g", m.rel_max, m.rel_l2))
+      assert.are.equal(5e-2, m.rtol) -- the FP8 layer's tolerance, not the bf16 one
+      assert.is_true(real:check(real.inputs, { sample = 3, raise = false }).pass)
+      -- its memory is what it allocates, the gathered FP8 tokens and scales counted; the stand-in
+      -- makes no route_row windows, which lib/world.c lays out beside x and ys
+      local stated, got = real.memory, S.allocated(real)
+      assert.are.equal(W * W * T * 2 * 4, stated.host - got.cpu)
+      local plan = real:plan()
+      assert.are.equal("allgather", plan[1].exchange.kernel)
+      assert.is_nil(sim:plan()[1].exchange)
+      assert.matches("all%-gather of the e4m3 tokens", tostring(real))
+    end)
+  end
+
+  it("a bf16 layer's plan names the direct exchange", function()
+    local layer = moe.layer { model = "kimi_k2", tokens = 4, hidden = 16, ffn = 8, experts = 4, k = 2,
+      world = stand_in(2) }
+    assert.are.equal("direct", layer:plan()[2].exchange.kernel)
+  end)
 
   it("stops a forward on every rank when one has NaN logits, and names that rank", function()
     local world = stand_in(2)

@@ -247,4 +247,34 @@ function support.shell_quote(s)
   return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
 end
 
+-- Every tensor reachable from a layer through tables (not through the CPU reference's copies, made
+-- later), owners only: a view lies inside the memory of a larger tensor it overlaps.  -> the sum
+-- of their bytes by device.
+function support.allocated(layer)
+  local seen, tensors = {}, {}
+  local function walk(v)
+    if seen[v] then return end
+    seen[v] = true
+    if moe.core.is_tensor(v) then
+      tensors[#tensors + 1] = v
+    elseif type(v) == "table" then
+      for k, x in pairs(v) do
+        if k ~= "cpu" then walk(x) end
+      end
+    end
+  end
+  walk(layer)
+  table.sort(tensors, function(a, b) return a:nbytes() > b:nbytes() end)
+  local owners, bytes = {}, {}
+  for _, t in ipairs(tensors) do
+    local inside = false
+    for _, o in ipairs(owners) do inside = inside or t:overlaps(o) end
+    if not inside then
+      owners[#owners + 1] = t
+      bytes[t.device] = (bytes[t.device] or 0) + t:nbytes()
+    end
+  end
+  return bytes
+end
+
 return support

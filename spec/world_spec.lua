@@ -375,6 +375,82 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     end
   end)
 
+  -- FP8 tokens: e4m3 rows quantized per token, with their scales [T, H/128]
+  local function fp8_tokens(seed, H8)
+    local x = moe.randn({ T, H8 }, { dtype = "bf16", seed = seed, device = dev })
+    local q, qs = moe.core.new("e4m3", { T, H8 }, dev), moe.core.new("f32", { T, H8 / 128 }, dev)
+    moe.core.quantize { q = q, scale = qs, x = x, kind = "token" }
+    return q, qs
+  end
+
+  it("dispatch_fp8 equals dispatch_fp8 of the gathered tokens bit for bit, eagerly and in a graph", function()
+    local H8 = 256
+    local ids = ids_on(dev)
+    local all = moe.zeros({ 1, T, K }, { dtype = "i32", device = dev })
+    world:allgather_ids(ids, all)
+    local s = moe.schedule_plan { ids = all, experts = E, rank = 0, pad = 4, capacity = 256 }
+    s:run()
+    local q, qs = fp8_tokens(30, H8)
+    local xs, xs_scale, x_all, x_scale_all = world:dispatch_fp8 { x = q, x_scale = qs, schedule = s, zero_fill = true }
+    assert.tensor_equal(x_all:view(0, { T, H8 }), q)
+    assert.tensor_equal(x_scale_all:view(0, { T, H8 / 128 }), qs)
+    local function reference(ref_s)
+      local out, out_scale = moe.core.new("e4m3", { 256, H8 }, dev), moe.core.new("f32", { H8 / 128, 256 }, dev)
+      moe.core.dispatch_fp8 { out = out, out_scale = out_scale, x = q:view(0, { 1, T, H8 }),
+        x_scale = qs:view(0, { 1, T, H8 / 128 }), peer_rank = ref_s.peer_rank, peer_route = ref_s.peer_route, k = K,
+        zero_fill = true }
+      return out, out_scale
+    end
+    local ref, ref_scale = reference(s)
+    assert.tensor_equal(xs, ref)
+    assert.tensor_equal(xs_scale, ref_scale)
+    -- in place: the tokens and scales in this rank's own slots of the gathered tensors
+    x_all:view(0, { T, H8 }):copy(q)
+    x_scale_all:view(0, { T, H8 / 128 }):copy(qs)
+    local again = world:dispatch_fp8 { x = x_all:view(0, { T, H8 }), x_scale = x_scale_all:view(0, { T, H8 / 128 }),
+      x_all = x_all, x_scale_all = x_scale_all, schedule = s, zero_fill = true }
+    assert.tensor_equal(again, ref)
+    local graph = moe.graph(function()
+      world:allgather_ids(ids, all)
+      s:run()
+      world:dispatch_fp8 { x = q, x_scale = qs, schedule = s, out = xs, out_scale = xs_scale, x_all = x_all,
+        x_scale_all = x_scale_all, zero_fill = true }
+    end, { device = dev })
+    for seed = 31, 33 do
+      math.randomseed(seed)
+      local flat = {}
+      for i = 1, T * K do flat[i] = S.int(-1, E - 1) end
+      ids:copy(S.tensor(flat, "i32", { T, K }))
+      graph:replay()
+      local ref_s = moe.schedule { ids = ids:view(0, { 1, T, K }), experts = E, rank = 0, pad = 4, capacity = 256 }
+      local want, want_scale = reference(ref_s)
+      assert.tensor_equal(xs, want)
+      assert.tensor_equal(xs_scale, want_scale)
+    end
+  end)
+
+  it("dispatch_fp8 refuses bad arguments, naming them", function()
+    local s = moe.schedule { ids = world:allgather_ids(ids_on(dev)), experts = E, rank = 0, pad = 4, capacity = 256 }
+    local q, qs = fp8_tokens(34, 256)
+    local bf = moe.randn({ T, 256 }, { dtype = "bf16", seed = 35, device = dev })
+    local out = moe.core.new("e4m3", { 256, 256 }, dev)
+    local ROWS = {
+      { { x = bf, x_scale = qs }, "x must be e4m3" },
+      { { x = q }, "option 'x_scale'" },
+      { { x = q, x_scale = qs:to("cpu") }, "x_scale must be on cuda:0" },
+      { { x = q, x_scale = moe.zeros({ T, 3 }, { device = dev }) }, "x_scale" },
+      { { x = q:view(0, { T, 128 }), x_scale = qs }, "x_scale" },
+      { { x = q, x_scale = qs, out = out, x_all = out:view(0, { 1, T, 256 }) }, "out and x_all share memory" },
+      { { x = q, x_scale = qs, out_scale = moe.zeros({ 256, 2 }, { device = dev }) }, "out_scale must be f32 %[2, 256%]" },
+    }
+    for i, row in ipairs(ROWS) do
+      row[1].schedule = s
+      local ok, err = pcall(world.dispatch_fp8, world, row[1])
+      assert.is_false(ok, "row " .. i)
+      assert.matches(row[2], tostring(err), nil, false, "row " .. i)
+    end
+  end)
+
   for _, in_window in ipairs { false, true } do
     it("the direct exchange equals the plain stages bit for bit" .. (in_window and " (x and ys in its windows)" or ""),
       function()
@@ -638,6 +714,58 @@ describe("moe.layer over a real world [#gpu]", function()
       if n == 1 then again = { again } end
       for r = 1, W do assert.tensor_equal(again[r]:to("cpu"), first[r]) end
       assert.matches("over a world of " .. W .. " GPUs", tostring(real))
+      world:close()
+    end)
+
+  it(string.format("precision = 'fp8' equals the simulated FP8 layer bit for bit, W = %d", n), function()
+    if n < 2 then
+      pending("one GPU: the FP8 layer across ranks needs two (the one-rank capture below still runs)")
+      return
+    end
+    local devices = {}
+    for r = 1, n do devices[r] = r - 1 end
+    local world = moe.world { devices = devices }
+    local W, T, H = n, 24, 256
+    local opts = { model = "kimi_k2", tokens = T, hidden = H, ffn = 128, shared_ffn = 128, experts = 8 * W, k = 4,
+      seed = 3, precision = "fp8" }
+    opts.world = world
+    local real = moe.layer(opts)
+    opts.world, opts.device = W, "cuda:0"
+    local sim = moe.layer(opts)
+    local x = moe.randn({ W, T, H }, { dtype = "bf16", seed = 81, device = "cuda:0" })
+    for r = 1, W do real.inputs[r]:copy(x:select(r)) end
+    local outs = real:forward(real.inputs)
+    local ref = sim:forward(x)
+    for r = 1, W do
+      assert.tensor_equal(real.xs[r]:to("cpu"), sim.xs[r]:to("cpu"))
+      assert.tensor_equal(real.xs_scale[r]:to("cpu"), sim.xs_scale[r]:to("cpu"))
+      assert.tensor_equal(outs[r]:to("cpu"), ref:select(r):to("cpu"))
+    end
+    assert.is_true(real:check(real.inputs, { raise = false }).pass)
+    assert.are.equal("allgather", real:plan()[1].exchange.kernel)
+    world:close()
+  end)
+
+  it("precision = 'fp8' over a world of one rank captures as a graph and replays what the simulated layer gives",
+    function()
+      local world = moe.world { devices = { 0 } }
+      local opts = { model = "kimi_k2", tokens = 24, hidden = 256, ffn = 128, experts = 8, k = 4, seed = 7,
+        precision = "fp8", world = world }
+      local layer = moe.layer(opts)
+      opts.world, opts.device = 1, "cuda:0"
+      local sim = moe.layer(opts)
+      local g = layer:capture()
+      for seed = 82, 84 do
+        local x = moe.randn({ 24, 256 }, { dtype = "bf16", seed = seed, device = "cuda:0" })
+        layer.inputs[1]:copy(x)
+        g:replay()
+        g:check()
+        local want = sim:forward(x:view(0, { 1, 24, 256 }))
+        assert.tensor_equal(layer.out[1]:to("cpu"), want:select(1):to("cpu"))
+      end
+      assert.is_true(layer:check(layer.inputs[1], { raise = false }).pass)
+      g = nil
+      collectgarbage()
       world:close()
     end)
 

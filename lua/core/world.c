@@ -357,6 +357,36 @@ static int w_dispatch(lua_State *L) {
   return 0;
 }
 
+/* dispatch_fp8({{out=, out_scale=, x_all=, x_scale_all=, x=, x_scale=, peer_rank=, peer_route=, k=,
+ * zero_fill=}, ...}) */
+static int w_dispatch_fp8(lua_State *L) {
+  static const char *const fields[] = {"out", "out_scale", "x_all", "x_scale_all", "x", "x_scale", "peer_rank",
+                                       "peer_route"};
+  moe_ctx *ctx = lc_getctx(L);
+  moe_world *w = lc_check_world(L, 1);
+  int n = moe_world_local_count(w);
+  lua_settop(L, 2);
+  w_entries(L, "dispatch_fp8", 2, n, "argument tables");
+  luaL_checkstack(L, 11 * n + 8, "too many ranks");
+  moe_world_dispatch_fp8_args *a = (moe_world_dispatch_fp8_args *)scratch(L, (size_t)n * sizeof *a);
+  for (int i = 0; i < n; i++) {
+    lua_rawgeti(L, 2, i + 1);
+    int t = lua_gettop(L);
+    moe_tensor *ts[8];
+    for (int j = 0; j < 8; j++) ts[j] = w_tensor(L, "dispatch_fp8", t, i + 1, fields[j], REQUIRED);
+    memset(&a[i], 0, sizeof a[i]);
+    a[i].out = ts[0], a[i].out_scale = ts[1], a[i].x_all = ts[2], a[i].x_scale_all = ts[3];
+    a[i].x = ts[4], a[i].x_scale = ts[5], a[i].peer_rank = ts[6], a[i].peer_route = ts[7];
+    a[i].k = w_int(L, "dispatch_fp8", t, i + 1, "k", 0, 0);
+    lua_getfield(L, t, "zero_fill");
+    a[i].zero_fill = lua_toboolean(L, -1);
+  }
+  lc_args_still_open(L, "dispatch_fp8", 3);
+  int rc = moe_world_dispatch_fp8(ctx, w, a);
+  if (rc) return lc_fail(L, ctx, rc);
+  return 0;
+}
+
 /* The combine arguments of n local ranks from the table at index 2 (left on the stack); the
  * direct exchange needs no send and receive scratch. */
 moe_world_combine_args *lc_world_combine_args(lua_State *L, int n, int direct) {
@@ -416,6 +446,7 @@ static const luaL_Reg world_methods[] = {
   {"allgather_ids", w_allgather_ids},
   {"check_config", w_check_config},
   {"dispatch", w_dispatch},
+  {"dispatch_fp8", w_dispatch_fp8},
   {"combine", w_combine},
   {"exchange", lc_world_exchange},
   {NULL, NULL}

@@ -1716,6 +1716,8 @@ end
 -- that may be left out.
 local DISPATCH_TENSORS = { { "out" }, { "x_all", only = false }, { "x" }, { "peer_rank" }, { "peer_route" },
   { "route_row", only = true } }
+local DISPATCH_FP8_TENSORS = { { "out" }, { "out_scale" }, { "x_all" }, { "x_scale_all" }, { "x" }, { "x_scale" },
+  { "peer_rank" }, { "peer_route" } }
 local COMBINE_TENSORS = { { "out" }, { "weights" }, { "ids" }, { "ys" }, { "route_row" },
   { "send_rows", only = false }, { "recv_rows", only = false }, { "send_index", only = false },
   { "recv_index", only = false }, { "shared", optional = true }, { "shared_gate", optional = true } }
@@ -1748,6 +1750,14 @@ local function world_dispatch_args(list, n, direct)
   end)
 end
 
+local function world_dispatch_fp8_args(list, n)
+  return world_args("dispatch_fp8", "moe_world_dispatch_fp8_args[?]", DISPATCH_FP8_TENSORS, list, n, false,
+    function(t, i, c)
+      c.k = w_int("dispatch_fp8", t, i, "k", false, 0)
+      c.zero_fill = t.zero_fill and 1 or 0
+    end)
+end
+
 local function world_combine_args(list, n, direct)
   return world_args("combine", "moe_world_combine_args[?]", COMBINE_TENSORS, list, n, direct, function(t, i, c)
     c.experts = w_int("combine", t, i, "experts", false, 0)
@@ -1768,6 +1778,14 @@ end
 function World.methods.dispatch(w, list)
   local p = world_ptr("dispatch", w, true)
   world_stage("dispatch", p, lib.moe_world_local_count(p), list, false, world_dispatch_args, lib.moe_world_dispatch)
+end
+
+-- dispatch_fp8({{out=, out_scale=, x_all=, x_scale_all=, x=, x_scale=, peer_rank=, peer_route=, k=,
+-- zero_fill=}, ...})
+function World.methods.dispatch_fp8(w, list)
+  local p = world_ptr("dispatch_fp8", w, true)
+  world_stage("dispatch_fp8", p, lib.moe_world_local_count(p), list, false, world_dispatch_fp8_args,
+    lib.moe_world_dispatch_fp8)
 end
 
 -- combine({{out=, weights=, ids=, ys=, route_row=, send_rows=, recv_rows=, send_index=,

@@ -13,7 +13,8 @@
 --     (option device).  Rank r's tokens are x[r], its experts [r*EL, (r+1)*EL).  forward(x) takes
 --     x bf16 [W, T, H] and returns out [W, T, H].
 --   world = moe.world{...}: a real world over NCCL, each rank this process holds on its own GPU,
---     tokens crossing in the direct exchange (world:exchange: windows read over NVLink).  forward
+--     tokens crossing in the direct exchange (world:exchange: windows read over NVLink; the FP8
+--     layer's dispatch crosses in the all-gather one, world:dispatch_fp8).  forward
 --     takes one x [T, H] per local rank -- layer.inputs, the exchange's windows, are not copied
 --     again -- and returns one out [T, H] per local rank (a list, or the tensor itself when this
 --     process holds one rank).
@@ -27,6 +28,7 @@ local args = require "moelab.args"
 local check = require "moelab.check"
 local checkpoint = require "moelab.checkpoint"
 local compat = require "moelab.compat"
+local explain = require "moelab.explain"
 local memory = require "moelab.memory"
 local models = require "moelab.models"
 local moe_device = require "moelab.device"
@@ -153,10 +155,6 @@ local function resolve(o)
   local EL = math.floor(E / W)
   local precision = o.precision or "bf16"
   if precision == "fp8" then
-    if real then
-      args.fail("layer", "precision = 'fp8' over a moe.world (NCCL) is not yet supported: the exchange moves bf16 "
-        .. "rows; use a simulated world (world = n) for the FP8 layer")
-    end
     for _, d in ipairs { { "hidden", H }, { "ffn", F }, { "shared_ffn", Fs } } do
       if d[2] % 128 ~= 0 then
         args.fail("layer", string.format("precision = 'fp8' needs %s a multiple of 128 (the FP8 block), got %d", d[1],
@@ -518,13 +516,23 @@ function Real.shard_buffers(layer)
     memory.buffer("all_ids", "i32", { W, T, K }, "world x tokens x k"),
   }
 end
+-- The FP8 layer's dispatch gathers every rank's e4m3 tokens and scales (world:dispatch_fp8): the
+-- windows hold bf16 rows, so its tokens cross in the all-gather exchange.
+local function fp8_exchange_buffers(layer)
+  if not layer.fp8 then return {} end
+  local W, T, H = layer.world, layer.tokens, layer.hidden
+  return { memory.buffer("xq_all", "e4m3", { W, T, H }, "every rank's FP8 tokens: world x tokens x hidden"),
+    memory.buffer("xq_scale_all", "f32", { W, T, H / 128 }, "their scales: world x tokens x hidden / 128") }
+end
 function Real.held_buffers(layer)
   local W, T, K, H = layer.world, layer.tokens, layer.k, layer.hidden
-  return {
-    memory.buffer("window x", "bf16", { T, H }, "the exchange's tokens: tokens x hidden"),
-    memory.buffer("window ys", "bf16", { layer.capacity, H }, "the exchange's expert outputs: capacity x hidden"),
-    memory.buffer("window route_row", "i32", { W, T * K }, "the exchange's route rows: world x tokens x k"),
-  }
+  local list = fp8_exchange_buffers(layer)
+  table.insert(list, 1, memory.buffer("window x", "bf16", { T, H }, "the exchange's tokens: tokens x hidden"))
+  table.insert(list, 2, memory.buffer("window ys", "bf16", { layer.capacity, H },
+    "the exchange's expert outputs: capacity x hidden"))
+  table.insert(list, 3, memory.buffer("window route_row", "i32", { W, T * K },
+    "the exchange's route rows: world x tokens x k"))
+  return list
 end
 
 function Real:bind(i) self.group:bind(i) end
@@ -548,7 +556,10 @@ end
 function Real:connect(layer)
   self.exchange = self.group:exchange { tokens = layer.tokens, k = layer.k, hidden = layer.hidden,
     capacity = layer.capacity }
-  for j, h in ipairs(self.held) do h.ys = self.exchange.ys[j] end
+  for j, h in ipairs(self.held) do
+    h.ys = self.exchange.ys[j]
+    memory.alloc(fp8_exchange_buffers(layer), h.device, h)
+  end
   layer.exchange, layer.inputs, layer.group = self.exchange, self.exchange.x, self.group
 end
 
@@ -605,8 +616,19 @@ function Real:agree(own)
   end
 end
 
-function Real:dispatch(_, x)
+function Real:dispatch(layer, x)
   local calls = {}
+  if layer.fp8 then -- each rank quantizes its own tokens, on its stream, before they cross
+    for i, h in ipairs(self.held) do
+      local sh = self.shards[i]
+      self.group:bind(i)
+      core.quantize { q = sh.xq, scale = sh.xq_scale, x = x[i], kind = "token" }
+      calls[i] = { x = sh.xq, x_scale = sh.xq_scale, schedule = h.schedule, out = h.xs, out_scale = h.xs_scale,
+        x_all = h.xq_all, x_scale_all = h.xq_scale_all }
+    end
+    self.group:dispatch_fp8(calls)
+    return
+  end
   for i, h in ipairs(self.held) do calls[i] = { x = x[i], schedule = h.schedule, out = h.xs } end
   self.exchange:dispatch(calls)
 end
@@ -635,9 +657,20 @@ function Real:describe(layer)
   local here = {}
   for i, sh in ipairs(self.shards) do here[i] = string.format("rank %d on %s", sh.rank, sh.device) end
   return string.format("moelab.Layer(%s over a world of %d GPUs; here: %s; %d tokens per rank)", layer.cfg.name,
-    layer.world, table.concat(here, ", "), layer.tokens),
-    "  exchange  direct: windows read over NVLink, top-k combined in order"
+    layer.world, table.concat(here, ", "), layer.tokens), layer.fp8
+    and "  exchange  dispatch: all-gather of the e4m3 tokens and their scales; combine: direct, top-k in order"
+    or "  exchange  direct: windows read over NVLink, top-k combined in order"
 end
+
+-- How tokens cross, for layer:plan(): the direct exchange, but for the FP8 layer's dispatch.
+function Real:exchange_choice(layer)
+  if layer.fp8 then
+    return explain.parse("allgather\ndirect: its windows hold bf16 rows, none e4m3\nallgather: every rank's e4m3 "
+      .. "tokens and their scales to every rank (world:dispatch_fp8); combine stays direct")
+  end
+  return explain.parse("direct\ndirect: windows read over NVLink, for dispatch and combine")
+end
+function Simulated.exchange_choice() end
 
 -- ---------------------------------------------------------------- the layer
 
@@ -893,7 +926,8 @@ function Layer:plan(x)
     local ranks = {}
     for j, h in ipairs(self.held) do
       self.space:bind(j)
-      ranks[j] = { rank = h.rank, schedule = h.schedule:explain(), experts = h.experts:explain() }
+      ranks[j] = { rank = h.rank, schedule = h.schedule:explain(), experts = h.experts:explain(),
+        exchange = self.space:exchange_choice(self) }
     end
     for i, sh in ipairs(self.shards) do
       if ranks[i] then

@@ -14,8 +14,8 @@
 -- id_file, rank 0 makes the id and writes the file when there is none (and removes it once the
 -- world is open, or has failed), and the other ranks wait for it (option id_wait or
 -- MOE_NCCL_ID_WAIT seconds, default 120).  The exchange methods (allgather_ids, dispatch,
--- combine, exchange) take one value per local rank: a list, or the value itself when the
--- process holds one rank.
+-- dispatch_fp8, combine, exchange) take one value per local rank: a list, or the value itself
+-- when the process holds one rank.
 local core = require "moelab.core"
 local args = require "moelab.args"
 local interop = require "moelab.interop"
@@ -293,32 +293,56 @@ local function is_args(v)
   return type(v) == "table" and (v.x ~= nil or v.schedule ~= nil or v.y ~= nil or v.weights ~= nil)
 end
 
--- The calls of dispatch per local rank; the all-gather exchange (direct = false) also takes
--- x_all, every rank's tokens.
-local function dispatch_calls(self, o, direct)
-  local list, one = per_rank(self, "dispatch", "arguments", o, is_args)
-  local calls, outs, alls = {}, {}, {}
+-- The calls of dispatch per local rank and the tensors made for them ({out =, x_all =, ...}, a
+-- list each); the all-gather exchange (direct = false) also takes x_all, every rank's tokens; the
+-- FP8 one (fp8 = true) e4m3 tokens, their scales x_scale and the gathered scales x_scale_all.
+local function dispatch_calls(self, o, direct, fp8)
+  local fname, dtype = fp8 and "dispatch_fp8" or "dispatch", fp8 and "e4m3" or "bf16"
+  local list, one = per_rank(self, fname, "arguments", o, is_args)
+  local calls, made = {}, { out = {}, x_all = {}, out_scale = {}, x_scale_all = {} }
   for i, a in ipairs(list) do
-    args.options("dispatch", a, { x = "tensor", schedule = "table", out = "tensor", x_all = not direct and "tensor" or nil,
-      zero_fill = "boolean" }, { "x", "schedule" })
+    args.options(fname, a, { x = "tensor", schedule = "table", out = "tensor", x_all = not direct and "tensor" or nil,
+      x_scale = fp8 and "tensor" or nil, out_scale = fp8 and "tensor" or nil, x_scale_all = fp8 and "tensor" or nil,
+      zero_fill = "boolean" }, fp8 and { "x", "x_scale", "schedule" } or { "x", "schedule" })
     local s = a.schedule
-    local x = args.tensor("dispatch", "x", a.x, "bf16", { s.tokens, false })
-    local H = x.shape[2]
-    outs[i] = a.out or core.new("bf16", { s.capacity, H }, x.device)
-    if not direct then alls[i] = a.x_all or core.new("bf16", { self.size, s.tokens, H }, x.device) end
-    calls[i] = { out = outs[i], x_all = alls[i], x = x, peer_rank = s.peer_rank, peer_route = s.peer_route,
-      route_row = s.route_row, k = s.k, zero_fill = a.zero_fill or false }
+    local x = args.tensor(fname, "x", a.x, dtype, { s.tokens, false })
+    local H, dev = x.shape[2], x.device
+    local c = { out = a.out or core.new(dtype, { s.capacity, H }, dev), x = x, peer_rank = s.peer_rank,
+      peer_route = s.peer_route, route_row = s.route_row, k = s.k, zero_fill = a.zero_fill or false }
+    if not direct then c.x_all = a.x_all or core.new(dtype, { self.size, s.tokens, H }, dev) end
+    if fp8 then
+      if H % 128 ~= 0 then
+        args.fail(fname, string.format("x's hidden size must be a multiple of 128 (the FP8 block), got %d", H))
+      end
+      local nb = math.floor(H / 128)
+      c.x_scale = args.tensor(fname, "x_scale", a.x_scale, "f32", { s.tokens, nb })
+      c.out_scale = a.out_scale or core.new("f32", { nb, s.capacity }, dev)
+      c.x_scale_all = a.x_scale_all or core.new("f32", { self.size, s.tokens, nb }, dev)
+    end
+    calls[i] = c
+    for k, v in pairs(made) do v[i] = c[k] end
   end
-  return calls, outs, alls, one
+  return calls, made, one
 end
 
 -- {x = bf16 [T, H], schedule = this rank's moe.Schedule (of the all-gathered ids), out=, x_all=,
 -- zero_fill=} per local rank -> out bf16 [C, H] (and x_all, every rank's tokens).
 function World:dispatch(o)
-  local calls, outs, alls, one = dispatch_calls(self, o, false)
+  local calls, made, one = dispatch_calls(self, o, false)
   self.handle:dispatch(calls)
-  if one then return outs[1], alls[1] end
-  return outs, alls
+  if one then return made.out[1], made.x_all[1] end
+  return made.out, made.x_all
+end
+
+-- {x = e4m3 [T, H], x_scale = f32 [T, H/128] (moe.quantize kind "token"), schedule =, out=,
+-- out_scale=, x_all=, x_scale_all=, zero_fill=} per local rank -> out e4m3 [C, H], out_scale f32
+-- [H/128, C] (and x_all, x_scale_all: every rank's tokens and scales), as moe.dispatch of FP8
+-- tokens over a simulated world gives them.  The all-gather exchange: the direct one has no FP8 form.
+function World:dispatch_fp8(o)
+  local calls, made, one = dispatch_calls(self, o, false, true)
+  self.handle:dispatch_fp8(calls)
+  if one then return made.out[1], made.out_scale[1], made.x_all[1], made.x_scale_all[1] end
+  return made.out, made.out_scale, made.x_all, made.x_scale_all
 end
 
 -- The scratch of combine ([W, T*K, H] rows and [W, T*K] marks, twice), kept per shape and device.
@@ -386,9 +410,9 @@ function World:exchange(o)
 end
 
 function Exchange:dispatch(o)
-  local calls, outs, _, one = dispatch_calls(self.world, o, true)
+  local calls, made, one = dispatch_calls(self.world, o, true)
   self.handle:dispatch(calls)
-  return one and outs[1] or outs
+  return one and made.out[1] or made.out
 end
 
 function Exchange:combine(o)
