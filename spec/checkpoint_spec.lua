@@ -445,6 +445,21 @@ describe("checkpoint errors [#cpu]", function()
       end },
       err = "checkpoint's " .. p .. "experts.0.up_proj.weight_scale_inv is BF16 [1, 1], its weight [16, 32] in "
         .. "128x128 blocks wants F32 [1, 1]" },
+    { "the FP8 layer: an FP8 weight without its scale", ck = { fp8 = true, experts = 2, hidden = 128, ffn = 128,
+      shared_ffn = 128, change = function(t) t[p .. "shared_experts.down_proj.weight_scale_inv"].name = "renamed" end },
+      opts = { precision = "fp8", experts = 2, hidden = 128, ffn = 128, shared_ffn = 128 },
+      err = "checkpoint's " .. p .. "shared_experts.down_proj.weight is F8_E4M3 without its block scale '" .. p
+        .. "shared_experts.down_proj.weight_scale_inv'" },
+    { "the FP8 layer: an FP8 scale of the wrong shape", ck = { fp8 = true, experts = 2, hidden = 256, ffn = 128,
+      shared_ffn = 128, change = function(t)
+        local s = t[p .. "experts.1.up_proj.weight_scale_inv"]
+        s.shape = { 2, 1 }
+      end },
+      opts = { precision = "fp8", experts = 2, hidden = 256, ffn = 128, shared_ffn = 128 },
+      err = "checkpoint's " .. p .. "experts.1.up_proj.weight_scale_inv is F32 [2, 1], its weight [128, 256] in "
+        .. "128x128 blocks wants F32 [1, 2]" },
+    { "the FP8 layer: a hidden size not a multiple of 128, whatever the checkpoint", ck = { fp8 = true },
+      opts = { precision = "fp8" }, err = "precision = 'fp8' needs hidden a multiple of 128 (the FP8 block), got 32" },
     { "an index nested past the parser's depth", ck = { shards = 2 },
       post = function(dir)
         local f = io.open(dir .. "/model.safetensors.index.json", "wb")
