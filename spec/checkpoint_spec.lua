@@ -2,7 +2,8 @@
 -- Checkpoints: the safetensors reader (moe.safetensors, lua/core/safetensors.c) and layers loaded
 -- from synthetic Hugging Face checkpoints written by spec/safetensors_writer.lua (one
 -- model.safetensors, or an index and shards; BF16, or F8_E4M3 with block scales), each value held
--- against the writer's own decode of its bits; then every error a checkpoint can raise, a row each.
+-- against the writer's own decode of its bits; the FP8 layer's weights taken from F8_E4M3 as they
+-- are; then every error a checkpoint can raise, a row each.
 local W = require "safetensors_writer"
 
 -- The values of t (any device) equal want exactly, element by element, a zero's sign too (so an
@@ -512,12 +513,17 @@ end)
 
 describe("scenarios/kimi.lua --checkpoint [#cpu]", function()
   local build = os.getenv("MOE_BUILD_DIR") or "build"
-  local dir
+  local dir, fp8_dir
   setup(function()
-    dir = W.tempdir()
+    dir, fp8_dir = W.tempdir(), W.tempdir()
     W.checkpoint(dir, { experts = 16, hidden = 32, ffn = 16, shared_ffn = 16, layers = { 3 }, shards = 2 })
+    W.checkpoint(fp8_dir, { experts = 8, hidden = 128, ffn = 128, shared_ffn = 128, layers = { 3 }, shards = 2,
+      fp8 = true })
   end)
-  teardown(function() W.remove(dir) end)
+  teardown(function()
+    W.remove(dir)
+    W.remove(fp8_dir)
+  end)
   local function run(flags)
     local cmd = string.format("LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;' "
       .. "lua scenarios/kimi.lua --device cpu --tokens 8 %s 2>&1; echo \"status=$?\"", build, flags)
@@ -534,6 +540,19 @@ describe("scenarios/kimi.lua --checkpoint [#cpu]", function()
     assert.truthy(out:find("H = 32, F = 16, 8 tokens per rank", 1, true), out)
     assert.truthy(out:find("relative L2 = [%d.e+-]+ %(tol 1e%-02%), 0 NaN: PASS"), out)
     assert.truthy(out:find("status=0", 1, true), out)
+  end)
+
+  it("--precision fp8 runs an FP8 checkpoint's layer on its own bytes and checks it; a checkpoint of a hidden size "
+    .. "not a multiple of 128 exits 2", function()
+    local out = run("--precision fp8 --checkpoint " .. fp8_dir .. " --layer 3")
+    assert.truthy(out:find("weights   layer 3 of checkpoint " .. fp8_dir .. " (F8_E4M3)", 1, true), out)
+    assert.truthy(out:find("H = 128, F = 128, 8 tokens per rank", 1, true), out)
+    assert.truthy(out:find("precision FP8", 1, true), out)
+    assert.truthy(out:find("relative L2 = [%d.e+-]+ %(tol 2e%-02%), 0 NaN: PASS"), out)
+    assert.truthy(out:find("status=0", 1, true), out)
+    out = run("--precision fp8 --checkpoint " .. dir .. " --layer 3")
+    assert.truthy(out:find("precision = 'fp8' needs hidden a multiple of 128 (the FP8 block), got 32", 1, true), out)
+    assert.truthy(out:find("status=2", 1, true), out)
   end)
 
   it("a flag the checkpoint disagrees with, or no --layer, exits 2 with the reason", function()
