@@ -310,24 +310,27 @@ for _, dev in ipairs(ALL_DEVICES) do
       local layer = fp8_layer(dir, dev)
       local seeded = fp8_layer(nil, dev)
       local p = "model.layers.2.mlp."
-      local held = { { layer.w_gate_up, layer.w_gate_up_scale, seeded.w_gate_up, seeded.w_gate_up_scale, "w_gate_up" },
-        { layer.w_down, layer.w_down_scale, seeded.w_down, seeded.w_down_scale, "w_down" } }
-      for r = 0, 2 do -- rank 2: the shared expert
-        local names = weight_names(2, r < 2 and r or nil, 2)
-        for _, h in ipairs(held) do
-          local what = string.format("%s of %s", h[5], r < 2 and "rank " .. r or "the shared expert")
-          local q, sc, sq, ssc = h[1][r + 1], h[2][r + 1], h[3][r + 1], h[4][r + 1]
-          if r == 2 then
-            q, sc = layer["shared_" .. h[5]:sub(3)], layer["shared_" .. h[5]:sub(3) .. "_scale"]
-            sq, ssc = seeded["shared_" .. h[5]:sub(3)], seeded["shared_" .. h[5]:sub(3) .. "_scale"]
-          end
-          local want_q, want_scale = fp8_expected(ts, names[h[5]])
-          assert_values(q, want_q, what)
-          assert_values(sc, want_scale, what .. "'s scales")
-          -- the seeded layer given the same bytes, written as values (which e4m3 holds exactly)
-          sq:copy(moe.tensor(want_q, { dtype = "e4m3", shape = q.shape, device = dev }))
-          ssc:copy(moe.tensor(want_scale, { shape = sc.shape, device = dev }))
+      -- each weight: the tensors it stacks, the layer's e4m3 and scales, the seeded layer's, its name
+      local held = {}
+      for r = 0, 1 do
+        local names = weight_names(2, r, 2)
+        for _, w in ipairs { "w_gate_up", "w_down" } do
+          held[#held + 1] = { names[w], layer[w][r + 1], layer[w .. "_scale"][r + 1], seeded[w][r + 1],
+            seeded[w .. "_scale"][r + 1], w .. " of rank " .. r }
         end
+      end
+      local shared = weight_names(2)
+      for _, w in ipairs { "gate_up", "down" } do
+        local n = "shared_" .. w
+        held[#held + 1] = { shared["w_" .. w], layer[n], layer[n .. "_scale"], seeded[n], seeded[n .. "_scale"], n }
+      end
+      for _, h in ipairs(held) do
+        local want_q, want_scale = fp8_expected(ts, h[1])
+        assert_values(h[2], want_q, h[6])
+        assert_values(h[3], want_scale, h[6] .. "'s scales")
+        -- the seeded layer given the same bytes, written as values (which e4m3 holds exactly)
+        h[4]:copy(moe.tensor(want_q, { dtype = "e4m3", shape = h[2].shape, device = dev }))
+        h[5]:copy(moe.tensor(want_scale, { shape = h[3].shape, device = dev }))
       end
       seeded.w_router:copy(moe.tensor(ts[p .. "gate.weight"].values, { dtype = "bf16", shape = { 4, 256 },
         device = dev }))
