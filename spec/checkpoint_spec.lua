@@ -2,15 +2,17 @@
 -- Checkpoints: the safetensors reader (moe.safetensors, lua/core/safetensors.c) and layers loaded
 -- from synthetic Hugging Face checkpoints written by spec/safetensors_writer.lua (one
 -- model.safetensors, or an index and shards; BF16, or F8_E4M3 with block scales), each value held
--- against the writer's own decode of its bits; then every error a checkpoint can raise, a row each.
+-- against the writer's own decode of its bits; the FP8 layer's weights taken from F8_E4M3 as they
+-- are; then every error a checkpoint can raise, a row each.
 local W = require "safetensors_writer"
 
--- The values of t (any device) equal want exactly, element by element.
+-- The values of t (any device) equal want exactly, element by element, a zero's sign too (so an
+-- e4m3 tensor's values equal the codes they decode: its bytes).
 local function assert_values(t, want, what)
   local got = t:to("cpu"):flat()
   assert.are.equal(#want, #got, what .. ": element count")
   for i = 1, #want do
-    if got[i] ~= want[i] and not (got[i] ~= got[i] and want[i] ~= want[i]) then
+    if (got[i] ~= want[i] or 1 / got[i] ~= 1 / want[i]) and not (got[i] ~= got[i] and want[i] ~= want[i]) then
       error(string.format("%s: element %d is %.9g, the file's value is %.9g", what, i, got[i], want[i]), 2)
     end
   end
@@ -164,19 +166,57 @@ describe("safetensors reader [#cpu]", function()
   end)
 end)
 
--- The expected weights of rank r of a layer over W ranks, from the writer's values: w_gate_up
--- [EL, 2F, H] (gate rows then up rows of each local expert), w_down [EL, H, F].
-local function rank_weights(ts, n, r, EL, F, H)
-  local gu, down = {}, {}
+-- The checkpoint's tensors that make each expert weight of rank r of MoE layer n (EL experts a
+-- rank; rank nil: the shared expert's), in the order the layer stacks them: w_gate_up (gate rows
+-- then up rows of each local expert), w_down.
+local function weight_names(n, r, EL)
   local p = string.format("model.layers.%d.mlp.", n)
+  if not r then
+    return { w_gate_up = { p .. "shared_experts.gate_proj.weight", p .. "shared_experts.up_proj.weight" },
+      w_down = { p .. "shared_experts.down_proj.weight" } }
+  end
+  local gu, down = {}, {}
   for j = 0, EL - 1 do
     local e = r * EL + j
-    gu[#gu + 1] = ts[string.format("%sexperts.%d.gate_proj.weight", p, e)].values
-    gu[#gu + 1] = ts[string.format("%sexperts.%d.up_proj.weight", p, e)].values
-    down[#down + 1] = ts[string.format("%sexperts.%d.down_proj.weight", p, e)].values
+    gu[#gu + 1] = string.format("%sexperts.%d.gate_proj.weight", p, e)
+    gu[#gu + 1] = string.format("%sexperts.%d.up_proj.weight", p, e)
+    down[#down + 1] = string.format("%sexperts.%d.down_proj.weight", p, e)
   end
-  return moe.tensor(concat(gu), { dtype = "bf16", shape = { EL, 2 * F, H } }),
-    moe.tensor(concat(down), { dtype = "bf16", shape = { EL, H, F } })
+  return { w_gate_up = gu, w_down = down }
+end
+
+-- The writer's field of each tensor of names, one list after the other.
+local function field_of(ts, names, field)
+  local lists = {}
+  for i, name in ipairs(names) do lists[i] = ts[name][field] end
+  return concat(lists)
+end
+
+-- The expected weights of rank r of a layer over W ranks, from the writer's values: w_gate_up
+-- [EL, 2F, H], w_down [EL, H, F].
+local function rank_weights(ts, n, r, EL, F, H)
+  local names = weight_names(n, r, EL)
+  return moe.tensor(field_of(ts, names.w_gate_up, "values"), { dtype = "bf16", shape = { EL, 2 * F, H } }),
+    moe.tensor(field_of(ts, names.w_down, "values"), { dtype = "bf16", shape = { EL, H, F } })
+end
+
+-- What the FP8 layer holds of the tensors names, stacked along their rows: an F8_E4M3 tensor's
+-- codes (decoded by the writer) and its weight_scale_inv as written; any other's bf16 values
+-- through moe.quantize's 128 x 128 blocks.  -> the values of q, of its scales (flat).
+local function fp8_expected(ts, names)
+  local qs, scales = {}, {}
+  for i, name in ipairs(names) do
+    local t = ts[name]
+    if t.dtype == "F8_E4M3" then
+      qs[i] = {}
+      for k, code in ipairs(t.q) do qs[i][k] = W.e4m3_value(code) end
+      scales[i] = ts[name .. "_scale_inv"].values
+    else
+      local q, sc = moe.quantize(moe.tensor(t.values, { dtype = "bf16", shape = t.shape }), { kind = "block" })
+      qs[i], scales[i] = q:flat(), sc:flat()
+    end
+  end
+  return concat(qs), concat(scales)
 end
 
 local CASES = {
@@ -238,6 +278,86 @@ for _, dev in ipairs(ALL_DEVICES) do
       local x = moe.randn({ 2, 4, 32 }, { dtype = "bf16", seed = 6, device = dev })
       assert.tensor_equal(a:forward(x), b:forward(x))
       a:check(x)
+    end)
+  end)
+end
+
+-- Experts 4, H 256, F 128, a shared expert of 128, MoE layer 2, over 2 ranks: every scale tensor
+-- of more than one block, the layer's w_gate_up_scale [2, 2, 2] (a gate row, an up row each).
+local FP8 = { experts = 4, hidden = 256, ffn = 128, shared_ffn = 128, layers = { 2 }, shards = 2 }
+
+-- An FP8 layer of FP8's sizes on dev, with the checkpoint in dir (nil: the seed rule's weights).
+local function fp8_layer(dir, dev)
+  return moe.layer { model = "kimi_k2", checkpoint = dir, layer = dir and 2, world = 2, tokens = 8, hidden = 256,
+    ffn = 128, experts = 4, k = 2, shared_ffn = 128, device = dev, precision = "fp8", seed = 4 }
+end
+
+for _, dev in ipairs(ALL_DEVICES) do
+  describe("an FP8 layer from a checkpoint [" .. device_tag(dev) .. "]", function()
+    if skip_without(dev) then return end
+
+    it("takes F8_E4M3 experts' bytes and scales as they are and quantizes the BF16 ones beside them; its check "
+      .. "passes and its forward is that of a layer given the same bytes", function()
+      -- FP8 but for one expert's down and the shared expert's up: a checkpoint mixed per tensor
+      local o = { fp8 = function(name)
+        return not name:find("experts.3.down_proj", 1, true) and not name:find("shared_experts.up_proj", 1, true)
+      end }
+      for k, v in pairs(FP8) do o[k] = v end
+      local dir, ts = small(o)
+      finally(function() W.remove(dir) end)
+      assert.are.equal("BF16", ts["model.layers.2.mlp.experts.3.down_proj.weight"].dtype)
+      assert.are.equal("F8_E4M3", ts["model.layers.2.mlp.experts.3.up_proj.weight"].dtype)
+      local layer = fp8_layer(dir, dev)
+      local seeded = fp8_layer(nil, dev)
+      local p = "model.layers.2.mlp."
+      -- each weight: the tensors it stacks, the layer's e4m3 and scales, the seeded layer's, its name
+      local held = {}
+      for r = 0, 1 do
+        local names = weight_names(2, r, 2)
+        for _, w in ipairs { "w_gate_up", "w_down" } do
+          held[#held + 1] = { names[w], layer[w][r + 1], layer[w .. "_scale"][r + 1], seeded[w][r + 1],
+            seeded[w .. "_scale"][r + 1], w .. " of rank " .. r }
+        end
+      end
+      local shared = weight_names(2)
+      for _, w in ipairs { "gate_up", "down" } do
+        local n = "shared_" .. w
+        held[#held + 1] = { shared["w_" .. w], layer[n], layer[n .. "_scale"], seeded[n], seeded[n .. "_scale"], n }
+      end
+      for _, h in ipairs(held) do
+        local want_q, want_scale = fp8_expected(ts, h[1])
+        assert_values(h[2], want_q, h[6])
+        assert_values(h[3], want_scale, h[6] .. "'s scales")
+        -- the seeded layer given the same bytes, written as values (which e4m3 holds exactly)
+        h[4]:copy(moe.tensor(want_q, { dtype = "e4m3", shape = h[2].shape, device = dev }))
+        h[5]:copy(moe.tensor(want_scale, { shape = h[3].shape, device = dev }))
+      end
+      seeded.w_router:copy(moe.tensor(ts[p .. "gate.weight"].values, { dtype = "bf16", shape = { 4, 256 },
+        device = dev }))
+      seeded.bias:copy(moe.tensor(ts[p .. "gate.e_score_correction_bias"].values, { device = dev }))
+      local x = moe.randn({ 2, 8, 256 }, { dtype = "bf16", seed = 9, device = dev })
+      local out = layer:forward(x):to("cpu")
+      local m = layer:check(x, { raise = false })
+      assert.is_true(m.pass, string.format("rel_max %.3g, rel_l2 %.3g", m.rel_max, m.rel_l2))
+      assert.tensor_equal(out, seeded:forward(x):to("cpu"))
+      assert.is_true(seeded:check(x, { raise = false }).pass)
+    end)
+
+    it("quantizes a BF16 checkpoint's experts as moe.quantize does the whole weight, bit for bit", function()
+      local dir, ts = small(FP8)
+      finally(function() W.remove(dir) end)
+      local layer = fp8_layer(dir, dev)
+      for r = 0, 1 do
+        local gu, down = rank_weights(ts, 2, r, 2, 128, 256)
+        for _, w in ipairs { { gu, "w_gate_up" }, { down, "w_down" } } do
+          local q, sc = moe.quantize(w[1], { kind = "block" })
+          assert_values(layer[w[2]][r + 1], q:flat(), w[2] .. " of rank " .. r)
+          assert_values(layer[w[2] .. "_scale"][r + 1], sc:flat(), w[2] .. "_scale of rank " .. r)
+        end
+      end
+      local x = moe.randn({ 2, 8, 256 }, { dtype = "bf16", seed = 10, device = dev })
+      layer:forward(x)
+      layer:check(x)
     end)
   end)
 end
@@ -329,6 +449,21 @@ describe("checkpoint errors [#cpu]", function()
       end },
       err = "checkpoint's " .. p .. "experts.0.up_proj.weight_scale_inv is BF16 [1, 1], its weight [16, 32] in "
         .. "128x128 blocks wants F32 [1, 1]" },
+    { "the FP8 layer: an FP8 weight without its scale", ck = { fp8 = true, experts = 2, hidden = 128, ffn = 128,
+      shared_ffn = 128, change = function(t) t[p .. "shared_experts.down_proj.weight_scale_inv"].name = "renamed" end },
+      opts = { precision = "fp8", experts = 2, hidden = 128, ffn = 128, shared_ffn = 128 },
+      err = "checkpoint's " .. p .. "shared_experts.down_proj.weight is F8_E4M3 without its block scale '" .. p
+        .. "shared_experts.down_proj.weight_scale_inv'" },
+    { "the FP8 layer: an FP8 scale of the wrong shape", ck = { fp8 = true, experts = 2, hidden = 256, ffn = 128,
+      shared_ffn = 128, change = function(t)
+        local s = t[p .. "experts.1.up_proj.weight_scale_inv"]
+        s.shape = { 2, 1 }
+      end },
+      opts = { precision = "fp8", experts = 2, hidden = 256, ffn = 128, shared_ffn = 128 },
+      err = "checkpoint's " .. p .. "experts.1.up_proj.weight_scale_inv is F32 [2, 1], its weight [128, 256] in "
+        .. "128x128 blocks wants F32 [1, 2]" },
+    { "the FP8 layer: a hidden size not a multiple of 128, whatever the checkpoint", ck = { fp8 = true },
+      opts = { precision = "fp8" }, err = "precision = 'fp8' needs hidden a multiple of 128 (the FP8 block), got 32" },
     { "an index nested past the parser's depth", ck = { shards = 2 },
       post = function(dir)
         local f = io.open(dir .. "/model.safetensors.index.json", "wb")
@@ -381,12 +516,17 @@ end)
 
 describe("scenarios/kimi.lua --checkpoint [#cpu]", function()
   local build = os.getenv("MOE_BUILD_DIR") or "build"
-  local dir
+  local dir, fp8_dir
   setup(function()
-    dir = W.tempdir()
+    dir, fp8_dir = W.tempdir(), W.tempdir()
     W.checkpoint(dir, { experts = 16, hidden = 32, ffn = 16, shared_ffn = 16, layers = { 3 }, shards = 2 })
+    W.checkpoint(fp8_dir, { experts = 8, hidden = 128, ffn = 128, shared_ffn = 128, layers = { 3 }, shards = 2,
+      fp8 = true })
   end)
-  teardown(function() W.remove(dir) end)
+  teardown(function()
+    W.remove(dir)
+    W.remove(fp8_dir)
+  end)
   local function run(flags)
     local cmd = string.format("LUA_PATH='./lua/?.lua;./lua/?/init.lua;;' LUA_CPATH='./%s/?.so;;' "
       .. "lua scenarios/kimi.lua --device cpu --tokens 8 %s 2>&1; echo \"status=$?\"", build, flags)
@@ -403,6 +543,19 @@ describe("scenarios/kimi.lua --checkpoint [#cpu]", function()
     assert.truthy(out:find("H = 32, F = 16, 8 tokens per rank", 1, true), out)
     assert.truthy(out:find("relative L2 = [%d.e+-]+ %(tol 1e%-02%), 0 NaN: PASS"), out)
     assert.truthy(out:find("status=0", 1, true), out)
+  end)
+
+  it("--precision fp8 runs an FP8 checkpoint's layer on its own bytes and checks it; a checkpoint of a hidden size "
+    .. "not a multiple of 128 exits 2", function()
+    local out = run("--precision fp8 --checkpoint " .. fp8_dir .. " --layer 3")
+    assert.truthy(out:find("weights   layer 3 of checkpoint " .. fp8_dir .. " (F8_E4M3)", 1, true), out)
+    assert.truthy(out:find("H = 128, F = 128, 8 tokens per rank", 1, true), out)
+    assert.truthy(out:find("precision FP8", 1, true), out)
+    assert.truthy(out:find("relative L2 = [%d.e+-]+ %(tol 2e%-02%), 0 NaN: PASS"), out)
+    assert.truthy(out:find("status=0", 1, true), out)
+    out = run("--precision fp8 --checkpoint " .. dir .. " --layer 3")
+    assert.truthy(out:find("precision = 'fp8' needs hidden a multiple of 128 (the FP8 block), got 32", 1, true), out)
+    assert.truthy(out:find("status=2", 1, true), out)
   end)
 
   it("a flag the checkpoint disagrees with, or no --layer, exits 2 with the reason", function()

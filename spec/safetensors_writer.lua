@@ -38,7 +38,7 @@ local function ieee(bits, ebits, mbits)
   local e, m = floor(rest / m_one), rest % m_one
   local bias = 2 ^ (ebits - 1) - 1
   if e == e_all then return m == 0 and sign * math.huge or 0 / 0 end
-  if e == 0 then return sign * m / m_one * 2 ^ (1 - bias) end
+  if e == 0 then return sign * (m / m_one) * 2 ^ (1 - bias) end -- a float 0 keeps the sign
   return sign * (1 + m / m_one) * 2 ^ (e - bias)
 end
 function W.bf16_value(bits) return ieee(bits, 8, 7) end
@@ -49,7 +49,7 @@ function W.e4m3_value(q)
   local sign = q >= 128 and -1 or 1
   local e, m = floor(q % 128 / 8), q % 8
   if e == 15 and m == 7 then return 0 / 0 end
-  if e == 0 then return sign * m / 8 * 2 ^ -6 end
+  if e == 0 then return sign * (m / 8) * 2 ^ -6 end -- a float 0 keeps the sign
   return sign * (1 + m / 8) * 2 ^ (e - 7)
 end
 
@@ -142,6 +142,11 @@ local function float_tensor(dtype, shape, lo, hi)
   return { dtype = dtype, shape = shape, data = W.bytes(bits, dtype == "F32" and 4 or 2), values = values }
 end
 
+-- The e4m3 codes a reader could get wrong, which every F8_E4M3 weight ends with (outside its zero
+-- block): +-448 (the largest), negative zero, the smallest and largest subnormals of either sign,
+-- the smallest normal.
+W.E4M3_EDGES = { 0x7e, 0xfe, 0x80, 0x01, 0x07, 0x81, 0x87, 0x08 }
+
 -- An F8_E4M3 weight [R, C] and its scale [ceil(R/128), ceil(C/128)]: random codes (no NaN) and
 -- scales, where zero_block (a 1-based block {i, j}) holds codes 0 only and zero_scale is a block
 -- whose scale is 0.  values: q x scale as an f32 product rounded to bf16, decoded independently.
@@ -163,6 +168,8 @@ local function fp8_tensor(shape, zero_block, zero_scale)
       local bi, bj = floor(r / 128), floor(c / 128)
       local code = math.random(0, 253)
       if code >= 127 then code = code + 1 end -- 0x7f and 0xff are NaN
+      local edge = W.E4M3_EDGES[i - R * C + #W.E4M3_EDGES]
+      if edge then code = edge end
       if zero_block and zero_block[1] == bi + 1 and zero_block[2] == bj + 1 then code = math.random(0, 1) * 128 end
       q[i] = code
       values[i] = W.bf16(W.f32(W.e4m3_value(code) * scales[bi * SC + bj + 1]))
@@ -178,7 +185,8 @@ end
 --   o.experts, o.hidden, o.ffn, o.shared_ffn (0: none); o.layers, the MoE layers (a dense layer 0
 --   is written beside them); o.bias (default true): the router's e_score_correction_bias;
 --   o.fp8: the experts' weights F8_E4M3 with their scales (the first expert's gate with a block
---   of zero codes, the second's up with a zero scale); o.shards: 1 writes model.safetensors,
+--   of zero codes, the second's up with a zero scale), or a function of a weight's name that says
+--   whether that one is (the others BF16); o.shards: 1 writes model.safetensors,
 --   more an index and that many files (each scale in the file after its weight's); o.seed;
 --   o.change(tensors): edits the tensors before they are written (by name: {dtype, shape, data}).
 -- Returns the tensors by name: {dtype, shape, data, values (decoded; FP8: dequantized)}.
@@ -192,7 +200,9 @@ function W.checkpoint(dir, o)
     by[name] = t
   end
   local function weight(name, shape, i)
-    if not o.fp8 then return add(name, float_tensor("BF16", shape, -8, -3)) end
+    local fp8 = o.fp8
+    if type(fp8) == "function" then fp8 = fp8(name) end
+    if not fp8 then return add(name, float_tensor("BF16", shape, -8, -3)) end
     local w, s = fp8_tensor(shape, i == 1 and { 1, 1 } or nil, i == 2 and { 1, 1 } or nil)
     add(name, w)
     add(name .. "_scale_inv", s)

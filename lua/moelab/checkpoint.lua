@@ -4,7 +4,8 @@
 -- or a single model.safetensors, or that one file itself; its MoE layers carry the names of
 -- DeepSeek-V3 and Kimi K2 (docs/design.md, "Checkpoints"), which this file maps onto moelab's
 -- tensors: a rank's experts side by side, gate rows then up rows.  FP8 weights (F8_E4M3 with a
--- weight_scale_inv beside each) are dequantized to bf16 as they are read: moelab has no FP8 layer.
+-- weight_scale_inv beside each) are dequantized to bf16 as they are read, but for the FP8 layer's
+-- experts, which take their bytes and scales as they are (Loader:fp8_weight).
 --
 -- moe.checkpoint(path) opens one for reading tensors by name; moe.layer { checkpoint =, layer = }
 -- loads a layer's weights through checkpoint.for_layer, which checks every tensor's name, dtype
@@ -305,34 +306,68 @@ function checkpoint.for_layer(o, want)
   return setmetatable({ ck = ck, layer = o.layer, names = names, dims = dims, want = want }, Loader)
 end
 
--- The layer's weight name (layer.lua's init_weight names), of 0-based rank (experts), on dev.
+-- An expert weight of rank (0-based) as the checkpoint's tensors make it: its shape [n, R, C] and
+-- the tensors stacked along its rows, each {name, its first row of the n R}: per local expert F
+-- gate rows, then F up rows.  nil for a weight that is not an expert's.
+local function expert_pieces(self, name, rank)
+  local w, names = self.want, self.names
+  local H, F, Fs, EL = w.hidden, w.ffn, w.shared_ffn, w.local_experts
+  local list = {}
+  if name == "w_gate_up" then
+    for j = 0, EL - 1 do
+      list[#list + 1] = { names.expert(rank * EL + j, "gate"), j * 2 * F }
+      list[#list + 1] = { names.expert(rank * EL + j, "up"), (j * 2 + 1) * F }
+    end
+    return { EL, 2 * F, H }, list
+  elseif name == "w_down" then
+    for j = 0, EL - 1 do list[#list + 1] = { names.expert(rank * EL + j, "down"), j * H } end
+    return { EL, H, F }, list
+  elseif name == "shared_gate_up" then
+    return { 1, 2 * Fs, H }, { { names.shared("gate"), 0 }, { names.shared("up"), Fs } }
+  elseif name == "shared_down" then
+    return { 1, H, Fs }, { { names.shared("down"), 0 } }
+  end
+end
+
+-- The layer's weight name (layer.lua's init_weight names), of 0-based rank (experts), on dev, in
+-- bf16 (FP8 tensors dequantized).
 function Loader:weight(name, dev, rank)
   local w, names, ck = self.want, self.names, self.ck
-  local E, H, F, Fs, EL = w.experts, w.hidden, w.ffn, w.shared_ffn, w.local_experts
   local function read(tname, dst) return ck:read_into(tname, self.dims[tname], dst) end
-  if name == "w_router" then return read(names.router, core.new("bf16", { E, H }, dev)) end
-  if name == "bias" then return read(names.bias, core.new("f32", { E }, dev)) end
-  local t
-  if name == "w_gate_up" then -- per local expert: F gate rows, then F up rows
-    t = core.new("bf16", { EL, 2 * F, H }, dev)
-    for j = 0, EL - 1 do
-      read(names.expert(rank * EL + j, "gate"), t:view(j * 2 * F * H, { F, H }))
-      read(names.expert(rank * EL + j, "up"), t:view((j * 2 + 1) * F * H, { F, H }))
-    end
-  elseif name == "w_down" then
-    t = core.new("bf16", { EL, H, F }, dev)
-    for j = 0, EL - 1 do read(names.expert(rank * EL + j, "down"), t:view(j * H * F, { H, F })) end
-  elseif name == "shared_gate_up" then
-    t = core.new("bf16", { 1, 2 * Fs, H }, dev)
-    read(names.shared("gate"), t:view(0, { Fs, H }))
-    read(names.shared("up"), t:view(Fs * H, { Fs, H }))
-  elseif name == "shared_down" then
-    t = core.new("bf16", { 1, H, Fs }, dev)
-    read(names.shared("down"), t:view(0, { H, Fs }))
-  else
-    args.raise(string.format("layer: a checkpoint has no weight '%s'", name))
-  end
+  if name == "w_router" then return read(names.router, core.new("bf16", { w.experts, w.hidden }, dev)) end
+  if name == "bias" then return read(names.bias, core.new("f32", { w.experts }, dev)) end
+  local shape, pieces = expert_pieces(self, name, rank)
+  if not shape then args.raise(string.format("layer: a checkpoint has no weight '%s'", name)) end
+  local t, C = core.new("bf16", shape, dev), shape[3]
+  for _, p in ipairs(pieces) do read(p[1], t:view(p[2] * C, { self.dims[p[1]][1][2], C })) end
   return t
+end
+
+-- Expert weight name of rank on dev as the FP8 layer holds it -> e4m3 [n, R, C] and its block
+-- scales f32 [n, R/128, C/128] (R and C multiples of 128: the FP8 layer's rule).  An F8_E4M3
+-- tensor's bytes and its weight_scale_inv are taken as they are, which keeps the checkpoint's own
+-- quantization; any other dtype is read in bf16 and quantized (moe_quantize's blocks never
+-- straddle two tensors, so this equals quantizing the whole weight).
+function Loader:fp8_weight(name, dev, rank)
+  local shape, pieces = expert_pieces(self, name, rank)
+  local C, CB = shape[3], shape[3] / BLOCK
+  local q, scale = core.new("e4m3", shape, dev), core.new("f32", { shape[1], shape[2] / BLOCK, CB }, dev)
+  local x -- the bf16 staging of a tensor that is not FP8, made once
+  for _, p in ipairs(pieces) do
+    local f, info, sf, scale_name = self.ck:checked(p[1], self.dims[p[1]])
+    local R = info.shape[1]
+    local qv, sv = q:view(p[2] * C, { R, C }), scale:view(p[2] / BLOCK * CB, { R / BLOCK, CB })
+    if sf then
+      f:read(p[1], qv)
+      sf:read(scale_name, sv)
+    else
+      x = x or core.new("bf16", { R, C }, dev)
+      f:read(p[1], x)
+      core.quantize { q = qv, scale = sv, x = x, kind = "block" }
+    end
+  end
+  if x then x:close() end
+  return q, scale
 end
 
 -- Closes the checkpoint's files (a later weight opens them again).

@@ -245,8 +245,9 @@ local function held_weights(self, rank)
 end
 
 -- An expert weight on dev as the layer holds it: the bf16 tensor, or (FP8) its e4m3 values and
--- scales, quantized from it (a checkpoint's FP8 weights arrive in bf16: see moelab.checkpoint).
+-- scales, quantized from it; a checkpoint's F8_E4M3 tensors are taken as they are (moelab.checkpoint).
 local function init_expert_weight(self, name, dev, rank)
+  if self.fp8 and self.checkpoint then return self.checkpoint:fp8_weight(name, dev, rank) end
   local w = init_weight(self, name, dev, rank)
   if not self.fp8 then return w end
   local q, scale = core.new("e4m3", w.shape, dev), core.new("f32", { w.shape[1], math.ceil(w.shape[2] / 128),
