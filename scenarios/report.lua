@@ -2,12 +2,12 @@
 -- The README's results table, regenerated: runs the scenarios and measuring programs that
 -- produce each number, on this machine, and prints one markdown row per measurement.
 --
---   lua scenarios/report.lua [--cpu] [--devices 0,1,...] [--only WORDS] [--out FILE]
+--   lua scenarios/report.lua [--cpu] [--devices 0,1,...] [--only WORDS] [--out FILE] [--keep DIR]
 --
 -- Without a GPU (or with --cpu) it reports the CPU rows; with one, the single-GPU rows (a few
 -- minutes on an H200); --devices adds the layer over real GPUs; --only keeps the rows whose
 -- description contains one of the comma-separated words (e.g. FP8,router), running only their
--- commands.  The experts sweep over presets,
+-- commands; --keep writes each command's whole output to DIR/N.log (N in the order they ran).  The experts sweep over presets,
 -- routings and pads has its own report: lua scenarios/experts.lua.  A measurement whose command
 -- fails or prints no number shows the failure in its row; the table is still written, and the
 -- exit status is 1.
@@ -20,6 +20,7 @@ local opts = cli.parse(arg, {
   { "devices", "string", nil, "also run the Kimi K2 layer over these GPUs, one rank each" },
   { "only", "list", nil, "only the rows whose description contains one of these words" },
   { "out", "string", nil, "write the table to this file as well" },
+  { "keep", "string", nil, "write each command's output to this folder (1.log, 2.log, ...)" },
 }, "lua scenarios/report.lua: the results table, measured now")
 local out_file = cli.output("out", opts.out)
 local build = os.getenv("MOE_BUILD_DIR") or "build"
@@ -42,7 +43,7 @@ end
 local rows, ok = {}, true
 -- A row: what is measured, the command, and how to read the result from its output.  Several rows
 -- may share one command: it runs once.
-local outputs = {} -- command -> { text, exited 0 }
+local outputs, kept = {}, 0 -- command -> { text, exited 0 }; the outputs kept so far
 local function wanted(what)
   if not opts.only then return true end
   for _, word in ipairs(opts.only) do
@@ -52,7 +53,15 @@ local function wanted(what)
 end
 local function row(what, command, read, machine)
   if not wanted(what) then return end
-  outputs[command] = outputs[command] or { run(command) }
+  if not outputs[command] then
+    outputs[command] = { run(command) }
+    if opts.keep then
+      kept = kept + 1
+      local f = assert(io.open(string.format("%s/%d.log", opts.keep, kept), "w"))
+      f:write("$ ", command, "\n", outputs[command][1])
+      f:close()
+    end
+  end
   local text, done = compat.unpack(outputs[command])
   local result = done and read(text) or nil
   if not result then
