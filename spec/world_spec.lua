@@ -435,7 +435,7 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     local bf = moe.randn({ T, 256 }, { dtype = "bf16", seed = 35, device = dev })
     local out = moe.core.new("e4m3", { 256, 256 }, dev)
     local ROWS = {
-      { { x = bf, x_scale = qs }, "x must be e4m3" },
+      { { x = bf, x_scale = qs }, "option 'x' must be e4m3" },
       { { x = q }, "option 'x_scale'" },
       { { x = q, x_scale = qs:to("cpu") }, "x_scale must be on cuda:0" },
       { { x = q, x_scale = moe.zeros({ T, 3 }, { device = dev }) }, "x_scale" },
