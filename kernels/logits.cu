@@ -221,21 +221,16 @@ gate_kernel(float *__restrict__ g, const uint16_t *__restrict__ x, const uint16_
 // ---- the tensor-core path ----
 
 namespace tc {
-// 64 experts a block, not 128: Kimi K2's rank (7,168 tokens, 384 experts) is then 336 blocks, two
-// or three a 2-slot SM, where 168 blocks of 128 left 96 SMs with one and 36 with two (the pass
-// as long as the doubled SMs)
-constexpr int BM = 128, BN = 64, BK = 64, STAGES = 3; // tokens, experts, elements of H per stage
-constexpr int THREADS = 256;                          // 8 warps: 2 along tokens (64) x 4 along experts (16)
-constexpr int WN = BN / 4;                            // experts a warp
+constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3; // tokens, experts, elements of H per stage
+constexpr int THREADS = 256;                           // 8 warps: 2 along tokens x 4 along experts
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES; // 72 KiB
-constexpr int LOADS_A = BM * BK / 8 / THREADS, LOADS_B = BN * BK / 8 / THREADS; // 16-byte chunks a thread
-static_assert(LOADS_A * THREADS * 8 == BM * BK && LOADS_B * THREADS * 8 == BN * BK, "the loader covers both tiles");
-static_assert(WN == 16, "a warp's experts are one ldmatrix x4 of B: two n8 tiles");
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES; // 96 KiB: two blocks per SM
+constexpr int LOADS = BM * BK / 8 / THREADS;     // 16-byte chunks per thread per operand
+static_assert(BM == BN && LOADS * THREADS * 8 == BM * BK, "the loader covers both tiles");
 static_assert(BK * 2 == MMA_ROW_BYTES, "a stage row is one swizzled row of mma.cuh");
 } // namespace tc
 
-// out [N, E] for the block's 128 tokens and 64 experts.  H % 8 == 0, x and w 16-byte aligned
+// out [N, E] for the block's 128 tokens and 128 experts.  H % 8 == 0, x and w 16-byte aligned
 // (moeI_logits_tensor); pairs: E is even and out 8-byte aligned, so two columns store as one.
 __global__ void __launch_bounds__(tc::THREADS, 2)
 logits_tc_kernel(float *__restrict__ out, const uint16_t *__restrict__ x, const uint16_t *__restrict__ w,
@@ -247,7 +242,7 @@ logits_tc_kernel(float *__restrict__ out, const uint16_t *__restrict__ x, const 
   // read its x from memory once (w, 5.5 MB for Kimi K2, stays in L2)
   const int64_t n0 = (int64_t)blockIdx.y * tc::BM, e0 = (int64_t)blockIdx.x * tc::BN;
 
-  // Loader: thread tid moves chunk (tid & 7) of tile rows tid/8 + 32i of x (i < LOADS_A) and w (i < LOADS_B);
+  // Loader: thread tid moves chunk (tid & 7) of tile rows tid/8 + 32i, i < tc::LOADS, of x and w;
   // rows past N or E are zero-filled (src_bytes 0 reads nothing, from an address that is valid).
   const int lch = tid & 7, lrow = tid >> 3;
   const int64_t step = 32 * H;
@@ -255,9 +250,9 @@ logits_tc_kernel(float *__restrict__ out, const uint16_t *__restrict__ x, const 
   const uint16_t *b_base = w + (e0 + lrow) * H + 8 * lch;
   unsigned a_ok = 0, b_ok = 0;
 #pragma unroll
-  for (int i = 0; i < tc::LOADS_A; i++) {
+  for (int i = 0; i < tc::LOADS; i++) {
     a_ok |= (unsigned)(n0 + lrow + 32 * i < N) << i;
-    b_ok |= (unsigned)(i < tc::LOADS_B && e0 + lrow + 32 * i < E) << i;
+    b_ok |= (unsigned)(e0 + lrow + 32 * i < E) << i;
   }
   const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
   const int st_off = swz(lrow, lch); // rows 32i further keep the same swizzle
@@ -267,28 +262,24 @@ logits_tc_kernel(float *__restrict__ out, const uint16_t *__restrict__ x, const 
     const bool kin = k + 8 * lch < H; // H % 8 == 0: a chunk is all in or all out
     const uint32_t sa = sbase + (uint32_t)(slot * tc::STAGE_BYTES + st_off), sb = sa + tc::A_BYTES;
 #pragma unroll
-    for (int i = 0; i < tc::LOADS_A; i++) {
-      const bool aok = kin && ((a_ok >> i) & 1);
+    for (int i = 0; i < tc::LOADS; i++) {
+      const bool aok = kin && ((a_ok >> i) & 1), bok = kin && ((b_ok >> i) & 1);
       cp_async16(sa + i * 32 * MMA_ROW_BYTES, aok ? a_base + i * step + k : x, aok ? 16 : 0);
-    }
-#pragma unroll
-    for (int i = 0; i < tc::LOADS_B; i++) {
-      const bool bok = kin && ((b_ok >> i) & 1);
       cp_async16(sb + i * 32 * MMA_ROW_BYTES, bok ? b_base + i * step + k : w, bok ? 16 : 0);
     }
   };
 
   // ldmatrix addressing.  A (m16 x k16 of mma tile mi): lane l gives row l & 15, chunk l >> 4.
-  // B (the warp's two n8 x k16 tiles): lane l gives row 8 (l >> 4) + (l & 7), chunk (l >> 3) & 1.
+  // B (two n8 x k16 tiles of pair p): lane l gives row 8 (l >> 4) + (l & 7), chunk (l >> 3) & 1.
   // Tile rows are multiples of 8 apart, so the swizzle term is lane & 7 throughout.
   const int a_row = wm * 64 + (lane & 15);
-  const int b_row = wn * tc::WN + ((lane >> 4) << 3) + (lane & 7);
+  const int b_row = wn * 32 + ((lane >> 4) << 3) + (lane & 7);
 
-  float acc[4][2][4];
+  float acc[4][4][4];
 #pragma unroll
   for (int mi = 0; mi < 4; mi++)
 #pragma unroll
-    for (int j = 0; j < 2; j++)
+    for (int j = 0; j < 4; j++)
 #pragma unroll
       for (int q = 0; q < 4; q++) acc[mi][j][q] = 0.f;
 
@@ -308,20 +299,22 @@ logits_tc_kernel(float *__restrict__ out, const uint16_t *__restrict__ x, const 
     const uint32_t sa = sbase + (uint32_t)((kt % tc::STAGES) * tc::STAGE_BYTES), sb = sa + tc::A_BYTES;
 #pragma unroll
     for (int ks = 0; ks < tc::BK / 16; ks++) {
-      uint32_t af[4][4], bfr[4];
+      uint32_t af[4][4], bfr[2][4];
 #pragma unroll
       for (int mi = 0; mi < 4; mi++) ldsm_x4(af[mi], sa + swz(a_row + mi * 16, 2 * ks + (lane >> 4)));
-      ldsm_x4(bfr, sb + swz(b_row, 2 * ks + ((lane >> 3) & 1)));
+#pragma unroll
+      for (int p = 0; p < 2; p++) ldsm_x4(bfr[p], sb + swz(b_row + p * 16, 2 * ks + ((lane >> 3) & 1)));
 #pragma unroll
       for (int mi = 0; mi < 4; mi++)
 #pragma unroll
-        for (int j = 0; j < 2; j++) mma_bf16(acc[mi][j], af[mi], bfr[2 * j], bfr[2 * j + 1]);
+        for (int j = 0; j < 4; j++)
+          mma_bf16(acc[mi][j], af[mi], bfr[j >> 1][(j & 1) * 2], bfr[j >> 1][(j & 1) * 2 + 1]);
     }
   }
   cp_async_wait<0>(); // no copy outlives the block (the last groups are empty)
 
   // Accumulator (mi, j), element q: token wm*64 + 16mi + (lane >> 2) + 8(q >> 1), expert
-  // wn*16 + 8j + 2(lane & 3) + (q & 1).
+  // wn*32 + 8j + 2(lane & 3) + (q & 1).
 #pragma unroll
   for (int mi = 0; mi < 4; mi++)
 #pragma unroll
@@ -330,8 +323,8 @@ logits_tc_kernel(float *__restrict__ out, const uint16_t *__restrict__ x, const 
       if (n >= N) continue;
       float *row = out + n * E;
 #pragma unroll
-      for (int j = 0; j < 2; j++) {
-        const int64_t e = e0 + wn * tc::WN + j * 8 + (lane & 3) * 2;
+      for (int j = 0; j < 4; j++) {
+        const int64_t e = e0 + wn * 32 + j * 8 + (lane & 3) * 2;
         const float v0 = acc[mi][j][2 * half], v1 = acc[mi][j][2 * half + 1];
         if (pairs && e + 1 < E) {
           *reinterpret_cast<float2 *>(row + e) = make_float2(v0, v1);
