@@ -77,6 +77,18 @@ local function same_bytes(got, want, what)
   end
 end
 
+-- One spec a row {what, call, words}: the call raises with those words, at the caller's line.
+local function refusals(rows)
+  for _, row in ipairs(rows) do
+    it("refuses " .. row[1], function()
+      local ok, err = pcall(row[2])
+      assert.is_false(ok, "no error")
+      assert.truthy(tostring(err):find(row[3], 1, true), tostring(err))
+      assert.truthy(tostring(err):find("fp8_spec.lua:%d+:"), "the caller's line: " .. tostring(err))
+    end)
+  end
+end
+
 local function same_values(got, want, what)
   assert.are.equal(#want, #got, what .. ": length")
   for i = 1, #want do
@@ -344,14 +356,7 @@ describe("quantize and dequantize [#cpu]", function()
     { "core.quantize: kind a number", function() moe.core.quantize { q = q, scale = st, x = x, kind = 1 } end,
       "field 'kind': expected 'block', 'token' or 'token_t', got number" },
   }
-  for _, row in ipairs(rows) do
-    it("refuses " .. row[1], function()
-      local ok, err = pcall(row[2])
-      assert.is_false(ok, "no error")
-      assert.truthy(tostring(err):find(row[3], 1, true), tostring(err))
-      assert.truthy(tostring(err):find("fp8_spec.lua:%d+:"), "the caller's line: " .. tostring(err))
-    end)
-  end
+  refusals(rows)
 end)
 
 -- ---------------------------------------------------------------- dispatch of e4m3 rows
@@ -446,14 +451,7 @@ describe("dispatch of e4m3 rows [#cpu]", function()
       x = q, x_scale = s, peer_rank = sch.peer_rank, peer_route = sch.peer_route, k = 1 } end,
       "field 'out_scale': expected moelab.Tensor, got nil" },
   }
-  for _, row in ipairs(rows) do
-    it("refuses " .. row[1], function()
-      local ok, err = pcall(row[2])
-      assert.is_false(ok, "no error")
-      assert.truthy(tostring(err):find(row[3], 1, true), tostring(err))
-      assert.truthy(tostring(err):find("fp8_spec.lua:%d+:"), "the caller's line: " .. tostring(err))
-    end)
-  end
+  refusals(rows)
 end)
 
 -- ---------------------------------------------------------------- the GPU against the CPU
