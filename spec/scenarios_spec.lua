@@ -55,17 +55,31 @@ end)
 -- scenarios/report.lua, the README's results table: a row a measurement, with its command, and
 -- exit status 1 when a measurement cannot be made.
 describe("scenarios/report.lua [#cpu]", function()
-  local function run(env)
-    local out, status = S.run_lua("scenarios/report.lua", "--cpu", env)
+  local function run(env, flags)
+    local out, status = S.run_lua("scenarios/report.lua", "--cpu " .. (flags or ""), env)
     return out .. "status=" .. tostring(status)
   end
 
-  it("measures the CPU layer and writes its row", function()
-    local out = run("")
+  it("measures the CPU layer and writes its row; --only keeps it, --keep saves its command's output", function()
+    local dir = os.tmpname()
+    os.remove(dir)
+    assert(os.execute("mkdir " .. dir))
+    local out = run("", "--only 'Kimi K2 layer' --keep " .. dir)
     assert.truthy(out:find("| what | result | command | machine |", 1, true), out)
     assert.truthy(out:find("\n| Kimi K2 layer, 8 ranks simulated %(H, F, tokens reduced%) | [%d.]+ ms a pass; check PASS "
       .. "%(max err / max ref [%d.e+-]+, relative L2 [%d.e+-]+%) | `lua scenarios/kimi.lua %-%-device cpu` |"), out)
     assert.truthy(out:find("status=0", 1, true), out)
+    local f = assert(io.open(dir .. "/1.log"))
+    local kept = f:read("a")
+    f:close()
+    os.execute("rm -r " .. dir)
+    assert.truthy(kept:find("^%$ [^\n]*scenarios/kimi%.lua %-%-device cpu\n"), kept)
+    assert.truthy(kept:find("check [^\n]*: PASS"), kept)
+  end)
+
+  it("--only without a matching row runs nothing and writes the table's head alone", function()
+    local out = run("LUA_INIT='if arg[0]:find(\"kimi\") then os.exit(3) end'", "--only 'no such row'")
+    assert.are.equal("| what | result | command | machine |\n|---|---|---|---|\nstatus=0", out)
   end)
 
   it("a measurement that fails shows in its row and in the exit status", function()
