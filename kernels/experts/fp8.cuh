@@ -7,8 +7,9 @@
 // A stage is one k block of 128: 128 e4m3 bytes a row, the same 128-byte swizzle rows as bf16's
 // 64 columns, so the descriptors, boxes and k32 slices (32 bytes) are bf16's byte for byte.  A
 // stage also brings the CTA's tokens' scales of that k block (x_scale is [K/128, C]: one box of
-// S8_COUNT floats from the first token rounded down to 4, since a box starts on 16 bytes).  The weights' scale of a warpgroup's 64-row slice is one float a k block (a
-// slice never crosses a 128-row block), read from global memory (L1) before the stage's wait.
+// S8_COUNT floats from the first token rounded down to 4, since a box starts on 16 bytes).  The
+// weights' scale of a warpgroup's 64-row slice is one float a k block (a slice never crosses a
+// 128-row block), read from global memory (L1) before the stage's wait.
 //
 // Promotion: the tensor cores' f32 sums over a whole K would drift from the block-scaled sum the
 // format defines, so each k block's products go into a fresh accumulator (scale_d = 0 on its
