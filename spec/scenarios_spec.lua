@@ -73,7 +73,7 @@ describe("scenarios/report.lua [#cpu]", function()
     local kept = f:read("a")
     f:close()
     os.execute("rm -r " .. dir)
-    assert.truthy(kept:find("^%$ [^\n]*scenarios/kimi%.lua %-%-device cpu\n"), kept)
+    assert.truthy(kept:find("^%$ [^\n]*kimi%.lua %-%-device cpu\n"), kept)
     assert.truthy(kept:find("check [^\n]*: PASS"), kept)
   end)
 
