@@ -17,7 +17,7 @@
 // accumulator holds one 64-row slice (NV / 2 registers) and the running ones both (NV): the gate
 // and the up slice (or down's two output slices) take turns, each waited for and promoted while
 // the other consumer warpgroup's MMAs keep the tensor cores busy.  NV8_MAX = 128 tokens keeps
-// 192 accumulator registers a thread under the consumers' 232.
+// 192 accumulator registers and 32 token scales a thread under the consumers' 232.
 #pragma once
 
 #include "fp8_math.h"
@@ -41,17 +41,24 @@ static_assert(S8_COUNT * 4 <= S8_BYTES && S8_COUNT * 4 % 16 == 0, "a stage's tok
 
 #if defined(MOE_SM90A)
 
-// d[OFF + i] += acc[i] * (x_scale of i's token * sw): acc is one 64-row slice (m64nNV); register i
-// of a thread holds token n = 8 (i / 4) + 2 (lane % 4) + (i % 2), so i and i + 1 are two
-// neighbouring tokens and i + 2, i + 3 the same two tokens in the row 8 further.  scales: the
-// CTA's first token's scale.
-template <int NV, int OFF>
-__device__ __forceinline__ void promote(float (&d)[NV], const float (&acc)[NV / 2], uint32_t scales, int lane,
-                                        float sw) {
+// Register i of a thread's slice (m64nNV) holds token n = 8 (i / 4) + 2 (lane % 4) + (i % 2): i and
+// i + 1 are two neighbouring tokens, i + 2 and i + 3 the same two in the row 8 further.  The
+// thread's tokens' x_scales, xs[2 j + b] for token 8 j + 2 (lane % 4) + b, are read once a k block
+// for both slices (scales: the CTA's first token's, in the stage).
+template <int NV> __device__ __forceinline__ void token_scales(float (&xs)[NV / 4], uint32_t scales, int lane) {
 #pragma unroll
   for (int j = 0; j < NV / 8; j++) {
     const uint32_t at = scales + (uint32_t)(4 * (8 * j + 2 * (lane & 3)));
-    const float s0 = ld_shared_f32(at) * sw, s1 = ld_shared_f32(at + 4) * sw;
+    xs[2 * j] = ld_shared_f32(at), xs[2 * j + 1] = ld_shared_f32(at + 4);
+  }
+}
+// d[OFF + i] += acc[i] * (x_scale of i's token * sw).
+template <int NV, int OFF>
+__device__ __forceinline__ void promote(float (&d)[NV], const float (&acc)[NV / 2], const float (&xs)[NV / 4],
+                                        float sw) {
+#pragma unroll
+  for (int j = 0; j < NV / 8; j++) {
+    const float s0 = xs[2 * j] * sw, s1 = xs[2 * j + 1] * sw;
     d[OFF + 4 * j + 0] = __fmaf_rn(acc[4 * j + 0], s0, d[OFF + 4 * j + 0]);
     d[OFF + 4 * j + 1] = __fmaf_rn(acc[4 * j + 1], s1, d[OFF + 4 * j + 1]);
     d[OFF + 4 * j + 2] = __fmaf_rn(acc[4 * j + 2], s0, d[OFF + 4 * j + 2]);
@@ -84,7 +91,7 @@ __device__ __forceinline__ void w8_tile(int &s, uint32_t &ph, uint32_t ring, uin
   float d[NV];
 #pragma unroll
   for (int i = 0; i < NV; i++) d[i] = 0.f;
-  float acc[H2];
+  float acc[H2], xs[NV / 4];
   const int lane = t & 31;
   const uint32_t wb = ring + A8_BYTES;
   const uint32_t m0 = MODE == GATE_UP ? 64 * cw : 128 * cw, m1 = MODE == GATE_UP ? 128 + 64 * cw : 128 * cw + 64;
@@ -95,9 +102,10 @@ __device__ __forceinline__ void w8_tile(int &s, uint32_t &ph, uint32_t ring, uin
     const uint64_t off = (uint64_t)(s * (STAGE8_BYTES >> 4));
     const uint32_t scales = ring + (uint32_t)(s * STAGE8_BYTES + A8_BYTES + 2 * B_HALF) + first_scale;
     slice_mma<NV>(acc, dw0 + off, dx + off);
-    promote<NV, 0>(d, acc, scales, lane, sw0);
+    token_scales<NV>(xs, scales, lane);
+    promote<NV, 0>(d, acc, xs, sw0);
     slice_mma<NV>(acc, dw1 + off, dx + off);
-    promote<NV, H2>(d, acc, scales, lane, sw1);
+    promote<NV, H2>(d, acc, xs, sw1);
     __syncwarp(); // the warp's reads of the slot's scales are done
     release_slot<2>(bars + 8u * (uint32_t)(STAGES8 + s), lane);
     if (++s == STAGES8) s = 0, ph ^= 1u;
