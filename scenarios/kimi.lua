@@ -186,22 +186,28 @@ if not small and not (group and group.local_count > 1) then
 end
 
 -- Work per stage, for rates beside the ceilings measured on an H200 (docs/perf/README.md): copy
--- ~4.3 TB/s (bytes read + written), dense bf16 ~790 TFLOP/s.  The route stage is mostly the
--- router's logits GEMM: on tensor cores by default (beside it the dense bf16 ceiling), or with
--- --router exact in f32 fused multiply-adds, whose sums equal the CPU's bit for bit (beside it
--- the H200's f32 peak, 132 SMs x 128 lanes x 2 x 1.98 GHz ~67 TFLOP/s, from the chip's figures,
--- not measured).
+-- ~4.3 TB/s (bytes read + written), dense bf16 ~790 TFLOP/s, dense block-scaled FP8 ~1,300 (the
+-- FP8 layer's experts and shared expert).  The FP8 layer's dispatch stage quantizes every token
+-- (bf16 read, e4m3 and a scale per 128 written) and moves e4m3 rows and their scales.  The route
+-- stage is mostly the router's logits GEMM: on tensor cores by default (beside it the dense bf16
+-- ceiling), or with --router exact in f32 fused multiply-adds, whose sums equal the CPU's bit for
+-- bit (beside it the H200's f32 peak, 132 SMs x 128 lanes x 2 x 1.98 GHz ~67 TFLOP/s, from the
+-- chip's figures, not measured).
 -- In a real world a stage's time is its slowest GPU's and the rates are per GPU.
 local rows, nr = stats.rows_used, group and group.local_count or W
 local per = group and nr or 1
 local BF16, COPY = "(ceiling ~790)", "(ceiling ~4.3)"
+local fp8 = opts.precision == "fp8"
+local GEMM, gemm_peak = fp8 and "(ceiling ~1300)" or BF16, fp8 and 1300 or 790
+local row_bytes = fp8 and H * (1 + 4 / 128) or H * 2.0 -- a dispatched row: e4m3 and its scales, or bf16
+local quantize_bytes = fp8 and nr * T * (H * 2.0 + row_bytes) or 0
 -- peak: the ceiling in TFLOP/s or TB/s, so that the work over it is the stage's floor in time
 local work = {
   route = opts.router == "exact" and { flop = nr * T * 2.0 * H * E / per, ceiling = "(f32 FMA, peak ~67)", peak = 67 }
     or { flop = nr * T * 2.0 * H * E / per, ceiling = BF16, peak = 790 },
-  experts = { flop = rows * 6.0 * H * F / per, ceiling = BF16, peak = 790 },
-  shared = { flop = nr * T * 6.0 * H * layer.shared_ffn / per, ceiling = BF16, peak = 790 },
-  dispatch = { bytes = rows * H * 2.0 * 2 / per, ceiling = COPY, peak = 4.3 },
+  experts = { flop = rows * 6.0 * H * F / per, ceiling = GEMM, peak = gemm_peak },
+  shared = { flop = nr * T * 6.0 * H * layer.shared_ffn / per, ceiling = GEMM, peak = gemm_peak },
+  dispatch = { bytes = (rows * row_bytes * 2 + quantize_bytes) / per, ceiling = COPY, peak = 4.3 },
   combine = { bytes = (stats.routes + nr * T * 2) * H * 2.0 / per, ceiling = COPY, peak = 4.3 },
 }
 
