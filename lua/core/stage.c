@@ -8,6 +8,7 @@
  * until the call returns, so nothing the C call sees can be collected under it; that none was
  * closed while they were read, lc_args_still_open checks.
  */
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -116,19 +117,36 @@ static int world_field(Args *a) {
   return w;
 }
 
+/* A tensor field of a stage's argument struct: its name, where it lies, whether it may be nil.
+ * The member may be const or not: the pointer is copied in. */
+typedef struct {
+  const char *name;
+  size_t at;
+  int optional;
+} TensorField;
+#define REQ(type, member) {#member, offsetof(type, member), REQUIRED}
+#define OPT(type, member) {#member, offsetof(type, member), OPTIONAL}
+
+static void tensor_fields(Args *a, void *args, const TensorField *f, size_t n) {
+  for (size_t j = 0; j < n; j++) {
+    moe_tensor *t = tensor_field(a, f[j].name, f[j].optional);
+    memcpy((char *)args + f[j].at, &t, sizeof t);
+  }
+}
+#define TENSOR_FIELDS(a, args, table) tensor_fields(a, args, table, sizeof table / sizeof table[0])
+
 /* ---- stages ---- */
 
 static int l_route(lua_State *L) {
   static const char *const scorings[] = {"softmax", "sigmoid", "sqrtsoftplus", NULL};
   moe_ctx *ctx = lc_getctx(L);
   Args A = args_open(L, "route");
+#define T moe_route_args
+  static const TensorField tensors[] = {REQ(T, ids), REQ(T, weights), OPT(T, stats), REQ(T, logits), OPT(T, bias)};
+#undef T
   moe_route_args a;
   memset(&a, 0, sizeof a);
-  a.ids = tensor_field(&A, "ids", REQUIRED);
-  a.weights = tensor_field(&A, "weights", REQUIRED);
-  a.stats = tensor_field(&A, "stats", OPTIONAL);
-  a.logits = tensor_field(&A, "logits", REQUIRED);
-  a.bias = tensor_field(&A, "bias", OPTIONAL);
+  TENSOR_FIELDS(&A, &a, tensors);
   a.k = int_field(&A, "k", REQUIRED, 0);
   a.scoring = option_field(&A, "scoring", scorings, "'softmax', 'sigmoid' or 'sqrtsoftplus'");
   a.groups = int_field(&A, "groups", OPTIONAL, 1);
@@ -146,16 +164,14 @@ static int schedule_call(lua_State *L, const char *name, int explain) {
   static const char *const layouts[] = {"roundrobin", "peer_major", NULL};
   moe_ctx *ctx = lc_getctx(L);
   Args A = args_open(L, name);
+#define T moe_schedule_args
+  static const TensorField tensors[] = {REQ(T, peer_rank),         REQ(T, peer_route),     REQ(T, counts),
+                                        REQ(T, tokens_per_expert), REQ(T, expert_offsets), REQ(T, route_row),
+                                        REQ(T, stats),             REQ(T, ids)};
+#undef T
   moe_schedule_args a;
   memset(&a, 0, sizeof a);
-  a.peer_rank = tensor_field(&A, "peer_rank", REQUIRED);
-  a.peer_route = tensor_field(&A, "peer_route", REQUIRED);
-  a.counts = tensor_field(&A, "counts", REQUIRED);
-  a.tokens_per_expert = tensor_field(&A, "tokens_per_expert", REQUIRED);
-  a.expert_offsets = tensor_field(&A, "expert_offsets", REQUIRED);
-  a.route_row = tensor_field(&A, "route_row", REQUIRED);
-  a.stats = tensor_field(&A, "stats", REQUIRED);
-  a.ids = tensor_field(&A, "ids", REQUIRED);
+  TENSOR_FIELDS(&A, &a, tensors);
   a.experts = int_field(&A, "experts", REQUIRED, 0);
   a.rank = int_field(&A, "rank", REQUIRED, 0);
   a.pad = int_field(&A, "pad", OPTIONAL, 1);
@@ -182,12 +198,12 @@ static int l_schedule_explain(lua_State *L) { return schedule_call(L, "explain",
 static int l_dispatch(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   Args A = args_open(L, "dispatch");
+#define T moe_dispatch_args
+  static const TensorField tensors[] = {REQ(T, out), REQ(T, x), REQ(T, peer_rank), REQ(T, peer_route)};
+#undef T
   moe_dispatch_args a;
   memset(&a, 0, sizeof a);
-  a.out = tensor_field(&A, "out", REQUIRED);
-  a.x = tensor_field(&A, "x", REQUIRED);
-  a.peer_rank = tensor_field(&A, "peer_rank", REQUIRED);
-  a.peer_route = tensor_field(&A, "peer_route", REQUIRED);
+  TENSOR_FIELDS(&A, &a, tensors);
   a.k = int_field(&A, "k", REQUIRED, 0);
   a.zero_fill = bool_field(&A, "zero_fill");
   lc_args_still_open(L, A.fname, 2);
@@ -199,14 +215,13 @@ static int l_dispatch(lua_State *L) {
 static int l_dispatch_fp8(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   Args A = args_open(L, "dispatch_fp8");
+#define T moe_dispatch_fp8_args
+  static const TensorField tensors[] = {REQ(T, out),     REQ(T, out_scale), REQ(T, x),
+                                        REQ(T, x_scale), REQ(T, peer_rank), REQ(T, peer_route)};
+#undef T
   moe_dispatch_fp8_args a;
   memset(&a, 0, sizeof a);
-  a.out = tensor_field(&A, "out", REQUIRED);
-  a.out_scale = tensor_field(&A, "out_scale", REQUIRED);
-  a.x = tensor_field(&A, "x", REQUIRED);
-  a.x_scale = tensor_field(&A, "x_scale", REQUIRED);
-  a.peer_rank = tensor_field(&A, "peer_rank", REQUIRED);
-  a.peer_route = tensor_field(&A, "peer_route", REQUIRED);
+  TENSOR_FIELDS(&A, &a, tensors);
   a.k = int_field(&A, "k", REQUIRED, 0);
   a.zero_fill = bool_field(&A, "zero_fill");
   lc_args_still_open(L, A.fname, 2);
@@ -238,13 +253,12 @@ static int l_dequantize(lua_State *L) { return quant_call(L, "dequantize", 0); }
 /* The table of core.experts{...} and core.experts_explain{...}. */
 static moe_experts_args experts_fields(lua_State *L, const char *name) {
   Args A = args_open(L, name);
+#define T moe_experts_args
+  static const TensorField tensors[] = {REQ(T, out), REQ(T, x), REQ(T, offsets), REQ(T, w_gate_up), REQ(T, w_down)};
+#undef T
   moe_experts_args a;
   memset(&a, 0, sizeof a);
-  a.out = tensor_field(&A, "out", REQUIRED);
-  a.x = tensor_field(&A, "x", REQUIRED);
-  a.offsets = tensor_field(&A, "offsets", REQUIRED);
-  a.w_gate_up = tensor_field(&A, "w_gate_up", REQUIRED);
-  a.w_down = tensor_field(&A, "w_down", REQUIRED);
+  TENSOR_FIELDS(&A, &a, tensors);
   lc_args_still_open(L, A.fname, 2);
   return a;
 }
@@ -271,16 +285,14 @@ static int l_experts_explain(lua_State *L) {
 static int l_experts_fp8(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   Args A = args_open(L, "experts_fp8");
+#define T moe_experts_fp8_args
+  static const TensorField tensors[] = {REQ(T, out),     REQ(T, x),         REQ(T, x_scale),
+                                        REQ(T, offsets), REQ(T, w_gate_up), REQ(T, w_gate_up_scale),
+                                        REQ(T, w_down),  REQ(T, w_down_scale)};
+#undef T
   moe_experts_fp8_args a;
   memset(&a, 0, sizeof a);
-  a.out = tensor_field(&A, "out", REQUIRED);
-  a.x = tensor_field(&A, "x", REQUIRED);
-  a.x_scale = tensor_field(&A, "x_scale", REQUIRED);
-  a.offsets = tensor_field(&A, "offsets", REQUIRED);
-  a.w_gate_up = tensor_field(&A, "w_gate_up", REQUIRED);
-  a.w_gate_up_scale = tensor_field(&A, "w_gate_up_scale", REQUIRED);
-  a.w_down = tensor_field(&A, "w_down", REQUIRED);
-  a.w_down_scale = tensor_field(&A, "w_down_scale", REQUIRED);
+  TENSOR_FIELDS(&A, &a, tensors);
   lc_args_still_open(L, A.fname, 2);
   int rc = moe_experts_fp8(ctx, &a);
   if (rc) return lc_stage_fail(L, ctx, rc, "experts_fp8", "experts_fp8");
@@ -329,18 +341,19 @@ static int l_nonfinite(lua_State *L) {
 static int l_combine(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   Args A = args_open(L, "combine");
+#define T moe_combine_args
+  static const TensorField tensors[] = {REQ(T, out), REQ(T, weights), REQ(T, ids)};
+  static const TensorField shared[] = {OPT(T, shared), OPT(T, shared_gate)};
+#undef T
   moe_combine_args a;
   memset(&a, 0, sizeof a);
-  a.out = tensor_field(&A, "out", REQUIRED);
-  a.weights = tensor_field(&A, "weights", REQUIRED);
-  a.ids = tensor_field(&A, "ids", REQUIRED);
+  TENSOR_FIELDS(&A, &a, tensors);
   a.world = world_field(&A);
   a.ys = tensors_field(&A, "ys", a.world);
   a.route_row = tensors_field(&A, "route_row", a.world);
   a.experts = int_field(&A, "experts", REQUIRED, 0);
   a.rank = int_field(&A, "rank", REQUIRED, 0);
-  a.shared = tensor_field(&A, "shared", OPTIONAL);
-  a.shared_gate = tensor_field(&A, "shared_gate", OPTIONAL);
+  TENSOR_FIELDS(&A, &a, shared);
   lc_args_still_open(L, A.fname, 2);
   int rc = moe_combine(ctx, &a);
   if (rc) return lc_stage_fail(L, ctx, rc, "combine", "combine");
@@ -350,19 +363,18 @@ static int l_combine(lua_State *L) {
 static int l_reference(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   Args A = args_open(L, "reference");
+#define T moe_reference_args
+  static const TensorField tensors[] = {REQ(T, out), REQ(T, x), REQ(T, ids), REQ(T, weights)};
+  static const TensorField shared[] = {OPT(T, shared_gate_up), OPT(T, shared_down), OPT(T, shared_gate_w)};
+#undef T
   moe_reference_args a;
   memset(&a, 0, sizeof a);
-  a.out = tensor_field(&A, "out", REQUIRED);
-  a.x = tensor_field(&A, "x", REQUIRED);
-  a.ids = tensor_field(&A, "ids", REQUIRED);
-  a.weights = tensor_field(&A, "weights", REQUIRED);
+  TENSOR_FIELDS(&A, &a, tensors);
   a.world = world_field(&A);
   a.w_gate_up = tensors_field(&A, "w_gate_up", a.world);
   a.w_down = tensors_field(&A, "w_down", a.world);
   a.experts = int_field(&A, "experts", REQUIRED, 0);
-  a.shared_gate_up = tensor_field(&A, "shared_gate_up", OPTIONAL);
-  a.shared_down = tensor_field(&A, "shared_down", OPTIONAL);
-  a.shared_gate_w = tensor_field(&A, "shared_gate_w", OPTIONAL);
+  TENSOR_FIELDS(&A, &a, shared);
   lc_args_still_open(L, A.fname, 2);
   int rc = moe_reference(ctx, &a);
   if (rc) return lc_stage_fail(L, ctx, rc, "reference", "reference");
@@ -372,23 +384,21 @@ static int l_reference(lua_State *L) {
 static int l_reference_fp8(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   Args A = args_open(L, "reference_fp8");
+#define T moe_reference_fp8_args
+  static const TensorField tensors[] = {REQ(T, out), REQ(T, x), REQ(T, ids), REQ(T, weights)};
+  static const TensorField shared[] = {OPT(T, shared_gate_up), OPT(T, shared_gate_up_scale), OPT(T, shared_down),
+                                       OPT(T, shared_down_scale), OPT(T, shared_gate_w)};
+#undef T
   moe_reference_fp8_args a;
   memset(&a, 0, sizeof a);
-  a.out = tensor_field(&A, "out", REQUIRED);
-  a.x = tensor_field(&A, "x", REQUIRED);
-  a.ids = tensor_field(&A, "ids", REQUIRED);
-  a.weights = tensor_field(&A, "weights", REQUIRED);
+  TENSOR_FIELDS(&A, &a, tensors);
   a.world = world_field(&A);
   a.w_gate_up = tensors_field(&A, "w_gate_up", a.world);
   a.w_gate_up_scale = tensors_field(&A, "w_gate_up_scale", a.world);
   a.w_down = tensors_field(&A, "w_down", a.world);
   a.w_down_scale = tensors_field(&A, "w_down_scale", a.world);
   a.experts = int_field(&A, "experts", REQUIRED, 0);
-  a.shared_gate_up = tensor_field(&A, "shared_gate_up", OPTIONAL);
-  a.shared_gate_up_scale = tensor_field(&A, "shared_gate_up_scale", OPTIONAL);
-  a.shared_down = tensor_field(&A, "shared_down", OPTIONAL);
-  a.shared_down_scale = tensor_field(&A, "shared_down_scale", OPTIONAL);
-  a.shared_gate_w = tensor_field(&A, "shared_gate_w", OPTIONAL);
+  TENSOR_FIELDS(&A, &a, shared);
   lc_args_still_open(L, A.fname, 2);
   int rc = moe_reference_fp8(ctx, &a);
   if (rc) return lc_stage_fail(L, ctx, rc, "reference_fp8", "reference_fp8");
