@@ -276,12 +276,7 @@ logits_tc_kernel(float *__restrict__ out, const uint16_t *__restrict__ x, const 
   const int b_row = wn * 32 + ((lane >> 4) << 3) + (lane & 7);
 
   float acc[4][4][4];
-#pragma unroll
-  for (int mi = 0; mi < 4; mi++)
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-#pragma unroll
-      for (int q = 0; q < 4; q++) acc[mi][j][q] = 0.f;
+  zero_acc(acc);
 
   const int64_t KT = (H + tc::BK - 1) / tc::BK;
 #pragma unroll

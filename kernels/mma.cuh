@@ -35,6 +35,16 @@ __device__ __forceinline__ void mma_bf16(float d[4], const uint32_t a[4], uint32
 // XOR-swizzled by r & 7 so that both the cp.async writes and the ldmatrix reads of 8 rows hit 8
 // distinct bank groups.
 constexpr int MMA_ROW_BYTES = 128;
+// The accumulators of a warp's 4 x 4 mma tiles, zeroed.
+__device__ __forceinline__ void zero_acc(float (&acc)[4][4][4]) {
+#pragma unroll
+  for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int q = 0; q < 4; q++) acc[mi][j][q] = 0.f;
+}
+
 __device__ __forceinline__ int swz(int r, int ch) { return r * MMA_ROW_BYTES + ((ch ^ (r & 7)) << 4); }
 
 } // namespace

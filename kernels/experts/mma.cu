@@ -189,12 +189,7 @@ __global__ void __launch_bounds__(THREADS, VEC ? 2 : 1)
   const int b_row = (MODE == GATE_UP ? wn * 16 : wn * 32) + ((lane >> 4) << 3) + (lane & 7);
 
   float acc[4][4][4];
-#pragma unroll
-  for (int mi = 0; mi < 4; mi++)
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-#pragma unroll
-      for (int q = 0; q < 4; q++) acc[mi][j][q] = 0.f;
+  zero_acc(acc);
 
   const int KT = (K + BK - 1) / BK;
 #pragma unroll
