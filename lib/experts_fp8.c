@@ -89,8 +89,7 @@ int moeI_experts_fp8_cpu(moe_ctx *ctx, const moe_experts_fp8_args *a) {
 
   int64_t lo = moeI_clamp_offset(off[0], C);
   for (int64_t e = 0; e < EL; e++) {
-    int64_t hi = moeI_clamp_offset(off[e + 1], C);
-    if (hi < lo) hi = lo;
+    const int64_t hi = moeI_expert_end(off, e, C, lo);
     if (hi > lo) {
       moeI_mlp_e4m3_to_f32(wguf, wgu + e * 2 * F * H, 2 * F * H);
       moeI_mlp_e4m3_to_f32(wdf, wd + e * H * F, H * F);

@@ -227,6 +227,11 @@ int moeI_experts_cpu(moe_ctx *ctx, const moe_experts_args *a);
  * [offsets[e], offsets[e+1]); otherwise a decreasing step is an empty expert and nothing
  * outside [0, C) is read or written, and each row is still written at most once. */
 static inline int64_t moeI_clamp_offset(int32_t v, int64_t C) { return v < 0 ? 0 : v > C ? C : v; }
+/* m_{e+1}, given lo = m_e */
+static inline int64_t moeI_expert_end(const int32_t *offsets, int64_t e, int64_t C, int64_t lo) {
+  const int64_t hi = moeI_clamp_offset(offsets[e + 1], C);
+  return hi < lo ? lo : hi;
+}
 int moeI_experts_fp8_cpu(moe_ctx *ctx, const moe_experts_fp8_args *a);
 int moeI_logits_cpu(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const moe_tensor *w);
 int moeI_sigmoid_gate_cpu(moe_ctx *ctx, moe_tensor *g, const moe_tensor *x, const moe_tensor *w);
