@@ -276,6 +276,13 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     for i = 1, T * K do flat[i] = S.chance(0.1) and -1 or S.int(0, E - 1) end
     return S.tensor(flat, "i32", { T, K }, d)
   end
+  -- new routing into ids (some -1) between a graph's replays
+  local function reroute(ids, seed)
+    math.randomseed(seed)
+    local flat = {}
+    for i = 1, T * K do flat[i] = S.int(-1, E - 1) end
+    ids:copy(S.tensor(flat, "i32", { T, K }))
+  end
 
   before_each(function()
     world = world or moe.world { devices = { 0 } }
@@ -362,10 +369,7 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     step() -- eager first: NCCL connects on its first use
     local graph = moe.graph(step, { device = dev })
     for seed = 20, 22 do
-      math.randomseed(seed)
-      local flat = {}
-      for i = 1, T * K do flat[i] = S.int(-1, E - 1) end
-      ids:copy(S.tensor(flat, "i32", { T, K }))
+      reroute(ids, seed)
       graph:replay()
       local ref_s = moe.schedule { ids = ids:view(0, { 1, T, K }), experts = E, rank = 0, pad = 2, capacity = 256 }
       local ref_xs = moe.dispatch { x = x:view(0, { 1, T, H }), schedule = ref_s, zero_fill = true }
@@ -417,10 +421,7 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
         x_scale_all = x_scale_all, zero_fill = true }
     end, { device = dev })
     for seed = 31, 33 do
-      math.randomseed(seed)
-      local flat = {}
-      for i = 1, T * K do flat[i] = S.int(-1, E - 1) end
-      ids:copy(S.tensor(flat, "i32", { T, K }))
+      reroute(ids, seed)
       graph:replay()
       local ref_s = moe.schedule { ids = ids:view(0, { 1, T, K }), experts = E, rank = 0, pad = 4, capacity = 256 }
       local want, want_scale = reference(ref_s)
@@ -509,10 +510,7 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     step()
     local graph = moe.graph(step, { device = dev })
     for seed = 30, 32 do
-      math.randomseed(seed)
-      local flat = {}
-      for i = 1, T * K do flat[i] = S.int(-1, E - 1) end
-      ids:copy(S.tensor(flat, "i32", { T, K }))
+      reroute(ids, seed)
       graph:replay()
       local ref_s = moe.schedule { ids = ids:view(0, { 1, T, K }), experts = E, rank = 0, pad = 2, capacity = C }
       local ref_xs = moe.dispatch { x = x:view(0, { 1, T, H }), schedule = ref_s, zero_fill = true }
@@ -546,10 +544,7 @@ describe("moe.world of one rank through NCCL on cuda:0 [#gpu]", function()
     -- an exchange opened now must get other windows than the captured one's
     local other = world:exchange { tokens = T, k = K, hidden = H, capacity = C }
     other.x[1]:copy(moe.zeros({ T, H }, { dtype = "bf16", device = dev }))
-    math.randomseed(40)
-    local flat = {}
-    for i = 1, T * K do flat[i] = S.int(-1, E - 1) end
-    ids:copy(S.tensor(flat, "i32", { T, K }))
+    reroute(ids, 40)
     graph:replay()
     local ref_s = moe.schedule { ids = ids:view(0, { 1, T, K }), experts = E, rank = 0, pad = 2, capacity = C }
     assert.tensor_equal(xs, moe.dispatch { x = x:view(0, { 1, T, H }), schedule = ref_s, zero_fill = true })
