@@ -211,12 +211,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         W8_TILE_CASE(56) W8_TILE_CASE(64) W8_TILE_CASE(72) W8_TILE_CASE(80) W8_TILE_CASE(88) W8_TILE_CASE(96)
         W8_TILE_CASE(104) W8_TILE_CASE(112) W8_TILE_CASE(120) W8_TILE_CASE(128)
 #undef W8_TILE_CASE
-      default: // no rows: keep the ring in step
-        for (int kb = 0; kb < KT; kb++) {
-          mbar_wait(full_bar(s), ph);
-          release_slot<2>(empty_bar(s), lane);
-          if (++s == STAGES8) s = 0, ph ^= 1u;
-        }
+      default: // no rows
+        skip_stages<2, STAGES8>(s, ph, bars, KT, lane);
       }
     }
   }

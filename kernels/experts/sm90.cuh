@@ -169,6 +169,18 @@ template <int CM> __device__ __forceinline__ void release_slot(uint32_t empty, i
   }
 }
 
+// A consumer warpgroup without rows in a unit keeps the ring in step: it waits for each of the
+// unit's KT stages (which also keeps it from arriving twice in one phase) and hands each straight
+// back.  bars: the ring's full[NST], then its empty[NST] mbarriers.
+template <int CM, int NST>
+__device__ __forceinline__ void skip_stages(int &s, uint32_t &ph, uint32_t bars, int KT, int lane) {
+  for (int kb = 0; kb < KT; kb++) {
+    mbar_wait(bars + 8u * (uint32_t)s, ph);
+    release_slot<CM>(bars + 8u * (uint32_t)(NST + s), lane);
+    if (++s == NST) s = 0, ph ^= 1u;
+  }
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi); // .x (the lower column) in the low half
   return *reinterpret_cast<uint32_t *>(&v);

@@ -145,12 +145,8 @@ __global__ void __launch_bounds__(THREADS, 1)
           W_TILE_CASE(152) W_TILE_CASE(160) W_TILE_CASE(168) W_TILE_CASE(176) W_TILE_CASE(184) W_TILE_CASE(192)
           W_TILE_CASE(200)
 #undef W_TILE_CASE
-        default: // no rows: keep the ring in step (as below)
-          for (int kb = 0; kb < KT; kb++) {
-            mbar_wait(full_bar(s), ph);
-            release(s);
-            if (++s == NST) s = 0, ph ^= 1u;
-          }
+        default: // no rows
+          skip_stages<CM, NST>(s, ph, bars, KT, lane);
         }
         continue;
       }
@@ -180,13 +176,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         release(prev);
         epilogue<MODE>(d, stg, out, N, w.row0 + cw * 64, my_rows, w.n * (MODE == GATE_UP ? BN / 2 : BN), 1 + cw, t);
       } else {
-        // No rows here: keep the ring in step (wait for each stage, which also keeps this
-        // warpgroup from arriving twice in one phase) and hand every stage straight back.
-        for (int kb = 0; kb < KT; kb++) {
-          mbar_wait(full_bar(s), ph);
-          release(s);
-          if (++s == NST) s = 0, ph ^= 1u;
-        }
+        skip_stages<CM, NST>(s, ph, bars, KT, lane);
       }
     }
   }
