@@ -53,6 +53,7 @@ static const struct config_option {
 } config_options[MOEI_CFG_COUNT] = {
   [MOEI_CFG_SCHEDULE_KERNEL] = {"schedule_kernel", "MOE_SCHEDULE_KERNEL", moeI_schedule_kernels, "auto"},
   [MOEI_CFG_EXPERTS_KERNEL] = {"experts_kernel", "MOE_EXPERTS_KERNEL", moeI_experts_kernels, "auto"},
+  [MOEI_CFG_EXPERTS_FP8_KERNEL] = {"experts_fp8_kernel", "MOE_EXPERTS_FP8_KERNEL", moeI_experts_fp8_kernels, "auto"},
   [MOEI_CFG_LOGITS] = {"logits", "MOE_LOGITS", moeI_logits_paths, "tensor"},
 };
 
@@ -89,7 +90,7 @@ int moe_ctx_config(moe_ctx *ctx, const char *option, const char *value) {
   if (!option || !value) return moeI_seterr(ctx, MOE_ERR_ARG, "config: option and value must not be NULL");
   for (int i = 0; i < MOEI_CFG_COUNT; i++)
     if (strcmp(option, config_options[i].name) == 0) return config_set(ctx, i, value);
-  return moeI_seterr(ctx, MOE_ERR_ARG, "config: no option \"%s\" (schedule_kernel, experts_kernel, logits)", option);
+  return moeI_seterr(ctx, MOE_ERR_ARG, "config: no option \"%s\" (schedule_kernel, experts_kernel, experts_fp8_kernel, logits)", option);
 }
 
 const char *moe_ctx_config_value(const moe_ctx *ctx, const char *option) {

@@ -29,7 +29,7 @@ enum { MOE_CAPTURE_WORLDS = 4 }; /* worlds one capture may use */
 enum { MOE_SCRATCH_SLOTS = 8 };  /* (device, stream) pairs whose scratch a context keeps at once */
 
 /* The options of moe_ctx_config (lib/core.c holds their names and variables). */
-enum { MOEI_CFG_SCHEDULE_KERNEL, MOEI_CFG_EXPERTS_KERNEL, MOEI_CFG_LOGITS, MOEI_CFG_COUNT };
+enum { MOEI_CFG_SCHEDULE_KERNEL, MOEI_CFG_EXPERTS_KERNEL, MOEI_CFG_EXPERTS_FP8_KERNEL, MOEI_CFG_LOGITS, MOEI_CFG_COUNT };
 enum { MOEI_CFG_LEN = 32 }; /* the longest value, NUL included */
 
 struct moe_ctx {
@@ -93,6 +93,7 @@ const char *moeI_config(const moe_ctx *ctx, int option);
  * without CUDA): the valid values of its kernel option besides "auto". */
 const char *moeI_schedule_kernels(void);
 const char *moeI_experts_kernels(void);
+const char *moeI_experts_fp8_kernels(void);
 /* The GPU paths of moe_logits, the values of its option: "tensor, exact" in every build. */
 const char *moeI_logits_paths(void);
 /* Does moe_logits take the tensor-core path for x and w on a GPU of compute capability cc_major

@@ -97,15 +97,17 @@ MOE_API void *moe_ctx_stream(const moe_ctx *ctx);
 MOE_API int moe_ctx_synchronize(moe_ctx *ctx, moe_device device);
 
 /* ---- a context's configuration: named options with text values ----
- *   "schedule_kernel"  the GPU kernel moe_schedule runs: "auto" (the default) or a kernel's name
- *   "experts_kernel"   the GPU kernel moe_experts runs: "auto" or a kernel's name
- *   "logits"           moe_logits' GPU path: "tensor" (the default, which "auto" also names) or
- *                      "exact" (the CPU's sums bit for bit); see moe_logits
+ *   "schedule_kernel"     the GPU kernel moe_schedule runs: "auto" (the default) or a kernel's name
+ *   "experts_kernel"      the GPU kernel moe_experts runs: "auto" or a kernel's name
+ *   "experts_fp8_kernel"  the GPU kernel moe_experts_fp8 runs: "auto" or a kernel's name
+ *   "logits"              moe_logits' GPU path: "tensor" (the default, which "auto" also names)
+ *                         or "exact" (the CPU's sums bit for bit); see moe_logits
  * When a context opens, each option takes the value of its environment variable if that is set
- * (MOE_SCHEDULE_KERNEL, MOE_EXPERTS_KERNEL, MOE_LOGITS); nothing reads the environment after that.  An
- * unknown option or kernel name is MOE_ERR_ARG, and the message lists the valid ones.  A forced
- * kernel that cannot take a problem makes the stage fail with MOE_ERR_UNSUPPORTED and the reason;
- * moe_schedule_explain and moe_experts_explain tell which kernel a call would run and why. */
+ * (MOE_SCHEDULE_KERNEL, MOE_EXPERTS_KERNEL, MOE_EXPERTS_FP8_KERNEL, MOE_LOGITS); nothing reads the
+ * environment after that.  An unknown option or kernel name is MOE_ERR_ARG, and the message lists
+ * the valid ones.  A forced kernel that cannot take a problem makes the stage fail with
+ * MOE_ERR_UNSUPPORTED and the reason; moe_schedule_explain and moe_experts_explain tell which
+ * kernel a call would run and why. */
 MOE_API int moe_ctx_config(moe_ctx *ctx, const char *option, const char *value);
 /* The option's value (its default where none was set: "auto", or "tensor" for "logits"), or NULL
  * for an unknown option. */

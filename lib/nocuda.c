@@ -101,6 +101,7 @@ int moeI_combine_cuda(moe_ctx *ctx, const moe_combine_args *a) { (void)a; return
 
 const char *moeI_schedule_kernels(void) { return ""; }
 const char *moeI_experts_kernels(void) { return ""; }
+const char *moeI_experts_fp8_kernels(void) { return ""; }
 int moeI_schedule_explain_cuda(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n) {
   (void)a, (void)report, (void)n;
   return NO_CUDA("schedule");

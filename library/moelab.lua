@@ -246,6 +246,7 @@ function Schedule:check() end
 ---@class moe.KernelOptions
 ---@field schedule_kernel? string "auto" or a kernel's name
 ---@field experts_kernel? string
+---@field experts_fp8_kernel? string
 
 -- ---------------------------------------------------------------- checks and timing
 

@@ -213,39 +213,47 @@ local function within_tolerance(gpu, cpu, o, c)
   assert.is_true(n <= 1, n .. " rows needed the block-scale allowance; one a case is expected at most")
 end
 
-describe("experts_fp8 on the GPU against the CPU oracle [#gpu]", function()
-  if skip_without("cuda:0") then return end
-  local GPU_CASES = {
-    { what = "one row", C = 1, H = 128, F = 128, EL = 1, offsets = { 0, 1 }, seed = 21 },
-    { what = "129 rows over three experts, the middle one empty, rows past the end", C = 140, H = 256, F = 384, EL = 3,
-      offsets = { 0, 64, 64, 129 }, seed = 22 },
-    { what = "one expert taking 160 rows, H 512", C = 160, H = 512, F = 128, EL = 2, offsets = { 0, 160, 160 },
-      seed = 23 },
-    { what = "odd segments and a NaN row", C = 37, H = 128, F = 256, EL = 4, offsets = { 1, 2, 17, 17, 36 }, seed = 24,
-      nan_row = 5 },
-    { what = "clamped offsets", C = 20, H = 128, F = 128, EL = 3, offsets = { -3, 9, 4, 50 }, seed = 25 },
-  }
-  for _, c in ipairs(GPU_CASES) do
-    it(c.what, function()
-      local o = inputs(c)
-      within_tolerance(run(tensors(o, c, "cuda:0")), run(tensors(o, c, "cpu")), o, c)
-    end)
-  end
-
-  it("under graph replay, the routing (offsets) and the rows changing between replays", function()
-    local c = { C = 48, H = 128, F = 128, EL = 3, offsets = { 0, 16, 32, 48 }, seed = 26 }
-    local o0 = inputs(c)
-    local t = tensors(o0, c, "cuda:0")
-    local g = moe.graph(function() moe.experts(t) end, { device = "cuda:0" })
-    for i = 1, 6 do
-      c.seed = 26 + i
-      c.offsets = { 0, (7 * i) % 20, 20 + (5 * i) % 20, 40 + i }
-      local o = inputs(c)
-      for _, k in ipairs { "w_gate_up", "w_gate_up_scale", "w_down", "w_down_scale" } do o[k] = o0[k] end
-      local fresh = tensors(o, c, "cuda:0")
-      for _, k in ipairs { "x", "x_scale", "offsets", "out" } do t[k]:copy(fresh[k]) end
-      g:replay()
-      within_tolerance(t.out:to("cpu"):flat(), run(tensors(o, c, "cpu")), o, c)
+-- Every tiling of the GPU kernel (the context's experts_fp8_kernel option), each on the same cases.
+for _, kernel in ipairs { "sm90w_fp8", "sm90x2_fp8" } do
+  describe("experts_fp8 on the GPU (" .. kernel .. ") against the CPU oracle [#gpu]", function()
+    if skip_without("cuda:0") then return end
+    before_each(function() moe.config { experts_fp8_kernel = kernel } end)
+    after_each(function() moe.config { experts_fp8_kernel = "auto" } end)
+    local GPU_CASES = {
+      { what = "one row", C = 1, H = 128, F = 128, EL = 1, offsets = { 0, 1 }, seed = 21 },
+      { what = "129 rows over three experts, the middle one empty, rows past the end", C = 140, H = 256, F = 384, EL = 3,
+        offsets = { 0, 64, 64, 129 }, seed = 22 },
+      { what = "one expert taking 160 rows, H 512", C = 160, H = 512, F = 128, EL = 2, offsets = { 0, 160, 160 },
+        seed = 23 },
+      { what = "odd segments and a NaN row", C = 37, H = 128, F = 256, EL = 4, offsets = { 1, 2, 17, 17, 36 }, seed = 24,
+        nan_row = 5 },
+      { what = "clamped offsets", C = 20, H = 128, F = 128, EL = 3, offsets = { -3, 9, 4, 50 }, seed = 25 },
+      -- row tiles: a pair and a solo of 4 rows, then a solo of 40; 3 k blocks (odd) in gate_up and
+      -- 3 column tiles (odd) in down
+      { what = "260 and 40 rows, H 384", C = 300, H = 384, F = 128, EL = 2, offsets = { 0, 260, 300 }, seed = 28 },
+    }
+    for _, c in ipairs(GPU_CASES) do
+      it(c.what, function()
+        local o = inputs(c)
+        within_tolerance(run(tensors(o, c, "cuda:0")), run(tensors(o, c, "cpu")), o, c)
+      end)
     end
+
+    it("under graph replay, the routing (offsets) and the rows changing between replays", function()
+      local c = { C = 48, H = 128, F = 128, EL = 3, offsets = { 0, 16, 32, 48 }, seed = 26 }
+      local o0 = inputs(c)
+      local t = tensors(o0, c, "cuda:0")
+      local g = moe.graph(function() moe.experts(t) end, { device = "cuda:0" })
+      for i = 1, 6 do
+        c.seed = 26 + i
+        c.offsets = { 0, (7 * i) % 20, 20 + (5 * i) % 20, 40 + i }
+        local o = inputs(c)
+        for _, k in ipairs { "w_gate_up", "w_gate_up_scale", "w_down", "w_down_scale" } do o[k] = o0[k] end
+        local fresh = tensors(o, c, "cuda:0")
+        for _, k in ipairs { "x", "x_scale", "offsets", "out" } do t[k]:copy(fresh[k]) end
+        g:replay()
+        within_tolerance(t.out:to("cpu"):flat(), run(tensors(o, c, "cpu")), o, c)
+      end
+    end)
   end)
-end)
+end

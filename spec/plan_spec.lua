@@ -11,7 +11,7 @@ describe("moe.config, moe.explain and layer:plan [#cpu]", function()
   after_each(function() moe.config { schedule_kernel = "auto", experts_kernel = "auto" } end)
 
   it("the options are auto until set", function()
-    assert.are.same({ schedule_kernel = "auto", experts_kernel = "auto", logits = "tensor" }, moe.config())
+    assert.are.same({ schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto", logits = "tensor" }, moe.config())
   end)
 
   it("a bad option or kernel name is an error at the caller's line that lists the choices", function()
@@ -25,7 +25,7 @@ describe("moe.config, moe.explain and layer:plan [#cpu]", function()
     end
     assert.truthy(err:find("plan_spec.lua:" .. line, 1, true), err)
     assert.has_error(function() moe.config { expert_kernel = "mma" } end)
-    assert.are.same({ schedule_kernel = "auto", experts_kernel = "auto", logits = "tensor" }, moe.config())
+    assert.are.same({ schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto", logits = "tensor" }, moe.config())
   end)
 
   it("explain reports the CPU backend for CPU tensors and refuses other stages", function()
@@ -62,7 +62,7 @@ describe("moe.config, moe.explain and layer:plan [#cpu]", function()
 
   it("config is all or nothing, and moe.event takes the default device", function()
     assert.has_error(function() moe.config { schedule_kernel = "auto", experts_kernel = "fastest" } end)
-    assert.are.same({ schedule_kernel = "auto", experts_kernel = "auto", logits = "tensor" }, moe.config())
+    assert.are.same({ schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto", logits = "tensor" }, moe.config())
     local ok = pcall(moe.config, { schedule_kernel = "grid", experts_kernel = "fastest" })
     assert.is_false(ok)
     assert.are.equal("auto", moe.config().schedule_kernel) -- grid, set first, went back

@@ -1,12 +1,15 @@
 /* SPDX-License-Identifier: MIT */
-// fp8.cu -- the host side of the FP8 experts (fp8.cuh): what the kernel needs of the GPU and the
-// tensors, the tensor maps, and the four launches of a pass: map (sm90.cuh's, in units of 2
-// NV8_MAX rows), gate_up (h bf16), the quantization of h (e4m3 and its transposed scales), down.
+// fp8.cu -- the host side of the FP8 experts (fp8.cuh): which tiling runs (the candidates, as
+// select.cu's for bf16; the context's experts_fp8_kernel option forces one), what each needs of
+// the GPU and the tensors, the tensor maps, and the four launches of a pass: map (sm90.cuh's: the
+// row tiles' pairs and solos, or units of 2 NV8_MAX rows), gate_up (h bf16), the quantization of
+// h (e4m3 and its transposed scales), down.
 #include <atomic>
 #include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 
+#include "../select.cuh"
 #include "../sm90/tensor_map.cuh"
 #include "fp8.cuh"
 
@@ -20,8 +23,11 @@ bool encode_e4m3(CUtensorMap *m, const void *base, long long rows, long long k, 
 bool encode_scales(CUtensorMap *m, const void *base, long long kb, long long c4) {
   return encode_2d(m, base, kb, c4, 1, S8_COUNT, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
 }
-// The three boxes of A's rows (128, 32, 8).
-bool encode_rows(CUtensorMap m[3], const void *base, long long rows, long long k) {
+// The boxes of A's rows the kernel reads: ROWS 128 and a solo unit's halves of 64 (the third
+// unread); else 128, 32 and 8.
+template <bool ROWS> bool encode_rows(CUtensorMap m[3], const void *base, long long rows, long long k) {
+  if (ROWS) return encode_e4m3(&m[0], base, rows, k, 128) && encode_e4m3(&m[1], base, rows, k, BM / 2) &&
+                   encode_e4m3(&m[2], base, rows, k, 128);
   return encode_e4m3(&m[0], base, rows, k, 128) && encode_e4m3(&m[1], base, rows, k, 32) &&
          encode_e4m3(&m[2], base, rows, k, 8);
 }
@@ -29,28 +35,29 @@ bool encode_rows(CUtensorMap m[3], const void *base, long long rows, long long k
 // The stub the kernel becomes without sm_90a has static shared memory (fp8.cuh); the real one none.
 bool e4m3_built() {
   cudaFuncAttributes fa;
-  if (cudaFuncGetAttributes(&fa, sm90_e4m3_kernel<GATE_UP>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&fa, sm90_e4m3_kernel<GATE_UP, false>) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
   return fa.sharedSizeBytes == 0;
 }
 
-// Clusters of two that fit at once (the persistent grid), cached per device and pass; 0: none.
-template <int MODE> int resident_clusters(int dev) {
+// Clusters of two that fit at once (the persistent grid), cached per device, pass and tiling; 0: none.
+template <int MODE, bool ROWS> int resident_clusters(int dev) {
   static std::atomic<int> cache[64];
   if (dev >= 0 && dev < 64) {
     const int c = cache[dev].load(std::memory_order_relaxed);
     if (c > 0) return c - 1;
   }
-  auto kernel = sm90_e4m3_kernel<MODE>;
+  auto kernel = sm90_e4m3_kernel<MODE, ROWS>;
+  constexpr int smem = smem8_bytes<ROWS>();
   int n = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM8_BYTES) != cudaSuccess) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
   cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = launch_config(attr, 2, 2 * 64, THREADS, SMEM8_BYTES, 0);
+  const cudaLaunchConfig_t cfg = launch_config(attr, 2, 2 * 64, THREADS, smem, 0);
   if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
@@ -68,25 +75,30 @@ struct Pass {
   int *waves;
 };
 
-template <int MODE>
+template <int MODE, bool ROWS>
 cudaError_t launch(cudaStream_t stream, int clusters, const Pass &p, const int *meta, int EL, int F) {
-  auto kernel = sm90_e4m3_kernel<MODE>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM8_BYTES);
+  auto kernel = sm90_e4m3_kernel<MODE, ROWS>;
+  constexpr int smem = smem8_bytes<ROWS>();
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = launch_config(attr, 2, (unsigned)(2 * clusters), THREADS, SMEM8_BYTES, stream);
+  const cudaLaunchConfig_t cfg = launch_config(attr, 2, (unsigned)(2 * clusters), THREADS, smem, stream);
   err = cudaLaunchKernelEx(&cfg, kernel, p.a[0], p.a[1], p.a[2], p.b, p.sx, p.out_map, p.out, p.wscale, meta, EL, p.NT,
                            p.KT, p.N, F, p.b_rows, p.waves);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 
-// What keeps the kernel from a problem, into why; "" when it can run.
-void e4m3_fits(const moe_experts_fp8_args *a, char *why, size_t n) {
+// What keeps a tiling from the problem: CANNOT and why, or TAKES.  The caller has checked the
+// dtypes, shapes and devices, H and F multiples of 128, and that C and EL are not 0.
+template <bool ROWS> int fits(moe_ctx *ctx, const moe_experts_fp8_args *a, Fit *fit, char *why, size_t n) {
+  (void)ctx;
   const long long C = a->x->shape[0], H = a->x->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
   const int dev = a->x->device.index;
+  constexpr int smem = smem8_bytes<ROWS>();
   int major = 0, minor = 0, optin = 0;
+  *fit = CANNOT;
   why[0] = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
@@ -94,10 +106,9 @@ void e4m3_fits(const moe_experts_fp8_args *a, char *why, size_t n) {
     (void)cudaGetLastError();
     snprintf(why, n, "cannot read cuda:%d's compute capability", dev);
   } else if (major != 9 || minor != 0) {
-    snprintf(why, n, "the FP8 kernel needs compute capability 9.0 (Hopper), cuda:%d has %d.%d", dev, major, minor);
-  } else if (optin < SMEM8_BYTES) {
-    snprintf(why, n, "the FP8 kernel needs %d bytes of shared memory per block, cuda:%d offers %d", SMEM8_BYTES, dev,
-             optin);
+    snprintf(why, n, "needs compute capability 9.0 (Hopper), cuda:%d has %d.%d", dev, major, minor);
+  } else if (optin < smem) {
+    snprintf(why, n, "needs %d bytes of shared memory per block, cuda:%d offers %d", smem, dev, optin);
   } else if (!e4m3_built()) {
     snprintf(why, n, "the library was not built for sm_90a");
   } else if (!aligned16(a->x->data) || !aligned16(a->out->data) || !aligned16(a->w_gate_up->data) ||
@@ -108,22 +119,18 @@ void e4m3_fits(const moe_experts_fp8_args *a, char *why, size_t n) {
              F);
   } else if (!encode_tiled()) {
     snprintf(why, n, "the driver offers no cuTensorMapEncodeTiled");
-  } else if (resident_clusters<GATE_UP>(dev) <= 0 || resident_clusters<DOWN>(dev) <= 0) {
-    snprintf(why, n, "no cluster of two CTAs of the FP8 kernel fits on cuda:%d", dev);
+  } else if (resident_clusters<GATE_UP, ROWS>(dev) <= 0 || resident_clusters<DOWN, ROWS>(dev) <= 0) {
+    snprintf(why, n, "no cluster of two CTAs of the kernel fits on cuda:%d", dev);
+  } else {
+    *fit = TAKES;
   }
+  return MOE_OK;
 }
 
-} // namespace
-
-int moeI_experts_fp8_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a) {
+template <bool ROWS> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   const long long C = a->x->shape[0], H = a->x->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
   const int dev = a->x->device.index;
-  if (C == 0 || EL == 0) return moeI_ok(ctx);
-  char why[256];
-  e4m3_fits(a, why, sizeof why);
-  if (why[0]) return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "experts_fp8: %s", why);
-
   cudaStream_t stream;
   int rc = moeI_cuda_ctx_stream(ctx, dev, &stream);
   if (rc) return rc;
@@ -144,27 +151,30 @@ int moeI_experts_fp8_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   float *hs = (float *)(p + meta_bytes + h_bytes + hq_bytes);
   float *xs = C4 != C ? (float *)(p + meta_bytes + h_bytes + hq_bytes + hs_bytes) : (float *)a->x_scale->data;
 
-  // units per column tile whatever the offsets: at most C / (2 NV8_MAX) + one an expert
-  const long long tmax = C / (2 * NV8_MAX) + (EL < C ? EL : C);
+  // units per column tile whatever the offsets: row tiles (ROWS), or units of at most 2 NV8_MAX
+  // rows, and one more an expert
+  const long long tmax = (ROWS ? (C + BM - 1) / BM : C / (2 * NV8_MAX)) + (EL < C ? EL : C);
+  // outputs a column tile: ROWS 64 (gate_up) and 128 (down), else 128 and 256
+  const int out_gu = ROWS ? BN8 / 2 : BN / 2, out_dn = ROWS ? BN8 : BN, b_box = ROWS ? BN8 / 2 : 128;
   const bool gate = C >= 2 * BM * EL;
   Pass gu = {}, dn = {};
-  gu.NT = (int)((F + BN / 2 - 1) / (BN / 2)), gu.KT = (int)(H / 128), gu.N = (int)F, gu.b_rows = (int)(EL * 2 * F);
-  dn.NT = (int)((H + BN - 1) / BN), dn.KT = (int)(F / 128), dn.N = (int)H, dn.b_rows = (int)(EL * H);
+  gu.NT = (int)((F + out_gu - 1) / out_gu), gu.KT = (int)(H / 128), gu.N = (int)F, gu.b_rows = (int)(EL * 2 * F);
+  dn.NT = (int)((H + out_dn - 1) / out_dn), dn.KT = (int)(F / 128), dn.N = (int)H, dn.b_rows = (int)(EL * H);
   gu.out = h, dn.out = (uint16_t *)a->out->data;
   gu.wscale = (const float *)a->w_gate_up_scale->data, dn.wscale = (const float *)a->w_down_scale->data;
   gu.waves = gate ? meta + 4 * EL + 2 : nullptr, dn.waves = gate ? meta + 4 * EL + 3 : nullptr;
-  const int fit_gu = resident_clusters<GATE_UP>(dev), fit_dn = resident_clusters<DOWN>(dev);
+  const int fit_gu = resident_clusters<GATE_UP, ROWS>(dev), fit_dn = resident_clusters<DOWN, ROWS>(dev);
   const int g_gu = (int)(tmax * gu.NT < fit_gu ? tmax * gu.NT : fit_gu);
   const int g_dn = (int)(tmax * dn.NT < fit_dn ? tmax * dn.NT : fit_dn);
 
   const char *what = "cuTensorMapEncodeTiled";
   cudaError_t err = cudaSuccess;
-  const bool maps = encode_rows(gu.a, a->x->data, C, H) && encode_e4m3(&gu.b, a->w_gate_up->data, EL * 2 * F, H, 128) &&
-                    encode_scales(&gu.sx, xs, H / 128, C4) &&
-                    encode_2d(&gu.out_map, h, C, F, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B) &&
-                    encode_rows(dn.a, hq, C, F) && encode_e4m3(&dn.b, a->w_down->data, EL * H, F, 128) &&
-                    encode_scales(&dn.sx, hs, F / 128, C4) &&
-                    encode_2d(&dn.out_map, dn.out, C, H, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B);
+  const bool maps =
+      encode_rows<ROWS>(gu.a, a->x->data, C, H) && encode_e4m3(&gu.b, a->w_gate_up->data, EL * 2 * F, H, b_box) &&
+      encode_scales(&gu.sx, xs, H / 128, C4) && encode_2d(&gu.out_map, h, C, F, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B) &&
+      encode_rows<ROWS>(dn.a, hq, C, F) && encode_e4m3(&dn.b, a->w_down->data, EL * H, F, b_box) &&
+      encode_scales(&dn.sx, hs, F / 128, C4) &&
+      encode_2d(&dn.out_map, dn.out, C, H, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B);
   if (!maps) err = cudaErrorInvalidValue;
   if (err == cudaSuccess && C4 != C) {
     what = "cudaMemcpy2DAsync(x_scale)";
@@ -174,12 +184,12 @@ int moeI_experts_fp8_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   if (err == cudaSuccess) {
     what = "map launch";
     sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->offsets->data, (int)EL, (int)C, 2,
-                                                   2 * NV8_MAX);
+                                                   ROWS ? 0 : 2 * NV8_MAX);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess) {
     what = "gate_up launch";
-    err = launch<GATE_UP>(stream, g_gu, gu, meta, (int)EL, (int)F);
+    err = launch<GATE_UP, ROWS>(stream, g_gu, gu, meta, (int)EL, (int)F);
   }
   if (err == cudaSuccess) {
     what = "quantize launch";
@@ -190,7 +200,26 @@ int moeI_experts_fp8_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   }
   if (err == cudaSuccess) {
     what = "down launch";
-    err = launch<DOWN>(stream, g_dn, dn, meta, (int)EL, (int)F);
+    err = launch<DOWN, ROWS>(stream, g_dn, dn, meta, (int)EL, (int)F);
   }
   return experts_finish(ctx, stream, scratch, err, what);
+}
+
+// The tilings in the order "auto" tries them (fp8.cuh; docs/perf/experts.md).
+const Candidate<moe_experts_fp8_args> fp8_kernels[] = {
+    {"sm90w_fp8", fits<false>, run<false>},
+    {"sm90x2_fp8", fits<true>, run<true>},
+};
+
+} // namespace
+
+const char *moeI_experts_fp8_kernels(void) { return candidate_names(fp8_kernels); }
+
+int moeI_experts_fp8_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a) {
+  const long long C = a->x->shape[0], EL = a->w_gate_up->shape[0];
+  if (C == 0 || EL == 0) return moeI_ok(ctx);
+  cudaStream_t stream; // the candidates' occupancy queries read the current device, which this sets
+  const int rc = moeI_cuda_ctx_stream(ctx, a->x->device.index, &stream);
+  if (rc) return rc;
+  return select_run(ctx, "experts_fp8", MOEI_CFG_EXPERTS_FP8_KERNEL, fp8_kernels, a);
 }

@@ -1,26 +1,37 @@
 /* SPDX-License-Identifier: MIT */
-// fp8.cuh -- the FP8 experts GEMM on Hopper (moe_experts_fp8): the weights-as-M kernel of
-// sm90_wt.cuh (clusters of two sharing 256 weight rows by multicast, the tokens as wgmma's N, the
-// persistent walk of decode_w's units, the wave gate, w_epilogue's bulk stores) on e4m3 operands
-// with block scales.
+// fp8.cuh -- the FP8 experts GEMM on Hopper (moe_experts_fp8) on block-scaled e4m3 operands, in two
+// tilings, each its own instantiation of one kernel (ROWS):
+//
+//   sm90x2_fp8  the row tiles (ROWS): sm90_rows.cuh's work list (decode: pairs of 128-row tiles
+//               sharing the weights by multicast, an odd last tile solo with the rows' halves
+//               multicast) with the tokens as wgmma's M (64 a consumer warpgroup) and 128 weight
+//               rows as its N (gate_up: 64 gate and the 64 up rows of the same outputs; down: 128
+//               outputs), m64n128k32.  A k block's group is issued into one of two fresh
+//               accumulators while the other's, the block before, is waited for and promoted, so
+//               the tensor cores never wait on a promotion.  6 stages of 33 KiB.
+//   sm90w_fp8   the weights-as-M tiles (!ROWS): sm90_wt.cuh's frame (clusters of two sharing 256
+//               weight rows by multicast, the tokens as wgmma's N, decode_w's units, w_epilogue's
+//               bulk stores); 3 stages of 49 KiB.
 //
 // A stage is one k block of 128: 128 e4m3 bytes a row, the same 128-byte swizzle rows as bf16's
 // 64 columns, so the descriptors, boxes and k32 slices (32 bytes) are bf16's byte for byte.  A
 // stage also brings the CTA's tokens' scales of that k block (x_scale is [K/128, C]: one box of
-// S8_COUNT floats from the first token rounded down to 4, since a box starts on 16 bytes).  The
-// weights' scale of a warpgroup's 64-row slice is one float a k block (a slice never crosses a
-// 128-row block), read from global memory (L1) before the stage's wait.
+// S8_COUNT floats from the first token rounded down to 4, since a box starts on 16 bytes).  A
+// weight scale is one float a k block for 128 weight rows, read from global memory (L1).
 //
 // Promotion: the tensor cores' f32 sums over a whole K would drift from the block-scaled sum the
 // format defines, so each k block's products go into a fresh accumulator (scale_d = 0 on its
-// first k32 slice), which is then added into the running one times x_scale * w_scale.  The fresh
-// accumulator holds one 64-row slice (NV / 2 registers) and the running ones both (NV): the gate
-// and the up slice (or down's two output slices) take turns, each waited for and promoted while
-// the other consumer warpgroup's MMAs keep the tensor cores busy.  NV8_MAX = 128 tokens keeps
-// 192 accumulator registers and 32 token scales a thread under the consumers' 232.
+// first k32 slice), which is then added into the running one times x_scale * w_scale.
+//
+// sm90w_fp8's fresh accumulator holds one 64-row slice (NV / 2 registers) and the running ones
+// both (NV): the gate and the up slice (or down's two output slices) take turns, each waited for
+// and promoted while the other consumer warpgroup's MMAs keep the tensor cores busy.  NV8_MAX =
+// 128 tokens keeps 192 accumulator registers and 32 token scales a thread under the consumers'
+// 232.  sm90x2_fp8 holds 64 running and 2 x 64 fresh accumulators and two token scales a thread.
 #pragma once
 
 #include "fp8_math.h"
+#include "sm90_rows.cuh"
 #include "sm90_wt.cuh"
 
 namespace {
@@ -38,6 +49,18 @@ static_assert(B_HALF == 128 * BK8, "a weight half is 128 rows of 128 e4m3, as of
 static_assert(STAGE8_BYTES % 1024 == 0 && A8_BYTES % 1024 == 0, "operands on 1024-byte swizzle atoms");
 static_assert(SMEM8_BYTES <= 232448, "fits the 227 KiB a Hopper block may opt in to");
 static_assert(S8_COUNT * 4 <= S8_BYTES && S8_COUNT * 4 % 16 == 0, "a stage's token scales fit their slot");
+// The row tiles (ROWS): BM tokens x BN8 weight rows a CTA, the weights in halves of BN8 / 2 rows
+// (a pair's CTAs load one each and multicast it), a consumer's staging 64 rows x 64 bf16.
+constexpr int BN8 = 128;
+constexpr int B8_HALF = BN8 / 2 * BK8;                                // 8 KiB
+constexpr int STAGE_R8_BYTES = BM * BK8 + BN8 * BK8 + S8_BYTES;       // 33 KiB
+constexpr int STAGES_R8 = 6;
+constexpr int STG_R8_BYTES = 64 * 128;
+constexpr int SMEM_R8_BYTES = STAGES_R8 * STAGE_R8_BYTES + 2 * STG_R8_BYTES + 2 * STAGES_R8 * 8 + 1024;
+static_assert(BM * BK8 == A8_BYTES && STAGE_R8_BYTES % 1024 == 0 && B8_HALF % 1024 == 0,
+              "the row tiles' operands on 1024-byte swizzle atoms");
+static_assert(SMEM_R8_BYTES <= 232448, "the row tiles' ring fits too");
+template <bool ROWS> constexpr int smem8_bytes() { return ROWS ? SMEM_R8_BYTES : SMEM8_BYTES; }
 
 #if defined(MOE_SM90A)
 
@@ -113,16 +136,107 @@ __device__ __forceinline__ void w8_tile(int &s, uint32_t &ph, uint32_t ring, uin
   w_epilogue<MODE, NV>(d, stg, tmo, out, N, row0, rows, col0, t, sc);
 }
 
+// ---- the row tiles (ROWS) ----
+
+__device__ __forceinline__ void next_slot(int &s, uint32_t &ph) {
+  if (++s == STAGES_R8) s = 0, ph ^= 1u;
+}
+
+// Once slot s is full, its k block's products into acc, fresh (the first k32 slice overwrites):
+// the warpgroup's 64 tokens (da) x the tile's 128 weight rows (db), one committed group.
+__device__ __forceinline__ void r8_issue(float (&acc)[64], uint32_t bars, int s, uint32_t ph, uint64_t da,
+                                         uint64_t db) {
+  mbar_wait(bars + 8u * (uint32_t)s, ph);
+  const uint64_t off = (uint64_t)(s * (STAGE_R8_BYTES >> 4));
+  wgmma_fence();
+  fence_acc(acc);
+#pragma unroll
+  for (int k = 0; k < BK8 / 32; k++) wgmma_e4m3_n<BN8, 0>(acc, da + off + 2 * k, db + off + 2 * k, k > 0);
+  wgmma_commit();
+}
+
+// acc's group has retired: d += acc x its scales, then slot s goes back to both CTAs' producers.
+// Register i holds the thread's token a (i / 2 even) or a + 8 (odd), from slot s's box of scales
+// at `first` and 32 bytes on; and weight column 8 (i / 4) + ..: below 64 (i < 32) the gate
+// rows' block, scale lo; the rest hi (down: both the same block).
+__device__ __forceinline__ void r8_promote(float (&d)[64], float (&acc)[64], uint32_t ring, uint32_t bars, int s,
+                                           uint32_t first, float lo, float hi, int lane) {
+  fence_acc(acc);
+  const uint32_t box = ring + (uint32_t)(s * STAGE_R8_BYTES + BM * BK8 + BN8 * BK8) + first;
+  const float xa = ld_shared_f32(box), xb = ld_shared_f32(box + 32);
+  const float a_lo = xa * lo, b_lo = xb * lo, a_hi = xa * hi, b_hi = xb * hi;
+#pragma unroll
+  for (int i = 0; i < 64; i++) {
+    const float sc = (i >> 1) & 1 ? (i < 32 ? b_lo : b_hi) : (i < 32 ? a_lo : a_hi);
+    d[i] = __fmaf_rn(acc[i], sc, d[i]);
+  }
+  __syncwarp(); // the warp's reads of the slot's scales are done
+  release_slot<2>(bars + 8u * (uint32_t)(STAGES_R8 + s), lane);
+}
+
+// A consumer warpgroup's row tile: its 64 tokens (from row0, my_rows of them the expert's) x the
+// tile's 128 weight rows over KT k blocks; ws_lo, ws_hi the weight scales of the two 64-row
+// halves (a k block's float each).  A KT odd runs its first block alone; the rest in pairs, each
+// block issued before the one before it is promoted, all in straight-line code (a wgmma issued
+// under a condition makes ptxas serialize them all).
+template <int MODE>
+__device__ __forceinline__ void r8_tile(int &s, uint32_t &ph, uint32_t ring, uint32_t bars, uint32_t stg, int cw,
+                                        int t, int KT, uint16_t *__restrict__ out, int N, int row0, int my_rows,
+                                        int col0, uint32_t first, const float *__restrict__ ws_lo,
+                                        const float *__restrict__ ws_hi) {
+  const int lane = t & 31;
+  const uint64_t da = smem_desc(ring + (uint32_t)(cw * 64 * BK8)), db = smem_desc(ring + (uint32_t)(BM * BK8));
+  float d[64], acc0[64], acc1[64];
+#pragma unroll
+  for (int i = 0; i < 64; i++) d[i] = 0.f;
+  int kb = 0;
+  if (KT & 1) {
+    const float lo = __ldg(ws_lo), hi = __ldg(ws_hi);
+    r8_issue(acc0, bars, s, ph, da, db);
+    wgmma_wait<0>();
+    r8_promote(d, acc0, ring, bars, s, first, lo, hi, lane);
+    next_slot(s, ph);
+    kb = 1;
+  }
+  if (kb < KT) {
+    int s0 = s, s1;
+    float lo1, hi1;
+    r8_issue(acc0, bars, s, ph, da, db);
+    next_slot(s, ph);
+    for (;; kb += 2) {
+      const float lo0 = __ldg(ws_lo + kb), hi0 = __ldg(ws_hi + kb);
+      lo1 = __ldg(ws_lo + kb + 1), hi1 = __ldg(ws_hi + kb + 1);
+      s1 = s;
+      r8_issue(acc1, bars, s, ph, da, db);
+      next_slot(s, ph);
+      wgmma_wait<1>();
+      r8_promote(d, acc0, ring, bars, s0, first, lo0, hi0, lane);
+      if (kb + 2 == KT) break;
+      s0 = s;
+      r8_issue(acc0, bars, s, ph, da, db);
+      next_slot(s, ph);
+      wgmma_wait<1>();
+      r8_promote(d, acc1, ring, bars, s1, first, lo1, hi1, lane);
+    }
+    wgmma_wait<0>();
+    r8_promote(d, acc1, ring, bars, s1, first, lo1, hi1, lane);
+  }
+  epilogue<MODE, 64>(d, stg, out, N, row0, my_rows, col0, 1 + cw, t);
+}
+
 #endif // MOE_SM90A
 
-// out [C, N] bf16 for the units of decode_w<NV8_MAX>:
-//   tma_a, tma_a32, tma_a8  A [C, K] e4m3 (x, or the quantized h) in boxes {128, 128 / 32 / 8 rows}
-//   tma_b   W [b_rows, K] e4m3: w_gate_up [EL * 2F, H] or w_down [EL * H, F], box {128, 128}
-//   tma_sx  A's scales [K / 128, C4] f32 (C4: C rounded up to 4), box {S8_COUNT, 1}
-//   tma_out out in w_epilogue's boxes {16, 32}
-//   wscale  W's scales [EL, b_rows / EL / 128, K / 128]
-//   N       output columns (F for gate_up, H for down); F the up rows' offset inside an expert
-template <int MODE>
+// out [C, N] bf16 for the units of the work list (ROWS: decode<2>'s; else decode_w<NV8_MAX>'s):
+//   tma_a     A [C, K] e4m3 (x, or the quantized h) in boxes {128, 128 rows}
+//   tma_a32   the same in boxes of 64 rows (ROWS: a solo unit's halves) or 32 rows
+//   tma_a8    the same in boxes of 8 rows (!ROWS)
+//   tma_b     W [b_rows, K] e4m3: w_gate_up [EL * 2F, H] or w_down [EL * H, F], box {128, BN8 / 2
+//             rows} (ROWS) or {128, 128}
+//   tma_sx    A's scales [K / 128, C4] f32 (C4: C rounded up to 4), box {S8_COUNT, 1}
+//   tma_out   out in w_epilogue's boxes {16, 32} (!ROWS)
+//   wscale    W's scales [EL, b_rows / EL / 128, K / 128]
+//   N         output columns (F for gate_up, H for down); F the up rows' offset inside an expert
+template <int MODE, bool ROWS>
 __global__ void __launch_bounds__(THREADS, 1)
     sm90_e4m3_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_a32,
                      const __grid_constant__ CUtensorMap tma_a8, const __grid_constant__ CUtensorMap tma_b,
@@ -130,17 +244,19 @@ __global__ void __launch_bounds__(THREADS, 1)
                      uint16_t *__restrict__ out, const float *__restrict__ wscale, const int *__restrict__ meta, int EL,
                      int NT, int KT, int N, int F, int b_rows, int *waves) {
 #if defined(MOE_SM90A)
+  constexpr int NST = ROWS ? STAGES_R8 : STAGES8, STAGE = ROWS ? STAGE_R8_BYTES : STAGE8_BYTES;
+  constexpr int STG = ROWS ? STG_R8_BYTES : STG_W_BYTES, B_SLOT = ROWS ? BN8 * BK8 : 2 * B_HALF;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t staging = ring + STAGES8 * STAGE8_BYTES;
-  const uint32_t bars = staging + 2 * STG_W_BYTES; // full[STAGES8], then empty[STAGES8]
+  const uint32_t staging = ring + NST * STAGE;
+  const uint32_t bars = staging + 2 * STG; // full[NST], then empty[NST]
   auto full_bar = [&](int s) { return bars + 8u * (uint32_t)s; };
-  auto empty_bar = [&](int s) { return bars + 8u * (uint32_t)(STAGES8 + s); };
+  auto empty_bar = [&](int s) { return bars + 8u * (uint32_t)(NST + s); };
 
   const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
   const int rank = (int)cluster_ctarank(), cid = (int)cluster_id_x(), ncl = (int)cluster_count_x();
   if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES8; s++) {
+    for (int s = 0; s < NST; s++) {
       mbar_init(full_bar(s), 1);
       mbar_init(empty_bar(s), 8 * 2); // every consumer warp of both CTAs
     }
@@ -149,13 +265,18 @@ __global__ void __launch_bounds__(THREADS, 1)
   __syncwarp();
   cluster_sync();
 
-  const int units = __ldg(meta + 5 * EL + 4) * NT;
+  const int units = ROWS ? __ldg(meta + EL) * NT + __ldg(meta + 2 * EL + 1) * ((NT + 1) / 2) // pairs, solos
+                         : __ldg(meta + 5 * EL + 4) * NT;
+  auto work = [&](int v) {
+    if constexpr (ROWS) return decode<2>(v, meta, EL, NT, rank);
+    else return decode_w<NV8_MAX>(v, meta, EL, NT, rank);
+  };
   if (wg == 0) {
     setmaxnreg_dec<PRODUCER_REGS>();
     if (threadIdx.x == 0) {
       prefetch_tmap(&tma_a);
       prefetch_tmap(&tma_a32);
-      prefetch_tmap(&tma_a8);
+      if (!ROWS) prefetch_tmap(&tma_a8);
       prefetch_tmap(&tma_b);
       prefetch_tmap(&tma_sx);
       int s = 0;
@@ -165,23 +286,41 @@ __global__ void __launch_bounds__(THREADS, 1)
       int wave = 0;
       for (int v = cid; v < units; v += ncl, wave++) {
         if (gate && wave > 0) gate = wave_wait(waves, wave * ncl * 2 - slack);
-        const Work w = decode_w<NV8_MAX>(v, meta, EL, NT, rank);
+        const Work w = work(v);
+        // the B rows of the two halves: gate_up its gate rows and the up rows of the same outputs
+        constexpr int OUTS = MODE == GATE_UP ? (ROWS ? BN8 / 2 : BN / 2) : (ROWS ? BN8 : BN); // outputs a tile
         int b0, b1;
-        if (MODE == GATE_UP) b0 = w.e * 2 * F + w.n * (BN / 2), b1 = b0 + F;
-        else b0 = w.e * N + w.n * BN, b1 = b0 + BN / 2;
+        if (MODE == GATE_UP) b0 = w.e * 2 * F + w.n * OUTS, b1 = b0 + F;
+        else b0 = w.e * N + w.n * OUTS, b1 = b0 + OUTS / 2;
         b0 = min(b0, b_rows - 1), b1 = min(b1, b_rows - 1);
         const int n8 = w.rows > 0 ? (w.rows + 7) & ~7 : 0;
         for (int kb = 0; kb < KT; kb++) {
           mbar_wait(empty_bar(s), ph ^ 1u);
-          const uint32_t sa = ring + (uint32_t)(s * STAGE8_BYTES), sb = sa + A8_BYTES, ss = sb + 2 * B_HALF;
-          mbar_expect_tx(full_bar(s), (uint32_t)(n8 * BK8 + 2 * B_HALF + (n8 ? S8_COUNT * 4 : 0)));
-          int r = 0;
-          for (; r + 128 <= n8; r += 128) tma_load(sa + (uint32_t)(r * BK8), &tma_a, kb * BK8, w.row0 + r, full_bar(s));
-          for (; r + 32 <= n8; r += 32) tma_load(sa + (uint32_t)(r * BK8), &tma_a32, kb * BK8, w.row0 + r, full_bar(s));
-          for (; r < n8; r += 8) tma_load(sa + (uint32_t)(r * BK8), &tma_a8, kb * BK8, w.row0 + r, full_bar(s));
-          if (n8) tma_load(ss, &tma_sx, w.row0 & ~3, kb, full_bar(s)); // a box starts on 16 bytes
-          tma_load_multicast(sb + (uint32_t)(rank * B_HALF), &tma_b, kb * BK8, rank ? b1 : b0, full_bar(s), 3);
-          if (++s == STAGES8) s = 0, ph ^= 1u;
+          const uint32_t sa = ring + (uint32_t)(s * STAGE), sb = sa + A8_BYTES, ss = sb + B_SLOT;
+          if constexpr (ROWS) {
+            mbar_expect_tx(full_bar(s), (uint32_t)(A8_BYTES + BN8 * BK8 + S8_COUNT * 4));
+            if (w.solo) { // both CTAs on this row tile: each loads half its rows for both, and its own weights
+              tma_load_multicast(sa + (uint32_t)(rank * A8_BYTES / 2), &tma_a32, kb * BK8, w.row0 + rank * (BM / 2),
+                                 full_bar(s), 3);
+              tma_load(sb, &tma_b, kb * BK8, b0, full_bar(s));
+              tma_load(sb + B8_HALF, &tma_b, kb * BK8, b1, full_bar(s));
+            } else {
+              tma_load(sa, &tma_a, kb * BK8, w.row0, full_bar(s));
+              tma_load_multicast(sb + (uint32_t)(rank * B8_HALF), &tma_b, kb * BK8, rank ? b1 : b0, full_bar(s), 3);
+            }
+            tma_load(ss, &tma_sx, w.row0 & ~3, kb, full_bar(s)); // a box starts on 16 bytes
+          } else {
+            mbar_expect_tx(full_bar(s), (uint32_t)(n8 * BK8 + 2 * B_HALF + (n8 ? S8_COUNT * 4 : 0)));
+            int r = 0;
+            for (; r + 128 <= n8; r += 128)
+              tma_load(sa + (uint32_t)(r * BK8), &tma_a, kb * BK8, w.row0 + r, full_bar(s));
+            for (; r + 32 <= n8; r += 32)
+              tma_load(sa + (uint32_t)(r * BK8), &tma_a32, kb * BK8, w.row0 + r, full_bar(s));
+            for (; r < n8; r += 8) tma_load(sa + (uint32_t)(r * BK8), &tma_a8, kb * BK8, w.row0 + r, full_bar(s));
+            if (n8) tma_load(ss, &tma_sx, w.row0 & ~3, kb, full_bar(s)); // a box starts on 16 bytes
+            tma_load_multicast(sb + (uint32_t)(rank * B_HALF), &tma_b, kb * BK8, rank ? b1 : b0, full_bar(s), 3);
+          }
+          if (++s == NST) s = 0, ph ^= 1u;
         }
         if (waves) atomicAdd(waves, 1);
       }
@@ -189,34 +328,50 @@ __global__ void __launch_bounds__(THREADS, 1)
   } else {
     setmaxnreg_inc<CONSUMER_REGS>();
     const int cw = wg - 1, t = (int)threadIdx.x & 127, lane = t & 31;
-    const uint32_t stg = staging + (uint32_t)(cw * STG_W_BYTES);
+    const uint32_t stg = staging + (uint32_t)(cw * STG);
     int s = 0;
     uint32_t sc = 0, ph = 0;
     const int nblk = b_rows / EL / 128; // weight-scale rows an expert
     for (int v = cid; v < units; v += ncl) {
-      const Work w = decode_w<NV8_MAX>(v, meta, EL, NT, rank);
-      const int nv = __shfl_sync(0xffffffffu, w.rows > 0 ? (w.rows + 7) & ~7 : 0, 0);
-      const int col0 = MODE == GATE_UP ? w.n * (BN / 2) + 64 * cw : w.n * BN + 128 * cw;
-      // the slices' weight-scale rows: gate_up the gate block and the up block of the column tile;
-      // down the warpgroup's 128 outputs (past H when H % 256 != 0: any row, those are not stored)
-      const int r0 = MODE == GATE_UP ? w.n : min(2 * w.n + cw, nblk - 1);
-      const int r1 = MODE == GATE_UP ? F / 128 + w.n : r0;
-      const float *ws0 = wscale + ((long long)w.e * nblk + r0) * KT, *ws1 = wscale + ((long long)w.e * nblk + r1) * KT;
-      switch (nv) {
+      const Work w = work(v);
+      if constexpr (ROWS) {
+        const int my_rows = w.rows - cw * 64; // rows of the expert among this warpgroup's 64
+        // uniform over the warpgroup, as wgmma requires
+        if (__shfl_sync(0xffffffffu, my_rows, 0) > 0 && w.n < NT) {
+          // the halves' weight-scale rows: gate_up the gate and the up block of the 64 outputs; down one block
+          const int r0 = MODE == GATE_UP ? w.n / 2 : w.n, r1 = MODE == GATE_UP ? F / 128 + w.n / 2 : r0;
+          const float *ws = wscale + (long long)w.e * nblk * KT;
+          // this thread's first token's scale in a stage's box (its second is 8 tokens on)
+          const uint32_t first = 4u * (uint32_t)((w.row0 & 3) + cw * 64 + 16 * (t >> 5) + (lane >> 2));
+          r8_tile<MODE>(s, ph, ring, bars, stg, cw, t, KT, out, N, w.row0 + cw * 64, my_rows,
+                        w.n * (MODE == GATE_UP ? BN8 / 2 : BN8), first, ws + r0 * KT, ws + r1 * KT);
+        } else {
+          skip_stages<2, NST>(s, ph, bars, KT, lane);
+        }
+      } else {
+        const int nv = __shfl_sync(0xffffffffu, w.rows > 0 ? (w.rows + 7) & ~7 : 0, 0);
+        const int col0 = MODE == GATE_UP ? w.n * (BN / 2) + 64 * cw : w.n * BN + 128 * cw;
+        // the slices' weight-scale rows: gate_up the gate block and the up block of the column tile;
+        // down the warpgroup's 128 outputs (past H when H % 256 != 0: any row, those are not stored)
+        const int r0 = MODE == GATE_UP ? w.n : min(2 * w.n + cw, nblk - 1);
+        const int r1 = MODE == GATE_UP ? F / 128 + w.n : r0;
+        const float *ws0 = wscale + ((long long)w.e * nblk + r0) * KT, *ws1 = wscale + ((long long)w.e * nblk + r1) * KT;
+        switch (nv) {
 #define W8_TILE_CASE(n)                                                                                          \
   case n:                                                                                                        \
     w8_tile<MODE, n>(s, ph, ring, bars, stg, cw, t, KT, &tma_out, out, N, w.row0, w.rows, col0, sc, ws0, ws1);   \
     break;
-        W8_TILE_CASE(8) W8_TILE_CASE(16) W8_TILE_CASE(24) W8_TILE_CASE(32) W8_TILE_CASE(40) W8_TILE_CASE(48)
-        W8_TILE_CASE(56) W8_TILE_CASE(64) W8_TILE_CASE(72) W8_TILE_CASE(80) W8_TILE_CASE(88) W8_TILE_CASE(96)
-        W8_TILE_CASE(104) W8_TILE_CASE(112) W8_TILE_CASE(120) W8_TILE_CASE(128)
+          W8_TILE_CASE(8) W8_TILE_CASE(16) W8_TILE_CASE(24) W8_TILE_CASE(32) W8_TILE_CASE(40) W8_TILE_CASE(48)
+          W8_TILE_CASE(56) W8_TILE_CASE(64) W8_TILE_CASE(72) W8_TILE_CASE(80) W8_TILE_CASE(88) W8_TILE_CASE(96)
+          W8_TILE_CASE(104) W8_TILE_CASE(112) W8_TILE_CASE(120) W8_TILE_CASE(128)
 #undef W8_TILE_CASE
-      default: // no rows
-        skip_stages<2, STAGES8>(s, ph, bars, KT, lane);
+        default: // no rows
+          skip_stages<2, STAGES8>(s, ph, bars, KT, lane);
+        }
       }
     }
   }
-  if (wg > 0 && (threadIdx.x & 31) == 0) bulk_wait_all();
+  if (!ROWS && wg > 0 && (threadIdx.x & 31) == 0) bulk_wait_all();
   __syncwarp();
   cluster_sync();
 #else

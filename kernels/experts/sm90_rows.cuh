@@ -64,59 +64,51 @@ __device__ __forceinline__ Work decode(int v, const int *__restrict__ meta, int 
 }
 
 #if defined(MOE_SM90A)
-// register i of lane l holds row 16q + l/4 + 8 ((i/2) % 2), column 8 (i/4) + 2 (l%4) + (i%2).
-// The consumer's 64 x 128 staging tile (256-byte rows) keeps 16-byte chunk c of row r at chunk
-// c ^ (r & 7): the 4-byte writes of a warp (8 rows x 4 lanes) and the 16-byte reads of each
-// quarter warp (8 chunks of one row) both touch 32 distinct banks.
-template <int MODE>
-__device__ __forceinline__ void epilogue(float (&d)[128], uint32_t stg, uint16_t *__restrict__ out, int N, int row0,
+// A consumer warpgroup's 64 rows x 2 ACC columns of accumulators (m64n(2 ACC): bf16's n256, ACC =
+// 128; the FP8 row tiles' n128, ACC = 64): register i of lane l holds row 16q + l/4 + 8 ((i/2) %
+// 2), column 8 (i/4) + 2 (l%4) + (i%2).  gate_up: gate column c and its up column ACC + c, ACC
+// outputs; down: 2 ACC outputs in two passes.  A pass goes through the consumer's 64 x ACC staging
+// tile (2 ACC-byte rows), which keeps 16-byte chunk c of row r at chunk c ^ (r & 7): the 4-byte
+// writes of a warp (8 rows x 4 lanes) and the 16-byte reads of each quarter warp (8 chunks of one
+// row) both touch 32 distinct banks.
+template <int MODE, int ACC>
+__device__ __forceinline__ void epilogue(float (&d)[ACC], uint32_t stg, uint16_t *__restrict__ out, int N, int row0,
                                          int rows, int col0, int bar_id, int t) {
+  constexpr int CH = ACC / 8, ROW = 16 * CH; // 16-byte chunks a staging row, its bytes
   const int lane = t & 31;
   const int sw = lane >> 2; // (row & 7) of both rows this thread writes
-  const uint32_t wbase = stg + (uint32_t)(((t >> 5) * 16 + (lane >> 2)) * 256 + (lane & 3) * 4);
-  constexpr int PASSES = MODE == GATE_UP ? 1 : 2; // 128 output columns per pass
+  const uint32_t wbase = stg + (uint32_t)(((t >> 5) * 16 + (lane >> 2)) * ROW + (lane & 3) * 4);
+  constexpr int PASSES = MODE == GATE_UP ? 1 : 2; // ACC output columns per pass
 #pragma unroll
   for (int p = 0; p < PASSES; p++) {
     named_bar_sync(bar_id, 128); // the staging tile's previous readers are done
 #pragma unroll
-    for (int j = 0; j < 16; j++) {
+    for (int j = 0; j < CH; j++) {
 #pragma unroll
       for (int hh = 0; hh < 2; hh++) {
         float v0, v1;
-        if (MODE == GATE_UP) { // gate column c in register i, its up column 128 + c in i + 64
+        if (MODE == GATE_UP) { // gate column c in register i, its up column ACC + c in i + ACC / 2
           const int i = j * 4 + hh * 2;
-          v0 = swiglu(d[i], d[i + 64]);
-          v1 = swiglu(d[i + 1], d[i + 65]);
+          v0 = swiglu(d[i], d[i + ACC / 2]);
+          v1 = swiglu(d[i + 1], d[i + ACC / 2 + 1]);
         } else {
-          const int i = (p * 16 + j) * 4 + hh * 2;
+          const int i = (p * CH + j) * 4 + hh * 2;
           v0 = d[i];
           v1 = d[i + 1];
         }
-        st_shared_b32(wbase + (uint32_t)(hh * 8 * 256 + ((j ^ sw) << 4)), pack_bf16(v0, v1));
+        st_shared_b32(wbase + (uint32_t)(hh * 8 * ROW + ((j ^ sw) << 4)), pack_bf16(v0, v1));
       }
     }
     named_bar_sync(bar_id, 128);
 #pragma unroll
-    for (int q = 0; q < 8; q++) {
-      const int idx = t + 128 * q, r = idx >> 4, ch = idx & 15;
-      const uint4 v = ld_shared_v4(stg + (uint32_t)(r * 256 + ((ch ^ (r & 7)) << 4)));
-      const int col = col0 + p * 128 + ch * 8;
+    for (int q = 0; q < CH / 2; q++) {
+      const int idx = t + 128 * q, r = idx / CH, ch = idx % CH;
+      const uint4 v = ld_shared_v4(stg + (uint32_t)(r * ROW + ((ch ^ (r & 7)) << 4)));
+      const int col = col0 + p * ACC + ch * 8;
       if (r < rows && col < N) *reinterpret_cast<uint4 *>(out + (long long)(row0 + r) * N + col) = v;
     }
   }
 }
-
-// The weights-as-M tile's epilogue.  d holds two accumulators of NV / 2 registers, D[weight row
-// m][token n] each (m64nNV: register i of lane l of warp q holds m = 16 q + l / 4 + 8 ((i / 2) %
-// 2), n = 8 (i / 4) + 2 (l % 4) + (i % 2)); gate_up: d[i] the gate, d[NV / 2 + i] the up of the
-// same output; down: the warpgroup's first 64 outputs, then the next 64 (two passes).  Each warp
-// writes only its own 16 outputs, through its own slots of staging, so no barrier but the warp's
-// own is needed: each 8 x 8 block is one stmatrix fragment, stored transposed (a token per
-// 32-byte row, its two 16-byte halves swapped every 4 rows: the bulk copy's 32-byte swizzle, and
-// no two of a fragment's rows meet in a bank), 32 tokens a slot.  A slot of 32 tokens goes out as
-// one bulk tensor store (tmo: box {16, 32}) that lane 0 issues and the warp does not wait for, so
-// the stores overlap the next unit's MMAs; the slot is written again STG_SLOTS slots later, once
-// that store has read it.  An expert's last, shorter slot goes out in 16-byte stores, as a box
 #endif // MOE_SM90A
 
 } // namespace

@@ -25,14 +25,16 @@ function explain.parse(report)
   return choice
 end
 
-local OPTIONS = { "schedule_kernel", "experts_kernel", "logits" }
+local OPTIONS = { "schedule_kernel", "experts_kernel", "experts_fp8_kernel", "logits" }
 
--- config() -> { schedule_kernel = "auto", experts_kernel = "auto", logits = "tensor" };
+-- config() -> { schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto",
+-- logits = "tensor" };
 -- config{ experts_kernel = "mma", logits = "exact" } sets the named options (their values are
 -- checked by the library) and returns them all.
 function explain.config(o)
   if o ~= nil then
-    args.options("config", o, { schedule_kernel = "string", experts_kernel = "string", logits = "string" })
+    args.options("config", o,
+      { schedule_kernel = "string", experts_kernel = "string", experts_fp8_kernel = "string", logits = "string" })
     for _, name in ipairs(OPTIONS) do -- "" is no value's name, nor "auto"
       if o[name] == "" then
         args.fail("config", string.format("option '%s' must be %s or 'auto', got \"\"", name,
