@@ -11,6 +11,7 @@
 // takes four consecutive values in one load and writes their q in one store (quantize_whole_kernel,
 // the FP8 layer's tokens).  Nothing is allocated or synchronised: the launches can be captured in
 // a graph.
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 #include "common.cuh"
@@ -63,9 +64,25 @@ quantize_kernel(uint8_t *__restrict__ q, float *__restrict__ scale, const void *
   }
 }
 
+// e4m3 of four quotients x / s, packed (the first in the low byte), by the hardware's conversion:
+// round to nearest even, saturating to +-448, which is moeI_f32_to_e4m3's rule; NaN as its 0x7F.
+__device__ __forceinline__ uint32_t e4m3x4(const float (&v)[4], float s) {
+  uint32_t packed = 0;
+#pragma unroll
+  for (int i = 0; i < 4; i += 2) {
+    const float a = v[i] / s, b = v[i + 1] / s;
+    uint32_t two = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+    if (a != a) two = (two & 0xFF00u) | 0x7Fu;
+    if (b != b) two = (two & 0x00FFu) | 0x7F00u;
+    packed |= two << (8 * i);
+  }
+  return packed;
+}
+
 // The token kinds' blocks when K is a multiple of 128: block n is elements 128 n .. 128 n + 127,
 // a warp a block, grid-stride; lane l holds 4 l .. 4 l + 3 (x 8-byte aligned for bf16, 16 for f32;
-// q 4-byte aligned).  The same amax (a maximum in any order), scale and q as quantize_kernel.
+// q 4-byte aligned).  The same amax (a maximum in any order), scale and q as quantize_kernel (a
+// token scale is never 0, so no zero-scale case).
 template <int BF16>
 __global__ void __launch_bounds__(THREADS)
 quantize_whole_kernel(uint8_t *__restrict__ q, float *__restrict__ scale, const void *__restrict__ x, moeI_qlayout l,
@@ -88,10 +105,7 @@ quantize_whole_kernel(uint8_t *__restrict__ q, float *__restrict__ scale, const 
     for (int i = 0; i < 4; i++) amax = moeI_fp8_amax(amax, v[i]);
     for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float s = moeI_fp8_token_scale(amax);
-    uint32_t packed = 0;
-#pragma unroll
-    for (int i = 0; i < 4; i++) packed |= (uint32_t)moeI_fp8_quantize(v[i], s) << (8 * i);
-    *reinterpret_cast<uint32_t *>(q + at) = packed;
+    *reinterpret_cast<uint32_t *>(q + at) = e4m3x4(v, s);
     if (lane == 0) {
       const int64_t row = n / l.nbk, j = n - row * l.nbk;
       scale[moeI_qlayout_scale_at(&l, row / l.nbr, row % l.nbr, j)] = s;
