@@ -7,8 +7,10 @@
 //               multicast) with the tokens as wgmma's M (64 a consumer warpgroup) and 128 weight
 //               rows as its N (gate_up: 64 gate and the 64 up rows of the same outputs; down: 128
 //               outputs), m64n128k32.  A k block's group is issued into one of two fresh
-//               accumulators while the other's, the block before, is waited for and promoted, so
-//               the tensor cores never wait on a promotion.  6 stages of 33 KiB.
+//               accumulators before the other's, the block before, is waited for and promoted, so
+//               that a promotion does not leave the warpgroup without a group on the tensor
+//               cores.  6 stages of 33 KiB.  Slower than sm90w_fp8 wherever measured
+//               (docs/perf/experts.md), so fp8.cu runs it only when forced.
 //   sm90w_fp8   the weights-as-M tiles (!ROWS): sm90_wt.cuh's frame (clusters of two sharing 256
 //               weight rows by multicast, the tokens as wgmma's N, decode_w's units, w_epilogue's
 //               bulk stores); 3 stages of 49 KiB.
