@@ -8,7 +8,7 @@ local function cpu_layer(o)
 end
 
 describe("moe.config, moe.explain and layer:plan [#cpu]", function()
-  after_each(function() moe.config { schedule_kernel = "auto", experts_kernel = "auto" } end)
+  after_each(function() moe.config { schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto" } end)
 
   it("the options are auto until set", function()
     assert.are.same({ schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto", logits = "tensor" }, moe.config())
@@ -24,6 +24,13 @@ describe("moe.config, moe.explain and layer:plan [#cpu]", function()
         1, true), err)
     end
     assert.truthy(err:find("plan_spec.lua:" .. line, 1, true), err)
+    ok, err = pcall(moe.config, { experts_fp8_kernel = "fastest" })
+    assert.is_false(ok)
+    err = tostring(err)
+    if not err:find("no GPU kernels", 1, true) then
+      assert.truthy(err:find("option 'experts_fp8_kernel' must be auto or one of sm90w_fp8, sm90x2_fp8, got \"fastest\"",
+        1, true), err)
+    end
     assert.has_error(function() moe.config { expert_kernel = "mma" } end)
     assert.are.same({ schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto", logits = "tensor" }, moe.config())
   end)
