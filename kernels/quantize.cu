@@ -9,13 +9,14 @@
 // bits are the CPU's.  Consecutive threads take consecutive elements of a row: coalesced loads
 // and stores.  Where the token kinds' blocks are whole and aligned (K a multiple of 128), a lane
 // takes four consecutive values in one load and writes their q in one store (quantize_whole_kernel,
-// the FP8 layer's tokens).  Nothing is allocated or synchronised: the launches can be captured in
+// the FP8 layer's tokens).  The e4m3 conversion is the hardware's on GPUs that have it
+// (fp8_math.h).  Nothing is allocated or synchronised: the launches can be captured in
 // a graph.
-#include <cuda_fp8.h>
 #include <stdint.h>
 
 #include "common.cuh"
 #include "fp8_math.h"
+#include "token_block.cuh"
 
 namespace {
 
@@ -64,25 +65,9 @@ quantize_kernel(uint8_t *__restrict__ q, float *__restrict__ scale, const void *
   }
 }
 
-// e4m3 of four quotients x / s, packed (the first in the low byte), by the hardware's conversion:
-// round to nearest even, saturating to +-448, which is moeI_f32_to_e4m3's rule; NaN as its 0x7F.
-__device__ __forceinline__ uint32_t e4m3x4(const float (&v)[4], float s) {
-  uint32_t packed = 0;
-#pragma unroll
-  for (int i = 0; i < 4; i += 2) {
-    const float a = v[i] / s, b = v[i + 1] / s;
-    uint32_t two = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-    if (a != a) two = (two & 0xFF00u) | 0x7Fu;
-    if (b != b) two = (two & 0x00FFu) | 0x7F00u;
-    packed |= two << (8 * i);
-  }
-  return packed;
-}
-
 // The token kinds' blocks when K is a multiple of 128: block n is elements 128 n .. 128 n + 127,
-// a warp a block, grid-stride; lane l holds 4 l .. 4 l + 3 (x 8-byte aligned for bf16, 16 for f32;
-// q 4-byte aligned).  The same amax (a maximum in any order), scale and q as quantize_kernel (a
-// token scale is never 0, so no zero-scale case).
+// a warp a block (token_block4), grid-stride; lane l holds 4 l .. 4 l + 3 (x 8-byte aligned for
+// bf16, 16 for f32; q 4-byte aligned).
 template <int BF16>
 __global__ void __launch_bounds__(THREADS)
 quantize_whole_kernel(uint8_t *__restrict__ q, float *__restrict__ scale, const void *__restrict__ x, moeI_qlayout l,
@@ -93,19 +78,14 @@ quantize_whole_kernel(uint8_t *__restrict__ q, float *__restrict__ scale, const 
     const int64_t at = n * MOE_FP8_BLOCK + 4 * lane;
     float v[4];
     if (BF16) {
-      const uint2 raw = *reinterpret_cast<const uint2 *>((const uint16_t *)x + at);
-      v[0] = __uint_as_float(raw.x << 16), v[1] = __uint_as_float(raw.x & 0xFFFF0000u);
-      v[2] = __uint_as_float(raw.y << 16), v[3] = __uint_as_float(raw.y & 0xFFFF0000u);
+      bf16x4(*reinterpret_cast<const uint2 *>((const uint16_t *)x + at), v);
     } else {
       const float4 f = *reinterpret_cast<const float4 *>((const float *)x + at);
       v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
     }
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; i++) amax = moeI_fp8_amax(amax, v[i]);
-    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float s = moeI_fp8_token_scale(amax);
-    *reinterpret_cast<uint32_t *>(q + at) = e4m3x4(v, s);
+    uint32_t packed;
+    const float s = token_block4(v, &packed);
+    *reinterpret_cast<uint32_t *>(q + at) = packed;
     if (lane == 0) {
       const int64_t row = n / l.nbk, j = n - row * l.nbk;
       scale[moeI_qlayout_scale_at(&l, row / l.nbr, row % l.nbr, j)] = s;

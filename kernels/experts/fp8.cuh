@@ -32,7 +32,7 @@
 // 232.  sm90x2_fp8 holds 64 running and 2 x 64 fresh accumulators and two token scales a thread.
 #pragma once
 
-#include "fp8_math.h"
+#include "../token_block.cuh"
 #include "sm90_rows.cuh"
 #include "sm90_wt.cuh"
 
@@ -396,19 +396,10 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(const uint16_t *__re
   for (long long b = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); b < (long long)rows * nb;
        b += nw) {
     const int row = first + (int)(b % rows), kb = (int)(b / rows);
-    const uint2 raw = *reinterpret_cast<const uint2 *>(h + (long long)row * F + kb * 128 + 4 * lane);
     float v[4];
-    v[0] = __uint_as_float(raw.x << 16), v[1] = __uint_as_float(raw.x & 0xFFFF0000u);
-    v[2] = __uint_as_float(raw.y << 16), v[3] = __uint_as_float(raw.y & 0xFFFF0000u);
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; i++) amax = moeI_fp8_amax(amax, v[i]);
-#pragma unroll
-    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float s = moeI_fp8_token_scale(amax);
-    uint32_t packed = 0;
-#pragma unroll
-    for (int i = 0; i < 4; i++) packed |= (uint32_t)moeI_fp8_quantize(v[i], s) << (8 * i);
+    bf16x4(*reinterpret_cast<const uint2 *>(h + (long long)row * F + kb * 128 + 4 * lane), v);
+    uint32_t packed;
+    const float s = token_block4(v, &packed);
     *reinterpret_cast<uint32_t *>(q + (long long)row * F + kb * 128 + 4 * lane) = packed;
     if (lane == 0) scale[(long long)kb * C4 + row] = s;
   }
