@@ -30,7 +30,8 @@ describe("logits option [#cpu]", function()
     { function() moe.config { logits = "" } end, "option 'logits' must be 'tensor', 'exact' or 'auto', got \"\"" },
     { function() moe.config { logits = 1 } end, "option 'logits' must be a string, got 1" },
     { function() moe.config { logit = "exact" } end, "unknown option 'logit'" },
-    { function() core.config("logit", "exact") end, "no option" },
+    { function() core.config("logit", "exact") end,
+      'no option "logit" (schedule_kernel, experts_kernel, experts_fp8_kernel, logits)' },
   }
   for i, row in ipairs(BAD) do
     it("refuses bad value " .. i .. ": " .. row[2], function()
