@@ -26,6 +26,8 @@ function explain.parse(report)
 end
 
 local OPTIONS = { "schedule_kernel", "experts_kernel", "experts_fp8_kernel", "logits" }
+local OPTION_TYPES = {} -- each a string
+for _, name in ipairs(OPTIONS) do OPTION_TYPES[name] = "string" end
 
 -- config() -> { schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto",
 -- logits = "tensor" };
@@ -33,8 +35,7 @@ local OPTIONS = { "schedule_kernel", "experts_kernel", "experts_fp8_kernel", "lo
 -- checked by the library) and returns them all.
 function explain.config(o)
   if o ~= nil then
-    args.options("config", o,
-      { schedule_kernel = "string", experts_kernel = "string", experts_fp8_kernel = "string", logits = "string" })
+    args.options("config", o, OPTION_TYPES)
     for _, name in ipairs(OPTIONS) do -- "" is no value's name, nor "auto"
       if o[name] == "" then
         args.fail("config", string.format("option '%s' must be %s or 'auto', got \"\"", name,
