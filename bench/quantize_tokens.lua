@@ -1,7 +1,7 @@
 -- SPDX-License-Identifier: MIT
 -- moe_quantize's token kind on the FP8 layer's tokens (Kimi K2, 8 ranks x 7,168 tokens, H 7168,
--- bf16), on a GPU: the whole-block path (H a multiple of 128, aligned: a lane converts four values
--- with the hardware's e4m3x2) against the general kernel, reached by the same call on a view 4
+-- bf16), on a GPU: the whole-block path (H a multiple of 128, aligned: four values a lane in one
+-- load and one store) against the general kernel, reached by the same call on a view 4
 -- bytes off the 8-byte alignment the whole-block path needs.  From the repository root, with ./build:
 --
 --   lua5.4 bench/quantize_tokens.lua [device]       (default cuda:0)
