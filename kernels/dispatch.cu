@@ -106,18 +106,33 @@ int launch_rows(moe_ctx *ctx, cudaStream_t s, const char *stage, const Rows &g) 
   return launch<uint8_t>(ctx, s, stage, g);
 }
 
-// out_scale [nb, C] from x_scale [W * T, nb]: one thread per output, rows fastest, so that the
-// writes (the transposed side) are whole runs; each row's source is looked up nb times, from L1.
-__global__ void dispatch_scale_kernel(float *__restrict__ out_scale, const float *__restrict__ x_scale,
-                                      const int32_t *__restrict__ peer_rank, const int32_t *__restrict__ peer_route,
-                                      int64_t C, int64_t nb, int64_t W, int64_t T, int64_t routes, int k,
-                                      int zero_fill) {
-  const int64_t n = C * nb;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t b = i / C, r = i - b * C;
-    const int64_t src = source_of(peer_rank, peer_route, r, W, T, routes, k);
-    if (src >= 0) out_scale[i] = x_scale[src * nb + b];
-    else if (zero_fill) out_scale[i] = 0.0f;
+// out_scale [nb, C] from x_scale [W * T, nb]: a CTA takes SCALE_ROWS rows and looks their sources
+// up once; in chunks of SCALE_COLS scale blocks, it reads each row's run of floats (contiguous in
+// x_scale) into shared memory and writes them transposed, each block's rows as one 128-byte run.
+// (A thread an output read one float every nb from a different token: a sector for 4 bytes.)
+constexpr int SCALE_ROWS = 32, SCALE_COLS = 64;
+__global__ void __launch_bounds__(THREADS)
+dispatch_scale_kernel(float *__restrict__ out_scale, const float *__restrict__ x_scale,
+                      const int32_t *__restrict__ peer_rank, const int32_t *__restrict__ peer_route, int64_t C,
+                      int64_t nb, int64_t W, int64_t T, int64_t routes, int k, int zero_fill) {
+  __shared__ int64_t src[SCALE_ROWS];
+  __shared__ float tile[SCALE_ROWS][SCALE_COLS + 1]; // + 1: the transposed reads fall in distinct banks
+  const int64_t r0 = (int64_t)blockIdx.x * SCALE_ROWS;
+  if (threadIdx.x < SCALE_ROWS)
+    src[threadIdx.x] = r0 + threadIdx.x < C ? source_of(peer_rank, peer_route, r0 + threadIdx.x, W, T, routes, k) : -1;
+  __syncthreads();
+  for (int64_t b0 = 0; b0 < nb; b0 += SCALE_COLS) {
+    const int cols = (int)(nb - b0 < SCALE_COLS ? nb - b0 : SCALE_COLS);
+    for (int i = threadIdx.x; i < SCALE_ROWS * cols; i += THREADS) {
+      const int j = i / cols, c = i - j * cols;
+      tile[j][c] = src[j] >= 0 ? __ldg(x_scale + src[j] * nb + b0 + c) : 0.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < SCALE_ROWS * cols; i += THREADS) {
+      const int c = i / SCALE_ROWS, j = i - c * SCALE_ROWS;
+      if (r0 + j < C && (src[j] >= 0 || zero_fill)) out_scale[(b0 + c) * C + r0 + j] = tile[j][c];
+    }
+    __syncthreads();
   }
 }
 
@@ -150,8 +165,9 @@ int moeI_dispatch_fp8_cuda(moe_ctx *ctx, const moe_dispatch_fp8_args *a) {
   const int32_t *peer_rank = (const int32_t *)a->peer_rank->data, *peer_route = (const int32_t *)a->peer_route->data;
   const Rows g = {a->out->data, a->x->data, peer_rank, peer_route, C, W, T, H, a->k, a->zero_fill};
   if ((rc = launch_rows(ctx, s, "dispatch_fp8", g))) return rc;
-  const int64_t n = C * (H / 128);
-  const int64_t blocks = (n + THREADS - 1) / THREADS < 65536 ? (n + THREADS - 1) / THREADS : 65536;
+  const int64_t blocks = (C + SCALE_ROWS - 1) / SCALE_ROWS;
+  if (blocks > INT32_MAX)
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "dispatch_fp8: %lld rows are too many for cuda", (long long)C);
   dispatch_scale_kernel<<<(unsigned)blocks, THREADS, 0, s>>>((float *)a->out_scale->data,
                                                              (const float *)a->x_scale->data, peer_rank, peer_route, C,
                                                              H / 128, W, T, moeI_dispatch_routes(T, a->k), a->k,

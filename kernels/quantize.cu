@@ -66,29 +66,44 @@ quantize_kernel(uint8_t *__restrict__ q, float *__restrict__ scale, const void *
 }
 
 // The token kinds' blocks when K is a multiple of 128: block n is elements 128 n .. 128 n + 127,
-// a warp a block (token_block4), grid-stride; lane l holds 4 l .. 4 l + 3 (x 8-byte aligned for
-// bf16, 16 for f32; q 4-byte aligned).
+// a warp a block (token_block4); lane l holds 4 l .. 4 l + 3 (x 8-byte aligned for bf16, 16 for
+// f32; q 4-byte aligned).  A warp takes WHOLE_U consecutive blocks at a time, all their loads
+// issued before the first reduction: with one block's 256 bytes a warp in flight, the kernel
+// waited on memory at a third of copy speed.
+constexpr int WHOLE_U = 4;
 template <int BF16>
 __global__ void __launch_bounds__(THREADS)
 quantize_whole_kernel(uint8_t *__restrict__ q, float *__restrict__ scale, const void *__restrict__ x, moeI_qlayout l,
                       int64_t nblocks) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = (int64_t)gridDim.x * (THREADS / 32);
-  for (int64_t n = (int64_t)blockIdx.x * (THREADS / 32) + threadIdx.x / 32; n < nblocks; n += warps) {
-    const int64_t at = n * MOE_FP8_BLOCK + 4 * lane;
-    float v[4];
-    if (BF16) {
-      bf16x4(*reinterpret_cast<const uint2 *>((const uint16_t *)x + at), v);
-    } else {
-      const float4 f = *reinterpret_cast<const float4 *>((const float *)x + at);
-      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+  for (int64_t n0 = ((int64_t)blockIdx.x * (THREADS / 32) + threadIdx.x / 32) * WHOLE_U; n0 < nblocks;
+       n0 += warps * WHOLE_U) {
+    const int here = nblocks - n0 < WHOLE_U ? (int)(nblocks - n0) : WHOLE_U; // uniform over the warp
+    float v[WHOLE_U][4];
+#pragma unroll
+    for (int u = 0; u < WHOLE_U; u++) {
+      if (u >= here) break;
+      const int64_t at = (n0 + u) * MOE_FP8_BLOCK + 4 * lane;
+      if (BF16) {
+        bf16x4(*reinterpret_cast<const uint2 *>((const uint16_t *)x + at), v[u]);
+      } else {
+        const float4 f = *reinterpret_cast<const float4 *>((const float *)x + at);
+        v[u][0] = f.x, v[u][1] = f.y, v[u][2] = f.z, v[u][3] = f.w;
+      }
     }
-    uint32_t packed;
-    const float s = token_block4(v, &packed);
-    *reinterpret_cast<uint32_t *>(q + at) = packed;
-    if (lane == 0) {
-      const int64_t row = n / l.nbk, j = n - row * l.nbk;
-      scale[moeI_qlayout_scale_at(&l, row / l.nbr, row % l.nbr, j)] = s;
+    float mine = 0.0f; // lane u writes block u's scale
+#pragma unroll
+    for (int u = 0; u < WHOLE_U; u++) {
+      if (u >= here) break;
+      uint32_t packed;
+      const float s = token_block4(v[u], &packed);
+      *reinterpret_cast<uint32_t *>(q + (n0 + u) * MOE_FP8_BLOCK + 4 * lane) = packed;
+      if (lane == u) mine = s;
+    }
+    if (lane < here) {
+      const int64_t n = n0 + lane, row = n / l.nbk, j = n - row * l.nbk;
+      scale[moeI_qlayout_scale_at(&l, row / l.nbr, row % l.nbr, j)] = mine;
     }
   }
 }
@@ -133,7 +148,7 @@ int moeI_quantize_cuda(moe_ctx *ctx, moe_tensor *q, moe_tensor *scale, const moe
       (uintptr_t)x->data % (x->dtype == MOE_BF16 ? 8 : 16) == 0) {
     int sms = 132;
     (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x->device.index);
-    const int64_t want = (nblocks + THREADS / 32 - 1) / (THREADS / 32);
+    const int64_t want = (nblocks + THREADS / 32 * WHOLE_U - 1) / (THREADS / 32 * WHOLE_U);
     const unsigned ctas = (unsigned)(want < 8 * sms ? want : 8 * sms);
     if (x->dtype == MOE_BF16)
       quantize_whole_kernel<1><<<ctas, THREADS, 0, s>>>((uint8_t *)q->data, (float *)scale->data, x->data, *l, nblocks);

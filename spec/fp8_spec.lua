@@ -492,9 +492,10 @@ describe("FP8 on the GPU equals the CPU bit for bit [#gpu]", function()
     end
   end
 
-  for _, zero_fill in ipairs { false, true } do
-    it("dispatch_fp8, zero_fill " .. tostring(zero_fill), function()
-      local Wn, T, K, E, H = 4, 33, 4, 16, 512
+  -- H 8960: 70 scale blocks a row, more than the GPU kernel's chunk of 64
+  for _, zero_fill in ipairs { false, true } do for _, H in ipairs { 512, 8960 } do
+    it("dispatch_fp8, H " .. H .. ", zero_fill " .. tostring(zero_fill), function()
+      local Wn, T, K, E = 4, 33, 4, 16
       local ids = random_ids(Wn * T * K, E, 0.1, 12)
       local function run(d)
         local q, s = fp8_input(Wn, T, H, d, 6)
@@ -506,8 +507,9 @@ describe("FP8 on the GPU equals the CPU bit for bit [#gpu]", function()
       end
       local og, sg = run(dev)
       local oc, sc = run("cpu")
-      same_bytes(bytes_of(og), bytes_of(oc), "out")
+      if H == 512 then same_bytes(bytes_of(og), bytes_of(oc), "out")
+      else assert.tensor_equal(og:to("cpu"), oc) end -- through the values: too large for bytes_of to be quick
       same_values(sg:to("cpu"):flat(), sc:flat(), "out_scale")
     end)
-  end
+  end end
 end)
