@@ -4,7 +4,7 @@
 --   lua scenarios/kimi.lua [--tokens N] [--hidden H] [--ffn F] [--world W] [--layout L] [--pad B]
 --                          [--device D] [--devices 0,1,...] [--capacity C] [--seed S] [--sample N]
 --                          [--json FILE] [--trace FILE] [--svg FILE] [--checkpoint DIR --layer N]
---                          [--router tensor|exact] [--precision bf16|fp8]
+--                          [--router tensor|exact] [--precision bf16|fp8] [--anchor]
 --
 -- By default the W ranks are simulated side by side on one device.  With --devices they are real:
 -- one rank per listed GPU, in this process (moe.world), tokens exchanged over NVLink.
@@ -17,7 +17,10 @@
 -- --trace writes one more forward's stages per rank as a Chrome trace (ui.perfetto.dev), --svg a
 -- picture: the stage times against their ceilings, each rank's expert load and padding.
 -- --precision fp8 runs the FP8 layer (moe.layer{precision = "fp8"}), checked against the FP8
--- reference at its tolerance (docs/design.md, "FP8 tolerance"); simulated worlds only.
+-- reference at its tolerance (docs/design.md, "FP8 tolerance"); simulated worlds only.  --anchor
+-- then builds the bf16 layer of the same shapes, seed and tokens in the same process and prints
+-- both passes' times a rank and their ratio (on a GPU each pass as one CUDA graph, on the CPU a
+-- forward's wall clock).
 -- Exits 1 when the layer does not match the reference (or, on a GPU, the router's ids or weights
 -- differ from the CPU route stage's on the GPU's logits); 2 on a bad flag or a configuration the
 -- library refuses.
@@ -50,12 +53,15 @@ local opts = cli.parse(arg, {
   { "svg", "string", nil, "also draw the report as an SVG picture in this file" },
   { "router", "string", "tensor", "the router logits' GPU path: tensor (tensor cores) or exact (the CPU's sums)" },
   { "precision", "string", "bf16", "the experts' precision: bf16, or fp8 (block-scaled e4m3 weights and tokens)" },
+  { "anchor", "flag", nil, "with --precision fp8: also time the bf16 layer of the same shapes, and print the ratio" },
 }, "lua scenarios/kimi.lua: one Kimi K2 MoE layer, expert parallel, checked and timed")
 local json_file = cli.output("json", opts.json)
 local trace_file, svg_file = cli.output("trace", opts.trace), cli.output("svg", opts.svg)
 if opts.precision ~= "bf16" and opts.precision ~= "fp8" then
   cli.fail(string.format("--precision must be bf16 or fp8, got '%s'", opts.precision))
 end
+if opts.anchor and opts.precision ~= "fp8" then cli.fail("--anchor compares the FP8 layer with the bf16 one: give "
+  .. "--precision fp8 too") end
 if opts.sample < 1 then cli.fail(string.format("--sample must be >= 1, got %d", opts.sample)) end
 local device_given = opts.device
 -- A checkpoint's layer has its own sizes: a flag may repeat them, not change them.
@@ -101,10 +107,13 @@ end
 local W, T, H, F = opts.world or (group and group.size) or 8, opts.tokens, opts.hidden, opts.ffn
 local reduced = not ckpt and (H ~= model.hidden or F ~= model.ffn or T ~= 7168)
 
-local layer = cli.guard("moe.layer", moe.layer, { model = model, world = group or W, tokens = T, hidden = H, ffn = F,
-  shared_ffn = ckpt and ckpt.shared_ffn or F, pad = opts.pad, layout = opts.layout, capacity = opts.capacity,
-  device = not group and opts.device or nil, seed = opts.seed, experts = ckpt and ckpt.experts,
-  checkpoint = opts.checkpoint, layer = opts.layer, router = opts.router, precision = opts.precision })
+local function new_layer(precision)
+  return cli.guard("moe.layer", moe.layer, { model = model, world = group or W, tokens = T, hidden = H, ffn = F,
+    shared_ffn = ckpt and ckpt.shared_ffn or F, pad = opts.pad, layout = opts.layout, capacity = opts.capacity,
+    device = not group and opts.device or nil, seed = opts.seed, experts = ckpt and ckpt.experts,
+    checkpoint = opts.checkpoint, layer = opts.layer, router = opts.router, precision = precision })
+end
+local layer = new_layer(opts.precision)
 local E = layer.experts
 local x = moe.randn({ W, T, H }, { dtype = "bf16", device = opts.device, seed = opts.seed * 7919 + 1 })
 -- In a real world each rank's tokens go into its exchange window (layer.inputs): the same values
@@ -177,12 +186,28 @@ local function median(list)
 end
 
 -- The whole pass as one CUDA graph, replayed on the same input (routing recomputed each time).
-local graph_ms
-if not small and not (group and group.local_count > 1) then
-  local g = layer:capture(x)
+local function graph_time(l)
+  local g = l:capture(x)
   g:replay()
   g:check()
-  graph_ms = moe.bench(function() g:replay() end, { warmup = 2, iters = iters, device = opts.device }).median_ms
+  return moe.bench(function() g:replay() end, { warmup = 2, iters = iters, device = opts.device }).median_ms
+end
+local graph_ms
+if not small and not (group and group.local_count > 1) then graph_ms = graph_time(layer) end
+
+-- --anchor: the bf16 layer of the same shapes, seed and tokens, its pass timed as the FP8 one's
+-- (a graph on a GPU; on the CPU, where nothing is captured, both passes by a forward's wall clock).
+local anchor
+if opts.anchor then
+  local function pass_ms(l)
+    if graph_ms then return graph_time(l) end
+    return moe.bench(function() l:forward(x) end, { warmup = 1, iters = iters, device = opts.device }).median_ms
+  end
+  local bf16 = new_layer("bf16")
+  cli.guard("the bf16 anchor's first forward", bf16.forward, bf16, x)
+  anchor = { fp8_ms = graph_ms or pass_ms(layer), bf16_ms = pass_ms(bf16),
+    how = graph_ms and "one CUDA graph" or "a forward, wall clock" }
+  anchor.ratio = anchor.fp8_ms / anchor.bf16_ms
 end
 
 -- Work per stage, for rates beside the ceilings measured on an H200 (docs/perf/README.md): copy
@@ -293,6 +318,10 @@ if group and not graph_ms then
 end
 p("  %-10s %10.3f   (dense f32 reference on the CPU, once, %s)", "reference", ref_ms,
   sample and string.format("%d tokens per rank", sample) or "every token")
+if anchor then
+  p("  anchor      FP8 %.3f ms a rank, bf16 %.3f ms a rank (each pass as %s, same call): FP8 / bf16 = %.3f",
+    anchor.fp8_ms / nr, anchor.bf16_ms / nr, anchor.how, anchor.ratio)
+end
 p("")
 local rmin, rmax = math.huge, 0
 for _, r in ipairs(stats.ranks) do
@@ -341,6 +370,8 @@ if json_file then
     check = { rel_max = metrics.rel_max, rel_l2 = metrics.rel_l2, nans = metrics.nans, rtol = rtol, l2 = l2tol,
       pass = metrics.pass, sampled_tokens = sample },
     route_ids_equal_cpu = route_exact, pass = pass, reference_ms = ref_ms,
+    anchor = anchor and { fp8_ms_per_rank = anchor.fp8_ms / nr, bf16_ms_per_rank = anchor.bf16_ms / nr,
+      ratio = anchor.ratio, timed_as = anchor.how } or nil,
     real = { world = real.W, tokens = real.T, experts = real.E, k = real.K, ranks = real.ranks,
       max_load = real.max_load, mean_load = real.mean_load, route_ms = real.route_ms, schedule_ms = real.schedule_ms },
   }, "\n")

@@ -43,6 +43,23 @@ describe("scenarios/experts.lua, its exit status [#cpu]", function()
     assert.are.equal(2e-2, report.check.l2)
   end)
 
+  it("kimi.lua --anchor times the bf16 layer beside the FP8 one and reports their ratio; without fp8 it exits 2",
+    function()
+      local file = os.tmpname()
+      local out, status = S.run_lua("scenarios/kimi.lua", "--device cpu --tokens 8 --precision fp8 --anchor --json "
+        .. file)
+      local report = require("moelab.json").decode(S.read_file(file))
+      os.remove(file)
+      assert.are.equal(0, status, out)
+      local a = report.anchor
+      assert.is_true(a.fp8_ms_per_rank > 0 and a.bf16_ms_per_rank > 0, out)
+      assert.near(a.fp8_ms_per_rank / a.bf16_ms_per_rank, a.ratio, 1e-9)
+      assert.truthy(out:find(string.format("FP8 / bf16 = %.3f", a.ratio), 1, true), out)
+      out, status = S.run_lua("scenarios/kimi.lua", "--device cpu --tokens 8 --anchor")
+      assert.are.equal(2, status, out)
+      assert.truthy(out:find("give --precision fp8 too", 1, true), out)
+    end)
+
   it("MOE_TRACEBACK=1 adds the traceback to that message, =0 does not", function()
     local flags = "--models kimi_k2 --dists uniform --pads 100000000 --tokens 8"
     assert.truthy(run(flags, "MOE_TRACEBACK=1"):find("stack traceback", 1, true))
