@@ -8,8 +8,9 @@
  * 256, F 128, a weight block of zeros), 1 one expert of 1,000 rows, 2 every row to the last of 3
  * experts, 3 Kimi K2's rank of EP8 (48 experts x 1,195 / 1,194 rows, H 7168, F 2048), 4 its decode
  * (48 x 8 rows); all by default.  Tokens are normal draws, every 7th row scaled by 100, quantized
- * per token; weights normal / sqrt(K), quantized per 128 x 128 (three distinct experts, copied to
- * the rest: the time does not depend on the values).  Rows checked: all of cases 0-2, six of
+ * per token (cases 3-4: TOKEN_POOL distinct rows, copied to the rest); weights normal / sqrt(K),
+ * quantized per 128 x 128 (three distinct experts, copied to the rest: the time does not depend
+ * on which values, only on their kind).  The reference rows are computed on the CPU's threads.  Rows checked: all of cases 0-2, six of
  * every 7th expert in 3-4, against this file's own model of the format (block sums of exact e4m3
  * products in f32, SwiGLU, h rounded to bf16 and quantized per token); PASS when no element is off
  * by more than 6% of its row's largest |ref| (the e4m3 rounding of h flips where the GPU's and the
@@ -129,6 +130,19 @@ static int cmp_float(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
+enum { TOKEN_POOL = 256 }; /* distinct token rows where not every row is checked */
+
+/* the reference rows of the checked (e, c) pairs, refs [n][H], on the CPU's threads */
+typedef struct {
+  const problem *p;
+  const int *e, *c;
+  float *refs;
+} ref_job;
+static void ref_rows(void *arg, int64_t begin, int64_t end) {
+  const ref_job *j = arg;
+  for (int64_t i = begin; i < end; i++) ref_row(j->p, j->e[i], j->c[i], j->refs + (size_t)i * j->p->H);
+}
+
 /* replicate: one expert's weights drawn, the others copies (the timing does not depend on values) */
 static int run(const char *label, int EL, const int *sizes, int H, int F, int extra, int passes, int full) {
   problem p = {.EL = EL, .H = H, .F = F, .sizes = (int *)sizes};
@@ -159,9 +173,16 @@ static int run(const char *label, int EL, const int *sizes, int H, int F, int ex
   p.xq = malloc((size_t)C * H);
   p.xs_t = malloc(sizeof(float) * KH * (size_t)C);
   float *xr = malloc(sizeof(float) * H), *sr = malloc(sizeof(float) * KH);
+  const int drawn = full || C < TOKEN_POOL ? C : TOKEN_POOL;
   for (int c = 0; c < C; c++) {
-    for (int k = 0; k < H; k++) xr[k] = randn() * (c % 7 == 3 ? 100.f : 1.f);
-    quant_row(xr, H, p.xq + (size_t)c * H, sr);
+    if (c < drawn) {
+      for (int k = 0; k < H; k++) xr[k] = randn() * (c % 7 == 3 ? 100.f : 1.f);
+      quant_row(xr, H, p.xq + (size_t)c * H, sr);
+    } else {
+      const int from = c % drawn;
+      memcpy(p.xq + (size_t)c * H, p.xq + (size_t)from * H, H);
+      for (int b = 0; b < KH; b++) sr[b] = p.xs_t[(size_t)b * C + from];
+    }
     for (int b = 0; b < KH; b++) p.xs_t[(size_t)b * C + c] = sr[b];
   }
   int *off = malloc(sizeof(int) * (EL + 1));
@@ -186,9 +207,9 @@ static int run(const char *label, int EL, const int *sizes, int H, int F, int ex
   }
   uint16_t *y = malloc((size_t)C * H * 2);
   moe_tensor_read(ctx, ty, y, (size_t)C * H * 2);
-  float *ref = malloc(sizeof(float) * H);
-  double worst = 0, se = 0, sq = 0;
-  int bad = 0, checked = 0;
+  const size_t most = (size_t)C + 6 * (size_t)EL; /* every row (full), or six an expert */
+  int *pe = malloc(sizeof(int) * most), *pc = malloc(sizeof(int) * most), *pr = malloc(sizeof(int) * most);
+  int picked = 0;
   for (int e = 0; e < EL; e++) {
     int n = sizes[e];
     int picks[6] = {0, 1, n / 2, n - 2, n - 1, 127};
@@ -196,22 +217,30 @@ static int run(const char *label, int EL, const int *sizes, int H, int F, int ex
       int r = full ? i : picks[i];
       if (r < 0 || r >= n) continue;
       if (!full && e % 7 != 0 && e != EL - 1) continue;
-      int c = off[e] + r;
-      ref_row(&p, e, c, ref);
-      float mx = 0;
-      for (int o = 0; o < H; o++) mx = fmaxf(mx, fabsf(ref[o]));
-      for (int o = 0; o < H; o++) {
-        float g = moe_bf16_to_f32(y[(size_t)c * H + o]);
-        double err = fabs(g - ref[o]) / (mx > 0 ? mx : 1);
-        se += (double)(g - ref[o]) * (g - ref[o]) / ((double)mx * mx + 1e-30), sq += (double)ref[o] * ref[o] / ((double)mx * mx + 1e-30);
-        if (!(err <= 0.06)) {
-          if (bad < 5) printf("  mismatch e %d row %d col %d: gpu %g ref %g (row max %g)\n", e, r, o, g, ref[o], mx);
-          bad++;
-        }
-        if (err > worst || err != err) worst = err;
-      }
-      checked++;
+      pe[picked] = e, pr[picked] = r, pc[picked] = off[e] + r, picked++;
     }
+  }
+  float *refs = malloc(sizeof(float) * H * (size_t)(picked ? picked : 1));
+  ref_job job = {&p, pe, pc, refs};
+  moeI_parallel_for(picked, 1, ref_rows, &job);
+  double worst = 0, se = 0, sq = 0;
+  int bad = 0, checked = 0;
+  for (int i = 0; i < picked; i++) {
+    const int e = pe[i], r = pr[i], c = pc[i];
+    const float *ref = refs + (size_t)i * H;
+    float mx = 0;
+    for (int o = 0; o < H; o++) mx = fmaxf(mx, fabsf(ref[o]));
+    for (int o = 0; o < H; o++) {
+      float g = moe_bf16_to_f32(y[(size_t)c * H + o]);
+      double err = fabs(g - ref[o]) / (mx > 0 ? mx : 1);
+      se += (double)(g - ref[o]) * (g - ref[o]) / ((double)mx * mx + 1e-30), sq += (double)ref[o] * ref[o] / ((double)mx * mx + 1e-30);
+      if (!(err <= 0.06)) {
+        if (bad < 5) printf("  mismatch e %d row %d col %d: gpu %g ref %g (row max %g)\n", e, r, o, g, ref[o], mx);
+        bad++;
+      }
+      if (err > worst || err != err) worst = err;
+    }
+    checked++;
   }
   int untouched = 1;
   for (int c = off[EL]; c < C; c++)
