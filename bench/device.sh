@@ -92,6 +92,14 @@ for s in $steps; do
     fault) # a rank that leaves mid-run: the others fail within MOE_WORLD_TIMEOUT (5 s here)
       run fault 120 env MOE_WORLD_TIMEOUT=5 scenarios/launch.sh 2 lua scenarios/world_fault.lua ;;
     kimi) run kimi 400 lua scenarios/kimi.lua --json "$out/kimi.json" ;;
+    fp8) # the FP8 layer's measurements, each beside its anchor in the same call: the experts
+      # against cuBLASLt's FP8 pair, the layer and its decode against the bf16 layer
+      run fp8-experts-bench 120 build/bench/experts_fp8_bench 30
+      run fp8-experts 300 lua scenarios/experts.lua --precision fp8 --models kimi_k2 --dists uniform --pads 1 \
+        --json "$out/fp8-experts.json"
+      run fp8-kimi 400 lua scenarios/kimi.lua --precision fp8 --anchor --json "$out/fp8-kimi.json"
+      run fp8-decode 200 lua scenarios/kimi.lua --precision fp8 --tokens 128 --anchor --json "$out/fp8-decode.json"
+      run fp8-quantize 60 lua bench/quantize_tokens.lua ;;
     scheduler) run scheduler 300 lua scenarios/scheduler.lua --json "$out/scheduler.json" ;;
     experts) run experts 400 lua scenarios/experts.lua --json "$out/experts.json" ;;
     memcheck|racecheck)
