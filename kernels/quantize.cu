@@ -68,8 +68,7 @@ quantize_kernel(uint8_t *__restrict__ q, float *__restrict__ scale, const void *
 // The token kinds' blocks when K is a multiple of 128: block n is elements 128 n .. 128 n + 127,
 // a warp a block (token_block4); lane l holds 4 l .. 4 l + 3 (x 8-byte aligned for bf16, 16 for
 // f32; q 4-byte aligned).  A warp takes WHOLE_U consecutive blocks at a time, all their loads
-// issued before the first reduction: with one block's 256 bytes a warp in flight, the kernel
-// waited on memory at a third of copy speed.
+// issued before the first reduction, so that it has four blocks' bytes in flight, not one.
 constexpr int WHOLE_U = 4;
 template <int BF16>
 __global__ void __launch_bounds__(THREADS)

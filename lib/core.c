@@ -88,11 +88,11 @@ static int config_set(moe_ctx *ctx, int option, const char *value) {
 int moe_ctx_config(moe_ctx *ctx, const char *option, const char *value) {
   if (!ctx) return MOE_ERR_ARG;
   if (!option || !value) return moeI_seterr(ctx, MOE_ERR_ARG, "config: option and value must not be NULL");
-  char names[128] = "";
-  for (int i = 0; i < MOEI_CFG_COUNT; i++) {
+  for (int i = 0; i < MOEI_CFG_COUNT; i++)
     if (strcmp(option, config_options[i].name) == 0) return config_set(ctx, i, value);
+  char names[128] = "";
+  for (int i = 0; i < MOEI_CFG_COUNT; i++)
     snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", i ? ", " : "", config_options[i].name);
-  }
   return moeI_seterr(ctx, MOE_ERR_ARG, "config: no option \"%s\" (%s)", option, names);
 }
 

@@ -7,11 +7,14 @@ local function cpu_layer(o)
   return moe.layer(opts)
 end
 
+-- every option's value until one is set
+local DEFAULTS = { schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto", logits = "tensor" }
+
 describe("moe.config, moe.explain and layer:plan [#cpu]", function()
   after_each(function() moe.config { schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto" } end)
 
   it("the options are auto until set", function()
-    assert.are.same({ schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto", logits = "tensor" }, moe.config())
+    assert.are.same(DEFAULTS, moe.config())
   end)
 
   it("a bad option or kernel name is an error at the caller's line that lists the choices", function()
@@ -28,7 +31,7 @@ describe("moe.config, moe.explain and layer:plan [#cpu]", function()
       assert.truthy(err:find("plan_spec.lua:" .. line, 1, true), err)
     end
     assert.has_error(function() moe.config { expert_kernel = "mma" } end)
-    assert.are.same({ schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto", logits = "tensor" }, moe.config())
+    assert.are.same(DEFAULTS, moe.config())
   end)
 
   it("explain reports the CPU backend for CPU tensors and refuses other stages", function()
@@ -65,7 +68,7 @@ describe("moe.config, moe.explain and layer:plan [#cpu]", function()
 
   it("config is all or nothing, and moe.event takes the default device", function()
     assert.has_error(function() moe.config { schedule_kernel = "auto", experts_kernel = "fastest" } end)
-    assert.are.same({ schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto", logits = "tensor" }, moe.config())
+    assert.are.same(DEFAULTS, moe.config())
     local ok = pcall(moe.config, { schedule_kernel = "grid", experts_kernel = "fastest" })
     assert.is_false(ok)
     assert.are.equal("auto", moe.config().schedule_kernel) -- grid, set first, went back
