@@ -37,34 +37,52 @@ __global__ void __launch_bounds__(THREADS)
 dispatch_kernel(V *__restrict__ xs, const V *__restrict__ x, const int32_t *__restrict__ peer_rank,
                 const int32_t *__restrict__ peer_route, int64_t C, int64_t W, int64_t T, int64_t routes, int k,
                 uint32_t pieces, int rb, int zero_fill) {
+  // The block's rows that are written (with a source, or all under zero_fill), packed: src[i] is
+  // the source of row r0 + row[i].  A layer's capacity rows are often half empty, and a block
+  // that walked its empty rows' pieces cost as much issue as one that copies them.
   __shared__ int64_t src[MAX_RB];
+  __shared__ int row[MAX_RB];
+  __shared__ int n_put;
   const int64_t r0 = (int64_t)blockIdx.x * rb;
   const int nr = (int)(C - r0 < rb ? C - r0 : rb);
-  for (int j = threadIdx.x; j < nr; j += THREADS) src[j] = source_of(peer_rank, peer_route, r0 + j, W, T, routes, k);
+  if (threadIdx.x < 32) {
+    const int lane = (int)threadIdx.x;
+    int n = 0;
+    for (int j0 = 0; j0 < nr; j0 += 32) {
+      const int j = j0 + lane;
+      const int64_t s = j < nr ? source_of(peer_rank, peer_route, r0 + j, W, T, routes, k) : -1;
+      const bool put = j < nr && (s >= 0 || zero_fill);
+      const unsigned m = __ballot_sync(0xffffffffu, put);
+      if (put) {
+        const int at = n + __popc(m & ((1u << lane) - 1u));
+        src[at] = s, row[at] = j;
+      }
+      n += __popc(m);
+    }
+    if (lane == 0) n_put = n;
+  }
   __syncthreads();
 
-  const uint32_t total = (uint32_t)nr * pieces;
+  const uint32_t total = (uint32_t)n_put * pieces;
   V *__restrict__ out = xs + r0 * pieces;
   for (uint32_t base = threadIdx.x; base < total; base += THREADS * UNROLL) {
     V v[UNROLL];
     uint32_t at[UNROLL];
-    bool put[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
       const uint32_t f = base + u * THREADS;
-      put[u] = false;
-      at[u] = f;
-      v[u] = V{};
+      at[u] = UINT32_MAX;
+      v[u] = V{}; // all-zero bits are +0 in bf16 and e4m3 (zero_fill's rows)
       if (f < total) {
-        const uint32_t j = f / pieces, c = f - j * pieces;
-        const int64_t s = src[j];
+        const uint32_t i = f / pieces, c = f - i * pieces;
+        const int64_t s = src[i];
         if (s >= 0) v[u] = __ldg(x + s * pieces + c);
-        put[u] = s >= 0 || zero_fill; // all-zero bits are +0 in bf16 and e4m3
+        at[u] = (uint32_t)row[i] * pieces + c;
       }
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; u++)
-      if (put[u]) out[at[u]] = v[u];
+      if (at[u] != UINT32_MAX) out[at[u]] = v[u];
   }
 }
 
