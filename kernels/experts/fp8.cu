@@ -2,8 +2,9 @@
 // fp8.cu -- the host side of the FP8 experts (fp8.cuh): which tiling runs (the candidates, as
 // select.cu's for bf16; the context's experts_fp8_kernel option forces one), what each needs of
 // the GPU and the tensors, the tensor maps, and the four launches of a pass: map (sm90.cuh's: the
-// row tiles' pairs and solos, or units of 2 NV8_MAX rows), gate_up (h bf16), the quantization of
-// h (e4m3 and its transposed scales), down.
+// row tiles' pairs and solos, or units of 2 NVM rows), gate_up (h bf16), the quantization of h
+// (e4m3 and its transposed scales), down.  NVM, the kernel's template argument: 0 the row tiles,
+// else the weights-as-M tiles' width (fp8.cuh).
 #include <atomic>
 #include <limits.h>
 #include <stdint.h>
@@ -15,6 +16,11 @@
 
 namespace {
 
+// sm90w_fp8_n32 takes the problems whose experts average at most NARROW_ROWS rows (a unit of 2 x
+// 32 or less each): there the weights are read about once either way and its deeper ring pays;
+// past it, it would read an expert's weights once for every 64 rows (docs/perf/experts.md).
+constexpr long long NARROW_ROWS = 64;
+
 // e4m3 [rows, k] in the GEMM's boxes {128 bytes, box_rows}, 128-byte swizzle.
 bool encode_e4m3(CUtensorMap *m, const void *base, long long rows, long long k, int box_rows) {
   return encode_2d(m, base, rows, k, box_rows, BK8, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_DATA_TYPE_UINT8);
@@ -23,10 +29,10 @@ bool encode_e4m3(CUtensorMap *m, const void *base, long long rows, long long k, 
 bool encode_scales(CUtensorMap *m, const void *base, long long kb, long long c4) {
   return encode_2d(m, base, kb, c4, 1, S8_COUNT, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
 }
-// The boxes of A's rows the kernel reads: ROWS 128 and a solo unit's halves of 64 (the third
-// unread); else 128, 32 and 8.
-template <bool ROWS> bool encode_rows(CUtensorMap m[3], const void *base, long long rows, long long k) {
-  if (ROWS) return encode_e4m3(&m[0], base, rows, k, 128) && encode_e4m3(&m[1], base, rows, k, BM / 2) &&
+// The boxes of A's rows the kernel reads: the row tiles 128 and a solo unit's halves of 64 (the
+// third unread); else 128, 32 and 8.
+template <int NVM> bool encode_rows(CUtensorMap m[3], const void *base, long long rows, long long k) {
+  if (NVM == 0) return encode_e4m3(&m[0], base, rows, k, 128) && encode_e4m3(&m[1], base, rows, k, BM / 2) &&
                    encode_e4m3(&m[2], base, rows, k, 128);
   return encode_e4m3(&m[0], base, rows, k, 128) && encode_e4m3(&m[1], base, rows, k, 32) &&
          encode_e4m3(&m[2], base, rows, k, 8);
@@ -35,7 +41,7 @@ template <bool ROWS> bool encode_rows(CUtensorMap m[3], const void *base, long l
 // The stub the kernel becomes without sm_90a has static shared memory (fp8.cuh); the real one none.
 bool e4m3_built() {
   cudaFuncAttributes fa;
-  if (cudaFuncGetAttributes(&fa, sm90_e4m3_kernel<GATE_UP, false>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&fa, sm90_e4m3_kernel<GATE_UP, NV8_MAX>) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
@@ -43,14 +49,14 @@ bool e4m3_built() {
 }
 
 // Clusters of two that fit at once (the persistent grid), cached per device, pass and tiling; 0: none.
-template <int MODE, bool ROWS> int resident_clusters(int dev) {
+template <int MODE, int NVM> int resident_clusters(int dev) {
   static std::atomic<int> cache[64];
   if (dev >= 0 && dev < 64) {
     const int c = cache[dev].load(std::memory_order_relaxed);
     if (c > 0) return c - 1;
   }
-  auto kernel = sm90_e4m3_kernel<MODE, ROWS>;
-  constexpr int smem = smem8_bytes<ROWS>();
+  auto kernel = sm90_e4m3_kernel<MODE, NVM>;
+  constexpr int smem = smem8_bytes<NVM>();
   int n = 0;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -75,10 +81,10 @@ struct Pass {
   int *waves;
 };
 
-template <int MODE, bool ROWS>
+template <int MODE, int NVM>
 cudaError_t launch(cudaStream_t stream, int clusters, const Pass &p, const int *meta, int EL, int F) {
-  auto kernel = sm90_e4m3_kernel<MODE, ROWS>;
-  constexpr int smem = smem8_bytes<ROWS>();
+  auto kernel = sm90_e4m3_kernel<MODE, NVM>;
+  constexpr int smem = smem8_bytes<NVM>();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   cudaLaunchAttribute attr[1];
@@ -91,12 +97,12 @@ cudaError_t launch(cudaStream_t stream, int clusters, const Pass &p, const int *
 
 // What keeps a tiling from the problem: CANNOT and why, or TAKES.  The caller has checked the
 // dtypes, shapes and devices, H and F multiples of 128, and that C and EL are not 0.
-template <bool ROWS> int fits(moe_ctx *ctx, const moe_experts_fp8_args *a, Fit *fit, char *why, size_t n) {
+template <int NVM> int fits(moe_ctx *ctx, const moe_experts_fp8_args *a, Fit *fit, char *why, size_t n) {
   (void)ctx;
   const long long C = a->x->shape[0], H = a->x->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
   const int dev = a->x->device.index;
-  constexpr int smem = smem8_bytes<ROWS>();
+  constexpr int smem = smem8_bytes<NVM>();
   int major = 0, minor = 0, optin = 0;
   *fit = CANNOT;
   why[0] = 0;
@@ -119,15 +125,20 @@ template <bool ROWS> int fits(moe_ctx *ctx, const moe_experts_fp8_args *a, Fit *
              F);
   } else if (!encode_tiled()) {
     snprintf(why, n, "the driver offers no cuTensorMapEncodeTiled");
-  } else if (resident_clusters<GATE_UP, ROWS>(dev) <= 0 || resident_clusters<DOWN, ROWS>(dev) <= 0) {
+  } else if (resident_clusters<GATE_UP, NVM>(dev) <= 0 || resident_clusters<DOWN, NVM>(dev) <= 0) {
     snprintf(why, n, "no cluster of two CTAs of the kernel fits on cuda:%d", dev);
+  } else if (NVM == NV8_NARROW && C > NARROW_ROWS * EL) {
+    *fit = DECLINES;
+    snprintf(why, n, "the experts average more than %d rows (C %lld, EL %lld): sm90w_fp8 is faster", NARROW_ROWS, C,
+             EL);
   } else {
     *fit = TAKES;
   }
   return MOE_OK;
 }
 
-template <bool ROWS> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
+template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
+  constexpr bool ROWS = NVM == 0;
   const long long C = a->x->shape[0], H = a->x->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
   const int dev = a->x->device.index;
@@ -151,9 +162,11 @@ template <bool ROWS> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   float *hs = (float *)(p + meta_bytes + h_bytes + hq_bytes);
   float *xs = C4 != C ? (float *)(p + meta_bytes + h_bytes + hq_bytes + hs_bytes) : (float *)a->x_scale->data;
 
-  // units per column tile whatever the offsets: row tiles (ROWS), or units of at most 2 NV8_MAX
-  // rows, and one more an expert
-  const long long tmax = (ROWS ? (C + BM - 1) / BM : C / (2 * NV8_MAX)) + (EL < C ? EL : C);
+  // units per column tile whatever the offsets: row tiles (ROWS), or units of at most 2 NVM rows,
+  // and one more an expert
+  long long tmax = EL < C ? EL : C;
+  if constexpr (ROWS) tmax += (C + BM - 1) / BM;
+  else tmax += C / (2 * NVM);
   // outputs a column tile: ROWS 64 (gate_up) and 128 (down), else 128 and 256
   const int out_gu = ROWS ? BN8 / 2 : BN / 2, out_dn = ROWS ? BN8 : BN, b_box = ROWS ? BN8 / 2 : 128;
   const bool gate = C >= 2 * BM * EL;
@@ -163,16 +176,16 @@ template <bool ROWS> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   gu.out = h, dn.out = (uint16_t *)a->out->data;
   gu.wscale = (const float *)a->w_gate_up_scale->data, dn.wscale = (const float *)a->w_down_scale->data;
   gu.waves = gate ? meta + 4 * EL + 2 : nullptr, dn.waves = gate ? meta + 4 * EL + 3 : nullptr;
-  const int fit_gu = resident_clusters<GATE_UP, ROWS>(dev), fit_dn = resident_clusters<DOWN, ROWS>(dev);
+  const int fit_gu = resident_clusters<GATE_UP, NVM>(dev), fit_dn = resident_clusters<DOWN, NVM>(dev);
   const int g_gu = (int)(tmax * gu.NT < fit_gu ? tmax * gu.NT : fit_gu);
   const int g_dn = (int)(tmax * dn.NT < fit_dn ? tmax * dn.NT : fit_dn);
 
   const char *what = "cuTensorMapEncodeTiled";
   cudaError_t err = cudaSuccess;
   const bool maps =
-      encode_rows<ROWS>(gu.a, a->x->data, C, H) && encode_e4m3(&gu.b, a->w_gate_up->data, EL * 2 * F, H, b_box) &&
+      encode_rows<NVM>(gu.a, a->x->data, C, H) && encode_e4m3(&gu.b, a->w_gate_up->data, EL * 2 * F, H, b_box) &&
       encode_scales(&gu.sx, xs, H / 128, C4) && encode_2d(&gu.out_map, h, C, F, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B) &&
-      encode_rows<ROWS>(dn.a, hq, C, F) && encode_e4m3(&dn.b, a->w_down->data, EL * H, F, b_box) &&
+      encode_rows<NVM>(dn.a, hq, C, F) && encode_e4m3(&dn.b, a->w_down->data, EL * H, F, b_box) &&
       encode_scales(&dn.sx, hs, F / 128, C4) &&
       encode_2d(&dn.out_map, dn.out, C, H, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B);
   if (!maps) err = cudaErrorInvalidValue;
@@ -184,12 +197,12 @@ template <bool ROWS> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   if (err == cudaSuccess) {
     what = "map launch";
     sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->offsets->data, (int)EL, (int)C, 2,
-                                                   ROWS ? 0 : 2 * NV8_MAX);
+                                                   2 * NVM);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess) {
     what = "gate_up launch";
-    err = launch<GATE_UP, ROWS>(stream, g_gu, gu, meta, (int)EL, (int)F);
+    err = launch<GATE_UP, NVM>(stream, g_gu, gu, meta, (int)EL, (int)F);
   }
   if (err == cudaSuccess) {
     what = "quantize launch";
@@ -200,15 +213,16 @@ template <bool ROWS> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   }
   if (err == cudaSuccess) {
     what = "down launch";
-    err = launch<DOWN, ROWS>(stream, g_dn, dn, meta, (int)EL, (int)F);
+    err = launch<DOWN, NVM>(stream, g_dn, dn, meta, (int)EL, (int)F);
   }
   return experts_finish(ctx, stream, scratch, err, what);
 }
 
 // The tilings in the order "auto" tries them (fp8.cuh; docs/perf/experts.md).
 const Candidate<moe_experts_fp8_args> fp8_kernels[] = {
-    {"sm90w_fp8", fits<false>, run<false>},
-    {"sm90x2_fp8", fits<true>, run<true>},
+    {"sm90w_fp8_n32", fits<NV8_NARROW>, run<NV8_NARROW>},
+    {"sm90w_fp8", fits<NV8_MAX>, run<NV8_MAX>},
+    {"sm90x2_fp8", fits<0>, run<0>},
 };
 
 } // namespace

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
-// fp8.cuh -- the FP8 experts GEMM on Hopper (moe_experts_fp8) on block-scaled e4m3 operands, in two
-// tilings, each its own instantiation of one kernel (ROWS):
+// fp8.cuh -- the FP8 experts GEMM on Hopper (moe_experts_fp8) on block-scaled e4m3 operands, in
+// three tilings, each its own instantiation of one kernel (NVM: 0 for the row tiles, else the
+// weights-as-M tiles' width):
 //
 //   sm90x2_fp8  the row tiles (ROWS): sm90_rows.cuh's work list (decode: pairs of 128-row tiles
 //               sharing the weights by multicast, an odd last tile solo with the rows' halves
@@ -13,7 +14,10 @@
 //               (docs/perf/experts.md), so fp8.cu runs it only when forced.
 //   sm90w_fp8   the weights-as-M tiles (!ROWS): sm90_wt.cuh's frame (clusters of two sharing 256
 //               weight rows by multicast, the tokens as wgmma's N, decode_w's units, w_epilogue's
-//               bulk stores); 3 stages of 49 KiB.
+//               bulk stores), up to 128 tokens a CTA; 3 stages of 49 KiB.
+//   sm90w_fp8_n32  the same, up to 32 tokens a CTA (units of 64 rows); 5 stages of 37 KiB.  Where
+//               the experts average few rows (decode) the weights stream through once, and what
+//               bounds their rate is the bytes in flight: the stages a CTA fills ahead.
 //
 // A stage is one k block of 128: 128 e4m3 bytes a row, the same 128-byte swizzle rows as bf16's
 // 64 columns, so the descriptors, boxes and k32 slices (32 bytes) are bf16's byte for byte.  A
@@ -38,18 +42,25 @@
 
 namespace {
 
-constexpr int NV8_MAX = 128;                             // tokens a CTA (wgmma N)
+constexpr int NV8_MAX = 128;                             // tokens a CTA (wgmma N), the wider tiling
+constexpr int NV8_NARROW = 32;                           // the narrower one (decode)
 constexpr int BK8 = 128;                                 // k a stage: one scale block, 128 bytes a row
-constexpr int A8_BYTES = NV8_MAX * BK8;                  // 16 KiB of tokens
 constexpr int S8_COUNT = NV8_MAX + 4;                    // a box of scales: from the CTA's first token rounded
                                                          // down to 4 (a box starts on 16 bytes)
 constexpr int S8_BYTES = 1024;                           // their slot
-constexpr int STAGE8_BYTES = A8_BYTES + 2 * B_HALF + S8_BYTES;
-constexpr int STAGES8 = 3;
-constexpr int SMEM8_BYTES = STAGES8 * STAGE8_BYTES + 2 * STG_W_BYTES + 2 * STAGES8 * 8 + 1024;
+// The weights-as-M tiles of at most NVM tokens a CTA: a stage holds NVM token rows, so the narrow
+// tiling's ring is deeper (5 stages of 37 KiB against 3 of 49), more weight bytes in flight where
+// they stream through once (decode).
+template <int NVM> constexpr int stage8_bytes() { return NVM * BK8 + 2 * B_HALF + S8_BYTES; }
+template <int NVM> constexpr int stages8() { return NVM == NV8_MAX ? 3 : 5; }
+template <int NVM> constexpr int smem_w8_bytes() {
+  return stages8<NVM>() * stage8_bytes<NVM>() + 2 * STG_W_BYTES + 2 * stages8<NVM>() * 8 + 1024;
+}
 static_assert(B_HALF == 128 * BK8, "a weight half is 128 rows of 128 e4m3, as of 64 bf16");
-static_assert(STAGE8_BYTES % 1024 == 0 && A8_BYTES % 1024 == 0, "operands on 1024-byte swizzle atoms");
-static_assert(SMEM8_BYTES <= 232448, "fits the 227 KiB a Hopper block may opt in to");
+static_assert(stage8_bytes<NV8_MAX>() % 1024 == 0 && stage8_bytes<NV8_NARROW>() % 1024 == 0 &&
+                  NV8_NARROW * BK8 % 1024 == 0, "operands on 1024-byte swizzle atoms");
+static_assert(smem_w8_bytes<NV8_MAX>() <= 232448 && smem_w8_bytes<NV8_NARROW>() <= 232448,
+              "fits the 227 KiB a Hopper block may opt in to");
 static_assert(S8_COUNT * 4 <= S8_BYTES && S8_COUNT * 4 % 16 == 0, "a stage's token scales fit their slot");
 // The row tiles (ROWS): BM tokens x BN8 weight rows a CTA, the weights in halves of BN8 / 2 rows
 // (a pair's CTAs load one each and multicast it), a consumer's staging 64 rows x 64 bf16.
@@ -59,10 +70,11 @@ constexpr int STAGE_R8_BYTES = BM * BK8 + BN8 * BK8 + S8_BYTES;       // 33 KiB
 constexpr int STAGES_R8 = 6;
 constexpr int STG_R8_BYTES = 64 * 128;
 constexpr int SMEM_R8_BYTES = STAGES_R8 * STAGE_R8_BYTES + 2 * STG_R8_BYTES + 2 * STAGES_R8 * 8 + 1024;
-static_assert(BM * BK8 == A8_BYTES && STAGE_R8_BYTES % 1024 == 0 && B8_HALF % 1024 == 0,
+static_assert(BM * BK8 % 1024 == 0 && STAGE_R8_BYTES % 1024 == 0 && B8_HALF % 1024 == 0,
               "the row tiles' operands on 1024-byte swizzle atoms");
 static_assert(SMEM_R8_BYTES <= 232448, "the row tiles' ring fits too");
-template <bool ROWS> constexpr int smem8_bytes() { return ROWS ? SMEM_R8_BYTES : SMEM8_BYTES; }
+// NVM: the weights-as-M tiles' width, or 0 for the row tiles (one kernel's template argument).
+template <int NVM> constexpr int smem8_bytes() { return NVM ? smem_w8_bytes<NVM>() : SMEM_R8_BYTES; }
 
 #if defined(MOE_SM90A)
 
@@ -106,7 +118,7 @@ __device__ __forceinline__ void slice_mma(float (&acc)[NV / 2], uint64_t dw, uin
 // A consumer warpgroup's tile: its 128 weight rows (gate_up: 64 gate and the 64 up rows of the
 // same outputs; down: 128 outputs) x the CTA's NV tokens, over KT k blocks; ws0 and ws1 the two
 // slices' weight scales (one a k block).
-template <int MODE, int NV>
+template <int MODE, int NV, int NVM>
 __device__ __forceinline__ void w8_tile(int &s, uint32_t &ph, uint32_t ring, uint32_t bars, uint32_t stg, int cw,
                                         int t, int KT, const CUtensorMap *tmo, uint16_t *__restrict__ out, int N,
                                         int row0, int rows, int col0, uint32_t &sc, const float *__restrict__ ws0,
@@ -118,22 +130,23 @@ __device__ __forceinline__ void w8_tile(int &s, uint32_t &ph, uint32_t ring, uin
   for (int i = 0; i < NV; i++) d[i] = 0.f;
   float acc[H2], xs[NV / 4];
   const int lane = t & 31;
-  const uint32_t wb = ring + A8_BYTES;
+  constexpr int STAGE = stage8_bytes<NVM>(), NST = stages8<NVM>();
+  const uint32_t wb = ring + NVM * BK8;
   const uint32_t m0 = MODE == GATE_UP ? 64 * cw : 128 * cw, m1 = MODE == GATE_UP ? 128 + 64 * cw : 128 * cw + 64;
   const uint64_t dw0 = smem_desc(wb + m0 * BK8), dw1 = smem_desc(wb + m1 * BK8), dx = smem_desc(ring);
   for (int kb = 0; kb < KT; kb++) {
     const float sw0 = __ldg(ws0 + kb), sw1 = __ldg(ws1 + kb);
     mbar_wait(bars + 8u * (uint32_t)s, ph);
-    const uint64_t off = (uint64_t)(s * (STAGE8_BYTES >> 4));
-    const uint32_t scales = ring + (uint32_t)(s * STAGE8_BYTES + A8_BYTES + 2 * B_HALF) + first_scale;
+    const uint64_t off = (uint64_t)(s * (STAGE >> 4));
+    const uint32_t scales = ring + (uint32_t)(s * STAGE + NVM * BK8 + 2 * B_HALF) + first_scale;
     slice_mma<NV>(acc, dw0 + off, dx + off);
     token_scales<NV>(xs, scales, lane);
     promote<NV, 0>(d, acc, xs, sw0);
     slice_mma<NV>(acc, dw1 + off, dx + off);
     promote<NV, H2>(d, acc, xs, sw1);
     __syncwarp(); // the warp's reads of the slot's scales are done
-    release_slot<2>(bars + 8u * (uint32_t)(STAGES8 + s), lane);
-    if (++s == STAGES8) s = 0, ph ^= 1u;
+    release_slot<2>(bars + 8u * (uint32_t)(NST + s), lane);
+    if (++s == NST) s = 0, ph ^= 1u;
   }
   w_epilogue<MODE, NV>(d, stg, tmo, out, N, row0, rows, col0, t, sc);
 }
@@ -238,7 +251,7 @@ __device__ __forceinline__ void r8_tile(int &s, uint32_t &ph, uint32_t ring, uin
 //   tma_out   out in w_epilogue's boxes {16, 32} (!ROWS)
 //   wscale    W's scales [EL, b_rows / EL / 128, K / 128]
 //   N         output columns (F for gate_up, H for down); F the up rows' offset inside an expert
-template <int MODE, bool ROWS>
+template <int MODE, int NVM>
 __global__ void __launch_bounds__(THREADS, 1)
     sm90_e4m3_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_a32,
                      const __grid_constant__ CUtensorMap tma_a8, const __grid_constant__ CUtensorMap tma_b,
@@ -246,8 +259,10 @@ __global__ void __launch_bounds__(THREADS, 1)
                      uint16_t *__restrict__ out, const float *__restrict__ wscale, const int *__restrict__ meta, int EL,
                      int NT, int KT, int N, int F, int b_rows, int *waves) {
 #if defined(MOE_SM90A)
-  constexpr int NST = ROWS ? STAGES_R8 : STAGES8, STAGE = ROWS ? STAGE_R8_BYTES : STAGE8_BYTES;
+  constexpr bool ROWS = NVM == 0;
+  constexpr int NST = ROWS ? STAGES_R8 : stages8<NVM>(), STAGE = ROWS ? STAGE_R8_BYTES : stage8_bytes<NVM>();
   constexpr int STG = ROWS ? STG_R8_BYTES : STG_W_BYTES, B_SLOT = ROWS ? BN8 * BK8 : 2 * B_HALF;
+  constexpr int A_SLOT = ROWS ? BM * BK8 : NVM * BK8;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t staging = ring + NST * STAGE;
@@ -271,7 +286,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                          : __ldg(meta + 5 * EL + 4) * NT;
   auto work = [&](int v) {
     if constexpr (ROWS) return decode<2>(v, meta, EL, NT, rank);
-    else return decode_w<NV8_MAX>(v, meta, EL, NT, rank);
+    else return decode_w<NVM>(v, meta, EL, NT, rank);
   };
   if (wg == 0) {
     setmaxnreg_dec<PRODUCER_REGS>();
@@ -298,11 +313,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int n8 = w.rows > 0 ? (w.rows + 7) & ~7 : 0;
         for (int kb = 0; kb < KT; kb++) {
           mbar_wait(empty_bar(s), ph ^ 1u);
-          const uint32_t sa = ring + (uint32_t)(s * STAGE), sb = sa + A8_BYTES, ss = sb + B_SLOT;
+          const uint32_t sa = ring + (uint32_t)(s * STAGE), sb = sa + A_SLOT, ss = sb + B_SLOT;
           if constexpr (ROWS) {
-            mbar_expect_tx(full_bar(s), (uint32_t)(A8_BYTES + BN8 * BK8 + S8_COUNT * 4));
+            mbar_expect_tx(full_bar(s), (uint32_t)(A_SLOT + BN8 * BK8 + S8_COUNT * 4));
             if (w.solo) { // both CTAs on this row tile: each loads half its rows for both, and its own weights
-              tma_load_multicast(sa + (uint32_t)(rank * A8_BYTES / 2), &tma_a32, kb * BK8, w.row0 + rank * (BM / 2),
+              tma_load_multicast(sa + (uint32_t)(rank * A_SLOT / 2), &tma_a32, kb * BK8, w.row0 + rank * (BM / 2),
                                  full_bar(s), 3);
               tma_load(sb, &tma_b, kb * BK8, b0, full_bar(s));
               tma_load(sb + B8_HALF, &tma_b, kb * BK8, b1, full_bar(s));
@@ -361,14 +376,16 @@ __global__ void __launch_bounds__(THREADS, 1)
         switch (nv) {
 #define W8_TILE_CASE(n)                                                                                          \
   case n:                                                                                                        \
-    w8_tile<MODE, n>(s, ph, ring, bars, stg, cw, t, KT, &tma_out, out, N, w.row0, w.rows, col0, sc, ws0, ws1);   \
+    if constexpr (n <= NVM)                                                                                      \
+      w8_tile<MODE, n, NVM>(s, ph, ring, bars, stg, cw, t, KT, &tma_out, out, N, w.row0, w.rows, col0, sc, ws0,  \
+                            ws1);                                                                                \
     break;
           W8_TILE_CASE(8) W8_TILE_CASE(16) W8_TILE_CASE(24) W8_TILE_CASE(32) W8_TILE_CASE(40) W8_TILE_CASE(48)
           W8_TILE_CASE(56) W8_TILE_CASE(64) W8_TILE_CASE(72) W8_TILE_CASE(80) W8_TILE_CASE(88) W8_TILE_CASE(96)
           W8_TILE_CASE(104) W8_TILE_CASE(112) W8_TILE_CASE(120) W8_TILE_CASE(128)
 #undef W8_TILE_CASE
         default: // no rows
-          skip_stages<2, STAGES8>(s, ph, bars, KT, lane);
+          skip_stages<2, NST>(s, ph, bars, KT, lane);
         }
       }
     }
