@@ -166,7 +166,10 @@ local function experts_args(o, explaining)
       args.fail("experts", string.format("option '%s' is for an e4m3 x (FP8 experts), got x %s", name, tostring(x)))
     end
   end
-  if is_fp8 and explaining then args.fail("explain", "the FP8 experts (e4m3 x) have no explain: one kernel runs them") end
+  if is_fp8 and explaining then
+    args.fail("explain", "the FP8 experts (e4m3 x) have no explain: moe_experts_fp8 picks its tiling itself (the "
+      .. "context's experts_fp8_kernel option forces one)")
+  end
   local out = o.out or explaining and x or output("experts", "bf16", x.shape, x.device, "the shape of x")
   return { out = out, x = x, offsets = o.offsets, w_gate_up = o.w_gate_up, w_down = o.w_down, x_scale = o.x_scale,
     w_gate_up_scale = o.w_gate_up_scale, w_down_scale = o.w_down_scale }, is_fp8
