@@ -86,8 +86,10 @@ local function layer_result(text)
   local err, l2 = text:match("check [^\n]-= ([%d.e+-]+) %(tol[^\n]-= ([%d.e+-]+) %(tol")
   if err then check = string.format("%s (max err / max ref %s, relative L2 %s)", check, err, l2) end
   local experts = grab(text, "\n  experts%s+([%d.]+)%s+([%d.]+) TFLOP/s", "; experts %s ms = %s TFLOP/s") or ""
-  return string.format("%s ms a pass%s%s; check %s", eager, graph and (", " .. graph .. " ms as one CUDA graph") or "",
-    experts, check)
+  local anchor = grab(text, "\n  anchor%s+FP8 ([%d.]+) ms a rank, bf16 ([%d.]+) ms a rank[^\n]-= ([%d.]+)",
+    "; a rank FP8 %s ms beside bf16 %s ms in the same call (%s)") or ""
+  local graphed = graph and (", " .. graph .. " ms as one CUDA graph") or ""
+  return string.format("%s ms a pass%s%s; check %s%s", eager, graphed, experts, check, anchor)
 end
 
 row("Kimi K2 layer, 8 ranks simulated" .. (gpu and " on one GPU (8 x 7,168 tokens)" or " (H, F, tokens reduced)"),
@@ -126,8 +128,8 @@ if gpu then
       "kernel %s: %s ms = %s GB/s of weights read")
   end, here)
   row("Kimi K2 FP8 layer, 8 ranks simulated on one GPU (8 x 7,168 tokens)",
-    lua .. " scenarios/kimi.lua --precision fp8", layer_result, here)
-  row("Kimi K2 FP8 layer, decode (8 x 128 tokens)", lua .. " scenarios/kimi.lua --precision fp8 --tokens 128",
+    lua .. " scenarios/kimi.lua --precision fp8 --anchor", layer_result, here)
+  row("Kimi K2 FP8 layer, decode (8 x 128 tokens)", lua .. " scenarios/kimi.lua --precision fp8 --tokens 128 --anchor",
     layer_result, here)
   row("FP8 experts, Kimi K2 rank 0 of EP8 (uniform routing), beside cuBLASLt's FP8 dense pair of the same rows",
     lua .. " scenarios/experts.lua --precision fp8 --models kimi_k2 --dists uniform --pads 1", function(text)
