@@ -19,7 +19,7 @@ namespace {
 // sm90w_fp8_n32 takes the problems whose experts average at most NARROW_ROWS rows (a unit of 2 x
 // 32 or less each): there the weights are read about once either way and its deeper ring pays;
 // past it, it would read an expert's weights once for every 64 rows (docs/perf/experts.md).
-constexpr long long NARROW_ROWS = 64;
+constexpr int NARROW_ROWS = 2 * NV8_NARROW;
 
 // e4m3 [rows, k] in the GEMM's boxes {128 bytes, box_rows}, 128-byte swizzle.
 bool encode_e4m3(CUtensorMap *m, const void *base, long long rows, long long k, int box_rows) {

@@ -241,7 +241,7 @@ __device__ __forceinline__ void r8_tile(int &s, uint32_t &ph, uint32_t ring, uin
 
 #endif // MOE_SM90A
 
-// out [C, N] bf16 for the units of the work list (ROWS: decode<2>'s; else decode_w<NV8_MAX>'s):
+// out [C, N] bf16 for the units of the work list (ROWS: decode<2>'s; else decode_w<NVM>'s):
 //   tma_a     A [C, K] e4m3 (x, or the quantized h) in boxes {128, 128 rows}
 //   tma_a32   the same in boxes of 64 rows (ROWS: a solo unit's halves) or 32 rows
 //   tma_a8    the same in boxes of 8 rows (!ROWS)
@@ -260,6 +260,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                      int NT, int KT, int N, int F, int b_rows, int *waves) {
 #if defined(MOE_SM90A)
   constexpr bool ROWS = NVM == 0;
+  static_assert(ROWS || NVM == NV8_MAX || NVM == NV8_NARROW, "a tiling whose ring stages8 sizes");
   constexpr int NST = ROWS ? STAGES_R8 : stages8<NVM>(), STAGE = ROWS ? STAGE_R8_BYTES : stage8_bytes<NVM>();
   constexpr int STG = ROWS ? STG_R8_BYTES : STG_W_BYTES, B_SLOT = ROWS ? BN8 * BK8 : 2 * B_HALF;
   constexpr int A_SLOT = ROWS ? BM * BK8 : NVM * BK8;
@@ -377,8 +378,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 #define W8_TILE_CASE(n)                                                                                          \
   case n:                                                                                                        \
     if constexpr (n <= NVM)                                                                                      \
-      w8_tile<MODE, n, NVM>(s, ph, ring, bars, stg, cw, t, KT, &tma_out, out, N, w.row0, w.rows, col0, sc, ws0,  \
-                            ws1);                                                                                \
+      w8_tile<MODE, n, NVM>(s, ph, ring, bars, stg, cw, t, KT, &tma_out, out, N, w.row0, w.rows, col0, sc,      \
+                            ws0, ws1);                                                                           \
+    else /* wider than the tiling (decode_w never makes one): keep the ring in step */                         \
+      skip_stages<2, NST>(s, ph, bars, KT, lane);                                                                \
     break;
           W8_TILE_CASE(8) W8_TILE_CASE(16) W8_TILE_CASE(24) W8_TILE_CASE(32) W8_TILE_CASE(40) W8_TILE_CASE(48)
           W8_TILE_CASE(56) W8_TILE_CASE(64) W8_TILE_CASE(72) W8_TILE_CASE(80) W8_TILE_CASE(88) W8_TILE_CASE(96)

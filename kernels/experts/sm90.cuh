@@ -101,7 +101,7 @@ template <bool WT> constexpr int smem_bytes() { return WT ? SMEM_W_BYTES : SMEM_
 // meta = pairs [EL + 1], solos [EL + 1] (exclusive prefixes of each expert's pairs of row tiles
 // and of its row tiles left over, see decode), lo [EL], hi [EL], the wave gate's two counters
 // (gate_up, down), zeroed here, and wunits [EL + 1].  With unit_rows > 0 (a weights-as-M kernel,
-// CM = 2: 2 NV_MAX, or the FP8 kernel's 2 NV8_MAX), no pairs and no solos: an expert's rows are
+// CM = 2: 2 NV_MAX, or the FP8 kernel's 2 NVM), no pairs and no solos: an expert's rows are
 // wunits units of at most unit_rows (decode_w).
 __global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const int *offsets, int EL, int C, int cm,
                                                                 int unit_rows) {
