@@ -32,8 +32,9 @@ bool encode_scales(CUtensorMap *m, const void *base, long long kb, long long c4)
 // The boxes of A's rows the kernel reads: the row tiles 128 and a solo unit's halves of 64 (the
 // third unread); else 128, 32 and 8.
 template <int NVM> bool encode_rows(CUtensorMap m[3], const void *base, long long rows, long long k) {
-  if (NVM == 0) return encode_e4m3(&m[0], base, rows, k, 128) && encode_e4m3(&m[1], base, rows, k, BM / 2) &&
-                   encode_e4m3(&m[2], base, rows, k, 128);
+  if (NVM == 0)
+    return encode_e4m3(&m[0], base, rows, k, 128) && encode_e4m3(&m[1], base, rows, k, BM / 2) &&
+           encode_e4m3(&m[2], base, rows, k, 128);
   return encode_e4m3(&m[0], base, rows, k, 128) && encode_e4m3(&m[1], base, rows, k, 32) &&
          encode_e4m3(&m[2], base, rows, k, 8);
 }
