@@ -168,3 +168,11 @@ int moe_experts_fp8(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   if (rc) return rc;
   return MOE_IN_RANGE("experts_fp8", moeI_on_cpu(a->x) ? moeI_experts_fp8_cpu(ctx, a) : moeI_experts_fp8_cuda(ctx, a));
 }
+
+int moe_experts_fp8_explain(moe_ctx *ctx, const moe_experts_fp8_args *a, char *report, size_t n) {
+  int rc = experts_fp8_check(ctx, a);
+  if (rc) return rc;
+  if (!report || n == 0) return moeI_seterr(ctx, MOE_ERR_ARG, "experts_fp8: report must hold at least one byte");
+  if (moeI_on_cpu(a->x)) return moeI_explain_cpu(ctx, report, n);
+  return moeI_experts_fp8_explain_cuda(ctx, a, report, n);
+}

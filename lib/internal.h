@@ -276,6 +276,7 @@ int moeI_dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a);
 int moeI_experts_cuda(moe_ctx *ctx, const moe_experts_args *a);
 /* a checked by moe_experts_fp8 (dtypes, shapes, devices, H and F multiples of 128) */
 int moeI_experts_fp8_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a);
+int moeI_experts_fp8_explain_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a, char *report, size_t n);
 int moeI_quantize_cuda(moe_ctx *ctx, moe_tensor *q, moe_tensor *scale, const moe_tensor *x, const moeI_qlayout *l);
 int moeI_dequantize_cuda(moe_ctx *ctx, moe_tensor *x, const moe_tensor *q, const moe_tensor *scale,
                          const moeI_qlayout *l);

@@ -106,8 +106,8 @@ MOE_API int moe_ctx_synchronize(moe_ctx *ctx, moe_device device);
  * (MOE_SCHEDULE_KERNEL, MOE_EXPERTS_KERNEL, MOE_EXPERTS_FP8_KERNEL, MOE_LOGITS); nothing reads the
  * environment after that.  An unknown option or kernel name is MOE_ERR_ARG, and the message lists
  * the valid ones.  A forced kernel that cannot take a problem makes the stage fail with
- * MOE_ERR_UNSUPPORTED and the reason; moe_schedule_explain and moe_experts_explain tell which
- * kernel a call would run and why. */
+ * MOE_ERR_UNSUPPORTED and the reason; moe_schedule_explain, moe_experts_explain and
+ * moe_experts_fp8_explain tell which kernel a call would run and why. */
 MOE_API int moe_ctx_config(moe_ctx *ctx, const char *option, const char *value);
 /* The option's value (its default where none was set: "auto", or "tensor" for "logits"), or NULL
  * for an unknown option. */
@@ -356,6 +356,8 @@ typedef struct moe_experts_fp8_args {
   const moe_tensor *w_down_scale;    /* f32 [EL, H/128, F/128] */
 } moe_experts_fp8_args;
 MOE_API int moe_experts_fp8(moe_ctx *ctx, const moe_experts_fp8_args *a);
+/* Which kernel moe_experts_fp8 would run for a, and why; as moe_schedule_explain. */
+MOE_API int moe_experts_fp8_explain(moe_ctx *ctx, const moe_experts_fp8_args *a, char *report, size_t n);
 
 /* ---- router logits: out f32 [N, E] = x bf16 [N, H] . w bf16 [E, H]^T, f32 accumulation ----
  * The CPU sums in f32 in the fixed order of docs/design.md.  On a GPU the context's option

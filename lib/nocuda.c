@@ -110,3 +110,7 @@ int moeI_experts_explain_cuda(moe_ctx *ctx, const moe_experts_args *a, char *rep
   (void)a, (void)report, (void)n;
   return NO_CUDA("experts");
 }
+int moeI_experts_fp8_explain_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a, char *report, size_t n) {
+  (void)a, (void)report, (void)n;
+  return NO_CUDA("experts_fp8");
+}

@@ -174,10 +174,15 @@ describe("experts_fp8 [#cpu]", function()
         assert.matches(row[3], tostring(err))
       end)
     end
-    it("explain with an e4m3 x", function()
-      local ok, err = pcall(moe.explain, "experts", good())
+    it("explain with an e4m3 x needs out (it cannot be x), then names the CPU", function()
+      local t = good()
+      local out = t.out
+      t.out = nil
+      local ok, err = pcall(moe.explain, "experts", t)
       assert.is_false(ok)
-      assert.matches("have no explain", tostring(err))
+      assert.matches("explaining the FP8 experts %(e4m3 x%) needs out = %(bf16 %[C, H%]%)", tostring(err))
+      t.out = out
+      assert.are.equal("cpu", moe.explain("experts", t).kernel)
     end)
   end)
 end)
@@ -239,6 +244,12 @@ for _, kernel in ipairs { "sm90w_fp8_n32", "sm90w_fp8", "sm90x2_fp8" } do
       end)
     end
 
+    it("explain names this tiling, forced", function()
+      local c = { C = 40, H = 128, F = 128, EL = 2, offsets = { 0, 30, 40 }, seed = 29 }
+      local choice = moe.explain("experts", tensors(inputs(c), c, "cuda:0"))
+      assert.are.equal(kernel, choice.kernel, tostring(choice))
+    end)
+
     it("under graph replay, the routing (offsets) and the rows changing between replays", function()
       local c = { C = 48, H = 128, F = 128, EL = 3, offsets = { 0, 16, 32, 48 }, seed = 26 }
       local o0 = inputs(c)
@@ -257,3 +268,19 @@ for _, kernel in ipairs { "sm90w_fp8_n32", "sm90w_fp8", "sm90x2_fp8" } do
     end)
   end)
 end
+
+describe("experts_fp8 explain on the GPU [#gpu]", function()
+  if skip_without("cuda:0") then return end
+  local function choice(c) return moe.explain("experts", tensors(inputs(c), c, "cuda:0")) end
+  it("names the tiling auto runs: the narrow tiles up to 64 rows an expert on average, then sm90w_fp8", function()
+    local narrow = choice { C = 128, H = 128, F = 128, EL = 2, offsets = { 0, 100, 128 }, seed = 41 }
+    assert.are.equal("sm90w_fp8_n32", narrow.kernel, tostring(narrow))
+    local wide = choice { C = 129, H = 128, F = 128, EL = 2, offsets = { 0, 100, 129 }, seed = 42 }
+    assert.are.equal("sm90w_fp8", wide.kernel, tostring(wide))
+    assert.matches("declines: the experts average more than 64 rows", tostring(wide))
+  end)
+  it("says nothing runs where there is no row", function()
+    local none = choice { C = 0, H = 128, F = 128, EL = 2, offsets = { 0, 0, 0 }, seed = 43 }
+    assert.are.equal("none", none.kernel)
+  end)
+end)

@@ -226,15 +226,34 @@ const Candidate<moe_experts_fp8_args> fp8_kernels[] = {
     {"sm90x2_fp8", fits<0>, run<0>},
 };
 
+// C or EL 0: no row of out to write.  Else the current device set to x's: the candidates'
+// occupancy queries read it.
+int prologue(moe_ctx *ctx, const moe_experts_fp8_args *a, bool *empty) {
+  *empty = a->x->shape[0] == 0 || a->w_gate_up->shape[0] == 0;
+  if (*empty) return MOE_OK;
+  cudaStream_t stream;
+  return moeI_cuda_ctx_stream(ctx, a->x->device.index, &stream);
+}
+
 } // namespace
 
 const char *moeI_experts_fp8_kernels(void) { return candidate_names(fp8_kernels); }
 
 int moeI_experts_fp8_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a) {
-  const long long C = a->x->shape[0], EL = a->w_gate_up->shape[0];
-  if (C == 0 || EL == 0) return moeI_ok(ctx);
-  cudaStream_t stream; // the candidates' occupancy queries read the current device, which this sets
-  const int rc = moeI_cuda_ctx_stream(ctx, a->x->device.index, &stream);
+  bool empty;
+  const int rc = prologue(ctx, a, &empty);
   if (rc) return rc;
+  if (empty) return moeI_ok(ctx);
   return select_run(ctx, "experts_fp8", MOEI_CFG_EXPERTS_FP8_KERNEL, fp8_kernels, a);
+}
+
+int moeI_experts_fp8_explain_cuda(moe_ctx *ctx, const moe_experts_fp8_args *a, char *report, size_t n) {
+  bool empty;
+  const int rc = prologue(ctx, a, &empty);
+  if (rc) return rc;
+  if (empty) {
+    snprintf(report, n, "none\nnone: nothing runs (C or EL is 0: no row of out to write)\n");
+    return moeI_ok(ctx);
+  }
+  return select_explain(ctx, "experts_fp8", MOEI_CFG_EXPERTS_FP8_KERNEL, fp8_kernels, a, report, n);
 }

@@ -282,9 +282,9 @@ static int l_experts_explain(lua_State *L) {
   return 1;
 }
 
-static int l_experts_fp8(lua_State *L) {
-  moe_ctx *ctx = lc_getctx(L);
-  Args A = args_open(L, "experts_fp8");
+/* The table of core.experts_fp8{...} and core.experts_fp8_explain{...}. */
+static moe_experts_fp8_args experts_fp8_fields(lua_State *L, const char *name) {
+  Args A = args_open(L, name);
 #define T moe_experts_fp8_args
   static const TensorField tensors[] = {REQ(T, out),     REQ(T, x),         REQ(T, x_scale),
                                         REQ(T, offsets), REQ(T, w_gate_up), REQ(T, w_gate_up_scale),
@@ -294,9 +294,26 @@ static int l_experts_fp8(lua_State *L) {
   memset(&a, 0, sizeof a);
   TENSOR_FIELDS(&A, &a, tensors);
   lc_args_still_open(L, A.fname, 2);
+  return a;
+}
+
+static int l_experts_fp8(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  moe_experts_fp8_args a = experts_fp8_fields(L, "experts_fp8");
   int rc = moe_experts_fp8(ctx, &a);
   if (rc) return lc_stage_fail(L, ctx, rc, "experts_fp8", "experts_fp8");
   return 0;
+}
+
+/* core.experts_fp8_explain{...} -> the report of moe_experts_fp8_explain. */
+static int l_experts_fp8_explain(lua_State *L) {
+  moe_ctx *ctx = lc_getctx(L);
+  moe_experts_fp8_args a = experts_fp8_fields(L, "explain");
+  char report[2048];
+  int rc = moe_experts_fp8_explain(ctx, &a, report, sizeof report);
+  if (rc) return lc_stage_fail(L, ctx, rc, "explain", "experts_fp8");
+  lua_pushstring(L, report);
+  return 1;
 }
 
 static int l_logits(lua_State *L) {
@@ -416,6 +433,7 @@ static const luaL_Reg stage_funcs[] = {
   {"experts", l_experts},
   {"experts_explain", l_experts_explain},
   {"experts_fp8", l_experts_fp8},
+  {"experts_fp8_explain", l_experts_fp8_explain},
   {"logits", l_logits},
   {"logits_explain", l_logits_explain},
   {"sigmoid_gate", l_sigmoid_gate},

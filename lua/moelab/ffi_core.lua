@@ -1210,17 +1210,27 @@ function M.experts_explain(o)
   return string_(explain_report)
 end
 
+-- The table of experts_fp8{...} and experts_fp8_explain{...}.
 local experts_fp8_args = ffi.typeof("moe_experts_fp8_args")
-function M.experts_fp8(o)
-  local name = "experts_fp8"
+local function experts_fp8_fields(o, name)
   args_open(o, name)
   local out, x, x_scale, offsets, w_gate_up, w_gate_up_scale, w_down, w_down_scale = tensor_fields(o, name, REQUIRED,
     "out", "x", "x_scale", "offsets", "w_gate_up", "w_gate_up_scale", "w_down", "w_down_scale")
   each_open(name, out, x, x_scale, offsets, w_gate_up, w_gate_up_scale, w_down, w_down_scale)
-  local a = experts_fp8_args(out.h_t, x.h_t, x_scale.h_t, offsets.h_t, w_gate_up.h_t, w_gate_up_scale.h_t, w_down.h_t,
+  return experts_fp8_args(out.h_t, x.h_t, x_scale.h_t, offsets.h_t, w_gate_up.h_t, w_gate_up_scale.h_t, w_down.h_t,
     w_down_scale.h_t)
-  local rc = lib.moe_experts_fp8(ctx, a)
-  if rc ~= 0 then stage_fail(rc, name, name) end
+end
+
+function M.experts_fp8(o)
+  local rc = lib.moe_experts_fp8(ctx, experts_fp8_fields(o, "experts_fp8"))
+  if rc ~= 0 then stage_fail(rc, "experts_fp8", "experts_fp8") end
+end
+
+-- experts_fp8_explain{...} -> the report of moe_experts_fp8_explain.
+function M.experts_fp8_explain(o)
+  local rc = lib.moe_experts_fp8_explain(ctx, experts_fp8_fields(o, "explain"), explain_report, 2048)
+  if rc ~= 0 then stage_fail(rc, "explain", "experts_fp8") end
+  return string_(explain_report)
 end
 
 -- logits(out, x, w), sigmoid_gate(g, x, w) and nonfinite(stats, t): n tensors (2 or 3), as the C

@@ -166,9 +166,8 @@ local function experts_args(o, explaining)
       args.fail("experts", string.format("option '%s' is for an e4m3 x (FP8 experts), got x %s", name, tostring(x)))
     end
   end
-  if is_fp8 and explaining then
-    args.fail("explain", "the FP8 experts (e4m3 x) have no explain: moe_experts_fp8 picks its tiling itself (the "
-      .. "context's experts_fp8_kernel option forces one)")
+  if is_fp8 and explaining and o.out == nil then -- out cannot be x there (e4m3 in, bf16 out)
+    args.fail("explain", "explaining the FP8 experts (e4m3 x) needs out = (bf16 [C, H]), as the call checks it")
   end
   local out = o.out or explaining and x or output("experts", "bf16", x.shape, x.device, "the shape of x")
   return { out = out, x = x, offsets = o.offsets, w_gate_up = o.w_gate_up, w_down = o.w_down, x_scale = o.x_scale,
@@ -276,7 +275,10 @@ moe.config = explain.config
 -- candidate's verdict; nothing runs.
 function moe.explain(stage, o)
   if stage == "schedule" then return moe.schedule_plan(o):explain() end
-  if stage == "experts" then return explain.parse(core.experts_explain(experts_args(o, true))) end
+  if stage == "experts" then
+    local a, is_fp8 = experts_args(o, true)
+    return explain.parse(is_fp8 and core.experts_fp8_explain(a) or core.experts_explain(a))
+  end
   if stage == "logits" then
     o = args.options("explain", o, { x = "tensor", w = "tensor", out = "tensor" }, { "x", "w" })
     local out = o.out or output("explain", "f32", { o.x.shape[1], o.w.shape[1] }, o.x.device, "x and w")

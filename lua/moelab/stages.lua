@@ -131,14 +131,8 @@ local function run_experts(a)
   if a.x_scale then core.experts_fp8(a) else core.experts(a) end
 end
 
--- explain of the FP8 experts: moe_experts_fp8 picks its tiling itself and has no explain call, so
--- the plan names the stage and the option that forces a tiling.
 local function explain_experts(a)
-  if a.x_scale then
-    return explain.parse(a.x.device == "cpu" and "cpu"
-      or "fp8: the FP8 grouped GEMM (its tiling chosen inside the call; experts_fp8_kernel forces one)")
-  end
-  return explain.parse(core.experts_explain(a))
+  return explain.parse(a.x_scale and core.experts_fp8_explain(a) or core.experts_explain(a))
 end
 
 -- Stage 4, experts: a rank's experts over the rows its schedule placed in xs.
