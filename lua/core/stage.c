@@ -2,7 +2,7 @@
 /*
  * stage.c -- the stages (route, schedule, dispatch, dispatch_fp8, experts, experts_fp8, logits,
  * sigmoid_gate, nonfinite, combine, reference, reference_fp8), quantize and dequantize, and the
- * explain calls of schedule and experts.
+ * explain calls of schedule, experts, experts_fp8 and logits.
  *
  * Stage arguments: one table of named fields at index 1.  Every value fetched stays on the stack
  * until the call returns, so nothing the C call sees can be collected under it; that none was
@@ -158,6 +158,13 @@ static int l_route(lua_State *L) {
   return 0;
 }
 
+/* An explain call's end: its report on the stack, or the stage's error. */
+static int explained(lua_State *L, moe_ctx *ctx, int rc, const char *report, const char *fname, const char *stage) {
+  if (rc) return lc_stage_fail(L, ctx, rc, fname, stage);
+  lua_pushstring(L, report);
+  return 1;
+}
+
 /* core.schedule{...} runs the stage; core.schedule_explain{...} takes the same fields and returns
  * moe_schedule_explain's report (which kernel the call would run, and why) without running it. */
 static int schedule_call(lua_State *L, const char *name, int explain) {
@@ -182,10 +189,7 @@ static int schedule_call(lua_State *L, const char *name, int explain) {
   lc_args_still_open(L, A.fname, 2);
   if (explain) {
     char report[1024];
-    int rc = moe_schedule_explain(ctx, &a, report, sizeof report);
-    if (rc) return lc_stage_fail(L, ctx, rc, name, "schedule");
-    lua_pushstring(L, report);
-    return 1;
+    return explained(L, ctx, moe_schedule_explain(ctx, &a, report, sizeof report), report, name, "schedule");
   }
   int rc = moe_schedule(ctx, &a);
   if (rc) return lc_stage_fail(L, ctx, rc, name, "schedule");
@@ -276,10 +280,7 @@ static int l_experts_explain(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   moe_experts_args a = experts_fields(L, "explain");
   char report[2048];
-  int rc = moe_experts_explain(ctx, &a, report, sizeof report);
-  if (rc) return lc_stage_fail(L, ctx, rc, "explain", "experts");
-  lua_pushstring(L, report);
-  return 1;
+  return explained(L, ctx, moe_experts_explain(ctx, &a, report, sizeof report), report, "explain", "experts");
 }
 
 /* The table of core.experts_fp8{...} and core.experts_fp8_explain{...}. */
@@ -310,10 +311,8 @@ static int l_experts_fp8_explain(lua_State *L) {
   moe_ctx *ctx = lc_getctx(L);
   moe_experts_fp8_args a = experts_fp8_fields(L, "explain");
   char report[2048];
-  int rc = moe_experts_fp8_explain(ctx, &a, report, sizeof report);
-  if (rc) return lc_stage_fail(L, ctx, rc, "explain", "experts_fp8");
-  lua_pushstring(L, report);
-  return 1;
+  return explained(L, ctx, moe_experts_fp8_explain(ctx, &a, report, sizeof report), report, "explain",
+                   "experts_fp8");
 }
 
 static int l_logits(lua_State *L) {

@@ -1118,6 +1118,11 @@ local schedule_args = ffi.typeof("moe_schedule_args")
 local SCHEDULE_TENSORS = { "peer_rank", "peer_route", "counts", "tokens_per_expert", "expert_offsets", "route_row",
   "stats", "ids" }
 local explain_report = new("char[2048]")
+-- An explain call's end: its report, or the stage's error.
+local function explained(rc, fname, stage)
+  if rc ~= 0 then stage_fail(rc, fname, stage) end
+  return string_(explain_report)
+end
 
 local function schedule_call(o, name, explain)
   args_open(o, name)
@@ -1133,9 +1138,7 @@ local function schedule_call(o, name, explain)
   local a = schedule_args(h[1].h_t, h[2].h_t, h[3].h_t, h[4].h_t, h[5].h_t, h[6].h_t, h[7].h_t, h[8].h_t, experts, rank,
     pad, capacity, expert_capacity, layout)
   if explain then
-    local rc = lib.moe_schedule_explain(ctx, a, explain_report, 1024)
-    if rc ~= 0 then stage_fail(rc, name, "schedule") end
-    return string_(explain_report)
+    return explained(lib.moe_schedule_explain(ctx, a, explain_report, 1024), name, "schedule")
   end
   local rc = lib.moe_schedule(ctx, a)
   if rc ~= 0 then stage_fail(rc, name, "schedule") end
@@ -1205,9 +1208,8 @@ end
 
 -- experts_explain{...} -> the report of moe_experts_explain: which kernel would run, and why.
 function M.experts_explain(o)
-  local rc = lib.moe_experts_explain(ctx, experts_fields(o, "explain"), explain_report, 2048)
-  if rc ~= 0 then stage_fail(rc, "explain", "experts") end
-  return string_(explain_report)
+  return explained(lib.moe_experts_explain(ctx, experts_fields(o, "explain"), explain_report, 2048), "explain",
+    "experts")
 end
 
 -- The table of experts_fp8{...} and experts_fp8_explain{...}.
@@ -1228,9 +1230,8 @@ end
 
 -- experts_fp8_explain{...} -> the report of moe_experts_fp8_explain.
 function M.experts_fp8_explain(o)
-  local rc = lib.moe_experts_fp8_explain(ctx, experts_fp8_fields(o, "explain"), explain_report, 2048)
-  if rc ~= 0 then stage_fail(rc, "explain", "experts_fp8") end
-  return string_(explain_report)
+  return explained(lib.moe_experts_fp8_explain(ctx, experts_fp8_fields(o, "explain"), explain_report, 2048),
+    "explain", "experts_fp8")
 end
 
 -- logits(out, x, w), sigmoid_gate(g, x, w) and nonfinite(stats, t): n tensors (2 or 3), as the C
