@@ -11,7 +11,7 @@ end
 local DEFAULTS = { schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto", logits = "tensor" }
 
 describe("moe.config, moe.explain and layer:plan [#cpu]", function()
-  after_each(function() moe.config { schedule_kernel = "auto", experts_kernel = "auto", experts_fp8_kernel = "auto" } end)
+  after_each(function() moe.config(DEFAULTS) end)
 
   it("the options are auto until set", function()
     assert.are.same(DEFAULTS, moe.config())
