@@ -43,4 +43,5 @@ for name in base "${names[@]}" base; do
   # shellcheck disable=SC2086 # args are the program's words
   "$build/$program" $args 2>&1 | tail -n "${TAIL:-4}"
 done
+# the unchanged object back (ninja will compile it once more, its mtime being newer than its log's)
 relink base || echo "could not link $target back to the unchanged object" >&2
