@@ -107,6 +107,11 @@ const char *moeI_config(const moe_ctx *ctx, int option) {
   return ctx->config[option][0] ? ctx->config[option] : config_options[option].dflt;
 }
 
+int moeI_check_report(moe_ctx *ctx, const char *stage, const char *report, size_t n) {
+  if (!report || n == 0) return moeI_seterr(ctx, MOE_ERR_ARG, "%s: report must hold at least one byte", stage);
+  return MOE_OK;
+}
+
 int moeI_explain_cpu(moe_ctx *ctx, char *report, size_t n) {
   snprintf(report, n, "cpu\ncpu: runs (the tensors are on the CPU: the reference backend)\n");
   return moeI_ok(ctx);

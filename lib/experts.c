@@ -271,7 +271,7 @@ int moe_experts(moe_ctx *ctx, const moe_experts_args *a) {
 int moe_experts_explain(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n) {
   int rc = experts_check(ctx, a);
   if (rc) return rc;
-  if (!report || n == 0) return moeI_seterr(ctx, MOE_ERR_ARG, "experts: report must hold at least one byte");
+  if ((rc = moeI_check_report(ctx, "experts", report, n))) return rc;
   if (moeI_on_cpu(a->x)) return moeI_explain_cpu(ctx, report, n);
   return moeI_experts_explain_cuda(ctx, a, report, n);
 }
@@ -367,7 +367,7 @@ int moe_logits_explain(moe_ctx *ctx, const moe_tensor *out, const moe_tensor *x,
                        size_t n) {
   int rc = logits_check(ctx, out, x, w);
   if (rc) return rc;
-  if (!report || n == 0) return moeI_seterr(ctx, MOE_ERR_ARG, "logits: report must hold at least one byte");
+  if ((rc = moeI_check_report(ctx, "logits", report, n))) return rc;
   if (moeI_on_cpu(x)) return moeI_explain_cpu(ctx, report, n);
   return moeI_logits_explain_cuda(ctx, x, w, report, n);
 }

@@ -172,7 +172,7 @@ int moe_experts_fp8(moe_ctx *ctx, const moe_experts_fp8_args *a) {
 int moe_experts_fp8_explain(moe_ctx *ctx, const moe_experts_fp8_args *a, char *report, size_t n) {
   int rc = experts_fp8_check(ctx, a);
   if (rc) return rc;
-  if (!report || n == 0) return moeI_seterr(ctx, MOE_ERR_ARG, "experts_fp8: report must hold at least one byte");
+  if ((rc = moeI_check_report(ctx, "experts_fp8", report, n))) return rc;
   if (moeI_on_cpu(a->x)) return moeI_explain_cpu(ctx, report, n);
   return moeI_experts_fp8_explain_cuda(ctx, a, report, n);
 }

@@ -27,7 +27,8 @@ static void cpu_model(char *buf, size_t n) {
 }
 
 int moe_device_info(moe_ctx *ctx, moe_device device, char *report, size_t n) {
-  if (!report || n == 0) return moeI_seterr(ctx, MOE_ERR_ARG, "device_info: report must hold at least one byte");
+  int rc = moeI_check_report(ctx, "device_info", report, n);
+  if (rc) return rc;
   report[0] = '\0';
   if (device.kind == MOE_CPU) {
     char model[256];
@@ -37,7 +38,7 @@ int moe_device_info(moe_ctx *ctx, moe_device device, char *report, size_t n) {
   }
   if (device.kind != MOE_CUDA)
     return moeI_seterr(ctx, MOE_ERR_ARG, "device_info: unknown device kind %d", device.kind);
-  int rc = moeI_cuda_device_info(ctx, device.index, report, n);
+  rc = moeI_cuda_device_info(ctx, device.index, report, n);
   if (rc) return rc;
   char nccl[32];
   size_t used = strlen(report);

@@ -105,6 +105,8 @@ int moeI_logits_explain_cuda(moe_ctx *ctx, const moe_tensor *x, const moe_tensor
 /* The report of moe_<stage>_explain (moelab.h) for tensors on the CPU, and on a GPU (the
  * stage's selector, arguments already checked). */
 int moeI_explain_cpu(moe_ctx *ctx, char *report, size_t n);
+/* MOE_ERR_ARG unless report holds at least one byte (every call that writes a report) */
+int moeI_check_report(moe_ctx *ctx, const char *stage, const char *report, size_t n);
 int moeI_schedule_explain_cuda(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n);
 int moeI_experts_explain_cuda(moe_ctx *ctx, const moe_experts_args *a, char *report, size_t n);
 

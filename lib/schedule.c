@@ -76,7 +76,7 @@ int moe_schedule(moe_ctx *ctx, const moe_schedule_args *a) {
 int moe_schedule_explain(moe_ctx *ctx, const moe_schedule_args *a, char *report, size_t n) {
   int rc = schedule_check(ctx, a);
   if (rc) return rc;
-  if (!report || n == 0) return moeI_seterr(ctx, MOE_ERR_ARG, "schedule: report must hold at least one byte");
+  if ((rc = moeI_check_report(ctx, "schedule", report, n))) return rc;
   if (moeI_on_cpu(a->ids)) return moeI_explain_cpu(ctx, report, n);
   return moeI_schedule_explain_cuda(ctx, a, report, n);
 }

@@ -54,7 +54,10 @@ int main(void) {
   CHECK(moe_logits_explain(ctx, out, x64, w64, report, sizeof report) == MOE_OK && strncmp(report, "cpu\n", 4) == 0,
         "cpu explain: %s", moe_errmsg(ctx));
   CHECK(moe_logits_explain(ctx, out, x64, w64, report, 0) == MOE_ERR_ARG, "a report of 0 bytes is refused");
-  CHECK(strstr(moe_errmsg(ctx), "report must hold at least one byte") != NULL, "%s", moe_errmsg(ctx));
+  CHECK(strstr(moe_errmsg(ctx), "logits: report must hold at least one byte") != NULL, "%s", moe_errmsg(ctx));
+  /* the same check (moeI_check_report) behind every call that writes a report names its caller */
+  CHECK(moe_device_info(ctx, (moe_device){MOE_CPU, 0}, report, 0) == MOE_ERR_ARG, "device_info: 0 bytes refused");
+  CHECK(strstr(moe_errmsg(ctx), "device_info: report must hold at least one byte") != NULL, "%s", moe_errmsg(ctx));
   moe_tensor *all[] = {x64, w64, x100, w100, x_odd, base, out};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) moe_tensor_free(all[i]);
   moe_ctx_close(ctx);
