@@ -29,14 +29,10 @@ bool encode_e4m3(CUtensorMap *m, const void *base, long long rows, long long k, 
 bool encode_scales(CUtensorMap *m, const void *base, long long kb, long long c4) {
   return encode_2d(m, base, kb, c4, 1, S8_COUNT, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
 }
-// The boxes of A's rows the kernel reads: the row tiles 128 and a solo unit's halves of 64 (the
-// third unread); else 128, 32 and 8.
-template <int NVM> bool encode_rows(CUtensorMap m[3], const void *base, long long rows, long long k) {
-  if (NVM == 0)
-    return encode_e4m3(&m[0], base, rows, k, 128) && encode_e4m3(&m[1], base, rows, k, BM / 2) &&
-           encode_e4m3(&m[2], base, rows, k, 128);
-  return encode_e4m3(&m[0], base, rows, k, 128) && encode_e4m3(&m[1], base, rows, k, 32) &&
-         encode_e4m3(&m[2], base, rows, k, 8);
+// The boxes of A's rows the kernel reads: 128 rows, and the row tiles' solo halves of 64 or the
+// weights-as-M tiles' boxes of 32.
+template <int NVM> bool encode_rows(CUtensorMap m[2], const void *base, long long rows, long long k) {
+  return encode_e4m3(&m[0], base, rows, k, 128) && encode_e4m3(&m[1], base, rows, k, NVM == 0 ? BM / 2 : 32);
 }
 
 // The stub the kernel becomes without sm_90a has static shared memory (fp8.cuh); the real one none.
@@ -75,7 +71,7 @@ template <int MODE, int NVM> int resident_clusters(int dev) {
 
 // One GEMM pass: the operand maps, out and its map, the weights' scales.
 struct Pass {
-  CUtensorMap a[3], b, sx, out_map;
+  CUtensorMap a[2], b, sx, out_map;
   uint16_t *out;
   const float *wscale;
   int NT, KT, N, b_rows;
@@ -90,7 +86,7 @@ cudaError_t launch(cudaStream_t stream, int clusters, const Pass &p, const int *
   if (err != cudaSuccess) return err;
   cudaLaunchAttribute attr[1];
   const cudaLaunchConfig_t cfg = launch_config(attr, 2, (unsigned)(2 * clusters), THREADS, smem, stream);
-  err = cudaLaunchKernelEx(&cfg, kernel, p.a[0], p.a[1], p.a[2], p.b, p.sx, p.out_map, p.out, p.wscale, meta, EL, p.NT,
+  err = cudaLaunchKernelEx(&cfg, kernel, p.a[0], p.a[1], p.b, p.sx, p.out_map, p.out, p.wscale, meta, EL, p.NT,
                            p.KT, p.N, F, p.b_rows, p.waves);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
