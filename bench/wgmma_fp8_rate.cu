@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "sm90/ptx.cuh"
 #include "sm90/wgmma.cuh"
 
 namespace {
@@ -22,24 +23,18 @@ namespace {
 constexpr int ITERS = 4000, SMEM = 48 * 1024 + 1024, PEAK = 4096;
 enum Pattern { CHAIN, PINGPONG };
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// kernels/sm90/ptx.cuh's descriptor (128-byte swizzle, K-major) and fences, without its CUtensorMap
-__device__ __forceinline__ uint64_t desc(uint32_t addr) {
-  return (uint64_t)((addr & 0x3FFFFu) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
-}
-template <int A> __device__ __forceinline__ void fence_acc(float (&d)[A]) {
-#pragma unroll
-  for (int i = 0; i < A; i++) asm volatile("" : "+f"(d[i])::"memory");
-}
+#if defined(MOE_SM90A)
+// as fp8.cuh's slice_mma
 template <int N> __device__ __forceinline__ void slice(float (&acc)[N / 2], uint64_t da, uint64_t db) {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  wgmma_fence();
   fence_acc(acc);
 #pragma unroll
   for (int k = 0; k < 4; k++) wgmma_e4m3_n<N, 0>(acc, da + 2 * k, db + 2 * k, k > 0);
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  wgmma_commit();
+  wgmma_wait<0>();
   fence_acc(acc);
 }
+__device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 template <int N, int OFF>
 __device__ __forceinline__ void promote(float (&d)[N], const float (&acc)[N / 2], float s) {
 #pragma unroll
@@ -49,7 +44,7 @@ __device__ __forceinline__ void promote(float (&d)[N], const float (&acc)[N / 2]
 
 template <int N, Pattern P, bool PROMOTE>
 __global__ void __launch_bounds__(256, 1) rate_kernel(float *out, long long *cycles) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if defined(MOE_SM90A)
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw), base = (raw + 1023u) & ~1023u;
   uint32_t *words = reinterpret_cast<uint32_t *>(smem_raw + (base - raw));
@@ -57,23 +52,23 @@ __global__ void __launch_bounds__(256, 1) rate_kernel(float *out, long long *cyc
   __syncthreads();
   const int wg = threadIdx.x >> 7;
   // each warpgroup its own 64 x 128 A (two 64-row slices 8 KiB apart), one B of N rows for both
-  const uint64_t da = desc(base + (uint32_t)wg * 8192u), db = desc(base + 16384u);
+  const uint64_t da = smem_desc(base + (uint32_t)wg * 8192u), db = smem_desc(base + 16384u);
   float d[N], acc[N / 2];
 #pragma unroll
   for (int i = 0; i < N; i++) d[i] = 0.f;
   const float s = 1.0f + (float)threadIdx.x * 1e-3f;
   const long long t0 = clock64();
-  if (P == PINGPONG && wg == 1) asm volatile("bar.arrive 3, 256;\n" ::: "memory"); // warpgroup 0 first
+  if (P == PINGPONG && wg == 1) bar_arrive(3); // warpgroup 0 first
   for (int it = 0; it < 2 * ITERS; it++) {
-    if (P == PINGPONG) asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory");
+    if (P == PINGPONG) named_bar_sync(3 + wg, 256);
     slice<N>(acc, da + (uint64_t)((it & 1) * 64), db); // + 1 KiB: the other slice's rows
-    if (P == PINGPONG) asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - wg) : "memory");
+    if (P == PINGPONG) bar_arrive(4 - wg);
     if (PROMOTE || it >= 2 * ITERS - 2) {
       if (it & 1) promote<N, N / 2>(d, acc, s);
       else promote<N, 0>(d, acc, s);
     }
   }
-  if (P == PINGPONG && wg == 0) asm volatile("bar.sync 3, 256;\n" ::: "memory"); // the last hand-over
+  if (P == PINGPONG && wg == 0) named_bar_sync(3, 256); // the last hand-over
   const long long t1 = clock64();
   float sum = 0.f;
 #pragma unroll
