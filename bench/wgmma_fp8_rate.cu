@@ -8,6 +8,13 @@
 //              them, then (promote) add it into the running sums times a scale; two slices in
 //              turn, as sm90w_fp8's gate and up slices
 //   ping-pong  the same, a warpgroup issuing only once the other's group is done (named barriers)
+//   pair       both slices issued into two fresh accumulators, then each waited for and promoted:
+//              the gate's promotion under the up slice's MMAs
+//   rows       one slice's running sums (tokens as M: the row tiles, sm90x2_fp8), a fresh
+//              accumulator issued, waited for and promoted in turn (DeepGEMM's pattern)
+//   rows x4    the same in groups of four k blocks in two accumulators, each block issued before
+//              the one before it is promoted, none in flight when the loop turns (a group in
+//              flight across a loop's back edge makes ptxas serialise the wgmma, C7514)
 //
 // Prints MAC / clock / SM (the SM's clock from clock64, so a lower clock under the power cap does
 // not count against a pattern) beside Hopper's dense e4m3 rate, 4,096.
@@ -21,24 +28,28 @@
 namespace {
 
 constexpr int ITERS = 4000, SMEM = 48 * 1024 + 1024, PEAK = 4096;
-enum Pattern { CHAIN, PINGPONG };
+enum Pattern { CHAIN, PINGPONG, PAIR, ROWS, ROWS4 };
 
 #if defined(MOE_SM90A)
-// as fp8.cuh's slice_mma
-template <int N> __device__ __forceinline__ void slice(float (&acc)[N / 2], uint64_t da, uint64_t db) {
+// a slice's k block of 128 into acc, fresh: four k32 wgmma, one committed group
+template <int N> __device__ __forceinline__ void issue(float (&acc)[N / 2], uint64_t da, uint64_t db) {
   wgmma_fence();
   fence_acc(acc);
 #pragma unroll
   for (int k = 0; k < 4; k++) wgmma_e4m3_n<N, 0>(acc, da + 2 * k, db + 2 * k, k > 0);
   wgmma_commit();
+}
+// as fp8.cuh's slice_mma: issued and waited for
+template <int N> __device__ __forceinline__ void slice(float (&acc)[N / 2], uint64_t da, uint64_t db) {
+  issue<N>(acc, da, db);
   wgmma_wait<0>();
   fence_acc(acc);
 }
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
-template <int N, int OFF>
-__device__ __forceinline__ void promote(float (&d)[N], const float (&acc)[N / 2], float s) {
+template <int OFF, int D, int A> __device__ __forceinline__ void promote(float (&d)[D], float (&acc)[A], float s) {
+  fence_acc(acc);
 #pragma unroll
-  for (int i = 0; i < N / 2; i++) d[OFF + i] = __fmaf_rn(acc[i], s, d[OFF + i]);
+  for (int i = 0; i < A; i++) d[OFF + i] = __fmaf_rn(acc[i], s, d[OFF + i]);
 }
 #endif
 
@@ -53,26 +64,60 @@ __global__ void __launch_bounds__(256, 1) rate_kernel(float *out, long long *cyc
   const int wg = threadIdx.x >> 7;
   // each warpgroup its own 64 x 128 A (two 64-row slices 8 KiB apart), one B of N rows for both
   const uint64_t da = smem_desc(base + (uint32_t)wg * 8192u), db = smem_desc(base + 16384u);
-  float d[N], acc[N / 2];
+  constexpr int D = P == ROWS || P == ROWS4 ? N / 2 : N; // the running sums: one slice or two
+  const uint64_t da1 = da + 64;                          // + 1 KiB: the other slice's rows
+  float d[D], acc[N / 2], acc1[N / 2];
 #pragma unroll
-  for (int i = 0; i < N; i++) d[i] = 0.f;
+  for (int i = 0; i < D; i++) d[i] = 0.f;
   const float s = 1.0f + (float)threadIdx.x * 1e-3f;
   const long long t0 = clock64();
-  if (P == PINGPONG && wg == 1) bar_arrive(3); // warpgroup 0 first
-  for (int it = 0; it < 2 * ITERS; it++) {
-    if (P == PINGPONG) named_bar_sync(3 + wg, 256);
-    slice<N>(acc, da + (uint64_t)((it & 1) * 64), db); // + 1 KiB: the other slice's rows
-    if (P == PINGPONG) bar_arrive(4 - wg);
-    if (PROMOTE || it >= 2 * ITERS - 2) {
-      if (it & 1) promote<N, N / 2>(d, acc, s);
-      else promote<N, 0>(d, acc, s);
+  // every pattern issues 2 ITERS groups of 4 wgmma a warpgroup
+  if constexpr (P == CHAIN || P == PINGPONG) {
+    if (P == PINGPONG && wg == 1) bar_arrive(3); // warpgroup 0 first
+    for (int it = 0; it < 2 * ITERS; it++) {
+      if (P == PINGPONG) named_bar_sync(3 + wg, 256);
+      slice<N>(acc, (it & 1) ? da1 : da, db);
+      if (P == PINGPONG) bar_arrive(4 - wg);
+      if (PROMOTE || it >= 2 * ITERS - 2) {
+        if (it & 1) promote<N / 2>(d, acc, s);
+        else promote<0>(d, acc, s);
+      }
+    }
+    if (P == PINGPONG && wg == 0) named_bar_sync(3, 256); // the last hand-over
+  } else if constexpr (P == PAIR) {
+    for (int it = 0; it < ITERS; it++) {
+      issue<N>(acc, da, db);
+      issue<N>(acc1, da1, db);
+      wgmma_wait<1>();
+      if (PROMOTE || it == ITERS - 1) promote<0>(d, acc, s);
+      wgmma_wait<0>();
+      if (PROMOTE || it == ITERS - 1) promote<N / 2>(d, acc1, s);
+    }
+  } else if constexpr (P == ROWS) {
+    for (int it = 0; it < 2 * ITERS; it++) {
+      slice<N>(acc, (it & 1) ? da1 : da, db);
+      if (PROMOTE || it == 2 * ITERS - 1) promote<0>(d, acc, s);
+    }
+  } else {
+    for (int it = 0; it < ITERS / 2; it++) {
+      issue<N>(acc, da, db);
+      issue<N>(acc1, da1, db);
+      wgmma_wait<1>();
+      if (PROMOTE) promote<0>(d, acc, s);
+      issue<N>(acc, da, db);
+      wgmma_wait<1>();
+      if (PROMOTE) promote<0>(d, acc1, s);
+      issue<N>(acc1, da1, db);
+      wgmma_wait<1>();
+      promote<0>(d, acc, s);
+      wgmma_wait<0>();
+      promote<0>(d, acc1, s);
     }
   }
-  if (P == PINGPONG && wg == 0) named_bar_sync(3, 256); // the last hand-over
   const long long t1 = clock64();
   float sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < N; i++) sum += d[i];
+  for (int i = 0; i < D; i++) sum += d[i];
   out[blockIdx.x * blockDim.x + threadIdx.x] = sum; // keeps every product live
   if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
 #else
@@ -122,7 +167,10 @@ int main() {
   const bool ok = run<120, CHAIN, false>("chain", 1, sms) && run<120, CHAIN, false>("chain", 2, sms) &&
                   run<120, CHAIN, true>("chain", 1, sms) && run<120, CHAIN, true>("chain", 2, sms) &&
                   run<120, PINGPONG, false>("ping-pong", 2, sms) && run<120, PINGPONG, true>("ping-pong", 2, sms) &&
-                  run<96, CHAIN, true>("chain", 2, sms) && run<128, CHAIN, false>("chain", 2, sms);
+                  run<96, CHAIN, true>("chain", 2, sms) && run<128, CHAIN, false>("chain", 2, sms) &&
+                  run<96, PAIR, true>("pair", 2, sms) && run<120, PAIR, true>("pair", 2, sms) &&
+                  run<128, ROWS, true>("rows", 1, sms) && run<128, ROWS, true>("rows", 2, sms) &&
+                  run<128, ROWS4, true>("rows x4", 1, sms) && run<128, ROWS4, true>("rows x4", 2, sms);
   if (!ok) {
     fprintf(stderr, "wgmma_fp8_rate: %s\n", cudaGetErrorString(cudaGetLastError()));
     return 1;
