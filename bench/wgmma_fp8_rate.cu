@@ -22,8 +22,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "sm90/ptx.cuh"
-#include "sm90/wgmma.cuh"
+#include "experts/fp8.cuh" // slice_mma, the kernel's own slice
 
 namespace {
 
@@ -38,12 +37,6 @@ template <int N> __device__ __forceinline__ void issue(float (&acc)[N / 2], uint
 #pragma unroll
   for (int k = 0; k < 4; k++) wgmma_e4m3_n<N, 0>(acc, da + 2 * k, db + 2 * k, k > 0);
   wgmma_commit();
-}
-// as fp8.cuh's slice_mma: issued and waited for
-template <int N> __device__ __forceinline__ void slice(float (&acc)[N / 2], uint64_t da, uint64_t db) {
-  issue<N>(acc, da, db);
-  wgmma_wait<0>();
-  fence_acc(acc);
 }
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 template <int OFF, int D, int A> __device__ __forceinline__ void promote(float (&d)[D], float (&acc)[A], float s) {
@@ -76,7 +69,7 @@ __global__ void __launch_bounds__(256, 1) rate_kernel(float *out, long long *cyc
     if (P == PINGPONG && wg == 1) bar_arrive(3); // warpgroup 0 first
     for (int it = 0; it < 2 * ITERS; it++) {
       if (P == PINGPONG) named_bar_sync(3 + wg, 256);
-      slice<N>(acc, (it & 1) ? da1 : da, db);
+      slice_mma<N>(acc, (it & 1) ? da1 : da, db);
       if (P == PINGPONG) bar_arrive(4 - wg);
       if (PROMOTE || it >= 2 * ITERS - 2) {
         if (it & 1) promote<N / 2>(d, acc, s);
@@ -95,7 +88,7 @@ __global__ void __launch_bounds__(256, 1) rate_kernel(float *out, long long *cyc
     }
   } else if constexpr (P == ROWS) {
     for (int it = 0; it < 2 * ITERS; it++) {
-      slice<N>(acc, (it & 1) ? da1 : da, db);
+      slice_mma<N>(acc, (it & 1) ? da1 : da, db);
       if (PROMOTE || it == 2 * ITERS - 1) promote<0>(d, acc, s);
     }
   } else {
