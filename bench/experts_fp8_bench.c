@@ -16,7 +16,8 @@
  * sums of exact e4m3 products in f32, SwiGLU, h rounded to bf16 and quantized per token); PASS when
  * no element is off by more than 6% of its row's largest |ref| (the e4m3 rounding of h flips where
  * the GPU's and the CPU's f32 sums differ: docs/design.md, "FP8 tolerance"), with the RMS error
- * printed.  Rows past the experts must keep their poison.  Cases 3-6 are then timed: 2 warm-ups and
+ * printed, and a hash of the whole output (FNV-1a over its bytes: two builds that must agree bit for
+ * bit compared by eye).  Rows past the experts must keep their poison.  Cases 3-6 are then timed: 2 warm-ups and
  * PASSES (30) back-to-back calls, device events, the median.  Calls the kernel's entry
  * (moeI_experts_fp8_cuda) directly, linked with the library's objects.  Exit status 1 when a check
  * fails. */
@@ -246,8 +247,14 @@ static int run(const char *label, int EL, const int *sizes, int H, int F, int ex
   int untouched = 1;
   for (int c = off[EL]; c < C; c++)
     for (int o = 0; o < H; o++) untouched &= y[(size_t)c * H + o] == moe_f32_to_bf16(12345.0f);
-  printf("%s %s: %d rows checked, worst |gpu - ref| / row max = %.3g, %d beyond 0.06, rms err / rms ref = %.3g; tail rows untouched: %s\n",
-         bad || !untouched ? "FAIL" : "PASS", label, picked, worst, bad, sqrt(se / (sq + 1e-30)), untouched ? "yes" : "NO");
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < (size_t)C * H; i++) {
+    hash = (hash ^ (y[i] & 0xFFu)) * 0x100000001b3ull;
+    hash = (hash ^ (y[i] >> 8)) * 0x100000001b3ull;
+  }
+  printf("%s %s: %d rows checked, worst |gpu - ref| / row max = %.3g, %d beyond 0.06, rms err / rms ref = %.3g; tail rows untouched: %s; out fnv1a %016llx\n",
+         bad || !untouched ? "FAIL" : "PASS", label, picked, worst, bad, sqrt(se / (sq + 1e-30)), untouched ? "yes" : "NO",
+         (unsigned long long)hash);
   if (passes > 0) {
     moe_event *ev[2];
     moe_device d = {MOE_CUDA, 0};
