@@ -1,10 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 // fp8.cu -- the host side of the FP8 experts (fp8.cuh): which tiling runs (the candidates, as
 // select.cu's for bf16; the context's experts_fp8_kernel option forces one), what each needs of
-// the GPU and the tensors, the tensor maps, and the four launches of a pass: map (sm90.cuh's: the
-// row tiles' pairs and solos, or units of 2 NVM rows), gate_up (h bf16), the quantization of h
-// (e4m3 and its transposed scales), down.  NVM, the kernel's template argument: 0 the row tiles,
-// else the weights-as-M tiles' width (fp8.cuh).
+// the GPU and the tensors, the tensor maps, and the launches of a pass: map (sm90.cuh's: the row
+// tiles' pairs and solos, or units of 2 NVM rows), gate_up, down.  The weights-as-M tiles' gate_up
+// writes h quantized (e4m3 and its transposed scales) from its epilogue; the row tiles' writes h
+// in bf16 and a launch of its own quantizes it.  NVM, the kernel's template argument: 0 the row
+// tiles, else the weights-as-M tiles' width (fp8.cuh).
 #include <atomic>
 #include <limits.h>
 #include <stdint.h>
@@ -72,9 +73,10 @@ template <int MODE, int NVM> int resident_clusters(int dev) {
 // One GEMM pass: the operand maps, out and its map, the weights' scales.
 struct Pass {
   CUtensorMap a[2], b, sx, out_map;
-  uint16_t *out;
+  void *out;
+  float *out_scale; // the weights-as-M tiles' gate_up: h's scales (out is its e4m3)
   const float *wscale;
-  int NT, KT, N, b_rows;
+  int NT, KT, N, b_rows, C4;
   int *waves;
 };
 
@@ -86,8 +88,8 @@ cudaError_t launch(cudaStream_t stream, int clusters, const Pass &p, const int *
   if (err != cudaSuccess) return err;
   cudaLaunchAttribute attr[1];
   const cudaLaunchConfig_t cfg = launch_config(attr, 2, (unsigned)(2 * clusters), THREADS, smem, stream);
-  err = cudaLaunchKernelEx(&cfg, kernel, p.a[0], p.a[1], p.b, p.sx, p.out_map, p.out, p.wscale, meta, EL, p.NT,
-                           p.KT, p.N, F, p.b_rows, p.waves);
+  err = cudaLaunchKernelEx(&cfg, kernel, p.a[0], p.a[1], p.b, p.sx, p.out_map, p.out, p.out_scale, p.C4, p.wscale,
+                           meta, EL, p.NT, p.KT, p.N, F, p.b_rows, p.waves);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
@@ -142,11 +144,12 @@ template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   cudaStream_t stream;
   int rc = moeI_cuda_ctx_stream(ctx, dev, &stream);
   if (rc) return rc;
-  // scratch: meta (sm90_map_kernel's), h bf16 [C, F], its e4m3 [C, F] and scales [F/128, C4], and
-  // x's scales again where C is not a multiple of 4 (a tensor map's rows are 16-byte multiples)
+  // scratch: meta (sm90_map_kernel's), h bf16 [C, F] (ROWS), h's e4m3 [C, F] and scales [F/128,
+  // C4], and x's scales again where C is not a multiple of 4 (a tensor map's rows are 16-byte
+  // multiples)
   const long long C4 = (C + 3) & ~3ll;
   auto up = [](size_t b) { return (b + 255) & ~(size_t)255; };
-  const size_t meta_bytes = up((size_t)(5 * EL + 5) * sizeof(int)), h_bytes = up((size_t)(C * F * 2));
+  const size_t meta_bytes = up((size_t)(5 * EL + 5) * sizeof(int)), h_bytes = ROWS ? up((size_t)(C * F * 2)) : 0;
   const size_t hq_bytes = up((size_t)(C * F)), hs_bytes = up((size_t)(F / 128 * C4 * 4));
   const size_t xs_bytes = C4 != C ? up((size_t)(H / 128 * C4 * 4)) : 0;
   void *scratch = NULL;
@@ -170,7 +173,8 @@ template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   Pass gu = {}, dn = {};
   gu.NT = (int)((F + out_gu - 1) / out_gu), gu.KT = (int)(H / 128), gu.N = (int)F, gu.b_rows = (int)(EL * 2 * F);
   dn.NT = (int)((H + out_dn - 1) / out_dn), dn.KT = (int)(F / 128), dn.N = (int)H, dn.b_rows = (int)(EL * H);
-  gu.out = h, dn.out = (uint16_t *)a->out->data;
+  gu.out = ROWS ? (void *)h : (void *)hq, dn.out = a->out->data;
+  gu.out_scale = ROWS ? nullptr : hs, gu.C4 = (int)C4;
   gu.wscale = (const float *)a->w_gate_up_scale->data, dn.wscale = (const float *)a->w_down_scale->data;
   gu.waves = gate ? meta + 4 * EL + 2 : nullptr, dn.waves = gate ? meta + 4 * EL + 3 : nullptr;
   const int fit_gu = resident_clusters<GATE_UP, NVM>(dev), fit_dn = resident_clusters<DOWN, NVM>(dev);
@@ -181,7 +185,8 @@ template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   cudaError_t err = cudaSuccess;
   const bool maps =
       encode_rows<NVM>(gu.a, a->x->data, C, H) && encode_e4m3(&gu.b, a->w_gate_up->data, EL * 2 * F, H, b_box) &&
-      encode_scales(&gu.sx, xs, H / 128, C4) && encode_2d(&gu.out_map, h, C, F, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B) &&
+      encode_scales(&gu.sx, xs, H / 128, C4) &&
+      (!ROWS || encode_2d(&gu.out_map, h, C, F, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B)) &&
       encode_rows<NVM>(dn.a, hq, C, F) && encode_e4m3(&dn.b, a->w_down->data, EL * H, F, b_box) &&
       encode_scales(&dn.sx, hs, F / 128, C4) &&
       encode_2d(&dn.out_map, dn.out, C, H, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B);
@@ -201,7 +206,7 @@ template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
     what = "gate_up launch";
     err = launch<GATE_UP, NVM>(stream, g_gu, gu, meta, (int)EL, (int)F);
   }
-  if (err == cudaSuccess) {
+  if (ROWS && err == cudaSuccess) {
     what = "quantize launch";
     int sms = 132;
     (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);

@@ -14,7 +14,9 @@
 //               (docs/perf/experts.md), so fp8.cu runs it only when forced.
 //   sm90w_fp8   the weights-as-M tiles (!ROWS): sm90_wt.cuh's frame (clusters of two sharing 256
 //               weight rows by multicast, the tokens as wgmma's N, decode_w's units, w_epilogue's
-//               bulk stores), up to 128 tokens a CTA; 3 stages of 49 KiB.
+//               bulk stores for down), up to 128 tokens a CTA; 3 stages of 49 KiB.  gate_up's
+//               epilogue writes h quantized for down (w_epilogue_q8); the row tiles write it in
+//               bf16 and fp8.cu quantizes it in a launch of its own.
 //   sm90w_fp8_n32  the same, up to 32 tokens a CTA (units of 64 rows); 5 stages of 37 KiB.  Where
 //               the experts average few rows (decode) the weights stream through once, and what
 //               bounds their rate is the bytes in flight: the stages a CTA fills ahead.
@@ -53,8 +55,11 @@ constexpr int S8_BYTES = 1024;                           // their slot
 // they stream through once (decode).
 template <int NVM> constexpr int stage8_bytes() { return NVM * BK8 + 2 * B_HALF + S8_BYTES; }
 template <int NVM> constexpr int stages8() { return NVM == NV8_MAX ? 3 : 5; }
+// gate_up's epilogue quantizing h (w_epilogue_q8): the 8 consumer warps' amaxes of the NVM
+// tokens, in two buffers (a unit's, the next unit's)
+template <int NVM> constexpr int amax8_bytes() { return 2 * 8 * NVM * 4; }
 template <int NVM> constexpr int smem_w8_bytes() {
-  return stages8<NVM>() * stage8_bytes<NVM>() + 2 * STG_W_BYTES + 2 * stages8<NVM>() * 8 + 1024;
+  return stages8<NVM>() * stage8_bytes<NVM>() + 2 * STG_W_BYTES + 2 * stages8<NVM>() * 8 + amax8_bytes<NVM>() + 1024;
 }
 static_assert(B_HALF == 128 * BK8, "a weight half is 128 rows of 128 e4m3, as of 64 bf16");
 static_assert(stage8_bytes<NV8_MAX>() % 1024 == 0 && stage8_bytes<NV8_NARROW>() % 1024 == 0 &&
@@ -115,14 +120,80 @@ __device__ __forceinline__ void slice_mma(float (&acc)[NV / 2], uint64_t dw, uin
   fence_acc(acc);
 }
 
+// gate_up's epilogue writing h quantized for down, as quantize_rows_kernel would from the bf16 h
+// (the same amax, scale and q, so down's input is the same bit for bit).  A token block of 128
+// outputs is the CTA's column tile, both consumer warpgroups' 64, so the eight warps meet: each
+// stages its 16 outputs of a slot's 32 tokens in bf16 (w_stage: h rounded to bf16 before it is
+// quantized, as the CPU's), a lane a token takes their amax into amax[warp][token], one named
+// barrier (ids 1 and 2 are the row tiles'), then a lane reads its token's eight amaxes, quantizes
+// its 16 (moeI_fp8_quantize_token: the division's byte, one division a token) and stores them (16
+// bytes of hq [C, F]); the first warp stores the scales (hs [F / 128, C4]).  amax is the unit's
+// buffer of two: the next unit writes the other, and it cannot come round to this one before
+// every warp has passed the next unit's barrier, after its reads here.  The staging is all the
+// warp's own (its STG_SLOTS slots hold 128 tokens; no bulk store uses it).
+template <int NV>
+__device__ __forceinline__ void w_epilogue_q8(const float (&d)[NV], uint32_t stg, uint32_t amax,
+                                              uint8_t *__restrict__ hq, float *__restrict__ hs, int C4, int F,
+                                              int row0, int rows, int col0, int cw, int t) {
+  static_assert(NV <= 32 * STG_SLOTS, "a unit's tokens fit the warp's slots");
+  const int lane = t & 31, q = t >> 5, warp = 4 * cw + q;
+  const uint32_t wst0 = stg + (uint32_t)(q * STG_SLOTS * 1024);
+  // the lane's token's 16 values (8 h .. 8 h + 7 in half h) from slot wst
+  auto token16 = [&](uint32_t wst, float (&v)[16]) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const uint4 r = ld_shared_v4(w_slot_at(wst, lane, h));
+      float lo[4], hi[4];
+      bf16x4(make_uint2(r.x, r.y), lo), bf16x4(make_uint2(r.z, r.w), hi);
+#pragma unroll
+      for (int i = 0; i < 4; i++) v[8 * h + i] = lo[i], v[8 * h + 4 + i] = hi[i];
+    }
+  };
+#pragma unroll
+  for (int c0 = 0; c0 < NV; c0 += 32) {
+    if (c0 >= rows) break; // uniform: rows is the CTA's
+    const uint32_t wst = wst0 + (uint32_t)(c0 / 32 * 1024);
+    __syncwarp(); // the warp's reads of the slot, the last unit's, are done
+    w_stage<GATE_UP, NV>(d, wst, c0, 0, lane);
+    __syncwarp();
+    if (c0 + lane < rows) {
+      float v[16], m = 0.f;
+      token16(wst, v);
+#pragma unroll
+      for (int i = 0; i < 16; i++) m = moeI_fp8_amax(m, v[i]);
+      st_shared_b32(amax + 4u * (uint32_t)(warp * NV + c0 + lane), __float_as_uint(m));
+    }
+  }
+  named_bar_sync(3, 256);
+#pragma unroll 1 // (unrolled, ptxas spills in gate_up's main loop)
+  for (int c0 = 0; c0 < NV; c0 += 32) {
+    if (c0 >= rows) break;
+    if (c0 + lane < rows) {
+      float v[16], m = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; w++) m = fmaxf(m, ld_shared_f32(amax + 4u * (uint32_t)(w * NV + c0 + lane)));
+      const float s = moeI_fp8_token_scale(m), r = 1.0f / s;
+      token16(wst0 + (uint32_t)(c0 / 32 * 1024), v);
+      uint32_t b[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int i = 0; i < 16; i++) b[i / 4] |= (uint32_t)moeI_fp8_quantize_token(v[i], s, r) << (8 * (i % 4));
+      const long long row = row0 + c0 + lane;
+      *reinterpret_cast<uint4 *>(hq + row * F + col0 + 16 * q) = make_uint4(b[0], b[1], b[2], b[3]);
+      if (warp == 0) hs[(long long)(col0 / 128) * C4 + row] = s;
+    }
+  }
+}
+
 // A consumer warpgroup's tile: its 128 weight rows (gate_up: 64 gate and the 64 up rows of the
 // same outputs; down: 128 outputs) x the CTA's NV tokens, over KT k blocks; ws0 and ws1 the two
-// slices' weight scales (one a k block).
+// slices' weight scales (one a k block).  gate_up's h goes out quantized (w_epilogue_q8: hq, hs
+// and C4, amax the exchange's two buffers, sc counting the units); down's out in bf16.
 template <int MODE, int NV, int NVM>
 __device__ __forceinline__ void w8_tile(int &s, uint32_t &ph, uint32_t ring, uint32_t bars, uint32_t stg, int cw,
-                                        int t, int KT, const CUtensorMap *tmo, uint16_t *__restrict__ out, int N,
+                                        int t, int KT, const CUtensorMap *tmo, void *__restrict__ out, int N,
                                         int row0, int rows, int col0, uint32_t &sc, const float *__restrict__ ws0,
-                                        const float *__restrict__ ws1) {
+                                        const float *__restrict__ ws1, float *__restrict__ hs, int C4,
+                                        uint32_t amax) {
   const uint32_t first_scale = 4u * (uint32_t)(row0 & 3); // where the box of scales has row0's (producer)
   constexpr int H2 = NV / 2;
   float d[NV];
@@ -148,7 +219,10 @@ __device__ __forceinline__ void w8_tile(int &s, uint32_t &ph, uint32_t ring, uin
     release_slot<2>(bars + 8u * (uint32_t)(NST + s), lane);
     if (++s == NST) s = 0, ph ^= 1u;
   }
-  w_epilogue<MODE, NV>(d, stg, tmo, out, N, row0, rows, col0, t, sc);
+  if constexpr (MODE == GATE_UP)
+    w_epilogue_q8<NV>(d, stg, amax + (sc++ & 1u) * (uint32_t)(amax8_bytes<NVM>() / 2), (uint8_t *)out, hs, C4, N,
+                      row0, rows, col0, cw, t);
+  else w_epilogue<MODE, NV>(d, stg, tmo, (uint16_t *)out, N, row0, rows, col0, t, sc);
 }
 
 // ---- the row tiles (ROWS) ----
@@ -241,13 +315,15 @@ __device__ __forceinline__ void r8_tile(int &s, uint32_t &ph, uint32_t ring, uin
 
 #endif // MOE_SM90A
 
-// out [C, N] bf16 for the units of the work list (ROWS: decode<2>'s; else decode_w<NVM>'s):
+// out [C, N] for the units of the work list (ROWS: decode<2>'s; else decode_w<NVM>'s): bf16, but
+// for the weights-as-M tiles' gate_up, whose out is h's e4m3 [C, F] and out_scale its scales
+// [F / 128, C4] (w_epilogue_q8):
 //   tma_a     A [C, K] e4m3 (x, or the quantized h) in boxes {128, 128 rows}
 //   tma_a32   the same in boxes of 64 rows (ROWS: a solo unit's halves) or 32 rows
 //   tma_b     W [b_rows, K] e4m3: w_gate_up [EL * 2F, H] or w_down [EL * H, F], box {128, BN8 / 2
 //             rows} (ROWS) or {128, 128}
 //   tma_sx    A's scales [K / 128, C4] f32 (C4: C rounded up to 4), box {S8_COUNT, 1}
-//   tma_out   out in w_epilogue's boxes {16, 32} (!ROWS)
+//   tma_out   out in w_epilogue's boxes {16, 32} (!ROWS, down)
 //   wscale    W's scales [EL, b_rows / EL / 128, K / 128]
 //   N         output columns (F for gate_up, H for down); F the up rows' offset inside an expert
 template <int MODE, int NVM>
@@ -255,8 +331,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     sm90_e4m3_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_a32,
                      const __grid_constant__ CUtensorMap tma_b,
                      const __grid_constant__ CUtensorMap tma_sx, const __grid_constant__ CUtensorMap tma_out,
-                     uint16_t *__restrict__ out, const float *__restrict__ wscale, const int *__restrict__ meta, int EL,
-                     int NT, int KT, int N, int F, int b_rows, int *waves) {
+                     void *__restrict__ out, float *__restrict__ out_scale, int C4, const float *__restrict__ wscale,
+                     const int *__restrict__ meta, int EL, int NT, int KT, int N, int F, int b_rows, int *waves) {
 #if defined(MOE_SM90A)
   constexpr bool ROWS = NVM == 0;
   static_assert(ROWS || NVM == NV8_MAX || NVM == NV8_NARROW, "a tiling whose ring stages8 sizes");
@@ -267,6 +343,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t staging = ring + NST * STAGE;
   const uint32_t bars = staging + 2 * STG; // full[NST], then empty[NST]
+  const uint32_t amax = bars + 16u * NST;   // !ROWS: w_epilogue_q8's exchange
   auto full_bar = [&](int s) { return bars + 8u * (uint32_t)s; };
   auto empty_bar = [&](int s) { return bars + 8u * (uint32_t)(NST + s); };
 
@@ -361,7 +438,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           const float *ws = wscale + (long long)w.e * nblk * KT;
           // this thread's first token's scale in a stage's box (its second is 8 tokens on)
           const uint32_t first = 4u * (uint32_t)((w.row0 & 3) + cw * 64 + 16 * (t >> 5) + (lane >> 2));
-          r8_tile<MODE>(s, ph, ring, bars, stg, cw, t, KT, out, N, w.row0 + cw * 64, my_rows,
+          r8_tile<MODE>(s, ph, ring, bars, stg, cw, t, KT, (uint16_t *)out, N, w.row0 + cw * 64, my_rows,
                         w.n * (MODE == GATE_UP ? BN8 / 2 : BN8), first, ws + r0 * KT, ws + r1 * KT);
         } else {
           skip_stages<2, NST>(s, ph, bars, KT, lane);
@@ -379,7 +456,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   case n:                                                                                                        \
     if constexpr (n <= NVM)                                                                                      \
       w8_tile<MODE, n, NVM>(s, ph, ring, bars, stg, cw, t, KT, &tma_out, out, N, w.row0, w.rows, col0, sc,      \
-                            ws0, ws1);                                                                           \
+                            ws0, ws1, out_scale, C4, amax);                                                      \
     else /* wider than the tiling (decode_w never makes one): keep the ring in step */                         \
       skip_stages<2, NST>(s, ph, bars, KT, lane);                                                                \
     break;

@@ -54,6 +54,44 @@ __device__ __forceinline__ Work decode_w(int v, const int *__restrict__ meta, in
 
 #if defined(MOE_SM90A)
 
+// Where token n's half h (the warp's outputs 8 h .. 8 h + 7) lies in a staging slot: a token a
+// 32-byte row, its two halves swapped every 4 rows (the bulk copy's 32-byte swizzle).
+__device__ __forceinline__ uint32_t w_slot_at(uint32_t wst, int n, int h) {
+  return wst + (uint32_t)(n * 32 + ((h ^ ((n >> 2) & 1)) << 4));
+}
+
+// The warp's 16 outputs of tokens c0 .. c0 + 31 into slot wst as bf16, an 8 x 8 block a stmatrix
+// .trans fragment: gate_up SwiGLU(gate, up), down pass p's sums.
+template <int MODE, int NV>
+__device__ __forceinline__ void w_stage(const float (&d)[NV], uint32_t wst, int c0, int p, int lane) {
+  constexpr int H2 = NV / 2;
+  const int mat = lane >> 3, ri = lane & 7; // the matrix and memory row this lane addresses
+#pragma unroll
+  for (int jn = c0 / 8; jn < (c0 + 32 < NV ? c0 + 32 : NV) / 8; jn += 2) { // token blocks jn (and jn + 1)
+    uint32_t r[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) { // matrix j: m-half j & 1 of token block jn + j / 2
+      const int i = 4 * (jn + (j >> 1)) + 2 * (j & 1);
+      if (i >= H2) {
+        r[j] = 0;
+        continue;
+      }
+      float v0, v1;
+      if (MODE == GATE_UP) {
+        v0 = swiglu(d[i], d[H2 + i]);
+        v1 = swiglu(d[i + 1], d[H2 + i + 1]);
+      } else {
+        v0 = d[H2 * p + i];
+        v1 = d[H2 * p + i + 1];
+      }
+      r[j] = pack_bf16(v0, v1);
+    }
+    const uint32_t addr = w_slot_at(wst, 8 * (jn + (mat >> 1)) + ri - c0, mat & 1);
+    if (8 * (jn + 1) < NV) stmatrix_x4_trans(addr, r[0], r[1], r[2], r[3]);
+    else stmatrix_x2_trans(addr, r[0], r[1]); // the last block of 8 tokens alone
+  }
+}
+
 // The weights-as-M tile's epilogue.  d holds two accumulators of NV / 2 registers, D[weight row
 // m][token n] each (m64nNV: register i of lane l of warp q holds m = 16 q + l / 4 + 8 ((i / 2) %
 // 2), n = 8 (i / 4) + 2 (l % 4) + (i % 2)); gate_up: d[i] the gate, d[NV / 2 + i] the up of the
@@ -70,9 +108,7 @@ template <int MODE, int NV>
 __device__ __forceinline__ void w_epilogue(float (&d)[NV], uint32_t stg, const CUtensorMap *tmo,
                                            uint16_t *__restrict__ out, int N, int row0, int rows, int col0, int t,
                                            uint32_t &sc) {
-  constexpr int H2 = NV / 2;
   const int lane = t & 31, q = t >> 5;
-  const int mat = lane >> 3, ri = lane & 7; // the matrix and memory row this lane addresses
   const uint32_t wst0 = stg + (uint32_t)(q * STG_SLOTS * 1024);
   constexpr int PASSES = MODE == GATE_UP ? 1 : 2;
 #pragma unroll
@@ -84,31 +120,7 @@ __device__ __forceinline__ void w_epilogue(float (&d)[NV], uint32_t stg, const C
       sc++;
       if (lane == 0) bulk_wait_read<STG_SLOTS - 1>(); // the slot's last store has read it
       __syncwarp(); // ... and the warp's own last reads of it are done
-#pragma unroll
-      for (int jn = c0 / 8; jn < (c0 + 32 < NV ? c0 + 32 : NV) / 8; jn += 2) { // token blocks jn (and jn + 1)
-        uint32_t r[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) { // matrix j: m-half j & 1 of token block jn + j / 2
-          const int i = 4 * (jn + (j >> 1)) + 2 * (j & 1);
-          if (i >= H2) {
-            r[j] = 0;
-            continue;
-          }
-          float v0, v1;
-          if (MODE == GATE_UP) {
-            v0 = swiglu(d[i], d[H2 + i]);
-            v1 = swiglu(d[i + 1], d[H2 + i + 1]);
-          } else {
-            v0 = d[H2 * p + i];
-            v1 = d[H2 * p + i + 1];
-          }
-          r[j] = pack_bf16(v0, v1);
-        }
-        const int n = 8 * (jn + (mat >> 1)) + ri - c0, h = mat & 1;
-        const uint32_t addr = wst + (uint32_t)(n * 32 + ((h ^ ((n >> 2) & 1)) << 4));
-        if (8 * (jn + 1) < NV) stmatrix_x4_trans(addr, r[0], r[1], r[2], r[3]);
-        else stmatrix_x2_trans(addr, r[0], r[1]); // the last block of 8 tokens alone
-      }
+      w_stage<MODE, NV>(d, wst, c0, p, lane);
       const int here = min(32, rows - c0);
       const int col = col0 + p * 64 + 16 * q;
       if (here == 32) {
@@ -122,7 +134,7 @@ __device__ __forceinline__ void w_epilogue(float (&d)[NV], uint32_t stg, const C
         __syncwarp();
         for (int idx = lane; idx < here * 2; idx += 32) {
           const int n = idx >> 1, h = idx & 1;
-          const uint4 v = ld_shared_v4(wst + (uint32_t)(n * 32 + ((h ^ ((n >> 2) & 1)) << 4)));
+          const uint4 v = ld_shared_v4(w_slot_at(wst, n, h));
           if (col < N) *reinterpret_cast<uint4 *>(out + (long long)(row0 + c0 + n) * N + col + 8 * h) = v;
         }
         if (lane == 0) bulk_commit(); // an empty group: one group a slot
@@ -131,8 +143,9 @@ __device__ __forceinline__ void w_epilogue(float (&d)[NV], uint32_t stg, const C
   }
 }
 
-// gate rows and the 64 up rows of the same outputs; down: 128 outputs) as wgmma's M, in two
-// accumulators, times the CTA's NV token rows (its rows rounded up to 8) of A as N.
+// A consumer warpgroup's tile: its 128 weight rows (gate_up: 64 gate rows and the 64 up rows of
+// the same outputs; down: 128 outputs) as wgmma's M, in two accumulators, times the CTA's NV
+// token rows (its rows rounded up to 8) of A as N.
 template <int MODE, int NV>
 __device__ __forceinline__ void w_tile(int &s, uint32_t &ph, uint32_t ring, uint32_t bars, uint32_t stg, int cw, int t,
                                        int KT, const CUtensorMap *tmo, uint16_t *__restrict__ out, int N, int row0,
