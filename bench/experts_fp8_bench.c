@@ -16,11 +16,11 @@
  * sums of exact e4m3 products in f32, SwiGLU, h rounded to bf16 and quantized per token); PASS when
  * no element is off by more than 6% of its row's largest |ref| (the e4m3 rounding of h flips where
  * the GPU's and the CPU's f32 sums differ: docs/design.md, "FP8 tolerance"), with the RMS error
- * printed, and a hash of the whole output (FNV-1a over its bytes: two builds that must agree bit for
- * bit compared by eye).  Rows past the experts must keep their poison.  Cases 3-6 are then timed: 2 warm-ups and
- * PASSES (30) back-to-back calls, device events, the median.  Calls the kernel's entry
- * (moeI_experts_fp8_cuda) directly, linked with the library's objects.  Exit status 1 when a check
- * fails. */
+ * printed, and a hash of the whole output (FNV-1a over its bytes, so that two builds meant to agree
+ * bit for bit can be compared).  Rows past the experts must keep their poison.  Cases 3-6 are then
+ * timed: 2 warm-ups and PASSES (30) back-to-back calls, device events, the median.  Calls the
+ * kernel's entry (moeI_experts_fp8_cuda) directly, linked with the library's objects.  Exit status
+ * 1 when a check fails. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -5,18 +5,12 @@
  * threads); -0, and -x for every 64th amax (every step is symmetric in the sign, -0 aside).  The
  * GPU computes the same products, FMAs and division, IEEE-rounded as here. */
 #include <stdint.h>
-#include <string.h>
 
 #include "check.h"
 #include "fp8_math.h"
 #include "internal.h"
 
-static float bf16_value(uint32_t bits) {
-  const uint32_t u = bits << 16;
-  float v;
-  memcpy(&v, &u, sizeof v);
-  return v;
-}
+static float bf16_value(uint32_t bits) { return moe_bf16_to_f32((uint16_t)bits); }
 
 enum { TOP = 0x7F80 }; /* +infinity; 0x7F7F the largest finite bf16 */
 
