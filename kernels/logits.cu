@@ -4,7 +4,9 @@
 //
 // Two paths for the logits, chosen by the context's option "logits" (moeI_logits_tensor):
 //
-// tensor (the default): bf16 mma.sync.m16n8k16 with f32 accumulators, the GEMM of
+// tensor (the default): bf16 tensor-core products with f32 accumulators.  On Hopper built for
+// sm_90a, wgmma (logits_wgmma_kernel: TMA into a ring of three stages, two consumer warpgroups of
+// 64 tokens x 96 or 128 experts, two CTAs an SM); elsewhere mma.sync.m16n8k16, the GEMM of
 // kernels/experts/mma.cu (128 x 128 x 64 block tiles, 8 warps of 64 x 32, cp.async three stages
 // deep, ldmatrix from XOR-swizzled shared memory) with f32 stores.  Each output is one thread's
 // accumulator, fed the k16 steps of H in ascending order and nothing else: no split of H across
@@ -32,6 +34,9 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "route_math.h"
+#include "sm90/ptx.cuh"
+#include "sm90/tensor_map.cuh"
+#include "sm90/wgmma.cuh"
 
 namespace {
 
@@ -220,6 +225,17 @@ gate_kernel(float *__restrict__ g, const uint16_t *__restrict__ x, const uint16_
 
 // ---- the tensor-core path ----
 
+// out[n, e] = v0 and out[n, e + 1] = v1 of row `row` (out + n E), those below E; pairs: E is
+// even and out 8-byte aligned, so the two store as one.
+__device__ __forceinline__ void store_pair(float *row, int64_t e, int64_t E, float v0, float v1, bool pairs) {
+  if (pairs && e + 1 < E) {
+    *reinterpret_cast<float2 *>(row + e) = make_float2(v0, v1);
+  } else {
+    if (e < E) row[e] = v0;
+    if (e + 1 < E) row[e + 1] = v1;
+  }
+}
+
 namespace tc {
 constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3; // tokens, experts, elements of H per stage
 constexpr int THREADS = 256;                           // 8 warps: 2 along tokens x 4 along experts
@@ -318,32 +334,162 @@ logits_tc_kernel(float *__restrict__ out, const uint16_t *__restrict__ x, const 
       if (n >= N) continue;
       float *row = out + n * E;
 #pragma unroll
-      for (int j = 0; j < 4; j++) {
-        const int64_t e = e0 + wn * 32 + j * 8 + (lane & 3) * 2;
-        const float v0 = acc[mi][j][2 * half], v1 = acc[mi][j][2 * half + 1];
-        if (pairs && e + 1 < E) {
-          *reinterpret_cast<float2 *>(row + e) = make_float2(v0, v1);
-        } else {
-          if (e < E) row[e] = v0;
-          if (e + 1 < E) row[e + 1] = v1;
-        }
+      for (int j = 0; j < 4; j++)
+        store_pair(row, e0 + wn * 32 + j * 8 + (lane & 3) * 2, E, acc[mi][j][2 * half], acc[mi][j][2 * half + 1],
+                   pairs);
+    }
+}
+
+// ---- the tensor-core path on Hopper (sm_90a): wgmma ----
+
+namespace hw {
+constexpr int BM = 128, BK = 64, STAGES = 3; // tokens a CTA (a warpgroup's m64 each), elements of H a stage
+constexpr int THREADS = 288;                 // two consumer warpgroups, then the producer warp
+constexpr int A_BYTES = BM * BK * 2;
+template <int BN> constexpr int stage_bytes() { return A_BYTES + BN * BK * 2; }
+// the ring from a 1024-byte boundary (the 128-byte swizzle's), then full[STAGES], empty[STAGES]
+template <int BN> constexpr int smem_bytes() { return 1024 + STAGES * stage_bytes<BN>() + 2 * STAGES * 8; }
+static_assert(2 * (smem_bytes<128>() + 1024) <= 228 * 1024, "two CTAs an SM");
+} // namespace hw
+
+// out [N, E] for the CTA's 128 tokens and BN experts: the producer warp's TMA copies of x's
+// {64, 128} and w's {64, BN} boxes of each k block (128-byte swizzle; rows past N or E and
+// columns past H read as zeros) into a ring of three stages; each consumer warpgroup
+// D[64 x BN] (+)= A[64 x 16] . B[BN x 16]^T, the four k16 steps of a stage in one group, one group
+// in flight while the next stage is waited for.  An output is one register of one thread, fed
+// the k16 steps of H in ascending order, as in logits_tc_kernel: the bits of a row do not depend
+// on N or the grid.  x and w 16-byte aligned with H % 8 == 0 (the tensor maps' strides).
+template <int BN>
+__global__ void __launch_bounds__(hw::THREADS, 2)
+logits_wgmma_kernel(const __grid_constant__ CUtensorMap tma_x, const __grid_constant__ CUtensorMap tma_w,
+                    float *__restrict__ out, int N, int E, int KT, int tiles_e, bool pairs) {
+#if defined(MOE_SM90A)
+  constexpr int STAGE = hw::stage_bytes<BN>();
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t ring = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
+  const uint32_t bars = ring + hw::STAGES * STAGE;
+  auto full_bar = [&](int s) { return bars + 8u * (uint32_t)s; };
+  auto empty_bar = [&](int s) { return bars + 8u * (uint32_t)(hw::STAGES + s); };
+  // the expert tile varies fastest: the CTAs of a token tile run together and read its x from
+  // memory once (w, 5.5 MB for Kimi K2, stays in L2)
+  const int n0 = (int)(blockIdx.x / (unsigned)tiles_e) * hw::BM, e0 = (int)(blockIdx.x % (unsigned)tiles_e) * BN;
+  // warp-uniform by construction, which ptxas needs to see to keep the wgmma asynchronous
+  const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < hw::STAGES; s++) {
+      mbar_init(full_bar(s), 1);  // the producer's arrive.expect_tx (+ the bytes)
+      mbar_init(empty_bar(s), 8); // one arrival per consumer warp
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 2) { // the producer warp
+    if (threadIdx.x == 2 * 128) {
+      prefetch_tmap(&tma_x);
+      prefetch_tmap(&tma_w);
+      int s = 0;
+      uint32_t ph = 0;
+      for (int kt = 0; kt < KT; kt++) {
+        mbar_wait(empty_bar(s), ph ^ 1u); // the consumers are done with slot s
+        const uint32_t sa = ring + (uint32_t)(s * STAGE);
+        mbar_expect_tx(full_bar(s), (uint32_t)STAGE);
+        tma_load(sa, &tma_x, kt * hw::BK, n0, full_bar(s));
+        tma_load(sa + hw::A_BYTES, &tma_w, kt * hw::BK, e0, full_bar(s));
+        if (++s == hw::STAGES) s = 0, ph ^= 1u;
       }
     }
+    return;
+  }
+
+  const int t = (int)threadIdx.x & 127, lane = t & 31;
+  const uint64_t da0 = smem_desc(ring + (uint32_t)(wg * 64 * hw::BK * 2)); // this warpgroup's 64 tokens
+  const uint64_t db0 = smem_desc(ring + hw::A_BYTES);
+  float d[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; i++) d[i] = 0.f; // H = 0: the sums are zeros
+  int s = 0, prev = 0;
+  uint32_t ph = 0;
+  for (int kt = 0; kt < KT; kt++) {
+    mbar_wait(full_bar(s), ph);
+    const uint64_t off = (uint64_t)(s * (STAGE >> 4));
+    wgmma_fence();
+    fence_acc(d);
+#pragma unroll
+    for (int k = 0; k < hw::BK / 16; k++) wgmma_n<BN, 0>(d, da0 + off + 2 * k, db0 + off + 2 * k, kt > 0 || k > 0);
+    wgmma_commit();
+    wgmma_wait<1>(); // the previous stage's group has retired: its slot is free
+    fence_acc(d);
+    if (kt > 0 && lane == 0) mbar_arrive_local(empty_bar(prev));
+    prev = s;
+    if (++s == hw::STAGES) s = 0, ph ^= 1u;
+  }
+  wgmma_wait<0>();
+  fence_acc(d);
+
+  // d[4 j + q]: token 64 wg + 16 warp + lane / 4 + 8 (q / 2), expert 8 j + 2 (lane % 4) + q % 2
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    const int64_t n = (int64_t)n0 + 64 * wg + 16 * (t >> 5) + (lane >> 2) + 8 * half;
+    if (n >= N) continue;
+    float *row = out + n * E;
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++)
+      store_pair(row, (int64_t)e0 + 8 * j + 2 * (lane & 3), E, d[4 * j + 2 * half], d[4 * j + 2 * half + 1], pairs);
+  }
+#else
+  MOE_SM90A_STUB();
+#endif
 }
 
 bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
 
 
-// The compute capability's major number of the device.
-int device_major(moe_ctx *ctx, int device, int *major) {
+// The compute capability of the device (minor: may be null).
+int device_cc(moe_ctx *ctx, int device, int *major, int *minor) {
   MOE_CUDA_TRY(ctx, "logits", cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device));
+  if (minor) MOE_CUDA_TRY(ctx, "logits", cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, device));
   return MOE_OK;
+}
+
+// The Hopper kernel's expert tile: of 96 and 128, the one that leaves fewer columns past E, the
+// narrower on a tie (more CTAs to spread over the SMs).  A function of E alone, so that a row's
+// bits do not depend on N.
+int wgmma_bn(int64_t E) { return (E + 95) / 96 * 96 <= (E + 127) / 128 * 128 ? 96 : 128; }
+
+// Does the tensor path run as logits_wgmma_kernel: a 9.0 device, the library built for sm_90a,
+// and coordinates that fit the tensor maps' 32-bit ones (else logits_tc_kernel).
+bool wgmma_takes(int major, int minor, int64_t N, int64_t E, int64_t H) {
+  static const bool built = sm90a_built((const void *)logits_wgmma_kernel<96>);
+  const int64_t lim = INT32_MAX - 256;
+  return major == 9 && minor == 0 && built && N < lim && E < lim &&
+         H < lim && (N + hw::BM - 1) / hw::BM * ((E + 95) / 96) < lim;
+}
+
+template <int BN>
+int launch_wgmma(moe_ctx *ctx, cudaStream_t s, float *out, const void *x, const void *w, int64_t N, int64_t E,
+                 int64_t H, bool pairs) {
+  CUtensorMap tma_x, tma_w;
+  if (!encode_2d(&tma_x, x, N, H, hw::BM, hw::BK, CU_TENSOR_MAP_SWIZZLE_128B) ||
+      !encode_2d(&tma_w, w, E, H, BN, hw::BK, CU_TENSOR_MAP_SWIZZLE_128B))
+    return moeI_seterr(ctx, MOE_ERR_CUDA, "logits: the driver refused the tensor maps of x [%lld, %lld] and w [%lld, %lld]",
+                       (long long)N, (long long)H, (long long)E, (long long)H);
+  constexpr int smem = hw::smem_bytes<BN>();
+  MOE_CUDA_TRY(ctx, "logits",
+               cudaFuncSetAttribute(logits_wgmma_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int64_t tiles_e = (E + BN - 1) / BN, blocks = (N + hw::BM - 1) / hw::BM * tiles_e;
+  logits_wgmma_kernel<BN><<<(unsigned)blocks, hw::THREADS, smem, s>>>(tma_x, tma_w, out, (int)N, (int)E,
+                                                                         (int)((H + hw::BK - 1) / hw::BK),
+                                                                         (int)tiles_e, pairs);
+  MOE_CUDA_LAUNCHED(ctx, "logits");
+  return moeI_ok(ctx);
 }
 
 } // namespace
 
 int moeI_logits_explain_cuda(moe_ctx *ctx, const moe_tensor *x, const moe_tensor *w, char *report, size_t n) {
-  int major = 0, rc = device_major(ctx, x->device.index, &major);
+  int major = 0, rc = device_cc(ctx, x->device.index, &major, NULL);
   if (rc) return rc;
   moeI_logits_tensor(ctx, x, w, major, report, n);
   return moeI_ok(ctx);
@@ -354,9 +500,13 @@ int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const m
   if (!N || !E) return moeI_ok(ctx);
   cudaStream_t s;
   int rc = moeI_cuda_ctx_stream(ctx, x->device.index, &s);
-  int major = 0;
-  if (rc || (rc = device_major(ctx, x->device.index, &major))) return rc;
+  int major = 0, minor = 0;
+  if (rc || (rc = device_cc(ctx, x->device.index, &major, &minor))) return rc;
   const bool tensor = moeI_logits_tensor(ctx, x, w, major, NULL, 0);
+  const bool pairs = E % 2 == 0 && (uintptr_t)out->data % 8 == 0;
+  if (tensor && wgmma_takes(major, minor, N, E, H))
+    return wgmma_bn(E) == 96 ? launch_wgmma<96>(ctx, s, (float *)out->data, x->data, w->data, N, E, H, pairs)
+                             : launch_wgmma<128>(ctx, s, (float *)out->data, x->data, w->data, N, E, H, pairs);
   const int64_t bm = tensor ? tc::BM : BM, bn = tensor ? tc::BN : BN;
   const int64_t gx = (E + bn - 1) / bn;
   if (gx > INT32_MAX)
@@ -364,7 +514,6 @@ int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const m
   if (tensor)
     MOE_CUDA_TRY(ctx, "logits",
                  cudaFuncSetAttribute(logits_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tc::SMEM_BYTES));
-  const bool pairs = E % 2 == 0 && (uintptr_t)out->data % 8 == 0;
   // y is limited to 65535 blocks: long inputs go in slices of rows
   for (int64_t r0 = 0; r0 < N; r0 += 65535 * bm) {
     const int64_t n = N - r0 < 65535 * bm ? N - r0 : 65535 * bm;

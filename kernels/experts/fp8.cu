@@ -36,16 +36,6 @@ template <int NVM> bool encode_rows(CUtensorMap m[2], const void *base, long lon
   return encode_e4m3(&m[0], base, rows, k, 128) && encode_e4m3(&m[1], base, rows, k, NVM == 0 ? BM / 2 : 32);
 }
 
-// The stub the kernel becomes without sm_90a has static shared memory (fp8.cuh); the real one none.
-bool e4m3_built() {
-  cudaFuncAttributes fa;
-  if (cudaFuncGetAttributes(&fa, sm90_e4m3_kernel<GATE_UP, NV8_MAX>) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return fa.sharedSizeBytes == 0;
-}
-
 // Clusters of two that fit at once (the persistent grid), cached per device, pass and tiling; 0: none.
 template <int MODE, int NVM> int resident_clusters(int dev) {
   static std::atomic<int> cache[64];
@@ -114,7 +104,7 @@ template <int NVM> int fits(moe_ctx *ctx, const moe_experts_fp8_args *a, Fit *fi
     snprintf(why, n, "needs compute capability 9.0 (Hopper), cuda:%d has %d.%d", dev, major, minor);
   } else if (optin < smem) {
     snprintf(why, n, "needs %d bytes of shared memory per block, cuda:%d offers %d", smem, dev, optin);
-  } else if (!e4m3_built()) {
+  } else if (!sm90a_built((const void *)sm90_e4m3_kernel<GATE_UP, NV8_MAX>)) {
     snprintf(why, n, "the library was not built for sm_90a");
   } else if (!aligned16(a->x->data) || !aligned16(a->out->data) || !aligned16(a->w_gate_up->data) ||
              !aligned16(a->w_down->data) || !aligned16(a->x_scale->data)) {

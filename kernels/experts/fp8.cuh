@@ -474,9 +474,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   __syncwarp();
   cluster_sync();
 #else
-  __shared__ volatile unsigned char stub_marker[16]; // as sm90_gemm_kernel's stub (sm90a_built)
-  stub_marker[threadIdx.x & 15] = 1;
-  __trap();
+  MOE_SM90A_STUB();
 #endif
 }
 

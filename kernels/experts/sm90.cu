@@ -17,17 +17,6 @@ bool encode_ab(CUtensorMap *m, const void *base, long long rows, long long k, in
   return encode_2d(m, base, rows, k, box_rows, BK, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
-// Was the kernel built for sm_90a?  The stub that stands in for it otherwise has static shared
-// memory and the real kernel has none; an image for another architecture fails the query.
-bool sm90a_built() {
-  cudaFuncAttributes fa;
-  if (cudaFuncGetAttributes(&fa, sm90_gemm_kernel<GATE_UP, 1, false>) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return fa.sharedSizeBytes == 0;
-}
-
 // Clusters (CM > 1) or CTAs (CM = 1) that fit on the device at once: the persistent grid.
 // Cached per device and kernel; 0 when none fit.
 template <int MODE, int CM, bool WT> int resident_groups(int dev) {
@@ -179,7 +168,7 @@ int moeI_experts_sm90_fits(moe_ctx *ctx, const moe_experts_args *a, Sm90Variant 
     snprintf(why, n, "needs %d bytes of shared memory per block, cuda:%d offers %d", SMEM_BYTES, dev, optin);
     return MOE_OK;
   }
-  if (!sm90a_built()) {
+  if (!sm90a_built((const void *)sm90_gemm_kernel<GATE_UP, 1, false>)) {
     snprintf(why, n, "the library was not built for sm_90a");
     return MOE_OK;
   }

@@ -190,11 +190,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     cluster_sync();
   }
 #else
-  // Built without sm_90a (the host pass cannot tell sm_90 from sm_90a): a stub the host
-  // recognises by its 16 bytes of static shared memory (sm90a_built) and never launches.
-  __shared__ volatile unsigned char stub_marker[16];
-  stub_marker[threadIdx.x & 15] = 1;
-  __trap();
+  MOE_SM90A_STUB();
 #endif
 }
 

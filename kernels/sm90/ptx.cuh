@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 // ptx.cuh -- the GPU primitives the kernels use, one inline-asm wrapper each.  For any kernel:
-// the global timer and programmatic dependent launch.  For the Hopper (sm_90a) kernels alone,
+// the global timer and programmatic dependent launch; the stub a Hopper kernel becomes without
+// sm_90a, and the host's test for it.  For the Hopper (sm_90a) kernels alone,
 // defined only in that device pass (code that uses them tests MOE_SM90A): mbarriers, the tensor
 // memory accelerator (TMA) and bulk copies, clusters, setmaxnreg, fences, shared-memory matrix
 // descriptors and the wgmma group controls (the wgmma instructions themselves: wgmma.cuh),
@@ -24,7 +25,26 @@ __device__ __forceinline__ uint64_t global_ns() {
 // results; launch_dependents lets the next kernel start its own prologue.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
+
+// Was the Hopper kernel compiled for sm_90a?  Built without it (the host pass cannot tell sm_90
+// from sm_90a), its body is MOE_SM90A_STUB, which the host recognises by the stub's 16 bytes of
+// static shared memory and never launches; the real kernels have none.  An image for another
+// architecture fails the query.
+inline bool sm90a_built(const void *kernel) {
+  cudaFuncAttributes fa;
+  if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return fa.sharedSizeBytes == 0;
+}
 } // namespace
+#define MOE_SM90A_STUB()                                                                          \
+  do {                                                                                            \
+    __shared__ volatile unsigned char stub_marker[16];                                            \
+    stub_marker[threadIdx.x & 15] = 1;                                                            \
+    __trap();                                                                                     \
+  } while (0)
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MOE_SM90A 1
