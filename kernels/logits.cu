@@ -6,7 +6,7 @@
 //
 // tensor (the default): bf16 tensor-core products with f32 accumulators.  On Hopper built for
 // sm_90a, wgmma (logits_wgmma_kernel: TMA into a ring of three stages, two consumer warpgroups of
-// 64 tokens x 96 or 128 experts, two CTAs an SM); elsewhere mma.sync.m16n8k16, the GEMM of
+// 64 tokens x 64, 96 or 128 experts, two CTAs an SM); elsewhere mma.sync.m16n8k16, the GEMM of
 // kernels/experts/mma.cu (128 x 128 x 64 block tiles, 8 warps of 64 x 32, cp.async three stages
 // deep, ldmatrix from XOR-swizzled shared memory) with f32 stores.  Each output is one thread's
 // accumulator, fed the k16 steps of H in ascending order and nothing else: no split of H across
@@ -453,10 +453,20 @@ int device_cc(moe_ctx *ctx, int device, int *major, int *minor) {
   return MOE_OK;
 }
 
-// The Hopper kernel's expert tile: of 96 and 128, the one that leaves fewer columns past E, the
-// narrower on a tie (more CTAs to spread over the SMs).  A function of E alone, so that a row's
-// bits do not depend on N.
-int wgmma_bn(int64_t E) { return (E + 95) / 96 * 96 <= (E + 127) / 128 * 128 ? 96 : 128; }
+// The Hopper kernel's expert tile: of 64, 96 and 128, the one that leaves the fewest columns past
+// E, on a tie the one nearest E / 4 (four tiles across: 384 -> 96, 256 -> 64, 512 -> 128), which
+// with 128 tokens a CTA spreads a rank's 7,168 tokens over the SMs' two slots in about a wave.
+// A function of E alone, so that a row's bits do not depend on N.
+int wgmma_bn(int64_t E) {
+  int best = 0;
+  int64_t best_waste = 0, best_off = 0;
+  for (int bn : {64, 96, 128}) {
+    const int64_t waste = (E + bn - 1) / bn * bn - E, off = bn * 4 > E ? bn * 4 - E : E - bn * 4;
+    if (!best || waste < best_waste || (waste == best_waste && off < best_off))
+      best = bn, best_waste = waste, best_off = off;
+  }
+  return best;
+}
 
 // Does the tensor path run as logits_wgmma_kernel: a 9.0 device, the library built for sm_90a,
 // and coordinates that fit the tensor maps' 32-bit ones (else logits_tc_kernel).
@@ -464,7 +474,7 @@ bool wgmma_takes(int major, int minor, int64_t N, int64_t E, int64_t H) {
   static const bool built = sm90a_built((const void *)logits_wgmma_kernel<96>);
   const int64_t lim = INT32_MAX - 256;
   return major == 9 && minor == 0 && built && N < lim && E < lim &&
-         H < lim && (N + hw::BM - 1) / hw::BM * ((E + 95) / 96) < lim;
+         H < lim && (N + hw::BM - 1) / hw::BM * ((E + 63) / 64) < lim;
 }
 
 template <int BN>
@@ -505,8 +515,11 @@ int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const m
   const bool tensor = moeI_logits_tensor(ctx, x, w, major, NULL, 0);
   const bool pairs = E % 2 == 0 && (uintptr_t)out->data % 8 == 0;
   if (tensor && wgmma_takes(major, minor, N, E, H))
-    return wgmma_bn(E) == 96 ? launch_wgmma<96>(ctx, s, (float *)out->data, x->data, w->data, N, E, H, pairs)
-                             : launch_wgmma<128>(ctx, s, (float *)out->data, x->data, w->data, N, E, H, pairs);
+    switch (wgmma_bn(E)) {
+    case 64: return launch_wgmma<64>(ctx, s, (float *)out->data, x->data, w->data, N, E, H, pairs);
+    case 96: return launch_wgmma<96>(ctx, s, (float *)out->data, x->data, w->data, N, E, H, pairs);
+    default: return launch_wgmma<128>(ctx, s, (float *)out->data, x->data, w->data, N, E, H, pairs);
+    }
   const int64_t bm = tensor ? tc::BM : BM, bn = tensor ? tc::BN : BN;
   const int64_t gx = (E + bn - 1) / bn;
   if (gx > INT32_MAX)

@@ -140,11 +140,11 @@ describe("logits on a GPU [#gpu]", function()
       moe.randn({ E, H }, { dtype = "bf16", seed = seed + 1, std = 1 / math.sqrt(H), device = dev })
   end
 
-  -- tokens, experts, H: odd N around the 128-row tiles, E around the expert tiles (96 or 128 on
-  -- Hopper: 256 takes 128), H from one stage of 64 to Kimi K2's 7168, and an H of 8s that leaves a
-  -- partial stage
+  -- tokens, experts, H: odd N around the 128-row tiles, E around the expert tiles (on Hopper 64
+  -- wide but for 384: 96, and 512: 128), H from one stage of 64 to Kimi K2's 7168, and an H of 8s
+  -- that leaves a partial stage
   local CASES = { { 1, 8, 64 }, { 7, 64, 128 }, { 129, 384, 1024 }, { 129, 385, 520 }, { 7, 384, 7168 },
-    { 130, 8, 64 }, { 257, 129, 192 }, { 131, 256, 200 } }
+    { 130, 8, 64 }, { 257, 129, 192 }, { 131, 256, 200 }, { 9, 512, 64 } }
 
   for _, c in ipairs(CASES) do
     local N, E, H = c[1], c[2], c[3]
