@@ -453,21 +453,6 @@ int device_cc(moe_ctx *ctx, int device, int *major, int *minor) {
   return MOE_OK;
 }
 
-// The Hopper kernel's expert tile: of 64, 96 and 128, the one that leaves the fewest columns past
-// E, on a tie the one nearest E / 4 (four tiles across: 384 -> 96, 256 -> 64, 512 -> 128), which
-// with 128 tokens a CTA spreads a rank's 7,168 tokens over the SMs' two slots in about a wave.
-// A function of E alone, so that a row's bits do not depend on N.
-int wgmma_bn(int64_t E) {
-  int best = 0;
-  int64_t best_waste = 0, best_off = 0;
-  for (int bn : {64, 96, 128}) {
-    const int64_t waste = (E + bn - 1) / bn * bn - E, off = bn * 4 > E ? bn * 4 - E : E - bn * 4;
-    if (!best || waste < best_waste || (waste == best_waste && off < best_off))
-      best = bn, best_waste = waste, best_off = off;
-  }
-  return best;
-}
-
 // Does the tensor path run as logits_wgmma_kernel: a 9.0 device, the library built for sm_90a,
 // and coordinates that fit the tensor maps' 32-bit ones (else logits_tc_kernel).
 bool wgmma_takes(int major, int minor, int64_t N, int64_t E, int64_t H) {
@@ -515,7 +500,7 @@ int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const m
   const bool tensor = moeI_logits_tensor(ctx, x, w, major, NULL, 0);
   const bool pairs = E % 2 == 0 && (uintptr_t)out->data % 8 == 0;
   if (tensor && wgmma_takes(major, minor, N, E, H))
-    switch (wgmma_bn(E)) {
+    switch (moeI_logits_wgmma_tile(E)) {
     case 64: return launch_wgmma<64>(ctx, s, (float *)out->data, x->data, w->data, N, E, H, pairs);
     case 96: return launch_wgmma<96>(ctx, s, (float *)out->data, x->data, w->data, N, E, H, pairs);
     default: return launch_wgmma<128>(ctx, s, (float *)out->data, x->data, w->data, N, E, H, pairs);

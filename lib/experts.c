@@ -335,6 +335,18 @@ int moeI_logits_tensor(const moe_ctx *ctx, const moe_tensor *x, const moe_tensor
   return tensor;
 }
 
+int moeI_logits_wgmma_tile(int64_t E) {
+  static const int tiles[] = {64, 96, 128};
+  int best = 0;
+  int64_t best_waste = 0, best_off = 0;
+  for (size_t i = 0; i < sizeof tiles / sizeof tiles[0]; i++) {
+    const int64_t bn = tiles[i], waste = (E + bn - 1) / bn * bn - E, off = llabs((long long)(4 * bn - E));
+    if (!best || waste < best_waste || (waste == best_waste && off < best_off))
+      best = (int)bn, best_waste = waste, best_off = off;
+  }
+  return best;
+}
+
 /* The checks of moe_logits and moe_logits_explain; on a GPU also the context's option, which a
  * context may hold unchecked (a bad MOE_LOGITS is kept so that here it fails with the list). */
 static int logits_check(moe_ctx *ctx, const moe_tensor *out, const moe_tensor *x, const moe_tensor *w) {

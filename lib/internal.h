@@ -101,6 +101,11 @@ const char *moeI_logits_paths(void);
  * moe_logits_explain's format. */
 int moeI_logits_tensor(const moe_ctx *ctx, const moe_tensor *x, const moe_tensor *w, int cc_major, char *report,
                        size_t n);
+/* The expert tile of the tensor path's Hopper kernel (kernels/logits.cu) for E experts: of 64, 96
+ * and 128, the one that leaves the fewest columns past E, on a tie the one nearest E / 4 (four
+ * tiles across: 384 -> 96, 256 -> 64, 512 -> 128).  A function of E alone, so that a row's bits do
+ * not depend on the number of rows. */
+int moeI_logits_wgmma_tile(int64_t E);
 int moeI_logits_explain_cuda(moe_ctx *ctx, const moe_tensor *x, const moe_tensor *w, char *report, size_t n);
 /* The report of moe_<stage>_explain (moelab.h) for tensors on the CPU, and on a GPU (the
  * stage's selector, arguments already checked). */

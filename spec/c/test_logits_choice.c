@@ -42,6 +42,15 @@ int main(void) {
     CHECK(strstr(report, rows[i].phrase) != NULL, "row %zu: report\n%s\nlacks \"%s\"", i, report, rows[i].phrase);
     CHECK(moeI_logits_tensor(ctx, rows[i].x, rows[i].w, rows[i].cc, NULL, 0) == got, "row %zu without a report", i);
   }
+  /* the Hopper kernel's expert tile: fewest columns past E, then four tiles across */
+  const struct {
+    int64_t E;
+    int tile;
+  } tiles[] = {{1, 64}, {8, 64}, {64, 64}, {96, 96}, {128, 64}, {129, 64}, {160, 64}, {192, 64},
+               {256, 64}, {384, 96}, {385, 64}, {512, 128}, {640, 128}, {1024, 128}};
+  for (size_t i = 0; i < sizeof tiles / sizeof tiles[0]; i++)
+    CHECK(moeI_logits_wgmma_tile(tiles[i].E) == tiles[i].tile, "E %lld: tile %d, want %d", (long long)tiles[i].E,
+          moeI_logits_wgmma_tile(tiles[i].E), tiles[i].tile);
   /* the option as read back, and what it refuses */
   CHECK(moe_ctx_config(ctx, "logits", "auto") == MOE_OK && strcmp(moe_ctx_config_value(ctx, "logits"), "tensor") == 0,
         "auto reads back as tensor");
