@@ -2,10 +2,11 @@
 // fp8.cu -- the host side of the FP8 experts (fp8.cuh): which tiling runs (the candidates, as
 // select.cu's for bf16; the context's experts_fp8_kernel option forces one), what each needs of
 // the GPU and the tensors, the tensor maps, and the launches of a pass: map (sm90.cuh's: the row
-// tiles' pairs and solos, or units of 2 NVM rows), gate_up, down.  The weights-as-M tiles' gate_up
-// writes h quantized (e4m3 and its transposed scales) from its epilogue; the row tiles' writes h
-// in bf16 and a launch of its own quantizes it.  NVM, the kernel's template argument: 0 the row
-// tiles, else the weights-as-M tiles' width (fp8.cuh).
+// tiles' pairs and solos, or units of 2 NVM rows, which the narrow tiles count in pairs of column
+// tiles), gate_up, down.  The weights-as-M tiles' gate_up writes h quantized (e4m3 and its
+// transposed scales) from its epilogue; the row tiles' writes h in bf16 and a launch of its own
+// quantizes it.  NVM, the kernel's template argument: 0 the row tiles, else the weights-as-M
+// tiles' width (fp8.cuh).
 #include <atomic>
 #include <limits.h>
 #include <stdint.h>
@@ -17,9 +18,10 @@
 
 namespace {
 
-// sm90w_fp8_n32 takes the problems whose experts average at most NARROW_ROWS rows (a unit of 2 x
-// 32 or less each): there the weights are read about once either way and its deeper ring pays;
-// past it, it would read an expert's weights once for every 64 rows (docs/perf/experts.md).
+// sm90w_fp8_n32 takes the problems whose experts average at most NARROW_ROWS rows: there the
+// weights stream through about once and its deeper ring, each CTA on weights of its own where an
+// expert has at most 32 rows, pays; past it, it would read an expert's weights once for every 64
+// rows (docs/perf/experts.md).
 constexpr int NARROW_ROWS = 2 * NV8_NARROW;
 
 // e4m3 [rows, k] in the GEMM's boxes {128 bytes, box_rows}, 128-byte swizzle.
@@ -152,11 +154,13 @@ template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   float *hs = (float *)(p + meta_bytes + h_bytes + hq_bytes);
   float *xs = C4 != C ? (float *)(p + meta_bytes + h_bytes + hq_bytes + hs_bytes) : (float *)a->x_scale->data;
 
-  // units per column tile whatever the offsets: row tiles (ROWS), or units of at most 2 NVM rows,
-  // and one more an expert
+  // units per column tile (NARROW: pair of them) whatever the offsets: row tiles (ROWS), or units
+  // of at most 2 NVM rows, and one more an expert
   long long tmax = EL < C ? EL : C;
+  constexpr bool NARROW = narrow_units<NVM>();
   if constexpr (ROWS) tmax += (C + BM - 1) / BM;
   else tmax += C / (2 * NVM);
+  if constexpr (NARROW) tmax *= 2; // decode_narrow counts a larger expert's units twice
   // outputs a column tile: ROWS 64 (gate_up) and 128 (down), else 128 and 256
   const int out_gu = ROWS ? BN8 / 2 : BN / 2, out_dn = ROWS ? BN8 : BN, b_box = ROWS ? BN8 / 2 : 128;
   const bool gate = C >= 2 * BM * EL;
@@ -168,8 +172,10 @@ template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   gu.wscale = (const float *)a->w_gate_up_scale->data, dn.wscale = (const float *)a->w_down_scale->data;
   gu.waves = gate ? meta + 4 * EL + 2 : nullptr, dn.waves = gate ? meta + 4 * EL + 3 : nullptr;
   const int fit_gu = resident_clusters<GATE_UP, NVM>(dev), fit_dn = resident_clusters<DOWN, NVM>(dev);
-  const int g_gu = (int)(tmax * gu.NT < fit_gu ? tmax * gu.NT : fit_gu);
-  const int g_dn = (int)(tmax * dn.NT < fit_dn ? tmax * dn.NT : fit_dn);
+  // the multiple of the map's units: NARROW's pairs of column tiles (decode_narrow), else column tiles
+  const long long ct_gu = NARROW ? (gu.NT + 1) / 2 : gu.NT, ct_dn = NARROW ? (dn.NT + 1) / 2 : dn.NT;
+  const int g_gu = (int)(tmax * ct_gu < fit_gu ? tmax * ct_gu : fit_gu);
+  const int g_dn = (int)(tmax * ct_dn < fit_dn ? tmax * ct_dn : fit_dn);
 
   const char *what = "cuTensorMapEncodeTiled";
   cudaError_t err = cudaSuccess;
@@ -189,7 +195,7 @@ template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   if (err == cudaSuccess) {
     what = "map launch";
     sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->offsets->data, (int)EL, (int)C, 2,
-                                                   2 * NVM);
+                                                   2 * NVM, NARROW ? NVM : 0);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess) {

@@ -17,9 +17,11 @@
 //               bulk stores for down), up to 128 tokens a CTA; 3 stages of 49 KiB.  gate_up's
 //               epilogue writes h quantized for down (w_epilogue_q8); the row tiles write it in
 //               bf16 and fp8.cu quantizes it in a launch of its own.
-//   sm90w_fp8_n32  the same, up to 32 tokens a CTA (units of 64 rows); 5 stages of 37 KiB.  Where
-//               the experts average few rows (decode) the weights stream through once, and what
-//               bounds their rate is the bytes in flight: the stages a CTA fills ahead.
+//   sm90w_fp8_n32  the same frame, up to 32 tokens a CTA; 5 stages of 37 KiB; an expert of at
+//               most 32 rows a cluster's two CTAs take as two column tiles, each loading its own
+//               256 weight rows, a larger one as sm90w_fp8 does (decode_narrow).  Where the
+//               experts have few rows (decode) the weights stream through once, and what bounds
+//               their rate is the bytes in flight: the stages a CTA fills ahead, all its own.
 //
 // A stage is one k block of 128: 128 e4m3 bytes a row, the same 128-byte swizzle rows as bf16's
 // 64 columns, so the descriptors, boxes and k32 slices (32 bytes) are bf16's byte for byte.  A
@@ -55,6 +57,10 @@ constexpr int S8_BYTES = 1024;                           // their slot
 // they stream through once (decode).
 template <int NVM> constexpr int stage8_bytes() { return NVM * BK8 + 2 * B_HALF + S8_BYTES; }
 template <int NVM> constexpr int stages8() { return NVM == NV8_MAX ? 3 : 5; }
+// The narrow tiling's units (decode_narrow): an expert of at most NVM rows a pair of column tiles,
+// each CTA loading its own weights; the wider tiling's all decode_w's (one column tile, the rows
+// split, the weights multicast).
+template <int NVM> constexpr bool narrow_units() { return NVM == NV8_NARROW; }
 // gate_up's epilogue quantizing h (w_epilogue_q8): the 8 consumer warps' amaxes of the NVM
 // tokens, in two buffers (a unit's, the next unit's)
 template <int NVM> constexpr int amax8_bytes() { return 2 * 8 * NVM * 4; }
@@ -359,10 +365,12 @@ __global__ void __launch_bounds__(THREADS, 1)
   __syncwarp();
   cluster_sync();
 
+  constexpr bool NARROW = narrow_units<NVM>();
   const int units = ROWS ? __ldg(meta + EL) * NT + __ldg(meta + 2 * EL + 1) * ((NT + 1) / 2) // pairs, solos
-                         : __ldg(meta + 5 * EL + 4) * NT;
+                         : __ldg(meta + 5 * EL + 4) * (NARROW ? (NT + 1) / 2 : NT);
   auto work = [&](int v) {
     if constexpr (ROWS) return decode<2>(v, meta, EL, NT, rank);
+    else if constexpr (NARROW) return decode_narrow<NVM>(v, meta, EL, NT, rank);
     else return decode_w<NVM>(v, meta, EL, NT, rank);
   };
   if (wg == 0) {
@@ -407,13 +415,19 @@ __global__ void __launch_bounds__(THREADS, 1)
             // boxes of 32.  The rows past n8 land in the slot unread.  (120 rows as one load instead
             // of 3 x 32 + 3 x 8: 4% faster at Kimi K2, docs/perf/experts.md.)
             const int boxed = NVM == NV8_MAX && n8 > 96 ? 128 : (n8 + 31) & ~31;
-            mbar_expect_tx(full_bar(s), (uint32_t)(boxed * BK8 + 2 * B_HALF + (n8 ? S8_COUNT * 4 : 0)));
+            const bool b_live = w.n < NT; // decode_narrow's units past an odd NT load no weights
+            mbar_expect_tx(full_bar(s), (uint32_t)(boxed * BK8 + (b_live ? 2 * B_HALF : 0) + (n8 ? S8_COUNT * 4 : 0)));
             if (boxed == 128) tma_load(sa, &tma_a, kb * BK8, w.row0, full_bar(s));
             else
               for (int r = 0; r < boxed; r += 32)
                 tma_load(sa + (uint32_t)(r * BK8), &tma_a32, kb * BK8, w.row0 + r, full_bar(s));
             if (n8) tma_load(ss, &tma_sx, w.row0 & ~3, kb, full_bar(s)); // a box starts on 16 bytes
-            tma_load_multicast(sb + (uint32_t)(rank * B_HALF), &tma_b, kb * BK8, rank ? b1 : b0, full_bar(s), 3);
+            if (b_live && w.solo) { // both halves, its own
+              tma_load(sb, &tma_b, kb * BK8, b0, full_bar(s));
+              tma_load(sb + B_HALF, &tma_b, kb * BK8, b1, full_bar(s));
+            } else if (b_live) {
+              tma_load_multicast(sb + (uint32_t)(rank * B_HALF), &tma_b, kb * BK8, rank ? b1 : b0, full_bar(s), 3);
+            }
           }
           if (++s == NST) s = 0, ph ^= 1u;
         }
@@ -457,7 +471,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     if constexpr (n <= NVM)                                                                                      \
       w8_tile<MODE, n, NVM>(s, ph, ring, bars, stg, cw, t, KT, &tma_out, out, N, w.row0, w.rows, col0, sc,      \
                             ws0, ws1, out_scale, C4, amax);                                                      \
-    else /* wider than the tiling (decode_w never makes one): keep the ring in step */                         \
+    else /* wider than the tiling (no decoder makes one): keep the ring in step */                               \
       skip_stages<2, NST>(s, ph, bars, KT, lane);                                                                \
     break;
           W8_TILE_CASE(8) W8_TILE_CASE(16) W8_TILE_CASE(24) W8_TILE_CASE(32) W8_TILE_CASE(40) W8_TILE_CASE(48)

@@ -102,9 +102,10 @@ template <bool WT> constexpr int smem_bytes() { return WT ? SMEM_W_BYTES : SMEM_
 // and of its row tiles left over, see decode), lo [EL], hi [EL], the wave gate's two counters
 // (gate_up, down), zeroed here, and wunits [EL + 1].  With unit_rows > 0 (a weights-as-M kernel,
 // CM = 2: 2 NV_MAX, or the FP8 kernel's 2 NVM), no pairs and no solos: an expert's rows are
-// wunits units of at most unit_rows (decode_w).
+// wunits units of at most unit_rows (decode_w).  With pair_rows > 0 too (the FP8 narrow tiles,
+// decode_narrow), an expert of at most pair_rows rows is one unit and any other twice its units.
 __global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const int *offsets, int EL, int C, int cm,
-                                                                int unit_rows) {
+                                                                int unit_rows, int pair_rows = 0) {
   const bool wt = unit_rows > 0;
   __shared__ int ws[32];
   int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL, *waves = hi + EL;
@@ -120,7 +121,8 @@ __global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const 
     const int end = max(m, next);                                // m_{e+1}
     const int tiles = (end - m + BM - 1) / BM;
     const int np = e < EL && !wt && cm == 2 ? tiles / 2 : 0, ns = e < EL && !wt ? tiles - 2 * np : 0;
-    const int nw = e < EL && wt ? (end - m + unit_rows - 1) / unit_rows : 0;
+    int nw = e < EL && wt ? (end - m + unit_rows - 1) / unit_rows : 0;
+    if (pair_rows > 0 && end - m > pair_rows) nw *= 2;
     const int first_p = carry_p + block_scan<false>(np, ws, &tot) - np;
     carry_p += tot;
     const int first_s = carry_s + block_scan<false>(ns, ws, &tot) - ns;

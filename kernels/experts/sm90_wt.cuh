@@ -19,6 +19,18 @@
 
 namespace {
 
+// The expert that unit v belongs to, expert e's first unit being wunits[e] x per (the map kernel's
+// row units times the column tiles, or pairs of them, each makes); not empty as v < units.
+__device__ __forceinline__ int unit_expert(int v, const int *__restrict__ wunits, int EL, int per) {
+  int a = 0, b = EL - 1;
+  while (a < b) { // the last expert whose first unit is <= v
+    const int mid = (a + b + 1) >> 1;
+    if (__ldg(wunits + mid) * per <= v) a = mid;
+    else b = mid - 1;
+  }
+  return a;
+}
+
 // Unit v of the weights-as-M kernel -> this CTA's tile.  An expert of r rows has u = ceil(r / (2
 // NV_MAX)) units per column tile, each of 2 nv rows (nv = ceil(r / 2u) rounded up to 8), the
 // first nv to the cluster's first CTA, the rest to the second (fewer, or none, in the expert's
@@ -29,15 +41,11 @@ namespace {
 // weights, and a band's token rows stay in L2 while its column tiles go by (with one band for
 // all of a large expert's units, the tokens would come from DRAM again for every column tile).
 constexpr int W_BAND = 6;
+
 template <int NVM = NV_MAX>
 __device__ __forceinline__ Work decode_w(int v, const int *__restrict__ meta, int EL, int NT, int rank) {
   const int *lo = meta + 2 * EL + 2, *hi = lo + EL, *wunits = hi + EL + 2;
-  int a = 0, b = EL - 1;
-  while (a < b) { // the last expert whose first unit is <= v; it is not empty as v < units
-    const int mid = (a + b + 1) >> 1;
-    if (__ldg(wunits + mid) * NT <= v) a = mid;
-    else b = mid - 1;
-  }
+  const int a = unit_expert(v, wunits, EL, NT);
   const int u = __ldg(wunits + a + 1) - __ldg(wunits + a), local = v - __ldg(wunits + a) * NT;
   const int l0 = __ldg(lo + a), r = __ldg(hi + a) - l0;
   const int nv = ((r + 2 * u - 1) / (2 * u) + 7) & ~7; // <= NVM: u = ceil(r / (2 NVM)) (the map kernel)
@@ -49,6 +57,41 @@ __device__ __forceinline__ Work decode_w(int v, const int *__restrict__ meta, in
   w.solo = 0;
   w.row0 = l0 + (2 * j + rank) * nv;
   w.rows = min(nv, l0 + r - w.row0); // <= 0: this CTA only shares its half of the weights
+  return w;
+}
+
+// Unit v of the FP8 narrow tiles (for decode), where the weights stream through once and what
+// bounds their rate is the weight bytes a CTA has in flight.  An expert of r <= NVM rows is one
+// unit a pair of column tiles: the cluster's two CTAs take all r rows and the column tiles 2 p and
+// 2 p + 1 (past an odd NT the second has none: rows 0), each loading its own 256 weight rows
+// (solo: no multicast), so all its bytes in flight are its own.  A larger expert is decode_w's u =
+// ceil(r / 2 NVM) units a column tile (the rows split, the weights multicast), counted as 2 u a pair
+// of column tiles (the map kernel's wunits with pair_rows NVM), a last column NT past an odd NT
+// empty for both CTAs.  Split into units of NVM rows instead, such an expert's weights would go to
+// the SMs once a unit.
+template <int NVM>
+__device__ __forceinline__ Work decode_narrow(int v, const int *__restrict__ meta, int EL, int NT, int rank) {
+  const int *lo = meta + 2 * EL + 2, *hi = lo + EL, *wunits = hi + EL + 2;
+  const int NP = (NT + 1) / 2;
+  const int a = unit_expert(v, wunits, EL, NP);
+  const int nw = __ldg(wunits + a + 1) - __ldg(wunits + a), local = v - __ldg(wunits + a) * NP;
+  const int l0 = __ldg(lo + a), r = __ldg(hi + a) - l0;
+  Work w;
+  w.e = a;
+  if (r <= NVM) {
+    w.n = 2 * local + rank;
+    w.solo = 1;
+    w.row0 = l0;
+    w.rows = r;
+  } else {
+    const int u = nw / 2, nv = ((r + 2 * u - 1) / (2 * u) + 7) & ~7;
+    int j;
+    raster(local, u, 2 * NP, W_BAND, &j, &w.n);
+    w.solo = 0;
+    w.row0 = l0 + (2 * j + rank) * nv;
+    w.rows = min(nv, l0 + r - w.row0);
+  }
+  if (w.n >= NT) w.rows = 0;
   return w;
 }
 
