@@ -414,13 +414,7 @@ logits_wgmma_kernel(const __grid_constant__ CUtensorMap tma_x, const __grid_cons
   for (int kt = 0; kt < KT; kt++) {
     mbar_wait(full_bar(s), ph);
     const uint64_t off = (uint64_t)(s * (STAGE >> 4));
-    wgmma_fence();
-    fence_acc(d);
-#pragma unroll
-    for (int k = 0; k < hw::BK / 16; k++) wgmma_n<BN, 0>(d, da0 + off + 2 * k, db0 + off + 2 * k, kt > 0 || k > 0);
-    wgmma_commit();
-    wgmma_wait<1>(); // the previous stage's group has retired: its slot is free
-    fence_acc(d);
+    wgmma_slot_wait_prev<BN, hw::BK / 16>(d, da0, db0, off, kt == 0); // the previous stage's slot is free
     if (kt > 0 && lane == 0) mbar_arrive_local(empty_bar(prev));
     prev = s;
     if (++s == hw::STAGES) s = 0, ph ^= 1u;

@@ -159,14 +159,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int kb = 0; kb < KT; kb++) {
           mbar_wait(full_bar(s), ph);
           const uint64_t off = (uint64_t)(s * (STAGE_BYTES >> 4));
-          wgmma_fence();
-          fence_acc(d);
-#pragma unroll
-          for (int k = 0; k < BK / 16; k++) // D[64 x 256] (+)= A[64 x 16] . B[256 x 16]^T
-            wgmma_n<BN, 0>(d, da0 + off + 2 * k, db0 + off + 2 * k, kb > 0 || k > 0);
-          wgmma_commit();
-          wgmma_wait<1>(); // the group of the previous k block has retired: its slot is free
-          fence_acc(d);
+          // D[64 x 256] (+)= A[64 x 64] . B[256 x 64]^T; the previous k block's slot is then free
+          wgmma_slot_wait_prev<BN, BK / 16>(d, da0, db0, off, kb == 0);
           if (kb > 0) release(prev);
           prev = s;
           if (++s == NST) s = 0, ph ^= 1u;

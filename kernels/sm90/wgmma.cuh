@@ -2,7 +2,8 @@
 // wgmma.cuh -- wgmma.mma_async m64nNk16 (bf16 in) and m64nNk32 (e4m3 in), f32 accumulators, for
 // N = 8, 16, .. 256, with both operands K-major in shared memory (descriptors), for the experts
 // GEMMs (kernels/experts/): bf16 N = 256 for the row tiles and N = the tokens of a CTA rounded up
-// to 8 for the weights-as-M tiles; e4m3 the same for the FP8 weights-as-M tiles.
+// to 8 for the weights-as-M tiles; e4m3 the same for the FP8 weights-as-M tiles; and for the
+// router's logits (kernels/logits.cu: bf16 N = 64, 96 or 128 experts).
 // wgmma_n<N, OFF>(d, ...) and wgmma_e4m3_n<N, OFF>(d, ...) accumulate D[64 x N] into d[OFF .. OFF
 // + N / 2) (N / 2 registers a thread); scale_d = 0 overwrites.  An asm statement's operand list
 // cannot come from a template, so the lists are spelled out by the preprocessor: MOE_WG_REGS_N is
@@ -10,6 +11,8 @@
 // the one for N - 8 and four more; the descriptors and scale_d follow as N/2 .. N/2 + 2.
 #pragma once
 #include <stdint.h>
+
+#include "ptx.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -159,5 +162,21 @@ __device__ __forceinline__ void wgmma_n(float (&d)[ACC], uint64_t da, uint64_t d
 template <int N, int OFF, int ACC>
 __device__ __forceinline__ void wgmma_e4m3_n(float (&d)[ACC], uint64_t da, uint64_t db, int scale_d) {
   wgmma_any<N, OFF, true>(d, da, db, scale_d);
+}
+
+// A ring slot's KS k16 steps (32 bytes apart: the descriptors' + 2), bf16 D[64 x N] (+)= A . B^T
+// into d from the descriptors da and db of slot 0 plus off (the slot's, in 16 bytes), the first
+// step overwriting where fresh, as one committed group; then the group before it is waited for,
+// so that its slot can go back while this one stays in flight.
+template <int N, int KS, int ACC>
+__device__ __forceinline__ void wgmma_slot_wait_prev(float (&d)[ACC], uint64_t da, uint64_t db, uint64_t off,
+                                                     bool fresh) {
+  wgmma_fence();
+  fence_acc(d);
+#pragma unroll
+  for (int k = 0; k < KS; k++) wgmma_n<N, 0>(d, da + off + 2 * k, db + off + 2 * k, !fresh || k > 0);
+  wgmma_commit();
+  wgmma_wait<1>();
+  fence_acc(d);
 }
 #endif
