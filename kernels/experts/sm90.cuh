@@ -139,7 +139,7 @@ struct Work {
   int row0; // this CTA's first row
   int rows; // rows of the expert in [row0, row0 + BM), 1..BM
   int n;    // column tile (NT when a solo unit's second CTA has none: it computes nothing)
-  int solo; // the CTAs of the cluster share no operand (see decode)
+  int solo; // each CTA loads weights of its own (decode: an odd last row tile; decode_narrow: two column tiles)
 };
 
 // Inside a band of at most GB items (row tiles or pairs) x nc column tiles, the item varies
