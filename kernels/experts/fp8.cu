@@ -172,8 +172,7 @@ template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   gu.wscale = (const float *)a->w_gate_up_scale->data, dn.wscale = (const float *)a->w_down_scale->data;
   gu.waves = gate ? meta + 4 * EL + 2 : nullptr, dn.waves = gate ? meta + 4 * EL + 3 : nullptr;
   const int fit_gu = resident_clusters<GATE_UP, NVM>(dev), fit_dn = resident_clusters<DOWN, NVM>(dev);
-  // the multiple of the map's units: NARROW's pairs of column tiles (decode_narrow), else column tiles
-  const long long ct_gu = NARROW ? (gu.NT + 1) / 2 : gu.NT, ct_dn = NARROW ? (dn.NT + 1) / 2 : dn.NT;
+  const long long ct_gu = unit_columns<NVM>(gu.NT), ct_dn = unit_columns<NVM>(dn.NT);
   const int g_gu = (int)(tmax * ct_gu < fit_gu ? tmax * ct_gu : fit_gu);
   const int g_dn = (int)(tmax * ct_dn < fit_dn ? tmax * ct_dn : fit_dn);
 

@@ -61,6 +61,10 @@ template <int NVM> constexpr int stages8() { return NVM == NV8_MAX ? 3 : 5; }
 // each CTA loading its own weights; the wider tiling's all decode_w's (one column tile, the rows
 // split, the weights multicast).
 template <int NVM> constexpr bool narrow_units() { return NVM == NV8_NARROW; }
+// What the map kernel's units multiply for NT column tiles: the narrow tiling's pairs of them.
+template <int NVM> __host__ __device__ constexpr int unit_columns(int NT) {
+  return narrow_units<NVM>() ? (NT + 1) / 2 : NT;
+}
 // gate_up's epilogue quantizing h (w_epilogue_q8): the 8 consumer warps' amaxes of the NVM
 // tokens, in two buffers (a unit's, the next unit's)
 template <int NVM> constexpr int amax8_bytes() { return 2 * 8 * NVM * 4; }
@@ -367,7 +371,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   constexpr bool NARROW = narrow_units<NVM>();
   const int units = ROWS ? __ldg(meta + EL) * NT + __ldg(meta + 2 * EL + 1) * ((NT + 1) / 2) // pairs, solos
-                         : __ldg(meta + 5 * EL + 4) * (NARROW ? (NT + 1) / 2 : NT);
+                         : __ldg(meta + 5 * EL + 4) * unit_columns<NVM>(NT);
   auto work = [&](int v) {
     if constexpr (ROWS) return decode<2>(v, meta, EL, NT, rank);
     else if constexpr (NARROW) return decode_narrow<NVM>(v, meta, EL, NT, rank);
