@@ -10,8 +10,8 @@
 // tensors (views) that are not 16-byte aligned.  The grid covers all C rows: nothing depends on
 // how many rows the schedule used, so no host synchronisation and a graph can capture it.
 // moe_dispatch_fp8 runs the same kernel over rows of H e4m3 bytes (H a multiple of 128: 16-byte
-// pieces wherever the tensors are aligned), then a second one that gathers the rows' scales into
-// their transposed layout.
+// pieces wherever the tensors are aligned), whose last blocks gather the rows' scales into their
+// transposed layout meanwhile (a launch of its own cost ~5 us a rank at decode).
 #include <stdint.h>
 
 #include "common.cuh"
@@ -31,12 +31,55 @@ __device__ __forceinline__ int64_t source_of(const int32_t *__restrict__ peer_ra
   return (p >= 0 && p < W && q >= 0 && q < routes) ? p * T + q / k : -1;
 }
 
-// V: the piece (uint4, uint32_t, uint16_t or uint8_t); pieces: a row in pieces.
+// moe_dispatch_fp8's scales: out [nb, C] from x [W * T, nb]; nb 0 for the bf16 dispatch (none).
+struct Scales {
+  float *out;
+  const float *x;
+  int64_t nb;
+};
+
+// The scales of rows [r0, r0 + SCALE_ROWS): their sources looked up once; in chunks of SCALE_COLS
+// scale blocks, each row's run of floats (contiguous in x) read into shared memory and written
+// transposed, each block's rows as one 128-byte run.  (A thread an output read one float every
+// nb from a different token: a sector for 4 bytes.)
+constexpr int SCALE_ROWS = 32, SCALE_COLS = 64;
+__device__ __forceinline__ void gather_scales(const Scales &sc, int64_t r0, const int32_t *__restrict__ peer_rank,
+                                              const int32_t *__restrict__ peer_route, int64_t C, int64_t W,
+                                              int64_t T, int64_t routes, int k, int zero_fill) {
+  __shared__ int64_t src[SCALE_ROWS];
+  __shared__ float tile[SCALE_ROWS][SCALE_COLS + 1]; // + 1: the transposed reads fall in distinct banks
+  const int64_t nb = sc.nb;
+  if (threadIdx.x < SCALE_ROWS)
+    src[threadIdx.x] = r0 + threadIdx.x < C ? source_of(peer_rank, peer_route, r0 + threadIdx.x, W, T, routes, k) : -1;
+  __syncthreads();
+  for (int64_t b0 = 0; b0 < nb; b0 += SCALE_COLS) {
+    const int cols = (int)(nb - b0 < SCALE_COLS ? nb - b0 : SCALE_COLS);
+    for (int i = threadIdx.x; i < SCALE_ROWS * cols; i += THREADS) {
+      const int j = i / cols, c = i - j * cols;
+      tile[j][c] = src[j] >= 0 ? __ldg(sc.x + src[j] * nb + b0 + c) : 0.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < SCALE_ROWS * cols; i += THREADS) {
+      const int c = i / SCALE_ROWS, j = i - c * SCALE_ROWS;
+      if (r0 + j < C && (src[j] >= 0 || zero_fill)) sc.out[(b0 + c) * C + r0 + j] = tile[j][c];
+    }
+    __syncthreads();
+  }
+}
+
+// V: the piece (uint4, uint32_t, uint16_t or uint8_t); pieces: a row in pieces.  The blocks past
+// the rows' (rb rows each) gather the FP8 scales, SCALE_ROWS rows each, beside the rows.
 template <typename V>
 __global__ void __launch_bounds__(THREADS)
 dispatch_kernel(V *__restrict__ xs, const V *__restrict__ x, const int32_t *__restrict__ peer_rank,
                 const int32_t *__restrict__ peer_route, int64_t C, int64_t W, int64_t T, int64_t routes, int k,
-                uint32_t pieces, int rb, int zero_fill) {
+                uint32_t pieces, int rb, int zero_fill, const Scales sc) {
+  const int64_t row_blocks = (C + rb - 1) / rb;
+  if ((int64_t)blockIdx.x >= row_blocks) {
+    gather_scales(sc, ((int64_t)blockIdx.x - row_blocks) * SCALE_ROWS, peer_rank, peer_route, C, W, T, routes, k,
+                  zero_fill);
+    return;
+  }
   // The block's rows that are written (with a source, or all under zero_fill), packed: src[i] is
   // the source of row r0 + row[i].  A layer's capacity rows are often half empty, and a block
   // that walked its empty rows' pieces cost as much issue as one that copies them.
@@ -93,6 +136,7 @@ struct Rows {
   const int32_t *peer_rank, *peer_route;
   int64_t C, W, T, row_bytes;
   int k, zero_fill;
+  Scales sc;
 };
 
 template <typename V>
@@ -104,12 +148,12 @@ int launch(moe_ctx *ctx, cudaStream_t s, const char *stage, const Rows &g) {
   // enough rows per block for several passes of THREADS * UNROLL pieces
   int64_t rb = (4 * THREADS * UNROLL + pieces - 1) / pieces;
   rb = rb < 1 ? 1 : rb > MAX_RB ? MAX_RB : rb;
-  const int64_t blocks = (g.C + rb - 1) / rb;
+  const int64_t blocks = (g.C + rb - 1) / rb + (g.sc.nb ? (g.C + SCALE_ROWS - 1) / SCALE_ROWS : 0);
   if (blocks > INT32_MAX)
     return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "%s: %lld rows are too many for cuda", stage, (long long)g.C);
   dispatch_kernel<V><<<(unsigned)blocks, THREADS, 0, s>>>((V *)g.out, (const V *)g.x, g.peer_rank, g.peer_route, g.C,
                                                           g.W, g.T, moeI_dispatch_routes(g.T, g.k), g.k,
-                                                          (uint32_t)pieces, (int)rb, g.zero_fill != 0);
+                                                          (uint32_t)pieces, (int)rb, g.zero_fill != 0, g.sc);
   MOE_CUDA_LAUNCHED(ctx, stage);
   return moeI_ok(ctx);
 }
@@ -122,36 +166,6 @@ int launch_rows(moe_ctx *ctx, cudaStream_t s, const char *stage, const Rows &g) 
   if (row % 4 == 0 && px % 4 == 0 && pxs % 4 == 0) return launch<uint32_t>(ctx, s, stage, g);
   if (row % 2 == 0 && px % 2 == 0 && pxs % 2 == 0) return launch<uint16_t>(ctx, s, stage, g);
   return launch<uint8_t>(ctx, s, stage, g);
-}
-
-// out_scale [nb, C] from x_scale [W * T, nb]: a CTA takes SCALE_ROWS rows and looks their sources
-// up once; in chunks of SCALE_COLS scale blocks, it reads each row's run of floats (contiguous in
-// x_scale) into shared memory and writes them transposed, each block's rows as one 128-byte run.
-// (A thread an output read one float every nb from a different token: a sector for 4 bytes.)
-constexpr int SCALE_ROWS = 32, SCALE_COLS = 64;
-__global__ void __launch_bounds__(THREADS)
-dispatch_scale_kernel(float *__restrict__ out_scale, const float *__restrict__ x_scale,
-                      const int32_t *__restrict__ peer_rank, const int32_t *__restrict__ peer_route, int64_t C,
-                      int64_t nb, int64_t W, int64_t T, int64_t routes, int k, int zero_fill) {
-  __shared__ int64_t src[SCALE_ROWS];
-  __shared__ float tile[SCALE_ROWS][SCALE_COLS + 1]; // + 1: the transposed reads fall in distinct banks
-  const int64_t r0 = (int64_t)blockIdx.x * SCALE_ROWS;
-  if (threadIdx.x < SCALE_ROWS)
-    src[threadIdx.x] = r0 + threadIdx.x < C ? source_of(peer_rank, peer_route, r0 + threadIdx.x, W, T, routes, k) : -1;
-  __syncthreads();
-  for (int64_t b0 = 0; b0 < nb; b0 += SCALE_COLS) {
-    const int cols = (int)(nb - b0 < SCALE_COLS ? nb - b0 : SCALE_COLS);
-    for (int i = threadIdx.x; i < SCALE_ROWS * cols; i += THREADS) {
-      const int j = i / cols, c = i - j * cols;
-      tile[j][c] = src[j] >= 0 ? __ldg(x_scale + src[j] * nb + b0 + c) : 0.0f;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < SCALE_ROWS * cols; i += THREADS) {
-      const int c = i / SCALE_ROWS, j = i - c * SCALE_ROWS;
-      if (r0 + j < C && (src[j] >= 0 || zero_fill)) out_scale[(b0 + c) * C + r0 + j] = tile[j][c];
-    }
-    __syncthreads();
-  }
 }
 
 } // namespace
@@ -169,7 +183,7 @@ int moeI_dispatch_cuda(moe_ctx *ctx, const moe_dispatch_args *a) {
   int rc = moeI_cuda_ctx_stream(ctx, a->out->device.index, &s);
   if (rc) return rc;
   const Rows g = {a->out->data, a->x->data, (const int32_t *)a->peer_rank->data, (const int32_t *)a->peer_route->data,
-                  C, a->x->shape[0], a->x->shape[1], H * 2, a->k, a->zero_fill};
+                  C, a->x->shape[0], a->x->shape[1], H * 2, a->k, a->zero_fill, {}};
   return launch_rows(ctx, s, "dispatch", g);
 }
 
@@ -181,15 +195,7 @@ int moeI_dispatch_fp8_cuda(moe_ctx *ctx, const moe_dispatch_fp8_args *a) {
   int rc = moeI_cuda_ctx_stream(ctx, a->out->device.index, &s);
   if (rc) return rc;
   const int32_t *peer_rank = (const int32_t *)a->peer_rank->data, *peer_route = (const int32_t *)a->peer_route->data;
-  const Rows g = {a->out->data, a->x->data, peer_rank, peer_route, C, W, T, H, a->k, a->zero_fill};
-  if ((rc = launch_rows(ctx, s, "dispatch_fp8", g))) return rc;
-  const int64_t blocks = (C + SCALE_ROWS - 1) / SCALE_ROWS;
-  if (blocks > INT32_MAX)
-    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, "dispatch_fp8: %lld rows are too many for cuda", (long long)C);
-  dispatch_scale_kernel<<<(unsigned)blocks, THREADS, 0, s>>>((float *)a->out_scale->data,
-                                                             (const float *)a->x_scale->data, peer_rank, peer_route, C,
-                                                             H / 128, W, T, moeI_dispatch_routes(T, a->k), a->k,
-                                                             a->zero_fill != 0);
-  MOE_CUDA_LAUNCHED(ctx, "dispatch_fp8");
-  return moeI_ok(ctx);
+  const Scales sc = {(float *)a->out_scale->data, (const float *)a->x_scale->data, H / 128};
+  const Rows g = {a->out->data, a->x->data, peer_rank, peer_route, C, W, T, H, a->k, a->zero_fill, sc};
+  return launch_rows(ctx, s, "dispatch_fp8", g);
 }

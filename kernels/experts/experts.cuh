@@ -64,18 +64,29 @@ template <bool MAX> __device__ int block_scan(int v, int *ws, int *total) {
 bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 // The launch of `blocks` CTAs of `threads` with `smem` bytes of dynamic shared memory each, in
-// clusters of cm (1: no cluster); attr is the storage of its one attribute.
-cudaLaunchConfig_t launch_config(cudaLaunchAttribute (&attr)[1], int cm, unsigned blocks, int threads, int smem,
-                                 cudaStream_t stream) {
+// clusters of cm (1: no cluster), and with pdl a programmatic dependent of the kernel before it on
+// the stream (it starts while that one ends and waits for it with griddepcontrol.wait); attr is
+// the storage of its attributes.
+cudaLaunchConfig_t launch_config(cudaLaunchAttribute (&attr)[2], int cm, unsigned blocks, int threads, int smem,
+                                 cudaStream_t stream, bool pdl = false) {
   cudaLaunchConfig_t cfg = {};
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = (unsigned)cm, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  unsigned n = 0;
+  if (cm > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = (unsigned)cm, attr[n].val.clusterDim.y = 1, attr[n].val.clusterDim.z = 1;
+    n++;
+  }
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    n++;
+  }
   cfg.gridDim = dim3(blocks, 1, 1);
   cfg.blockDim = dim3((unsigned)threads, 1, 1);
   cfg.dynamicSmemBytes = (size_t)smem;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = cm > 1 ? 1 : 0;
+  cfg.numAttrs = n;
   return cfg;
 }
 

@@ -3,10 +3,11 @@
 // select.cu's for bf16; the context's experts_fp8_kernel option forces one), what each needs of
 // the GPU and the tensors, the tensor maps, and the launches of a pass: map (sm90.cuh's: the row
 // tiles' pairs and solos, or units of 2 NVM rows, which the narrow tiles count in pairs of column
-// tiles), gate_up, down.  The weights-as-M tiles' gate_up writes h quantized (e4m3 and its
-// transposed scales) from its epilogue; the row tiles' writes h in bf16 and a launch of its own
-// quantizes it.  NVM, the kernel's template argument: 0 the row tiles, else the weights-as-M
-// tiles' width (fp8.cuh).
+// tiles), gate_up, down, each a programmatic dependent of the kernel before it (which it waits for
+// before reading anything), so that its launch and prologue overlap that kernel's last CTAs.  The
+// weights-as-M tiles' gate_up writes h quantized (e4m3 and its transposed scales) from its
+// epilogue; the row tiles' writes h in bf16 and a launch of its own quantizes it.  NVM, the
+// kernel's template argument: 0 the row tiles, else the weights-as-M tiles' width (fp8.cuh).
 #include <atomic>
 #include <limits.h>
 #include <stdint.h>
@@ -52,7 +53,7 @@ template <int MODE, int NVM> int resident_clusters(int dev) {
     (void)cudaGetLastError();
     return 0;
   }
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   const cudaLaunchConfig_t cfg = launch_config(attr, 2, 2 * 64, THREADS, smem, 0);
   if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -78,8 +79,8 @@ cudaError_t launch(cudaStream_t stream, int clusters, const Pass &p, const int *
   constexpr int smem = smem8_bytes<NVM>();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = launch_config(attr, 2, (unsigned)(2 * clusters), THREADS, smem, stream);
+  cudaLaunchAttribute attr[2];
+  const cudaLaunchConfig_t cfg = launch_config(attr, 2, (unsigned)(2 * clusters), THREADS, smem, stream, true);
   err = cudaLaunchKernelEx(&cfg, kernel, p.a[0], p.a[1], p.b, p.sx, p.out_map, p.out, p.out_scale, p.C4, p.wscale,
                            meta, EL, p.NT, p.KT, p.N, F, p.b_rows, p.waves);
   if (err != cudaSuccess) return err;
@@ -193,9 +194,11 @@ template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   }
   if (err == cudaSuccess) {
     what = "map launch";
-    sm90_map_kernel<<<1, MAP_THREADS, 0, stream>>>(meta, (const int *)a->offsets->data, (int)EL, (int)C, 2,
-                                                   2 * NVM, NARROW ? NVM : 0);
-    err = cudaGetLastError();
+    cudaLaunchAttribute attr[2];
+    const cudaLaunchConfig_t cfg = launch_config(attr, 1, 1, MAP_THREADS, 0, stream, true);
+    err = cudaLaunchKernelEx(&cfg, sm90_map_kernel, meta, (const int *)a->offsets->data, (int)EL, (int)C, 2,
+                             2 * NVM, NARROW ? NVM : 0);
+    if (err == cudaSuccess) err = cudaGetLastError();
   }
   if (err == cudaSuccess) {
     what = "gate_up launch";

@@ -370,20 +370,28 @@ __global__ void __launch_bounds__(THREADS, 1)
   cluster_sync();
 
   constexpr bool NARROW = narrow_units<NVM>();
-  const int units = ROWS ? __ldg(meta + EL) * NT + __ldg(meta + 2 * EL + 1) * ((NT + 1) / 2) // pairs, solos
-                         : __ldg(meta + 5 * EL + 4) * unit_columns<NVM>(NT);
   auto work = [&](int v) {
     if constexpr (ROWS) return decode<2>(v, meta, EL, NT, rank);
     else if constexpr (NARROW) return decode_narrow<NVM>(v, meta, EL, NT, rank);
     else return decode_w<NVM>(v, meta, EL, NT, rank);
   };
+  if (threadIdx.x == 0) {
+    prefetch_tmap(&tma_a);
+    prefetch_tmap(&tma_a32);
+    prefetch_tmap(&tma_b);
+    prefetch_tmap(&tma_sx);
+  }
+  // Launched as a programmatic dependent (fp8.cu), the CTA gets here while the kernel before ends:
+  // meta, the tokens and their scales, and out (which that kernel may still read) only past this
+  // wait.  The next kernel may launch now; it waits for this one before it reads what it writes.
+  pdl_wait();
+  pdl_launch_dependents();
+  __syncwarp(); // (setmaxnreg is .aligned)
+  const int units = ROWS ? __ldg(meta + EL) * NT + __ldg(meta + 2 * EL + 1) * ((NT + 1) / 2) // pairs, solos
+                         : __ldg(meta + 5 * EL + 4) * unit_columns<NVM>(NT);
   if (wg == 0) {
     setmaxnreg_dec<PRODUCER_REGS>();
     if (threadIdx.x == 0) {
-      prefetch_tmap(&tma_a);
-      prefetch_tmap(&tma_a32);
-      prefetch_tmap(&tma_b);
-      prefetch_tmap(&tma_sx);
       int s = 0;
       uint32_t ph = 0;
       const int slack = min(WAVE_SLACK, ncl * 2);

@@ -41,7 +41,7 @@ template <int MODE, int CM, bool WT> int resident_groups(int dev) {
     }
     n = sms * per_sm;
   } else {
-    cudaLaunchAttribute attr[1];
+    cudaLaunchAttribute attr[2];
     const cudaLaunchConfig_t cfg = launch_config(attr, CM, CM * 64, THREADS, smem, 0);
     if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
       (void)cudaGetLastError();
@@ -60,7 +60,7 @@ cudaError_t launch_gemm(cudaStream_t stream, int groups, const CUtensorMap &ta, 
   constexpr int smem = smem_bytes<WT>();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   const cudaLaunchConfig_t cfg = launch_config(attr, CM, (unsigned)(groups * CM), THREADS, smem, stream);
   err = cudaLaunchKernelEx(&cfg, kernel, ta, ta_half, ta8, tb, tout, out, meta, EL, NT, KT, N, F, b_rows, waves);
   if (err != cudaSuccess) return err;
