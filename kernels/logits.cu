@@ -6,12 +6,13 @@
 //
 // tensor (the default): bf16 tensor-core products with f32 accumulators.  On Hopper built for
 // sm_90a, wgmma (logits_wgmma_kernel: TMA into a ring of three stages, two consumer warpgroups of
-// 64 tokens x 64, 96 or 128 experts, two CTAs an SM); elsewhere mma.sync.m16n8k16, the GEMM of
-// kernels/experts/mma.cu (128 x 128 x 64 block tiles, 8 warps of 64 x 32, cp.async three stages
-// deep, ldmatrix from XOR-swizzled shared memory) with f32 stores.  Each output is one thread's
-// accumulator, fed the k16 steps of H in ascending order and nothing else: no split of H across
-// blocks or warps, so its order of summation depends neither on N nor on the grid nor on the
-// other rows of the batch, and a row's logits are the same bits alone or batched.  They are not
+// 64 tokens x 64, 96 or 128 experts, two CTAs an SM; seven stages where the CTAs are no more than
+// the SMs); elsewhere mma.sync.m16n8k16, the GEMM of kernels/experts/mma.cu (128 x 128 x 64
+// block tiles, 8 warps of 64 x 32, cp.async three stages deep, ldmatrix from XOR-swizzled shared
+// memory) with f32 stores.  Each output is one thread's accumulator, fed the k16 steps of H in
+// ascending order and nothing else: no split of H across blocks or warps, so its order of
+// summation depends neither on N nor on the grid (nor on the ring's depth) nor on the other rows
+// of the batch, and a row's logits are the same bits alone or batched.  They are not
 // the CPU's bits: the tensor cores sum 16 products at a time in an order (and with a rounding)
 // of their own.  Zero-filled rows past N or E and chunks past H add exact zeros.
 //
@@ -343,33 +344,39 @@ logits_tc_kernel(float *__restrict__ out, const uint16_t *__restrict__ x, const 
 // ---- the tensor-core path on Hopper (sm_90a): wgmma ----
 
 namespace hw {
-constexpr int BM = 128, BK = 64, STAGES = 3; // tokens a CTA (a warpgroup's m64 each), elements of H a stage
-constexpr int THREADS = 288;                 // two consumer warpgroups, then the producer warp
+constexpr int BM = 128, BK = 64; // tokens a CTA (a warpgroup's m64 each), elements of H a stage
+// Stages in the ring: 3, two CTAs an SM; where the grid has no more CTAs than the GPU has SMs
+// (decode: 32 at 8 x 128 tokens), 7, so that a CTA, alone on its SM, keeps more of x and w in
+// flight (it streams all of H, and its rate is the bytes in flight over the latency).
+constexpr int STAGES = 3, DEEP_STAGES = 7;
+constexpr int THREADS = 288; // two consumer warpgroups, then the producer warp
 constexpr int A_BYTES = BM * BK * 2;
 template <int BN> constexpr int stage_bytes() { return A_BYTES + BN * BK * 2; }
-// the ring from a 1024-byte boundary (the 128-byte swizzle's), then full[STAGES], empty[STAGES]
-template <int BN> constexpr int smem_bytes() { return 1024 + STAGES * stage_bytes<BN>() + 2 * STAGES * 8; }
-static_assert(2 * (smem_bytes<128>() + 1024) <= 228 * 1024, "two CTAs an SM");
+// the ring from a 1024-byte boundary (the 128-byte swizzle's), then full[NST], empty[NST]
+template <int BN, int NST> constexpr int smem_bytes() { return 1024 + NST * stage_bytes<BN>() + 2 * NST * 8; }
+static_assert(2 * (smem_bytes<128, STAGES>() + 1024) <= 228 * 1024, "two CTAs an SM");
+static_assert(smem_bytes<128, DEEP_STAGES>() <= 232448, "the deep ring fits the 227 KiB a block may opt in to");
 } // namespace hw
 
 // out [N, E] for the CTA's 128 tokens and BN experts: the producer warp's TMA copies of x's
 // {64, 128} and w's {64, BN} boxes of each k block (128-byte swizzle; rows past N or E and
-// columns past H read as zeros) into a ring of three stages; each consumer warpgroup
+// columns past H read as zeros) into a ring of NST stages; each consumer warpgroup
 // D[64 x BN] (+)= A[64 x 16] . B[BN x 16]^T, the four k16 steps of a stage in one group, one group
 // in flight while the next stage is waited for.  An output is one register of one thread, fed
 // the k16 steps of H in ascending order, as in logits_tc_kernel: the bits of a row do not depend
-// on N or the grid.  x and w 16-byte aligned with H % 8 == 0 (the tensor maps' strides).
-template <int BN>
-__global__ void __launch_bounds__(hw::THREADS, 2)
+// on N, the grid or the ring's depth.  x and w 16-byte aligned with H % 8 == 0 (the tensor maps'
+// strides).
+template <int BN, int NST>
+__global__ void __launch_bounds__(hw::THREADS, NST == hw::STAGES ? 2 : 1)
 logits_wgmma_kernel(const __grid_constant__ CUtensorMap tma_x, const __grid_constant__ CUtensorMap tma_w,
                     float *__restrict__ out, int N, int E, int KT, int tiles_e, bool pairs) {
 #if defined(MOE_SM90A)
   constexpr int STAGE = hw::stage_bytes<BN>();
   extern __shared__ unsigned char smem_raw[];
   const uint32_t ring = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
-  const uint32_t bars = ring + hw::STAGES * STAGE;
+  const uint32_t bars = ring + NST * STAGE;
   auto full_bar = [&](int s) { return bars + 8u * (uint32_t)s; };
-  auto empty_bar = [&](int s) { return bars + 8u * (uint32_t)(hw::STAGES + s); };
+  auto empty_bar = [&](int s) { return bars + 8u * (uint32_t)(NST + s); };
   // the expert tile varies fastest: the CTAs of a token tile run together and read its x from
   // memory once (w, 5.5 MB for Kimi K2, stays in L2)
   const int n0 = (int)(blockIdx.x / (unsigned)tiles_e) * hw::BM, e0 = (int)(blockIdx.x % (unsigned)tiles_e) * BN;
@@ -377,7 +384,7 @@ logits_wgmma_kernel(const __grid_constant__ CUtensorMap tma_x, const __grid_cons
   const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < hw::STAGES; s++) {
+    for (int s = 0; s < NST; s++) {
       mbar_init(full_bar(s), 1);  // the producer's arrive.expect_tx (+ the bytes)
       mbar_init(empty_bar(s), 8); // one arrival per consumer warp
     }
@@ -397,7 +404,7 @@ logits_wgmma_kernel(const __grid_constant__ CUtensorMap tma_x, const __grid_cons
         mbar_expect_tx(full_bar(s), (uint32_t)STAGE);
         tma_load(sa, &tma_x, kt * hw::BK, n0, full_bar(s));
         tma_load(sa + hw::A_BYTES, &tma_w, kt * hw::BK, e0, full_bar(s));
-        if (++s == hw::STAGES) s = 0, ph ^= 1u;
+        if (++s == NST) s = 0, ph ^= 1u;
       }
     }
     return;
@@ -417,7 +424,7 @@ logits_wgmma_kernel(const __grid_constant__ CUtensorMap tma_x, const __grid_cons
     wgmma_slot_wait_prev<BN, hw::BK / 16>(d, da0, db0, off, kt == 0); // the previous stage's slot is free
     if (kt > 0 && lane == 0) mbar_arrive_local(empty_bar(prev));
     prev = s;
-    if (++s == hw::STAGES) s = 0, ph ^= 1u;
+    if (++s == NST) s = 0, ph ^= 1u;
   }
   wgmma_wait<0>();
   fence_acc(d);
@@ -450,10 +457,23 @@ int device_cc(moe_ctx *ctx, int device, int *major, int *minor) {
 // Does the tensor path run as logits_wgmma_kernel: a 9.0 device, the library built for sm_90a,
 // and coordinates that fit the tensor maps' 32-bit ones (else logits_tc_kernel).
 bool wgmma_takes(int major, int minor, int64_t N, int64_t E, int64_t H) {
-  static const bool built = sm90a_built((const void *)logits_wgmma_kernel<96>);
+  static const bool built = sm90a_built((const void *)logits_wgmma_kernel<96, hw::STAGES>);
   const int64_t lim = INT32_MAX - 256;
   return major == 9 && minor == 0 && built && N < lim && E < lim &&
          H < lim && (N + hw::BM - 1) / hw::BM * ((E + 63) / 64) < lim;
+}
+
+template <int BN, int NST>
+int launch_ring(moe_ctx *ctx, cudaStream_t s, float *out, const CUtensorMap &tma_x, const CUtensorMap &tma_w,
+                int64_t blocks, int64_t N, int64_t E, int64_t H, int64_t tiles_e, bool pairs) {
+  constexpr int smem = hw::smem_bytes<BN, NST>();
+  MOE_CUDA_TRY(ctx, "logits",
+               cudaFuncSetAttribute(logits_wgmma_kernel<BN, NST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  logits_wgmma_kernel<BN, NST><<<(unsigned)blocks, hw::THREADS, smem, s>>>(tma_x, tma_w, out, (int)N, (int)E,
+                                                                              (int)((H + hw::BK - 1) / hw::BK),
+                                                                              (int)tiles_e, pairs);
+  MOE_CUDA_LAUNCHED(ctx, "logits");
+  return moeI_ok(ctx);
 }
 
 template <int BN>
@@ -464,15 +484,13 @@ int launch_wgmma(moe_ctx *ctx, cudaStream_t s, float *out, const void *x, const 
       !encode_2d(&tma_w, w, E, H, BN, hw::BK, CU_TENSOR_MAP_SWIZZLE_128B))
     return moeI_seterr(ctx, MOE_ERR_CUDA, "logits: the driver refused the tensor maps of x [%lld, %lld] and w [%lld, %lld]",
                        (long long)N, (long long)H, (long long)E, (long long)H);
-  constexpr int smem = hw::smem_bytes<BN>();
-  MOE_CUDA_TRY(ctx, "logits",
-               cudaFuncSetAttribute(logits_wgmma_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t tiles_e = (E + BN - 1) / BN, blocks = (N + hw::BM - 1) / hw::BM * tiles_e;
-  logits_wgmma_kernel<BN><<<(unsigned)blocks, hw::THREADS, smem, s>>>(tma_x, tma_w, out, (int)N, (int)E,
-                                                                         (int)((H + hw::BK - 1) / hw::BK),
-                                                                         (int)tiles_e, pairs);
-  MOE_CUDA_LAUNCHED(ctx, "logits");
-  return moeI_ok(ctx);
+  int dev = 0, sms = 0;
+  MOE_CUDA_TRY(ctx, "logits", cudaGetDevice(&dev));
+  MOE_CUDA_TRY(ctx, "logits", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (blocks <= sms)
+    return launch_ring<BN, hw::DEEP_STAGES>(ctx, s, out, tma_x, tma_w, blocks, N, E, H, tiles_e, pairs);
+  return launch_ring<BN, hw::STAGES>(ctx, s, out, tma_x, tma_w, blocks, N, E, H, tiles_e, pairs);
 }
 
 } // namespace
