@@ -111,9 +111,9 @@ __global__ void __launch_bounds__(MAP_THREADS) sm90_map_kernel(int *meta, const 
   int *pairs = meta, *solos = pairs + EL + 1, *lo = solos + EL + 1, *hi = lo + EL, *waves = hi + EL;
   int *wunits = waves + 2;
   int carry_m = 0, carry_p = 0, carry_s = 0, carry_w = 0;
-  // Launched as a programmatic dependent (fp8.cu), the GEMM after it may start its prologue now:
-  // it waits for this kernel before it reads meta.  offsets, and meta's readers before, are the
-  // kernels' before this one.
+  // Launched as a programmatic dependent (fp8.cu), the GEMM after it may start its prologue now
+  // (it waits for this kernel before it reads meta), and this kernel waits for the one before it
+  // before it reads offsets or writes meta (which the previous call's GEMMs may still read).
   pdl_launch_dependents();
   pdl_wait();
   for (int base = 0; base < EL; base += MAP_THREADS) {
