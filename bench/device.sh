@@ -121,7 +121,13 @@ for s in $steps; do
             done ;;
           *) run "$s-$(basename "$p")" 300 compute-sanitizer --tool "$s" $api --error-exitcode 1 "$p" $flag ;;
         esac
-      done ;;
+      done
+      # the FP8 dispatch and the router's logits have specs rather than test programs
+      if [ "$only" = "*" ]; then
+        run "$s-spec-dispatch_fp8" 300 compute-sanitizer --tool "$s" --error-exitcode 1 \
+          busted --tags=gpu --filter=dispatch_fp8 spec/fp8_spec.lua
+        run "$s-spec-logits" 300 compute-sanitizer --tool "$s" --error-exitcode 1 busted --tags=gpu spec/logits_spec.lua
+      fi ;;
     *) echo "unknown step $s" ;;
   esac
 done
