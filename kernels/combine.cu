@@ -96,6 +96,7 @@ combine_kernel(const __grid_constant__ Owners own, const Args a) {
     for (int j = lane; j < kn; j += 32) {
       const int64_t k = k0 + j;
       const int64_t id = a.ids[t * K + k];
+      const float w = a.w[t * K + k]; // beside the id, not after the route_row it does not need
       const uint16_t *p = nullptr;
       if (id >= 0 && id < a.E) {
         const int64_t o = id / a.EL;
@@ -103,7 +104,7 @@ combine_kernel(const __grid_constant__ Owners own, const Args a) {
         if (row >= 0 && row < own.rows[o]) p = own.ys[o] + row * H;
       }
       src[b][j] = p;
-      wk[b][j] = p ? a.w[t * K + k] : 0.0f;
+      wk[b][j] = p ? w : 0.0f;
     }
   };
 
