@@ -23,6 +23,16 @@ local opts = cli.parse(arg, {
   { "keep", "string", nil, "write each command's output to this folder (1.log, 2.log, ...)" },
 }, "lua scenarios/report.lua: the results table, measured now")
 local out_file = cli.output("out", opts.out)
+-- --keep's folder is written after each command: a missing one is said now, before any has run
+if opts.keep then
+  local probe = opts.keep .. "/.report-probe"
+  local f, err = io.open(probe, "w")
+  if not f then
+    cli.fail(string.format("--keep: cannot write in '%s' (it must be a folder that exists): %s", opts.keep, err))
+  end
+  f:close()
+  os.remove(probe)
+end
 local build = os.getenv("MOE_BUILD_DIR") or "build"
 local gpu = not opts.cpu and moe.default_device() ~= "cpu"
 local lua = arg[-1] or "lua"
