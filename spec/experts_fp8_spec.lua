@@ -219,7 +219,7 @@ local function within_tolerance(gpu, cpu, o, c)
 end
 
 -- Every tiling of the GPU kernel (the context's experts_fp8_kernel option), each on the same cases.
-for _, kernel in ipairs { "sm90w_fp8_n32", "sm90w_fp8", "sm90x2_fp8" } do
+for _, kernel in ipairs { "sm90w_fp8_n32", "sm90w_fp8", "sm90t_fp8", "sm90x2_fp8" } do
   describe("experts_fp8 on the GPU (" .. kernel .. ") against the CPU oracle [#gpu]", function()
     if skip_without("cuda:0") then return end
     before_each(function() moe.config { experts_fp8_kernel = kernel } end)

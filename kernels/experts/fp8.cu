@@ -40,13 +40,13 @@ template <int NVM> bool encode_rows(CUtensorMap m[2], const void *base, long lon
 }
 
 // Clusters of two that fit at once (the persistent grid), cached per device, pass and tiling; 0: none.
-template <int MODE, int NVM> int resident_clusters(int dev) {
+template <int MODE, int NVM, bool TM> int resident_clusters(int dev) {
   static std::atomic<int> cache[64];
   if (dev >= 0 && dev < 64) {
     const int c = cache[dev].load(std::memory_order_relaxed);
     if (c > 0) return c - 1;
   }
-  auto kernel = sm90_e4m3_kernel<MODE, NVM>;
+  auto kernel = sm90_e4m3_kernel<MODE, NVM, TM>;
   constexpr int smem = smem8_bytes<NVM>();
   int n = 0;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
@@ -73,9 +73,9 @@ struct Pass {
   int *waves;
 };
 
-template <int MODE, int NVM>
+template <int MODE, int NVM, bool TM>
 cudaError_t launch(cudaStream_t stream, int clusters, const Pass &p, const int *meta, int EL, int F) {
-  auto kernel = sm90_e4m3_kernel<MODE, NVM>;
+  auto kernel = sm90_e4m3_kernel<MODE, NVM, TM>;
   constexpr int smem = smem8_bytes<NVM>();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
@@ -89,7 +89,7 @@ cudaError_t launch(cudaStream_t stream, int clusters, const Pass &p, const int *
 
 // What keeps a tiling from the problem: CANNOT and why, or TAKES.  The caller has checked the
 // dtypes, shapes and devices, H and F multiples of 128, and that C and EL are not 0.
-template <int NVM> int fits(moe_ctx *ctx, const moe_experts_fp8_args *a, Fit *fit, char *why, size_t n) {
+template <int NVM, bool TM = false> int fits(moe_ctx *ctx, const moe_experts_fp8_args *a, Fit *fit, char *why, size_t n) {
   (void)ctx;
   const long long C = a->x->shape[0], H = a->x->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
@@ -107,7 +107,7 @@ template <int NVM> int fits(moe_ctx *ctx, const moe_experts_fp8_args *a, Fit *fi
     snprintf(why, n, "needs compute capability 9.0 (Hopper), cuda:%d has %d.%d", dev, major, minor);
   } else if (optin < smem) {
     snprintf(why, n, "needs %d bytes of shared memory per block, cuda:%d offers %d", smem, dev, optin);
-  } else if (!sm90a_built((const void *)sm90_e4m3_kernel<GATE_UP, NV8_MAX>)) {
+  } else if (!sm90a_built((const void *)sm90_e4m3_kernel<GATE_UP, NV8_MAX, false>)) {
     snprintf(why, n, "the library was not built for sm_90a");
   } else if (!aligned16(a->x->data) || !aligned16(a->out->data) || !aligned16(a->w_gate_up->data) ||
              !aligned16(a->w_down->data) || !aligned16(a->x_scale->data)) {
@@ -117,7 +117,7 @@ template <int NVM> int fits(moe_ctx *ctx, const moe_experts_fp8_args *a, Fit *fi
              F);
   } else if (!encode_tiled()) {
     snprintf(why, n, "the driver offers no cuTensorMapEncodeTiled");
-  } else if (resident_clusters<GATE_UP, NVM>(dev) <= 0 || resident_clusters<DOWN, NVM>(dev) <= 0) {
+  } else if (resident_clusters<GATE_UP, NVM, TM>(dev) <= 0 || resident_clusters<DOWN, NVM, TM>(dev) <= 0) {
     snprintf(why, n, "no cluster of two CTAs of the kernel fits on cuda:%d", dev);
   } else if (NVM == NV8_NARROW && C > NARROW_ROWS * EL) {
     *fit = DECLINES;
@@ -129,7 +129,7 @@ template <int NVM> int fits(moe_ctx *ctx, const moe_experts_fp8_args *a, Fit *fi
   return MOE_OK;
 }
 
-template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
+template <int NVM, bool TM = false> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   constexpr bool ROWS = NVM == 0;
   const long long C = a->x->shape[0], H = a->x->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
@@ -172,7 +172,7 @@ template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   gu.out_scale = ROWS ? nullptr : hs, gu.C4 = (int)C4;
   gu.wscale = (const float *)a->w_gate_up_scale->data, dn.wscale = (const float *)a->w_down_scale->data;
   gu.waves = gate ? meta + 4 * EL + 2 : nullptr, dn.waves = gate ? meta + 4 * EL + 3 : nullptr;
-  const int fit_gu = resident_clusters<GATE_UP, NVM>(dev), fit_dn = resident_clusters<DOWN, NVM>(dev);
+  const int fit_gu = resident_clusters<GATE_UP, NVM, TM>(dev), fit_dn = resident_clusters<DOWN, NVM, TM>(dev);
   const long long ct_gu = unit_columns<NVM>(gu.NT), ct_dn = unit_columns<NVM>(dn.NT);
   const int g_gu = (int)(tmax * ct_gu < fit_gu ? tmax * ct_gu : fit_gu);
   const int g_dn = (int)(tmax * ct_dn < fit_dn ? tmax * ct_dn : fit_dn);
@@ -202,7 +202,7 @@ template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   }
   if (err == cudaSuccess) {
     what = "gate_up launch";
-    err = launch<GATE_UP, NVM>(stream, g_gu, gu, meta, (int)EL, (int)F);
+    err = launch<GATE_UP, NVM, TM>(stream, g_gu, gu, meta, (int)EL, (int)F);
   }
   if (ROWS && err == cudaSuccess) {
     what = "quantize launch";
@@ -213,7 +213,7 @@ template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
   }
   if (err == cudaSuccess) {
     what = "down launch";
-    err = launch<DOWN, NVM>(stream, g_dn, dn, meta, (int)EL, (int)F);
+    err = launch<DOWN, NVM, TM>(stream, g_dn, dn, meta, (int)EL, (int)F);
   }
   return experts_finish(ctx, stream, scratch, err, what);
 }
@@ -222,6 +222,7 @@ template <int NVM> int run(moe_ctx *ctx, const moe_experts_fp8_args *a) {
 const Candidate<moe_experts_fp8_args> fp8_kernels[] = {
     {"sm90w_fp8_n32", fits<NV8_NARROW>, run<NV8_NARROW>},
     {"sm90w_fp8", fits<NV8_MAX>, run<NV8_MAX>},
+    {"sm90t_fp8", fits<NV8_MAX, true>, run<NV8_MAX, true>},
     {"sm90x2_fp8", fits<0>, run<0>},
 };
 

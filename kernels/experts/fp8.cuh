@@ -323,6 +323,107 @@ __device__ __forceinline__ void r8_tile(int &s, uint32_t &ph, uint32_t ring, uin
   epilogue<MODE, 64>(d, stg, out, N, row0, my_rows, col0, 1 + cw, t);
 }
 
+// ---- the tokens-as-M tiles (TM) ----
+//
+// decode_w's units and sm90w_fp8's stages (NV8_MAX token rows, 256 weight rows in two halves),
+// the roles swapped: a consumer warpgroup's 64 of the CTA's token rows are wgmma's M and each
+// weight half its N (m64n128k32), the gate and the up slice in turn (down: the first 128 outputs,
+// then the next), each a fresh accumulator of 64 registers promoted into the running 128.  A
+// thread's accumulators hold two tokens (m64n128: register i of lane l of warp q is token 16 q +
+// l / 4 + 8 ((i / 2) % 2), weight row 8 (i / 4) + 2 (l % 4) + (i % 2)), so a promotion scales by
+// two token scales times the slice's weight scale: 2 shared loads a k block, where the
+// weights-as-M tiles' thread holds 32 tokens.
+
+// d[OFF + i] += acc[i] * (the scale of i's token: sa for the thread's first, sb for its second).
+template <int OFF>
+__device__ __forceinline__ void t8_promote(float (&d)[128], const float (&acc)[64], float sa, float sb) {
+#pragma unroll
+  for (int i = 0; i < 64; i++) d[OFF + i] = __fmaf_rn(acc[i], (i >> 1) & 1 ? sb : sa, d[OFF + i]);
+}
+
+// gate_up's epilogue writing h quantized for down: h = SwiGLU(gate, up) rounded to bf16 (as the
+// CPU's), a token's 128 outputs one scale block, held by the four lanes of a quad (32 each), so
+// its amax is two shuffles away.  The e4m3 bytes go through the warpgroup's staging (64 rows of
+// 128 bytes, 16-byte chunk c of row r at c ^ (r & 7): a warp's 2-byte writes, 8 rows x 4 lanes,
+// meet no bank twice) to 16-byte stores of hq [C, F]; the quad's first lane stores its two
+// tokens' scales (hs [F / 128, C4]).
+__device__ __forceinline__ void t8_epilogue_q8(float (&d)[128], uint32_t stg, uint8_t *__restrict__ hq,
+                                               float *__restrict__ hs, int C4, int F, int row0, int rows, int col0,
+                                               int bar_id, int t) {
+  const int lane = t & 31, ra = 16 * (t >> 5) + (lane >> 2); // the thread's tokens: ra, ra + 8
+  float ma = 0.f, mb = 0.f;
+#pragma unroll
+  for (int i = 0; i < 64; i++) {
+    const float h = __bfloat162float(__float2bfloat16_rn(swiglu(d[i], d[64 + i])));
+    d[i] = h;
+    if ((i >> 1) & 1) mb = moeI_fp8_amax(mb, h);
+    else ma = moeI_fp8_amax(ma, h);
+  }
+#pragma unroll
+  for (int o = 1; o < 4; o *= 2) {
+    ma = fmaxf(ma, __shfl_xor_sync(0xffffffffu, ma, o));
+    mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+  }
+  const float sa = moeI_fp8_token_scale(ma), sb = moeI_fp8_token_scale(mb), qa = 1.0f / sa, qb = 1.0f / sb;
+  named_bar_sync(bar_id, 128); // the staging's previous readers are done
+#pragma unroll
+  for (int i = 0; i < 64; i += 2) {
+    const bool second = (i >> 1) & 1;
+    const int r = ra + (second ? 8 : 0), j = i >> 2; // weight rows 8 j + 2 (l % 4) + 0, 1
+    const float s = second ? sb : sa, q = second ? qb : qa;
+    const uint16_t v = (uint16_t)(moeI_fp8_quantize_token(d[i], s, q) | moeI_fp8_quantize_token(d[i + 1], s, q) << 8);
+    st_shared_b16(stg + (uint32_t)(r * 128 + (((j >> 1) ^ (r & 7)) << 4) + 8 * (j & 1) + 2 * (lane & 3)), v);
+  }
+  named_bar_sync(bar_id, 128);
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    const int idx = t + 128 * k, r = idx >> 3, ch = idx & 7;
+    const uint4 v = ld_shared_v4(stg + (uint32_t)(r * 128 + ((ch ^ (r & 7)) << 4)));
+    if (r < rows) *reinterpret_cast<uint4 *>(hq + (long long)(row0 + r) * F + col0 + 16 * ch) = v;
+  }
+  if ((lane & 3) == 0) {
+    float *col = hs + (long long)(col0 / 128) * C4 + row0;
+    if (ra < rows) col[ra] = sa;
+    if (ra + 8 < rows) col[ra + 8] = sb;
+  }
+}
+
+// A consumer warpgroup's tokens-as-M tile: its 64 token rows (from row0, my_rows of them the
+// expert's) x the 256 weight rows over KT k blocks; ws0, ws1 the two slices' weight scales (a k
+// block's float each), first this thread's first token's scale in a stage's box (its second is 8
+// tokens on).  gate_up's h goes out quantized (t8_epilogue_q8), down's in bf16 (the row tiles'
+// epilogue: d is m64n256's layout).
+template <int MODE>
+__device__ __forceinline__ void t8_tile(int &s, uint32_t &ph, uint32_t ring, uint32_t bars, uint32_t stg, int cw,
+                                        int t, int KT, void *__restrict__ out, float *__restrict__ hs, int C4, int N,
+                                        int row0, int my_rows, int col0, uint32_t first,
+                                        const float *__restrict__ ws0, const float *__restrict__ ws1) {
+  constexpr int STAGE = stage8_bytes<NV8_MAX>(), NST = stages8<NV8_MAX>();
+  const int lane = t & 31;
+  const uint32_t wb = ring + NV8_MAX * BK8;
+  const uint64_t da = smem_desc(ring + (uint32_t)(cw * 64 * BK8)), db0 = smem_desc(wb), db1 = smem_desc(wb + B_HALF);
+  float d[128], acc[64];
+#pragma unroll
+  for (int i = 0; i < 128; i++) d[i] = 0.f;
+  for (int kb = 0; kb < KT; kb++) {
+    const float sw0 = __ldg(ws0 + kb), sw1 = __ldg(ws1 + kb);
+    mbar_wait(bars + 8u * (uint32_t)s, ph);
+    const uint64_t off = (uint64_t)(s * (STAGE >> 4));
+    const uint32_t box = ring + (uint32_t)(s * STAGE + NV8_MAX * BK8 + 2 * B_HALF) + first;
+    const float xa = ld_shared_f32(box), xb = ld_shared_f32(box + 32);
+    slice_mma<128>(acc, da + off, db0 + off);
+    t8_promote<0>(d, acc, xa * sw0, xb * sw0);
+    slice_mma<128>(acc, da + off, db1 + off);
+    t8_promote<64>(d, acc, xa * sw1, xb * sw1);
+    __syncwarp(); // the warp's reads of the slot's scales are done
+    release_slot<2>(bars + 8u * (uint32_t)(NST + s), lane);
+    if (++s == NST) s = 0, ph ^= 1u;
+  }
+  if constexpr (MODE == GATE_UP)
+    t8_epilogue_q8(d, stg, (uint8_t *)out, hs, C4, N, row0, my_rows, col0, 1 + cw, t);
+  else epilogue<MODE, 128>(d, stg, (uint16_t *)out, N, row0, my_rows, col0, 1 + cw, t);
+}
+
 #endif // MOE_SM90A
 
 // out [C, N] for the units of the work list (ROWS: decode<2>'s; else decode_w<NVM>'s): bf16, but
@@ -336,7 +437,7 @@ __device__ __forceinline__ void r8_tile(int &s, uint32_t &ph, uint32_t ring, uin
 //   tma_out   out in w_epilogue's boxes {16, 32} (!ROWS, down)
 //   wscale    W's scales [EL, b_rows / EL / 128, K / 128]
 //   N         output columns (F for gate_up, H for down); F the up rows' offset inside an expert
-template <int MODE, int NVM>
+template <int MODE, int NVM, bool TM>
 __global__ void __launch_bounds__(THREADS, 1)
     sm90_e4m3_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_a32,
                      const __grid_constant__ CUtensorMap tma_b,
@@ -346,6 +447,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #if defined(MOE_SM90A)
   constexpr bool ROWS = NVM == 0;
   static_assert(ROWS || NVM == NV8_MAX || NVM == NV8_NARROW, "a tiling whose ring stages8 sizes");
+  static_assert(!TM || NVM == NV8_MAX, "the tokens-as-M tiles run on sm90w_fp8's stages");
   constexpr int NST = ROWS ? STAGES_R8 : stages8<NVM>(), STAGE = ROWS ? STAGE_R8_BYTES : stage8_bytes<NVM>();
   constexpr int STG = ROWS ? STG_R8_BYTES : STG_W_BYTES, B_SLOT = ROWS ? BN8 * BK8 : 2 * B_HALF;
   constexpr int A_SLOT = ROWS ? BM * BK8 : NVM * BK8;
@@ -466,6 +568,20 @@ __global__ void __launch_bounds__(THREADS, 1)
           const uint32_t first = 4u * (uint32_t)((w.row0 & 3) + cw * 64 + 16 * (t >> 5) + (lane >> 2));
           r8_tile<MODE>(s, ph, ring, bars, stg, cw, t, KT, (uint16_t *)out, N, w.row0 + cw * 64, my_rows,
                         w.n * (MODE == GATE_UP ? BN8 / 2 : BN8), first, ws + r0 * KT, ws + r1 * KT);
+        } else {
+          skip_stages<2, NST>(s, ph, bars, KT, lane);
+        }
+      } else if constexpr (TM) {
+        const int my_rows = w.rows - cw * 64; // rows of the unit among this warpgroup's 64
+        if (__shfl_sync(0xffffffffu, my_rows, 0) > 0 && w.n < NT) {
+          // the slices' weight-scale rows: gate_up the gate and the up block of the column tile's
+          // 128 outputs; down its two blocks of 128 (the second past H when H % 256 != 0: any row,
+          // those are not stored)
+          const int r0 = MODE == GATE_UP ? w.n : 2 * w.n, r1 = MODE == GATE_UP ? F / 128 + w.n : min(r0 + 1, nblk - 1);
+          const float *ws = wscale + (long long)w.e * nblk * KT;
+          const uint32_t first = 4u * (uint32_t)((w.row0 & 3) + cw * 64 + 16 * (t >> 5) + (lane >> 2));
+          t8_tile<MODE>(s, ph, ring, bars, stg, cw, t, KT, out, out_scale, C4, N, w.row0 + cw * 64, my_rows,
+                        w.n * (MODE == GATE_UP ? BN / 2 : BN), first, ws + r0 * KT, ws + r1 * KT);
         } else {
           skip_stages<2, NST>(s, ph, bars, KT, lane);
         }
