@@ -219,7 +219,7 @@ local function within_tolerance(gpu, cpu, o, c)
 end
 
 -- Every tiling of the GPU kernel (the context's experts_fp8_kernel option), each on the same cases.
-for _, kernel in ipairs { "sm90w_fp8_n32", "sm90w_fp8", "sm90t_fp8", "sm90x2_fp8" } do
+for _, kernel in ipairs { "sm90w_fp8_n32", "sm90t_fp8", "sm90w_fp8", "sm90x2_fp8" } do
   describe("experts_fp8 on the GPU (" .. kernel .. ") against the CPU oracle [#gpu]", function()
     if skip_without("cuda:0") then return end
     before_each(function() moe.config { experts_fp8_kernel = kernel } end)
@@ -272,11 +272,11 @@ end
 describe("experts_fp8 explain on the GPU [#gpu]", function()
   if skip_without("cuda:0") then return end
   local function choice(c) return moe.explain("experts", tensors(inputs(c), c, "cuda:0")) end
-  it("names the tiling auto runs: the narrow tiles up to 64 rows an expert on average, then sm90w_fp8", function()
+  it("names the tiling auto runs: the narrow tiles up to 64 rows an expert on average, then sm90t_fp8", function()
     local narrow = choice { C = 128, H = 128, F = 128, EL = 2, offsets = { 0, 100, 128 }, seed = 41 }
     assert.are.equal("sm90w_fp8_n32", narrow.kernel, tostring(narrow))
     local wide = choice { C = 129, H = 128, F = 128, EL = 2, offsets = { 0, 100, 129 }, seed = 42 }
-    assert.are.equal("sm90w_fp8", wide.kernel, tostring(wide))
+    assert.are.equal("sm90t_fp8", wide.kernel, tostring(wide))
     assert.matches("declines: the experts average more than 64 rows", tostring(wide))
   end)
   it("says nothing runs where there is no row", function()

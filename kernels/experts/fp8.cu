@@ -121,7 +121,7 @@ template <int NVM, bool TM = false> int fits(moe_ctx *ctx, const moe_experts_fp8
     snprintf(why, n, "no cluster of two CTAs of the kernel fits on cuda:%d", dev);
   } else if (NVM == NV8_NARROW && C > NARROW_ROWS * EL) {
     *fit = DECLINES;
-    snprintf(why, n, "the experts average more than %d rows (C %lld, EL %lld): sm90w_fp8 is faster", NARROW_ROWS, C,
+    snprintf(why, n, "the experts average more than %d rows (C %lld, EL %lld): sm90t_fp8 is faster", NARROW_ROWS, C,
              EL);
   } else {
     *fit = TAKES;
@@ -221,8 +221,8 @@ template <int NVM, bool TM = false> int run(moe_ctx *ctx, const moe_experts_fp8_
 // The tilings in the order "auto" tries them (fp8.cuh; docs/perf/experts.md).
 const Candidate<moe_experts_fp8_args> fp8_kernels[] = {
     {"sm90w_fp8_n32", fits<NV8_NARROW>, run<NV8_NARROW>},
-    {"sm90w_fp8", fits<NV8_MAX>, run<NV8_MAX>},
     {"sm90t_fp8", fits<NV8_MAX, true>, run<NV8_MAX, true>},
+    {"sm90w_fp8", fits<NV8_MAX>, run<NV8_MAX>},
     {"sm90x2_fp8", fits<0>, run<0>},
 };
 

@@ -475,7 +475,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   auto work = [&](int v) {
     if constexpr (ROWS) return decode<2>(v, meta, EL, NT, rank);
     else if constexpr (NARROW) return decode_narrow<NVM>(v, meta, EL, NT, rank);
-    else return decode_w<NVM>(v, meta, EL, NT, rank);
+    else return decode_w<NVM, TM>(v, meta, EL, NT, rank);
   };
   if (threadIdx.x == 0) {
     prefetch_tmap(&tma_a);

@@ -42,13 +42,18 @@ __device__ __forceinline__ int unit_expert(int v, const int *__restrict__ wunits
 // all of a large expert's units, the tokens would come from DRAM again for every column tile).
 constexpr int W_BAND = 6;
 
-template <int NVM = NV_MAX>
+// PACKED (the FP8 tokens-as-M tiles, whose two consumer warpgroups take 64 rows each whatever a
+// CTA's rows): every CTA of an expert's units takes NVM rows, but the last ones, which take what
+// is left (possibly none), so that an expert of r rows fills ceil(r / 64) warpgroups' rows, where
+// rows split evenly (nv rounded up to 8) would fill 2 u of them each time nv exceeds 64.
+template <int NVM = NV_MAX, bool PACKED = false>
 __device__ __forceinline__ Work decode_w(int v, const int *__restrict__ meta, int EL, int NT, int rank) {
   const int *lo = meta + 2 * EL + 2, *hi = lo + EL, *wunits = hi + EL + 2;
   const int a = unit_expert(v, wunits, EL, NT);
   const int u = __ldg(wunits + a + 1) - __ldg(wunits + a), local = v - __ldg(wunits + a) * NT;
   const int l0 = __ldg(lo + a), r = __ldg(hi + a) - l0;
-  const int nv = ((r + 2 * u - 1) / (2 * u) + 7) & ~7; // <= NVM: u = ceil(r / (2 NVM)) (the map kernel)
+  // <= NVM: u = ceil(r / (2 NVM)) (the map kernel)
+  const int nv = PACKED ? NVM : ((r + 2 * u - 1) / (2 * u) + 7) & ~7;
   int j, n;
   raster(local, u, NT, W_BAND, &j, &n);
   Work w;
