@@ -5,9 +5,10 @@
 // tiles' pairs and solos, or units of 2 NVM rows, which the narrow tiles count in pairs of column
 // tiles), gate_up, down, each a programmatic dependent of the kernel before it (which it waits for
 // before reading anything), so that its launch and prologue overlap that kernel's last CTAs.  The
-// weights-as-M tiles' gate_up writes h quantized (e4m3 and its transposed scales) from its
-// epilogue; the row tiles' writes h in bf16 and a launch of its own quantizes it.  NVM, the
-// kernel's template argument: 0 the row tiles, else the weights-as-M tiles' width (fp8.cuh).
+// weights-as-M and tokens-as-M tiles' gate_up writes h quantized (e4m3 and its transposed scales)
+// from its epilogue; the row tiles' writes h in bf16 and a launch of its own quantizes it.  NVM,
+// the kernel's template argument: 0 the row tiles, else the width of decode_w's units; TM the
+// tokens-as-M tiles on NV8_MAX's units and stages (fp8.cuh).
 #include <atomic>
 #include <limits.h>
 #include <stdint.h>
@@ -22,7 +23,7 @@ namespace {
 // sm90w_fp8_n32 takes the problems whose experts average at most NARROW_ROWS rows: there the
 // weights stream through about once and its deeper ring, each CTA on weights of its own where an
 // expert has at most 32 rows, pays; past it, it would read an expert's weights once for every 64
-// rows (docs/perf/experts.md).
+// rows (docs/perf/experts.md, measured against sm90w_fp8; sm90t_fp8 has not been timed there).
 constexpr int NARROW_ROWS = 2 * NV8_NARROW;
 
 // e4m3 [rows, k] in the GEMM's boxes {128 bytes, box_rows}, 128-byte swizzle.

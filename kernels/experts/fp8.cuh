@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 // fp8.cuh -- the FP8 experts GEMM on Hopper (moe_experts_fp8) on block-scaled e4m3 operands, in
-// three tilings, each its own instantiation of one kernel (NVM: 0 for the row tiles, else the
-// weights-as-M tiles' width):
+// four tilings, each its own instantiation of one kernel (NVM: 0 for the row tiles, else the
+// width of decode_w's units; TM: the tokens-as-M tiles):
 //
 //   sm90x2_fp8  the row tiles (ROWS): sm90_rows.cuh's work list (decode: pairs of 128-row tiles
 //               sharing the weights by multicast, an odd last tile solo with the rows' halves
@@ -10,13 +10,18 @@
 //               outputs), m64n128k32.  A k block's group is issued into one of two fresh
 //               accumulators before the other's, the block before, is waited for and promoted, so
 //               that a promotion does not leave the warpgroup without a group on the tensor
-//               cores.  6 stages of 33 KiB.  Slower than sm90w_fp8 wherever measured
-//               (docs/perf/experts.md), so fp8.cu runs it only when forced.
+//               cores.  6 stages of 33 KiB.  Slower than sm90t_fp8 and sm90w_fp8 wherever
+//               measured (docs/perf/experts.md), so fp8.cu runs it only when forced.
+//   sm90t_fp8   the tokens-as-M tiles (TM): sm90w_fp8's units (packed: 128 rows a CTA but an
+//               expert's last ones) and stages, a consumer warpgroup's 64 of the CTA's tokens as
+//               wgmma's M and each 128-row weight half as its N (m64n128k32), so a thread's
+//               promotion takes two token scales; gate_up's epilogue quantizes h (t8_epilogue_q8).
+//               The default where the experts average more than 64 rows.
 //   sm90w_fp8   the weights-as-M tiles (!ROWS): sm90_wt.cuh's frame (clusters of two sharing 256
 //               weight rows by multicast, the tokens as wgmma's N, decode_w's units, w_epilogue's
 //               bulk stores for down), up to 128 tokens a CTA; 3 stages of 49 KiB.  gate_up's
 //               epilogue writes h quantized for down (w_epilogue_q8); the row tiles write it in
-//               bf16 and fp8.cu quantizes it in a launch of its own.
+//               bf16 and fp8.cu quantizes it in a launch of its own.  Only when forced.
 //   sm90w_fp8_n32  the same frame, up to 32 tokens a CTA; 5 stages of 37 KiB; an expert of at
 //               most 32 rows a cluster's two CTAs take as two column tiles, each loading its own
 //               256 weight rows, a larger one as sm90w_fp8 does (decode_narrow).  Where the
@@ -37,7 +42,8 @@
 // both (NV): the gate and the up slice (or down's two output slices) take turns, each waited for
 // and promoted while the other consumer warpgroup's MMAs keep the tensor cores busy.  NV8_MAX =
 // 128 tokens keeps 192 accumulator registers and 32 token scales a thread under the consumers'
-// 232.  sm90x2_fp8 holds 64 running and 2 x 64 fresh accumulators and two token scales a thread.
+// 232.  sm90x2_fp8 holds 64 running and 2 x 64 fresh accumulators and two token scales a thread;
+// sm90t_fp8 128 running, 64 fresh and two token scales.
 #pragma once
 
 #include "../token_block.cuh"
@@ -426,9 +432,9 @@ __device__ __forceinline__ void t8_tile(int &s, uint32_t &ph, uint32_t ring, uin
 
 #endif // MOE_SM90A
 
-// out [C, N] for the units of the work list (ROWS: decode<2>'s; else decode_w<NVM>'s): bf16, but
-// for the weights-as-M tiles' gate_up, whose out is h's e4m3 [C, F] and out_scale its scales
-// [F / 128, C4] (w_epilogue_q8):
+// out [C, N] for the units of the work list (ROWS: decode<2>'s; else decode_w<NVM>'s, packed for
+// TM): bf16, but for the weights-as-M and tokens-as-M tiles' gate_up, whose out is h's e4m3 [C, F]
+// and out_scale its scales [F / 128, C4] (w_epilogue_q8, t8_epilogue_q8):
 //   tma_a     A [C, K] e4m3 (x, or the quantized h) in boxes {128, 128 rows}
 //   tma_a32   the same in boxes of 64 rows (ROWS: a solo unit's halves) or 32 rows
 //   tma_b     W [b_rows, K] e4m3: w_gate_up [EL * 2F, H] or w_down [EL * H, F], box {128, BN8 / 2
