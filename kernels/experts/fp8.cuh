@@ -331,13 +331,13 @@ __device__ __forceinline__ void r8_tile(int &s, uint32_t &ph, uint32_t ring, uin
 
 // ---- the tokens-as-M tiles (TM) ----
 //
-// decode_w's units and sm90w_fp8's stages (NV8_MAX token rows, 256 weight rows in two halves),
-// the roles swapped: a consumer warpgroup's 64 of the CTA's token rows are wgmma's M and each
-// weight half its N (m64n128k32), the gate and the up slice in turn (down: the first 128 outputs,
-// then the next), each a fresh accumulator of 64 registers promoted into the running 128.  A
-// thread's accumulators hold two tokens (m64n128: register i of lane l of warp q is token 16 q +
-// l / 4 + 8 ((i / 2) % 2), weight row 8 (i / 4) + 2 (l % 4) + (i % 2)), so a promotion scales by
-// two token scales times the slice's weight scale: 2 shared loads a k block, where the
+// decode_w's units (packed) and sm90w_fp8's stages (NV8_MAX token rows, 256 weight rows in two
+// halves), the roles swapped: a consumer warpgroup's 64 of the CTA's token rows are wgmma's M and
+// each weight half its N (m64n128k32), the gate and the up slice in turn (down: the first 128
+// outputs, then the next), each a fresh accumulator of 64 registers promoted into the running
+// 128.  A thread's accumulators hold two tokens (m64n128: register i of lane l of warp q is token
+// 16 q + l / 4 + 8 ((i / 2) % 2), weight row 8 (i / 4) + 2 (l % 4) + (i % 2)), so a promotion
+// scales by two token scales times the slice's weight scale: 2 shared loads a k block, where the
 // weights-as-M tiles' thread holds 32 tokens.
 
 // d[OFF + i] += acc[i] * (the scale of i's token: sa for the thread's first, sb for its second).
@@ -388,9 +388,9 @@ __device__ __forceinline__ void t8_epilogue_q8(float (&d)[128], uint32_t stg, ui
     if (r < rows) *reinterpret_cast<uint4 *>(hq + (long long)(row0 + r) * F + col0 + 16 * ch) = v;
   }
   if ((lane & 3) == 0) {
-    float *col = hs + (long long)(col0 / 128) * C4 + row0;
-    if (ra < rows) col[ra] = sa;
-    if (ra + 8 < rows) col[ra + 8] = sb;
+    float *scales = hs + (long long)(col0 / 128) * C4 + row0; // this block's scales of the rows
+    if (ra < rows) scales[ra] = sa;
+    if (ra + 8 < rows) scales[ra + 8] = sb;
   }
 }
 
