@@ -260,6 +260,16 @@ __device__ __forceinline__ void r8_issue(float (&acc)[64], uint32_t bars, int s,
   wgmma_commit();
 }
 
+// d[DOFF + i] += acc[AOFF + i] x its token's scale, for i < COUNT, in the tokens-as-M layout
+// (m64nN: register i holds the thread's token a where i / 2 is even, a + 8 where it is odd): sa
+// for a, sb for a + 8 (the row tiles' and sm90t_fp8's promotion).
+template <int DOFF, int AOFF, int COUNT, int ND, int NA>
+__device__ __forceinline__ void promote_rows(float (&d)[ND], const float (&acc)[NA], float sa, float sb) {
+  static_assert(AOFF % 4 == 0 && DOFF + COUNT <= ND && AOFF + COUNT <= NA, "whole register quads in range");
+#pragma unroll
+  for (int i = 0; i < COUNT; i++) d[DOFF + i] = __fmaf_rn(acc[AOFF + i], (i >> 1) & 1 ? sb : sa, d[DOFF + i]);
+}
+
 // acc's group has retired: d += acc x its scales, then slot s goes back to both CTAs' producers.
 // Register i holds the thread's token a (i / 2 even) or a + 8 (odd), from slot s's box of scales
 // at `first` and 32 bytes on; and weight column 8 (i / 4) + ..: below 64 (i < 32) the gate
@@ -269,12 +279,8 @@ __device__ __forceinline__ void r8_promote(float (&d)[64], float (&acc)[64], uin
   fence_acc(acc);
   const uint32_t box = ring + (uint32_t)(s * STAGE_R8_BYTES + BM * BK8 + BN8 * BK8) + first;
   const float xa = ld_shared_f32(box), xb = ld_shared_f32(box + 32);
-  const float a_lo = xa * lo, b_lo = xb * lo, a_hi = xa * hi, b_hi = xb * hi;
-#pragma unroll
-  for (int i = 0; i < 64; i++) {
-    const float sc = (i >> 1) & 1 ? (i < 32 ? b_lo : b_hi) : (i < 32 ? a_lo : a_hi);
-    d[i] = __fmaf_rn(acc[i], sc, d[i]);
-  }
+  promote_rows<0, 0, 32>(d, acc, xa * lo, xb * lo);
+  promote_rows<32, 32, 32>(d, acc, xa * hi, xb * hi);
   __syncwarp(); // the warp's reads of the slot's scales are done
   release_slot<2>(bars + 8u * (uint32_t)(STAGES_R8 + s), lane);
 }
@@ -339,13 +345,6 @@ __device__ __forceinline__ void r8_tile(int &s, uint32_t &ph, uint32_t ring, uin
 // 16 q + l / 4 + 8 ((i / 2) % 2), weight row 8 (i / 4) + 2 (l % 4) + (i % 2)), so a promotion
 // scales by two token scales times the slice's weight scale: 2 shared loads a k block, where the
 // weights-as-M tiles' thread holds 32 tokens.
-
-// d[OFF + i] += acc[i] * (the scale of i's token: sa for the thread's first, sb for its second).
-template <int OFF>
-__device__ __forceinline__ void t8_promote(float (&d)[128], const float (&acc)[64], float sa, float sb) {
-#pragma unroll
-  for (int i = 0; i < 64; i++) d[OFF + i] = __fmaf_rn(acc[i], (i >> 1) & 1 ? sb : sa, d[OFF + i]);
-}
 
 // gate_up's epilogue writing h quantized for down: h = SwiGLU(gate, up) rounded to bf16 (as the
 // CPU's), a token's 128 outputs one scale block, held by the four lanes of a quad (32 each), so
@@ -418,9 +417,9 @@ __device__ __forceinline__ void t8_tile(int &s, uint32_t &ph, uint32_t ring, uin
     const uint32_t box = ring + (uint32_t)(s * STAGE + NV8_MAX * BK8 + 2 * B_HALF) + first;
     const float xa = ld_shared_f32(box), xb = ld_shared_f32(box + 32);
     slice_mma<128>(acc, da + off, db0 + off);
-    t8_promote<0>(d, acc, xa * sw0, xb * sw0);
+    promote_rows<0, 0, 64>(d, acc, xa * sw0, xb * sw0);
     slice_mma<128>(acc, da + off, db1 + off);
-    t8_promote<64>(d, acc, xa * sw1, xb * sw1);
+    promote_rows<64, 0, 64>(d, acc, xa * sw1, xb * sw1);
     __syncwarp(); // the warp's reads of the slot's scales are done
     release_slot<2>(bars + 8u * (uint32_t)(NST + s), lane);
     if (++s == NST) s = 0, ph ^= 1u;
@@ -563,31 +562,26 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int nblk = b_rows / EL / 128; // weight-scale rows an expert
     for (int v = cid; v < units; v += ncl) {
       const Work w = work(v);
-      if constexpr (ROWS) {
+      if constexpr (ROWS || TM) { // the tokens as wgmma's M: a warpgroup's 64 of the CTA's rows
         const int my_rows = w.rows - cw * 64; // rows of the expert among this warpgroup's 64
         // uniform over the warpgroup, as wgmma requires
         if (__shfl_sync(0xffffffffu, my_rows, 0) > 0 && w.n < NT) {
-          // the halves' weight-scale rows: gate_up the gate and the up block of the 64 outputs; down one block
-          const int r0 = MODE == GATE_UP ? w.n / 2 : w.n, r1 = MODE == GATE_UP ? F / 128 + w.n / 2 : r0;
           const float *ws = wscale + (long long)w.e * nblk * KT;
           // this thread's first token's scale in a stage's box (its second is 8 tokens on)
           const uint32_t first = 4u * (uint32_t)((w.row0 & 3) + cw * 64 + 16 * (t >> 5) + (lane >> 2));
-          r8_tile<MODE>(s, ph, ring, bars, stg, cw, t, KT, (uint16_t *)out, N, w.row0 + cw * 64, my_rows,
-                        w.n * (MODE == GATE_UP ? BN8 / 2 : BN8), first, ws + r0 * KT, ws + r1 * KT);
-        } else {
-          skip_stages<2, NST>(s, ph, bars, KT, lane);
-        }
-      } else if constexpr (TM) {
-        const int my_rows = w.rows - cw * 64; // rows of the unit among this warpgroup's 64
-        if (__shfl_sync(0xffffffffu, my_rows, 0) > 0 && w.n < NT) {
-          // the slices' weight-scale rows: gate_up the gate and the up block of the column tile's
-          // 128 outputs; down its two blocks of 128 (the second past H when H % 256 != 0: any row,
-          // those are not stored)
-          const int r0 = MODE == GATE_UP ? w.n : 2 * w.n, r1 = MODE == GATE_UP ? F / 128 + w.n : min(r0 + 1, nblk - 1);
-          const float *ws = wscale + (long long)w.e * nblk * KT;
-          const uint32_t first = 4u * (uint32_t)((w.row0 & 3) + cw * 64 + 16 * (t >> 5) + (lane >> 2));
-          t8_tile<MODE>(s, ph, ring, bars, stg, cw, t, KT, out, out_scale, C4, N, w.row0 + cw * 64, my_rows,
-                        w.n * (MODE == GATE_UP ? BN / 2 : BN), first, ws + r0 * KT, ws + r1 * KT);
+          if constexpr (ROWS) {
+            // the halves' weight-scale rows: gate_up the gate and the up block of the 64 outputs; down one block
+            const int r0 = MODE == GATE_UP ? w.n / 2 : w.n, r1 = MODE == GATE_UP ? F / 128 + w.n / 2 : r0;
+            r8_tile<MODE>(s, ph, ring, bars, stg, cw, t, KT, (uint16_t *)out, N, w.row0 + cw * 64, my_rows,
+                          w.n * (MODE == GATE_UP ? BN8 / 2 : BN8), first, ws + r0 * KT, ws + r1 * KT);
+          } else {
+            // the slices' weight-scale rows: gate_up the gate and the up block of the column tile's
+            // 128 outputs; down its two blocks of 128 (the second past H when H % 256 != 0: any
+            // row, those are not stored)
+            const int r0 = MODE == GATE_UP ? w.n : 2 * w.n, r1 = MODE == GATE_UP ? F / 128 + w.n : min(r0 + 1, nblk - 1);
+            t8_tile<MODE>(s, ph, ring, bars, stg, cw, t, KT, out, out_scale, C4, N, w.row0 + cw * 64, my_rows,
+                          w.n * (MODE == GATE_UP ? BN / 2 : BN), first, ws + r0 * KT, ws + r1 * KT);
+          }
         } else {
           skip_stages<2, NST>(s, ph, bars, KT, lane);
         }
