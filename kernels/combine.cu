@@ -179,7 +179,7 @@ template <int VEC, int NV, bool F32_OUT>
 int launch_one(moe_ctx *ctx, cudaStream_t s, const Owners &own, const Args &a, int threads) {
   int dev = 0, nsm = 0, per_sm = 0;
   MOE_CUDA_TRY(ctx, "combine", cudaGetDevice(&dev));
-  MOE_CUDA_TRY(ctx, "combine", cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev));
+  if (int rc = moeI_cuda_sm_count(ctx, dev, &nsm)) return rc;
   MOE_CUDA_TRY(ctx, "combine", cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, combine_kernel<VEC, NV, F32_OUT>, threads, 0));
   if (per_sm < 1) per_sm = 1;
   const int64_t resident = (int64_t)nsm * per_sm;

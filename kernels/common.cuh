@@ -29,4 +29,8 @@
 // graph can be captured from it); sets the device of the calling thread.
 int moeI_cuda_ctx_stream(moe_ctx *ctx, int device, cudaStream_t *out);
 
+// The device's multiprocessors, queried once a device and then cached (the grids of the
+// persistent and grid-stride launches are sized by it on every call).
+int moeI_cuda_sm_count(moe_ctx *ctx, int device, int *out);
+
 static inline int cdiv(long long a, long long b) { return (int)((a + b - 1) / b); }

@@ -487,7 +487,7 @@ int launch_wgmma(moe_ctx *ctx, cudaStream_t s, float *out, const void *x, const 
   const int64_t tiles_e = (E + BN - 1) / BN, blocks = (N + hw::BM - 1) / hw::BM * tiles_e;
   int dev = 0, sms = 0;
   MOE_CUDA_TRY(ctx, "logits", cudaGetDevice(&dev));
-  MOE_CUDA_TRY(ctx, "logits", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (int rc = moeI_cuda_sm_count(ctx, dev, &sms)) return rc;
   if (blocks <= sms)
     return launch_ring<BN, hw::DEEP_STAGES>(ctx, s, out, tma_x, tma_w, blocks, N, E, H, tiles_e, pairs);
   return launch_ring<BN, hw::STAGES>(ctx, s, out, tma_x, tma_w, blocks, N, E, H, tiles_e, pairs);

@@ -145,8 +145,8 @@ int moeI_quantize_cuda(moe_ctx *ctx, moe_tensor *q, moe_tensor *scale, const moe
   if (rc) return rc;
   if (l->br == 1 && l->K % MOE_FP8_BLOCK == 0 && (uintptr_t)q->data % 4 == 0 &&
       (uintptr_t)x->data % (x->dtype == MOE_BF16 ? 8 : 16) == 0) {
-    int sms = 132;
-    (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x->device.index);
+    int sms = 0;
+    if ((rc = moeI_cuda_sm_count(ctx, x->device.index, &sms))) return rc;
     const int64_t want = (nblocks + THREADS / 32 * WHOLE_U - 1) / (THREADS / 32 * WHOLE_U);
     const unsigned ctas = (unsigned)(want < 8 * sms ? want : 8 * sms);
     if (x->dtype == MOE_BF16)

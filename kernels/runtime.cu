@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <atomic>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -27,6 +28,18 @@ int moeI_cuda_device_count(int *count) {
     n = 0;
   }
   *count = n;
+  return MOE_OK;
+}
+
+int moeI_cuda_sm_count(moe_ctx *ctx, int device, int *out) {
+  static std::atomic<int> cache[64]; // devices 0-63; 0 until queried
+  const bool cached = device >= 0 && device < 64;
+  int n = cached ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (n <= 0) {
+    MOE_CUDA_TRY(ctx, "device", cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    if (cached) cache[device].store(n, std::memory_order_relaxed);
+  }
+  *out = n;
   return MOE_OK;
 }
 

@@ -23,7 +23,8 @@ namespace {
 // sm90w_fp8_n32 takes the problems whose experts average at most NARROW_ROWS rows: there the
 // weights stream through about once and its deeper ring, each CTA on weights of its own where an
 // expert has at most 32 rows, pays; past it, it would read an expert's weights once for every 64
-// rows (docs/perf/experts.md, measured against sm90w_fp8; sm90t_fp8 has not been timed there).
+// rows.  Against sm90t_fp8 (docs/perf/experts.md) it is faster at 24, 32 and 64 rows an expert
+// and slower at 128.
 constexpr int NARROW_ROWS = 2 * NV8_NARROW;
 
 // e4m3 [rows, k] in the GEMM's boxes {128 bytes, box_rows}, 128-byte swizzle.
@@ -136,8 +137,8 @@ template <int NVM, bool TM = false> int run(moe_ctx *ctx, const moe_experts_fp8_
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
   const int dev = a->x->device.index;
   cudaStream_t stream;
-  int rc = moeI_cuda_ctx_stream(ctx, dev, &stream);
-  if (rc) return rc;
+  int rc = moeI_cuda_ctx_stream(ctx, dev, &stream), sms = 0; // sms: the row tiles' quantize launch
+  if (rc || (ROWS && (rc = moeI_cuda_sm_count(ctx, dev, &sms)))) return rc;
   // scratch: meta (sm90_map_kernel's), h bf16 [C, F] (ROWS), h's e4m3 [C, F] and scales [F/128,
   // C4], and x's scales again where C is not a multiple of 4 (a tensor map's rows are 16-byte
   // multiples)
@@ -207,8 +208,6 @@ template <int NVM, bool TM = false> int run(moe_ctx *ctx, const moe_experts_fp8_
   }
   if (ROWS && err == cudaSuccess) {
     what = "quantize launch";
-    int sms = 132;
-    (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     quantize_rows_kernel<<<4 * sms, 256, 0, stream>>>(h, hq, hs, meta, (int)EL, (int)C4, (int)F);
     err = cudaGetLastError();
   }
