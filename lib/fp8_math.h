@@ -89,8 +89,11 @@ MOE_FP8 float moeI_fp8_amax(float amax, float x) {
   const float a = fabsf(x);
   return a > amax ? a : amax;
 }
-/* q of x in a block of scale s; a zero scale (a weight block of zeros) gives 0 */
-MOE_FP8 uint8_t moeI_fp8_quantize(float x, float s) { return s == 0.0f ? (uint8_t)0 : moeI_f32_to_e4m3(x / s); }
+/* q of x in a block of scale s; a zero scale (a weight block whose amax is 0) gives 0, but NaN,
+ * which amax ignores, still gives 0x7F: the block's NaN survives its zeros */
+MOE_FP8 uint8_t moeI_fp8_quantize(float x, float s) {
+  return s == 0.0f && x == x ? (uint8_t)0 : moeI_f32_to_e4m3(x / s);
+}
 /* moeI_fp8_quantize(x, s) without a division, for a token block's scale s and r = 1 / s: x / s
  * as q = x r and one correction by the remainder x - s q (exact in an FMA but where x is
  * subnormal: those quotients lie far below e4m3's least step and give 0 either way).  The same

@@ -130,8 +130,8 @@ MOE_API int moe_event_elapsed(moe_ctx *ctx, const moe_event *start, const moe_ev
 MOE_API void moe_event_free(moe_event *event);
 
 /* ---- NVTX ranges, for Nsight Systems and Nsight Compute (--nvtx): every stage pushes a range
- * named after it (route, logits, schedule, dispatch, experts, sigmoid_gate, combine, reference,
- * allgather) around its work, in the NVTX domain "moelab".  A host names its compositions the same
+ * named after it (route, logits, schedule, dispatch, dispatch_fp8, experts, experts_fp8,
+ * sigmoid_gate, combine, reference, allgather, quantize, dequantize) around its work, in the NVTX domain "moelab".  A host names its compositions the same
  * way (the Lua layer: "layer", and each of its stages around the calls that make it up): ranges
  * nest per thread, and pop closes the innermost range this thread's push opened (MOE_ERR_ARG when
  * none is open).  Without a tool attached a range costs next to nothing; a build that did not find
@@ -180,7 +180,7 @@ MOE_API int moe_tensor_wrap(moe_ctx *ctx, void *data, moe_dtype dtype, int ndim,
  * Import: a tensor over the producer's memory, data + byte_offset, which must hold a compact
  * row-major tensor (strides NULL, or the compact ones; a dimension of size 1, or an empty tensor,
  * may have any stride) of 0 to 4 dimensions, of dtype f32 ({kDLFloat, 32, 1}), bf16
- * ({kDLBfloat, 16, 1}) or i32 ({kDLInt, 32, 1}), aligned to its dtype, on kDLCPU, kDLCUDAHost
+ * ({kDLBfloat, 16, 1}), i32 ({kDLInt, 32, 1}) or e4m3 ({kDLFloat8_e4m3fn, 8, 1}), aligned to its dtype, on kDLCPU, kDLCUDAHost
  * (pinned host memory: a cpu tensor) or kDLCUDA (cuda:device_id).  kDLCUDAManaged is refused
  * (which device it should run on is the caller's call: moe_tensor_wrap says it).  A versioned
  * tensor must be of major version 1 and writable (no DLPACK_FLAG_BITMASK_READ_ONLY: stages write
@@ -230,8 +230,9 @@ MOE_API float moe_e4m3_to_f32(uint8_t x);
 
 /* ---- FP8: block-scaled e4m3 tensors.  A value is e4m3(q) x scale, the scale f32, one per block:
  *   MOE_QUANT_BLOCK   (weights) x [..., R, K] -> q e4m3 [..., R, K], scale [..., ceil(R/128),
- *                     ceil(K/128)]: blocks of 128 x 128, scale = amax / 448 (0 for a block whose
- *                     elements are all 0, whose q are then 0), as the checkpoints' weight_scale_inv
+ *                     ceil(K/128)]: blocks of 128 x 128, scale = amax / 448, as the checkpoints'
+ *                     weight_scale_inv (0 where amax / 448 is: a block of zeros, NaN aside, or
+ *                     of magnitudes up to 448 x 2^-150 = 3.1e-43; its q are then 0, a NaN's 0x7F)
  *   MOE_QUANT_TOKEN   (activations) x [N, K] -> q e4m3 [N, K], scale [N, ceil(K/128)]: blocks of
  *                     1 x 128 along a row, scale = max(amax, 1e-4) / 448
  *   MOE_QUANT_TOKEN_T the same blocks, the scales transposed: [ceil(K/128), N] (what
@@ -453,7 +454,8 @@ MOE_API const char *moe_safetensors_path(const moe_safetensors *f);
 MOE_API int moe_safetensors_count(const moe_safetensors *f);
 MOE_API int moe_safetensors_find(const moe_safetensors *f, const char *name); /* its i, or -1 */
 MOE_API int moe_safetensors_tensor(moe_ctx *ctx, const moe_safetensors *f, int i, moe_safetensors_info *out);
-/* Tensor name into dst, bf16 or f32 of the same shape on any device.  BF16, F16, F32 and F8_E4M3
+/* Tensor name into dst, bf16 or f32 (e4m3 for an F8_E4M3 tensor read without a scale) of the same
+ * shape on any device.  BF16, F16, F32 and F8_E4M3
  * are read: BF16 into bf16, F32 into f32 and F8_E4M3 into e4m3 (without a scale) bit for bit, the
  * rest converted to f32 and rounded to the destination (to nearest even).  scale (F8_E4M3 of 2 dimensions [R, C] only; NULL: none)
  * is its block scale, f32 [ceil(R/128), ceil(C/128)] on the CPU, as Hugging Face FP8 checkpoints

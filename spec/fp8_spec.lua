@@ -213,7 +213,7 @@ local function quantize_ref(xv, shape, kind)
         for r = i * br, math.min(R, (i + 1) * br) - 1 do
           for c = j * 128, math.min(K, (j + 1) * 128) - 1 do
             local n = b * R * K + r * K + c + 1
-            q[n] = s == 0 and 0 or encode(f32(xv[n] / s))
+            q[n] = (s == 0 and xv[n] == xv[n]) and 0 or encode(f32(xv[n] / s)) -- NaN / 0 is NaN: 0x7F
           end
         end
       end
@@ -238,6 +238,8 @@ local function cases()
     { "a batch of 3 and of 2 x 2", { 3, 5, 140 }, { "block" }, randoms(4) },
     { "4 dimensions", { 2, 2, 3, 129 }, { "block" }, randoms(4) },
     { "a block of zeros", { 2, 256 }, KINDS, function(i) return i <= 128 and 0 or i / 7 end },
+    { "a block of zeros and one NaN (scale 0, the NaN kept)", { 2, 256 }, KINDS,
+      function(i) return (i - 1) % 256 >= 128 and i / 7 or i == 60 and 0 / 0 or 0 end },
     { "one element", { 1, 1 }, KINDS, function() return -3.3 end },
     { "NaN inside a block", { 2, 130 }, KINDS, function(i) return (i == 5 or i == 200) and 0 / 0 or i - 100 end },
     { "a huge value", { 1, 256 }, KINDS, function(i) return i == 3 and 3e38 or -i end },
