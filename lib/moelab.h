@@ -315,7 +315,7 @@ MOE_API int moe_dispatch(moe_ctx *ctx, const moe_dispatch_args *a);
 
 /* ---- 3'. FP8 dispatch: moe_dispatch of e4m3 rows and their scales; the scales go out
  * transposed, as moe_experts_fp8 reads them (a row without a route: zero_fill zeroes its q and
- * its scales, else both are untouched) ---- */
+ * its scales, else both are untouched).  H must be a multiple of 128, and k >= 1. ---- */
 typedef struct moe_dispatch_fp8_args {
   moe_tensor *out;               /* out: e4m3 [C, H] */
   moe_tensor *out_scale;         /* out: f32 [H/128, C] */

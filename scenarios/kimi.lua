@@ -17,7 +17,7 @@
 -- --trace writes one more forward's stages per rank as a Chrome trace (ui.perfetto.dev), --svg a
 -- picture: the stage times against their ceilings, each rank's expert load and padding.
 -- --precision fp8 runs the FP8 layer (moe.layer{precision = "fp8"}), checked against the FP8
--- reference at its tolerance (docs/design.md, "FP8 tolerance"); simulated worlds only.  --anchor
+-- reference at its tolerance (docs/design.md, "FP8 tolerance"), simulated or over --devices.  --anchor
 -- then builds the bf16 layer of the same shapes, seed and tokens in the same process and prints
 -- both passes' times a rank and their ratio (on a GPU each pass as one CUDA graph, on the CPU a
 -- forward's wall clock).
