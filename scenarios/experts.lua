@@ -46,7 +46,7 @@ local opts = cli.parse(arg, {
   { "iters", "integer", nil, "timed runs per configuration, the median is reported (default 10; 1 on the CPU)" },
   { "tokens", "integer", nil, "tokens per rank (default 7168; 32 on the CPU)" },
   { "hidden", "integer", nil, "override every preset's H (default the preset's; 128 on the CPU)" },
-  { "ffn", "integer", nil, "override every preset's F (default the preset's; 64 on the CPU, 128 with --precision fp8)" },
+  { "ffn", "integer", nil, "override every preset's F (default the preset's; on the CPU 64, or 128 with --precision fp8)" },
   { "seed", "integer", 1, "seed of the ids, inputs and weights" },
   { "json", "string", nil, "also write the table as JSON to this file" },
   { "svg", "string", nil, "also draw the table as an SVG picture in this file" },
