@@ -131,11 +131,12 @@ MOE_API void moe_event_free(moe_event *event);
 
 /* ---- NVTX ranges, for Nsight Systems and Nsight Compute (--nvtx): every stage pushes a range
  * named after it (route, logits, schedule, dispatch, dispatch_fp8, experts, experts_fp8,
- * sigmoid_gate, combine, reference, allgather, quantize, dequantize) around its work, in the NVTX domain "moelab".  A host names its compositions the same
- * way (the Lua layer: "layer", and each of its stages around the calls that make it up): ranges
- * nest per thread, and pop closes the innermost range this thread's push opened (MOE_ERR_ARG when
- * none is open).  Without a tool attached a range costs next to nothing; a build that did not find
- * the NVTX header (nvtx3/nvToolsExt.h) has none, and push and pop only count. ---- */
+ * sigmoid_gate, combine, reference, allgather, quantize, dequantize) around its work, in the NVTX
+ * domain "moelab".  A host names its compositions the same way (the Lua layer: "layer", and each of
+ * its stages around the calls that make it up): ranges nest per thread, and pop closes the
+ * innermost range this thread's push opened (MOE_ERR_ARG when none is open).  Without a tool
+ * attached a range costs next to nothing; a build that did not find the NVTX header
+ * (nvtx3/nvToolsExt.h) has none, and push and pop only count. ---- */
 MOE_API int moe_range_push(moe_ctx *ctx, const char *name);
 MOE_API int moe_range_pop(moe_ctx *ctx);
 
@@ -180,12 +181,12 @@ MOE_API int moe_tensor_wrap(moe_ctx *ctx, void *data, moe_dtype dtype, int ndim,
  * Import: a tensor over the producer's memory, data + byte_offset, which must hold a compact
  * row-major tensor (strides NULL, or the compact ones; a dimension of size 1, or an empty tensor,
  * may have any stride) of 0 to 4 dimensions, of dtype f32 ({kDLFloat, 32, 1}), bf16
- * ({kDLBfloat, 16, 1}), i32 ({kDLInt, 32, 1}) or e4m3 ({kDLFloat8_e4m3fn, 8, 1}), aligned to its dtype, on kDLCPU, kDLCUDAHost
- * (pinned host memory: a cpu tensor) or kDLCUDA (cuda:device_id).  kDLCUDAManaged is refused
- * (which device it should run on is the caller's call: moe_tensor_wrap says it).  A versioned
- * tensor must be of major version 1 and writable (no DLPACK_FLAG_BITMASK_READ_ONLY: stages write
- * their outputs in place).  Anything else is MOE_ERR_ARG naming the field, its value and what is
- * taken.
+ * ({kDLBfloat, 16, 1}), i32 ({kDLInt, 32, 1}) or e4m3 ({kDLFloat8_e4m3fn, 8, 1}), aligned to its
+ * dtype, on kDLCPU, kDLCUDAHost (pinned host memory: a cpu tensor) or kDLCUDA (cuda:device_id).
+ * kDLCUDAManaged is refused (which device it should run on is the caller's call: moe_tensor_wrap
+ * says it).  A versioned tensor must be of major version 1 and writable (no
+ * DLPACK_FLAG_BITMASK_READ_ONLY: stages write their outputs in place).  Anything else is
+ * MOE_ERR_ARG naming the field, its value and what is taken.
  * Ownership: on success the moelab tensor owns managed and calls its deleter exactly once, when
  * the last moelab tensor or export over its memory is freed (views and exports hold it too).  On
  * any failure moelab has taken nothing: managed is still the caller's, whose deleter the caller
@@ -455,11 +456,11 @@ MOE_API int moe_safetensors_count(const moe_safetensors *f);
 MOE_API int moe_safetensors_find(const moe_safetensors *f, const char *name); /* its i, or -1 */
 MOE_API int moe_safetensors_tensor(moe_ctx *ctx, const moe_safetensors *f, int i, moe_safetensors_info *out);
 /* Tensor name into dst, bf16 or f32 (e4m3 for an F8_E4M3 tensor read without a scale) of the same
- * shape on any device.  BF16, F16, F32 and F8_E4M3
- * are read: BF16 into bf16, F32 into f32 and F8_E4M3 into e4m3 (without a scale) bit for bit, the
- * rest converted to f32 and rounded to the destination (to nearest even).  scale (F8_E4M3 of 2 dimensions [R, C] only; NULL: none)
- * is its block scale, f32 [ceil(R/128), ceil(C/128)] on the CPU, as Hugging Face FP8 checkpoints
- * keep it beside each weight ("weight_scale_inv"): element (r, c) is
+ * shape on any device.  BF16, F16, F32 and F8_E4M3 are read: BF16 into bf16, F32 into f32 and
+ * F8_E4M3 into e4m3 (without a scale) bit for bit, the rest converted to f32 and rounded to the
+ * destination (to nearest even).  scale (F8_E4M3 of 2 dimensions [R, C] only; NULL: none) is its
+ * block scale, f32 [ceil(R/128), ceil(C/128)] on the CPU, as Hugging Face FP8 checkpoints keep it
+ * beside each weight ("weight_scale_inv"): element (r, c) is
  * e4m3(q) x scale[r/128][c/128], an f32 product, then rounded to the destination. */
 MOE_API int moe_safetensors_read(moe_ctx *ctx, moe_safetensors *f, const char *name, const moe_tensor *scale,
                                  moe_tensor *dst);
