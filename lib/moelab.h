@@ -239,7 +239,8 @@ MOE_API float moe_e4m3_to_f32(uint8_t x);
  *   MOE_QUANT_TOKEN_T the same blocks, the scales transposed: [ceil(K/128), N] (what
  *                     moe_experts_fp8 reads, each k block's scales contiguous)
  * amax is the largest |x| of the block, NaN ignored; q = e4m3(x / scale), the division in f32,
- * rounded to nearest even and saturated to +-448; NaN gives 0x7F.
+ * rounded to nearest even and saturated to +-448; NaN gives 0x7F.  An infinity makes its block's
+ * scale infinite, and the block dequantizes to NaN.
  * x is f32 or bf16.  The CPU and the GPU give the same bits.  Dequantize writes
  * e4m3(q) x scale (an f32 product) rounded to its f32 or bf16 output. ---- */
 typedef enum { MOE_QUANT_BLOCK = 0, MOE_QUANT_TOKEN = 1, MOE_QUANT_TOKEN_T = 2 } moe_quant_kind;

@@ -308,6 +308,24 @@ describe("quantize and dequantize [#cpu]", function()
     end
   end
 
+  it("an infinity makes its block's scale infinite: the block dequantizes to NaN, its neighbours do not", function()
+    local row = {}
+    for i = 1, 256 do row[i] = i % 2 == 0 and i or -i end
+    row[3] = -1 / 0 -- in the first 128 columns
+    for _, kind in ipairs { "block", "token" } do
+      local q, scale = moe.quantize(moe.tensor({ row }), { kind = kind })
+      local s, b = scale:flat(), bytes_of(q)
+      assert.are.same({ math.huge, f32(256 / 448) }, s, kind)
+      assert.are.equal(0x7F, b[3], kind .. ": -inf / inf is NaN") -- the one NaN code
+      assert.are.same({ 0x80, 0x00 }, { b[1], b[2] }, kind .. ": finite / inf is -0 or +0")
+      local back = moe.dequantize(q, scale, { kind = kind }):flat()
+      for i = 1, 256 do
+        if i <= 128 then assert(back[i] ~= back[i], kind .. ": element " .. i .. " NaN (0 x inf)")
+        else assert(back[i] == back[i], kind .. ": element " .. i .. " finite") end
+      end
+    end
+  end)
+
   it("writes into q and scale given, and into out given", function()
     local x = moe.tensor({ { 448, -224, 112 } }) -- scale 1: every value is a code
     local q, s = moe.zeros({ 1, 3 }, { dtype = "e4m3" }), moe.zeros({ 1, 1 })
