@@ -32,5 +32,8 @@ int moeI_cuda_ctx_stream(moe_ctx *ctx, int device, cudaStream_t *out);
 // The device's multiprocessors, queried once a device and then cached (the grids of the
 // persistent and grid-stride launches are sized by it on every call).
 int moeI_cuda_sm_count(moe_ctx *ctx, int device, int *out);
+// The same count where the device launches cooperative kernels (whose blocks the scheduler's grid
+// barrier needs resident at once), 0 where it does not; cached alike.
+int moeI_cuda_coop_sms(moe_ctx *ctx, int device, int *out);
 
 static inline int cdiv(long long a, long long b) { return (int)((a + b - 1) / b); }

@@ -30,6 +30,7 @@
 // A block computes a 32 x 64 tile of out with 8 warps, warp j owning partial sum j: it
 // accumulates elements i = j (mod 8) for the whole tile, 8 x 8 outputs per thread.  The
 // warps' partial tiles are then added pairwise through shared memory in the order above.
+#include <atomic>
 #include <stdint.h>
 
 #include "common.cuh"
@@ -464,11 +465,16 @@ bool wgmma_takes(int major, int minor, int64_t N, int64_t E, int64_t H) {
 }
 
 template <int BN, int NST>
-int launch_ring(moe_ctx *ctx, cudaStream_t s, float *out, const CUtensorMap &tma_x, const CUtensorMap &tma_w,
+int launch_ring(moe_ctx *ctx, int dev, cudaStream_t s, float *out, const CUtensorMap &tma_x, const CUtensorMap &tma_w,
                 int64_t blocks, int64_t N, int64_t E, int64_t H, int64_t tiles_e, bool pairs) {
   constexpr int smem = hw::smem_bytes<BN, NST>();
-  MOE_CUDA_TRY(ctx, "logits",
-               cudaFuncSetAttribute(logits_wgmma_kernel<BN, NST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  static std::atomic<bool> raised[64]; // the shared-memory limit raised on device dev (once each)
+  const bool cached = dev >= 0 && dev < 64;
+  if (!cached || !raised[dev].load(std::memory_order_relaxed)) {
+    MOE_CUDA_TRY(ctx, "logits",
+                 cudaFuncSetAttribute(logits_wgmma_kernel<BN, NST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if (cached) raised[dev].store(true, std::memory_order_relaxed);
+  }
   logits_wgmma_kernel<BN, NST><<<(unsigned)blocks, hw::THREADS, smem, s>>>(tma_x, tma_w, out, (int)N, (int)E,
                                                                               (int)((H + hw::BK - 1) / hw::BK),
                                                                               (int)tiles_e, pairs);
@@ -477,20 +483,19 @@ int launch_ring(moe_ctx *ctx, cudaStream_t s, float *out, const CUtensorMap &tma
 }
 
 template <int BN>
-int launch_wgmma(moe_ctx *ctx, cudaStream_t s, float *out, const void *x, const void *w, int64_t N, int64_t E,
-                 int64_t H, bool pairs) {
+int launch_wgmma(moe_ctx *ctx, int dev, cudaStream_t s, float *out, const void *x, const void *w, int64_t N,
+                 int64_t E, int64_t H, bool pairs) {
   CUtensorMap tma_x, tma_w;
   if (!encode_2d(&tma_x, x, N, H, hw::BM, hw::BK, CU_TENSOR_MAP_SWIZZLE_128B) ||
       !encode_2d(&tma_w, w, E, H, BN, hw::BK, CU_TENSOR_MAP_SWIZZLE_128B))
     return moeI_seterr(ctx, MOE_ERR_CUDA, "logits: the driver refused the tensor maps of x [%lld, %lld] and w [%lld, %lld]",
                        (long long)N, (long long)H, (long long)E, (long long)H);
   const int64_t tiles_e = (E + BN - 1) / BN, blocks = (N + hw::BM - 1) / hw::BM * tiles_e;
-  int dev = 0, sms = 0;
-  MOE_CUDA_TRY(ctx, "logits", cudaGetDevice(&dev));
+  int sms = 0;
   if (int rc = moeI_cuda_sm_count(ctx, dev, &sms)) return rc;
   if (blocks <= sms)
-    return launch_ring<BN, hw::DEEP_STAGES>(ctx, s, out, tma_x, tma_w, blocks, N, E, H, tiles_e, pairs);
-  return launch_ring<BN, hw::STAGES>(ctx, s, out, tma_x, tma_w, blocks, N, E, H, tiles_e, pairs);
+    return launch_ring<BN, hw::DEEP_STAGES>(ctx, dev, s, out, tma_x, tma_w, blocks, N, E, H, tiles_e, pairs);
+  return launch_ring<BN, hw::STAGES>(ctx, dev, s, out, tma_x, tma_w, blocks, N, E, H, tiles_e, pairs);
 }
 
 } // namespace
@@ -511,11 +516,12 @@ int moeI_logits_cuda(moe_ctx *ctx, moe_tensor *out, const moe_tensor *x, const m
   if (rc || (rc = device_cc(ctx, x->device.index, &major, &minor))) return rc;
   const bool tensor = moeI_logits_tensor(ctx, x, w, major, NULL, 0);
   const bool pairs = E % 2 == 0 && (uintptr_t)out->data % 8 == 0;
+  const int dev = x->device.index;
   if (tensor && wgmma_takes(major, minor, N, E, H))
     switch (moeI_logits_wgmma_tile(E)) {
-    case 64: return launch_wgmma<64>(ctx, s, (float *)out->data, x->data, w->data, N, E, H, pairs);
-    case 96: return launch_wgmma<96>(ctx, s, (float *)out->data, x->data, w->data, N, E, H, pairs);
-    default: return launch_wgmma<128>(ctx, s, (float *)out->data, x->data, w->data, N, E, H, pairs);
+    case 64: return launch_wgmma<64>(ctx, dev, s, (float *)out->data, x->data, w->data, N, E, H, pairs);
+    case 96: return launch_wgmma<96>(ctx, dev, s, (float *)out->data, x->data, w->data, N, E, H, pairs);
+    default: return launch_wgmma<128>(ctx, dev, s, (float *)out->data, x->data, w->data, N, E, H, pairs);
     }
   const int64_t bm = tensor ? tc::BM : BM, bn = tensor ? tc::BN : BN;
   const int64_t gx = (E + bn - 1) / bn;

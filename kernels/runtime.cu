@@ -43,6 +43,19 @@ int moeI_cuda_sm_count(moe_ctx *ctx, int device, int *out) {
   return MOE_OK;
 }
 
+int moeI_cuda_coop_sms(moe_ctx *ctx, int device, int *out) {
+  static std::atomic<int> cache[64]; // 1 + 1 where the device launches cooperative kernels; 0 until queried
+  const bool cached = device >= 0 && device < 64;
+  int coop = cached ? cache[device].load(std::memory_order_relaxed) - 1 : -1;
+  if (coop < 0) {
+    MOE_CUDA_TRY(ctx, "device", cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+    coop = coop != 0;
+    if (cached) cache[device].store(coop + 1, std::memory_order_relaxed);
+  }
+  *out = 0;
+  return coop ? moeI_cuda_sm_count(ctx, device, out) : MOE_OK;
+}
+
 // A CUDA version number (1000 major + 10 minor) as "12.8".
 static void cuda_version(char *buf, size_t n, int v) { snprintf(buf, n, "%d.%d", v / 1000, v % 1000 / 10); }
 

@@ -398,7 +398,6 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Para
 // ---- host ----
 
 constexpr int kDevices = 64;
-std::atomic<int> sm_count[kDevices]; // multiprocessors + 1
 std::atomic<bool> raised[kDevices][4]; // an instance's dynamic shared memory limit raised (past 48 KiB)
 
 } // namespace
@@ -444,20 +443,6 @@ Plan plan_of(const moe_schedule_args *a) {
   return q;
 }
 
-// The SMs of the device that can hold cooperative blocks (0 when it cannot launch them), cached.
-int coop_sms(moe_ctx *ctx, int device, int *nsm) {
-  const bool cached = device >= 0 && device < kDevices;
-  *nsm = cached ? sm_count[device].load(std::memory_order_relaxed) - 1 : -1;
-  if (*nsm < 0) {
-    int coop = 0;
-    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
-    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(nsm, cudaDevAttrMultiProcessorCount, device));
-    if (!coop) *nsm = 0;
-    if (cached) sm_count[device].store(*nsm + 1, std::memory_order_relaxed);
-  }
-  return MOE_OK;
-}
-
 } // namespace
 
 // Every block resident at once (the grid barrier), one an SM: the problem's limits, then the device's.
@@ -468,7 +453,7 @@ int moeI_schedule_bitmap_fits(moe_ctx *ctx, const moe_schedule_args *a, Fit *fit
     snprintf(why, n, "%s", q.why);
     return MOE_OK;
   }
-  int nsm, rc = coop_sms(ctx, a->ids->device.index, &nsm);
+  int nsm, rc = moeI_cuda_coop_sms(ctx, a->ids->device.index, &nsm);
   if (rc) return rc;
   const long long g = q.W * q.bpr;
   if (g > nsm) {

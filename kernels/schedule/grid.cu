@@ -577,9 +577,8 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
 
 // ---- host ----
 
-// Per device: SM count, and blocks of schedule_kernel per SM for a few shared-memory sizes.
+// Per device: blocks of schedule_kernel per SM for a few shared-memory sizes.
 constexpr int kDevices = 64, kOccSlots = 8;
-std::atomic<int> sm_count_cache[kDevices];
 std::atomic<bool> smem_raised[kDevices][2];
 std::atomic<long long> occ_cache[kDevices][kOccSlots]; // (smem << 17) | (resident << 16) | blocks per SM
 std::atomic<int> occ_next[kDevices];
@@ -588,13 +587,8 @@ int device_limits(moe_ctx *ctx, int device, bool resident, size_t smem, int *nsm
   void (*kernel)(const Params) = resident ? schedule_kernel<true> : schedule_kernel<false>;
   const long long key = (long long)smem << 1 | resident;
   const bool cached = device >= 0 && device < kDevices;
-  if (!cached || (*nsm = sm_count_cache[device].load(std::memory_order_relaxed)) <= 0) {
-    int coop = 0;
-    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
-    if (!coop) return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": cuda:%d cannot launch cooperative kernels", device);
-    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(nsm, cudaDevAttrMultiProcessorCount, device));
-    if (cached) sm_count_cache[device].store(*nsm, std::memory_order_relaxed);
-  }
+  if (int rc = moeI_cuda_coop_sms(ctx, device, nsm)) return rc;
+  if (*nsm == 0) return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": cuda:%d cannot launch cooperative kernels", device);
   if (smem > 48 * 1024 && !(cached && smem_raised[device][resident].load())) {
     int optin = 0;
     MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
