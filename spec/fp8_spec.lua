@@ -454,6 +454,8 @@ describe("dispatch of e4m3 rows [#cpu]", function()
     { "no x_scale", function() moe.dispatch { x = q, schedule = sch } end, "option 'x_scale' is required with an e4m3 x" },
     { "x_scale with bf16 x", function() moe.dispatch { x = moe.zeros({ 2, 3, 128 }, { dtype = "bf16" }), x_scale = s,
       schedule = sch } end, "option 'x_scale' goes with an e4m3 x; x is bf16" },
+    { "out_scale with bf16 x", function() moe.dispatch { x = moe.zeros({ 2, 3, 128 }, { dtype = "bf16" }),
+      out_scale = moe.zeros({ 1, C }), schedule = sch } end, "option 'out_scale' goes with an e4m3 x; x is bf16" },
     { "x_scale of another shape", function() moe.dispatch { x = q, x_scale = moe.zeros({ 2, 3, 2 }), schedule = sch } end,
       "x_scale must be f32 [2, 3, 1], got f32 [2, 3, 2] on cpu" },
     { "x_scale bf16", function() moe.dispatch { x = q, x_scale = moe.zeros({ 2, 3, 1 }, { dtype = "bf16" }), schedule = sch } end,
