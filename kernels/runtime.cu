@@ -44,7 +44,7 @@ int moeI_cuda_sm_count(moe_ctx *ctx, int device, int *out) {
 }
 
 int moeI_cuda_coop_sms(moe_ctx *ctx, int device, int *out) {
-  static std::atomic<int> cache[64]; // 1 + 1 where the device launches cooperative kernels; 0 until queried
+  static std::atomic<int> cache[64]; // 0 until queried, then 1 + (the device launches cooperative kernels)
   const bool cached = device >= 0 && device < 64;
   int coop = cached ? cache[device].load(std::memory_order_relaxed) - 1 : -1;
   if (coop < 0) {

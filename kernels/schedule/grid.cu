@@ -588,7 +588,8 @@ int device_limits(moe_ctx *ctx, int device, bool resident, size_t smem, int *nsm
   const long long key = (long long)smem << 1 | resident;
   const bool cached = device >= 0 && device < kDevices;
   if (int rc = moeI_cuda_coop_sms(ctx, device, nsm)) return rc;
-  if (*nsm == 0) return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": cuda:%d cannot launch cooperative kernels", device);
+  if (*nsm == 0)
+    return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": cuda:%d cannot launch cooperative kernels", device);
   if (smem > 48 * 1024 && !(cached && smem_raised[device][resident].load())) {
     int optin = 0;
     MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
