@@ -7,19 +7,19 @@
  * Cases: 0 adversarial (6 experts of 0, 1, 300, 7, 0, 129 rows, 3 capacity rows past the last, H
  * 256, F 128, a weight block of zeros), 1 one expert of 1,000 rows, 2 every row to the last of 3
  * experts, 3 Kimi K2's rank of EP8 (48 experts x 1,195 / 1,194 rows, H 7168, F 2048), 4-6 its decode
- * (48 x 8, 24 and 64 rows; 24 is about a rank's average at 128 tokens a rank), 7-8 the same shape
- * with 32 and 128 rows an expert (around where fp8.cu's choice moves from the narrow tiles to
+ * (48 x 8, 24 and 64 rows; 24 is about a rank's average at 128 tokens a rank), 7-9 the same shape
+ * with 32, 128 and 96 rows an expert (around where fp8.cu's choice moves from the narrow tiles to
  * sm90t_fp8); all by default.
- * Tokens are normal draws, every 7th row scaled by 100, quantized per token (cases 3-8:
+ * Tokens are normal draws, every 7th row scaled by 100, quantized per token (cases 3-9:
  * TOKEN_POOL distinct rows, copied to the rest); weights normal / sqrt(K),
  * quantized per 128 x 128 (three distinct experts, copied to the rest: the time does not depend on
  * which values, only on their kind).  Rows checked: all of cases 0-2, six of every 7th expert in
- * 3-8 (their references on the CPU's threads), against this file's own model of the format (block
+ * 3-9 (their references on the CPU's threads), against this file's own model of the format (block
  * sums of exact e4m3 products in f32, SwiGLU, h rounded to bf16 and quantized per token); PASS when
  * no element is off by more than 6% of its row's largest |ref| (the e4m3 rounding of h flips where
  * the GPU's and the CPU's f32 sums differ: docs/design.md, "FP8 tolerance"), with the RMS error
  * printed, and a hash of the whole output (FNV-1a over its bytes, so that two builds meant to agree
- * bit for bit can be compared).  Rows past the experts must keep their poison.  Cases 3-8 are then
+ * bit for bit can be compared).  Rows past the experts must keep their poison.  Cases 3-9 are then
  * timed: 2 warm-ups and PASSES (30) back-to-back calls, device events, the median.  Calls the
  * kernel's entry (moeI_experts_fp8_cuda) directly, linked with the library's objects.  Exit status
  * 1 when a check fails. */
@@ -290,14 +290,16 @@ int main(int argc, char **argv) {
   rc |= wanted(only, &which) && run("one expert 1000 rows H 384 F 256", 1, s2, 384, 256, 1, 0, 1);
   int s3[] = {0, 0, 513};
   rc |= wanted(only, &which) && run("all rows to the last expert, H 1024 F 384", 3, s3, 1024, 384, 0, 0, 1);
-  int kimi[48], dec[48], dec24[48], dec64[48], dec32[48], mid128[48];
+  int kimi[48], dec[48], dec24[48], dec64[48], dec32[48], mid128[48], mid96[48];
   for (int e = 0; e < 48; e++)
-    kimi[e] = e < 32 ? 1195 : 1194, dec[e] = 8, dec24[e] = 24, dec64[e] = 64, dec32[e] = 32, mid128[e] = 128;
+    kimi[e] = e < 32 ? 1195 : 1194, dec[e] = 8, dec24[e] = 24, dec64[e] = 64, dec32[e] = 32, mid128[e] = 128,
+    mid96[e] = 96;
   rc |= wanted(only, &which) && run("Kimi K2 rank of EP8 (EL 48, 57344 rows, H 7168, F 2048)", 48, kimi, 7168, 2048, 0, passes, 0);
   rc |= wanted(only, &which) && run("decode 48 x 8 rows", 48, dec, 7168, 2048, 0, passes, 0);
   rc |= wanted(only, &which) && run("decode 48 x 24 rows", 48, dec24, 7168, 2048, 0, passes, 0);
   rc |= wanted(only, &which) && run("decode 48 x 64 rows", 48, dec64, 7168, 2048, 0, passes, 0);
   rc |= wanted(only, &which) && run("48 x 32 rows", 48, dec32, 7168, 2048, 0, passes, 0);
   rc |= wanted(only, &which) && run("48 x 128 rows", 48, mid128, 7168, 2048, 0, passes, 0);
+  rc |= wanted(only, &which) && run("48 x 96 rows", 48, mid96, 7168, 2048, 0, passes, 0);
   return rc;
 }
