@@ -24,7 +24,7 @@ namespace {
 // weights stream through about once and its deeper ring, each CTA on weights of its own where an
 // expert has at most 32 rows, pays; past it, it would read an expert's weights once for every 64
 // rows.  Against sm90t_fp8 (docs/perf/experts.md) it is faster at 24, 32 and 64 rows an expert
-// and slower at 128.
+// and slower at 96 and 128.
 constexpr int NARROW_ROWS = 2 * NV8_NARROW;
 
 // e4m3 [rows, k] in the GEMM's boxes {128 bytes, box_rows}, 128-byte swizzle.
