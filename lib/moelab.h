@@ -435,11 +435,13 @@ typedef struct moe_reference_fp8_args {
 MOE_API int moe_reference_fp8(moe_ctx *ctx, const moe_reference_fp8_args *a);
 
 /* ---- safetensors: tensors read from a checkpoint file ----
- * open parses the whole header strictly (its JSON, every tensor's offsets against the file's
- * size and its shape's byte count) and keeps the file open; read then reads one tensor's bytes
- * (pread, nothing else of the file) into a tensor on any device, converting as it goes.  A
- * malformed or unreadable file is MOE_ERR_IO, with the file, and the header's byte where its JSON
- * goes wrong; a missing tensor or a destination that does not fit it is MOE_ERR_ARG. */
+ * open parses the whole header strictly (its JSON, names in well-formed UTF-8, every tensor's
+ * offsets against the file's size and its shape's byte count, the tensors tiling the data with no
+ * byte shared or left over; anything but a regular file refused) and keeps the file open; read
+ * then reads one tensor's bytes (pread, nothing else of the file) into a tensor on any device,
+ * converting as it goes.  A malformed or unreadable file is MOE_ERR_IO, with the file, and the
+ * header's byte where its JSON goes wrong; a missing tensor or a destination that does not fit it
+ * is MOE_ERR_ARG. */
 typedef struct moe_safetensors moe_safetensors;
 typedef struct moe_safetensors_info {
   const char *name;    /* valid until the file is closed */

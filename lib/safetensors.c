@@ -149,6 +149,23 @@ static int string(parser *p, const char **out) {
     if (c == '"') break;
     if (c < 0x20) return bad(p, "control character 0x%02x in a string (JSON wants it escaped)", c);
     p->pos++;
+    if (c >= 0x80) { /* a UTF-8 sequence, copied once it is well formed (RFC 3629) */
+      int more = c >= 0xc2 && c <= 0xdf ? 1 : c >= 0xe0 && c <= 0xef ? 2 : c >= 0xf0 && c <= 0xf4 ? 3 : -1;
+      if (more < 0) return bad(p, "byte 0x%02x begins no UTF-8 character", c);
+      unsigned u = c & (0x3fu >> more);
+      d[len++] = (char)c;
+      for (int k = 0; k < more; k++) {
+        const unsigned char t = p->pos < p->n ? (unsigned char)p->s[p->pos] : 0;
+        if ((t & 0xc0) != 0x80) return bad(p, "a UTF-8 character cut short");
+        u = u << 6 | (t & 0x3f);
+        d[len++] = (char)t;
+        p->pos++;
+      }
+      if ((more == 2 && u < 0x800) || (more == 3 && u < 0x10000))
+        return bad(p, "an overlong UTF-8 character (U+%04X)", u);
+      if ((u >= 0xd800 && u <= 0xdfff) || u > 0x10ffff) return bad(p, "U+%04X encoded in UTF-8 is no character", u);
+      continue;
+    }
     if (c != '\\') {
       d[len++] = (char)c;
       continue;
@@ -216,11 +233,12 @@ static int uint_value(parser *p, uint64_t *v, const char *what) {
     return bad(p, "%s: a number with a leading zero", what);
   uint64_t x = 0;
   while (p->pos < p->n && p->s[p->pos] >= '0' && p->s[p->pos] <= '9') {
-    x = x * 10 + (uint64_t)(p->s[p->pos] - '0');
-    if (x > ((uint64_t)1 << 62)) {
+    const uint64_t digit = (uint64_t)(p->s[p->pos] - '0');
+    if (x > ((((uint64_t)1 << 62) - digit) / 10)) { /* before x * 10 + digit could wrap */
       p->pos = start;
       return bad(p, "%s is larger than 2^62", what);
     }
+    x = x * 10 + digit;
     p->pos++;
   }
   if (p->pos < p->n && (p->s[p->pos] == '.' || p->s[p->pos] == 'e' || p->s[p->pos] == 'E'))
@@ -457,6 +475,11 @@ static int header(moe_safetensors *f, parser *p) {
 static int by_name(const void *a, const void *b) {
   return strcmp(((const struct entry *)a)->name, ((const struct entry *)b)->name);
 }
+static int by_offsets(const void *a, const void *b) {
+  const struct entry *x = a, *y = b;
+  if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+  return x->end < y->end ? -1 : x->end > y->end;
+}
 
 static int io_error(moe_ctx *ctx, const char *path, const char *what) {
   return moeI_seterr(ctx, MOE_ERR_IO, "safetensors: cannot %s '%s': %s", what, path, strerror(errno));
@@ -517,13 +540,34 @@ static int check_entries(moe_ctx *ctx, moe_safetensors *f) {
                          (unsigned long long)(e->end - e->begin), e->dtype->name,
                          shape_text(e->shape, e->ndim, s, sizeof s), (unsigned long long)numel, e->dtype->size);
   }
-  qsort(f->entries, (size_t)f->count, sizeof *f->entries, by_name);
+  if (f->count > 1) qsort(f->entries, (size_t)f->count, sizeof *f->entries, by_name); /* (none: entries NULL) */
   for (int i = 1; i < f->count; i++)
     if (strcmp(f->entries[i - 1].name, f->entries[i].name) == 0) {
       size_t a = f->entries[i - 1].at, b = f->entries[i].at;
       return moeI_seterr(ctx, MOE_ERR_IO, "safetensors: '%s': tensor '%s' is named twice (header bytes %zu and %zu)",
                          f->path, f->entries[i].name, 8 + (a < b ? a : b), 8 + (a < b ? b : a));
     }
+  /* The tensors tile the data, as the format wants: in the order of their offsets each begins
+   * where the one before ends, from 0 to the data's end (no byte shared, none left over). */
+  if (f->count > 1) qsort(f->entries, (size_t)f->count, sizeof *f->entries, by_offsets);
+  uint64_t at = 0;
+  for (int i = 0; i < f->count; i++) {
+    const struct entry *e = &f->entries[i];
+    if (e->begin < at)
+      return moeI_seterr(ctx, MOE_ERR_IO, "safetensors: '%s': tensors '%s' and '%s' share data bytes (data_offsets "
+                         "[%llu, %llu] and [%llu, %llu])", f->path, f->entries[i - 1].name, e->name,
+                         (unsigned long long)f->entries[i - 1].begin, (unsigned long long)at,
+                         (unsigned long long)e->begin, (unsigned long long)e->end);
+    if (e->begin > at)
+      return moeI_seterr(ctx, MOE_ERR_IO, "safetensors: '%s': data bytes [%llu, %llu] belong to no tensor (the next, "
+                         "'%s', begins at %llu)", f->path, (unsigned long long)at, (unsigned long long)e->begin,
+                         e->name, (unsigned long long)e->begin);
+    at = e->end;
+  }
+  if (at != f->data_size)
+    return moeI_seterr(ctx, MOE_ERR_IO, "safetensors: '%s': data bytes [%llu, %llu] past the last tensor belong to no "
+                       "tensor", f->path, (unsigned long long)at, (unsigned long long)f->data_size);
+  if (f->count > 1) qsort(f->entries, (size_t)f->count, sizeof *f->entries, by_name);
   return MOE_OK;
 }
 
@@ -594,7 +638,9 @@ int moe_safetensors_open(moe_ctx *ctx, const char *path, moe_safetensors **out) 
   }
   strcpy(copy, path);
   f->path = copy;
-  f->fd = open(path, O_RDONLY | O_CLOEXEC);
+  /* O_NONBLOCK: a FIFO's open would wait for a writer; load() refuses anything not a regular file,
+   * whose reads the flag does not change */
+  f->fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   int rc = f->fd < 0 ? io_error(ctx, path, "open") : load(ctx, f);
   if (rc) {
     moe_safetensors_close(f);

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -115,6 +116,19 @@ static void test_malformed(void) {
     {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1.5],\"data_offsets\":[0,4]}}", "shape must be an integer"},
     {"{\"a\":{\"dtype\":\"F32\",\"shape\":[01],\"data_offsets\":[0,4]}}", "leading zero"},
     {"{\"a\":{\"dtype\":\"F32\",\"shape\":[99999999999999999999],\"data_offsets\":[0,4]}}", "larger than 2^62"},
+    /* 2^64 + 1: would wrap to 1 if the bound were checked after the multiplication */
+    {"{\"a\":{\"dtype\":\"F32\",\"shape\":[18446744073709551617],\"data_offsets\":[0,4]}}", "larger than 2^62"},
+    {"{\"a\xff\":{}}", "byte 0xff begins no UTF-8 character"},
+    {"{\"a\xc3\":{}}", "a UTF-8 character cut short"},
+    {"{\"a\xe0\x80\xaf\":{}}", "an overlong UTF-8 character (U+002F)"},
+    {"{\"a\xed\xa0\x80\":{}}", "U+D800 encoded in UTF-8 is no character"},
+    {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0,4]},"
+     "\"b\":{\"dtype\":\"BF16\",\"shape\":[1],\"data_offsets\":[2,4]}}", "tensors 'a' and 'b' share data bytes"},
+    {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[1],\"data_offsets\":[2,4]}}",
+     "data bytes [0, 2] belong to no tensor (the next, 'a', begins at 2)"},
+    {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[1],\"data_offsets\":[0,2]}}",
+     "data bytes [2, 4] past the last tensor belong to no tensor"},
+    {"{}", "data bytes [0, 4] past the last tensor"},
     {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1,2,3,4,5,6,7,8,9],\"data_offsets\":[0,4]}}", "more than 8 entries"},
     {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0]}}", "must be [begin, end], got 1 numbers"},
     {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4}}", "expected ',' or ']' in data_offsets"},
@@ -160,6 +174,16 @@ static void test_malformed(void) {
   CHECK(strstr(moe_errmsg(ctx), "absent.safetensors") && strstr(moe_errmsg(ctx), "No such file"), "%s",
         moe_errmsg(ctx));
   EXPECT_ERROR(moe_safetensors_open(ctx, dir, &f), MOE_ERR_IO, "is not a regular file (a directory)");
+  char fifo[160]; /* refused at once, not waited on for a writer */
+  snprintf(fifo, sizeof fifo, "%s/fifo.safetensors", dir);
+  CHECK(mkfifo(fifo, 0600) == 0, "mkfifo %s", fifo);
+  EXPECT_ERROR(moe_safetensors_open(ctx, fifo, &f), MOE_ERR_IO, "is not a regular file");
+  unlink(fifo);
+  /* no tensors and no data: a file the format's writers make */
+  CHECK(moe_safetensors_open(ctx, write_file("empty.safetensors", "{}", NULL, 0), &f) == MOE_OK &&
+            moe_safetensors_count(f) == 0, "an empty file opens: %s", moe_errmsg(ctx));
+  moe_safetensors_close(f);
+  f = NULL;
   const char *tiny = write_file("tiny.safetensors", "", NULL, 0);
   FILE *t = fopen(tiny, "wb");
   fputs("abc", t);
