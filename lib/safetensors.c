@@ -42,7 +42,7 @@ static const struct st_dtype {
   {"BF16", 2, ST_BF16}, {"F16", 2, ST_F16}, {"F32", 4, ST_F32}, {"F8_E4M3", 1, ST_E4M3},
   {"F64", 8, ST_OTHER}, {"F8_E5M2", 1, ST_OTHER}, {"BOOL", 1, ST_OTHER}, {"U8", 1, ST_OTHER},
   {"I8", 1, ST_OTHER}, {"I16", 2, ST_OTHER}, {"U16", 2, ST_OTHER}, {"I32", 4, ST_OTHER},
-  {"U32", 4, ST_OTHER}, {"I64", 8, ST_OTHER}, {"U64", 8, ST_OTHER},
+  {"U32", 4, ST_OTHER}, {"I64", 8, ST_OTHER}, {"U64", 8, ST_OTHER}, {"F8_E8M0", 1, ST_OTHER}, {"C64", 8, ST_OTHER},
 };
 #define NDTYPES (sizeof dtypes / sizeof dtypes[0])
 #define READABLE "BF16, F16, F32 and F8_E4M3"

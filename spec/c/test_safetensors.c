@@ -198,6 +198,32 @@ static void test_malformed(void) {
   EXPECT_ERROR(moe_safetensors_open(ctx, past, NULL), MOE_ERR_ARG, "out is NULL");
 }
 
+/* Dtypes listed but not read (here the MX formats' F8_E8M0 scales and C64) do not keep the rest
+ * of the file from opening; reading one says what can be read. */
+static void test_listed(void) {
+  const unsigned char data[4 + 8 + 4] = {0};
+  const char *path = write_file("listed.safetensors",
+                                "{\"m\":{\"dtype\":\"F8_E8M0\",\"shape\":[4],\"data_offsets\":[0,4]},"
+                                "\"z\":{\"dtype\":\"C64\",\"shape\":[1],\"data_offsets\":[4,12]},"
+                                "\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[12,16]}}",
+                                data, sizeof data);
+  moe_safetensors *f = NULL;
+  if (moe_safetensors_open(ctx, path, &f) != MOE_OK) {
+    CHECK(0, "open: %s", moe_errmsg(ctx));
+    return;
+  }
+  moe_safetensors_info in;
+  CHECK(moe_safetensors_tensor(ctx, f, 0, &in) == MOE_OK && strcmp(in.dtype, "F8_E8M0") == 0 && in.nbytes == 4,
+        "F8_E8M0 listed");
+  moe_tensor *x = cpu(MOE_F32, 1, SHAPE(1)), *m = cpu(MOE_F32, 1, SHAPE(4));
+  CHECK(moe_safetensors_read(ctx, f, "x", NULL, x) == MOE_OK, "the F32 beside it reads: %s", moe_errmsg(ctx));
+  EXPECT_ERROR(moe_safetensors_read(ctx, f, "m", NULL, m), MOE_ERR_ARG,
+               "tensor 'm' is F8_E8M0 [4]; only BF16, F16, F32 and F8_E4M3 can be read");
+  moe_tensor_free(x);
+  moe_tensor_free(m);
+  moe_safetensors_close(f);
+}
+
 /* A file with one tensor of every readable dtype, and their reads. */
 static void test_reads(void) {
   /* a: BF16 [2, 3] with -0, a signalling NaN's payload and the largest finite value */
@@ -358,6 +384,7 @@ int main(void) {
   test_e4m3();
   test_malformed();
   test_reads();
+  test_listed();
   for (int i = 0; i < npaths; i++) unlink(paths[i]);
   rmdir(dir);
   moe_ctx_close(ctx);
