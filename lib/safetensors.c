@@ -540,7 +540,8 @@ static int check_entries(moe_ctx *ctx, moe_safetensors *f) {
                          (unsigned long long)(e->end - e->begin), e->dtype->name,
                          shape_text(e->shape, e->ndim, s, sizeof s), (unsigned long long)numel, e->dtype->size);
   }
-  if (f->count > 1) qsort(f->entries, (size_t)f->count, sizeof *f->entries, by_name); /* (none: entries NULL) */
+  /* (no sort of 0 or 1 entries: entries is NULL without any, which qsort may not be given) */
+  if (f->count > 1) qsort(f->entries, (size_t)f->count, sizeof *f->entries, by_name);
   for (int i = 1; i < f->count; i++)
     if (strcmp(f->entries[i - 1].name, f->entries[i].name) == 0) {
       size_t a = f->entries[i - 1].at, b = f->entries[i].at;
