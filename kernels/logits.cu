@@ -468,13 +468,14 @@ template <int BN, int NST>
 int launch_ring(moe_ctx *ctx, int dev, cudaStream_t s, float *out, const CUtensorMap &tma_x, const CUtensorMap &tma_w,
                 int64_t blocks, int64_t N, int64_t E, int64_t H, int64_t tiles_e, bool pairs) {
   constexpr int smem = hw::smem_bytes<BN, NST>();
-  static std::atomic<bool> raised[64]; // the shared-memory limit raised on device dev (once each)
-  const bool cached = dev >= 0 && dev < 64;
-  if (!cached || !raised[dev].load(std::memory_order_relaxed)) {
-    MOE_CUDA_TRY(ctx, "logits",
-                 cudaFuncSetAttribute(logits_wgmma_kernel<BN, NST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    if (cached) raised[dev].store(true, std::memory_order_relaxed);
-  }
+  static std::atomic<int> raised[64]; // the shared-memory limit raised on device dev (once each)
+  cudaError_t raise_smem_limit = cudaSuccess;
+  once_per_device(raised, dev, [&] {
+    raise_smem_limit =
+        cudaFuncSetAttribute(logits_wgmma_kernel<BN, NST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    return raise_smem_limit == cudaSuccess ? 0 : -1;
+  });
+  MOE_CUDA_TRY(ctx, "logits", raise_smem_limit);
   logits_wgmma_kernel<BN, NST><<<(unsigned)blocks, hw::THREADS, smem, s>>>(tma_x, tma_w, out, (int)N, (int)E,
                                                                               (int)((H + hw::BK - 1) / hw::BK),
                                                                               (int)tiles_e, pairs);

@@ -31,28 +31,42 @@ int moeI_cuda_device_count(int *count) {
   return MOE_OK;
 }
 
-int moeI_cuda_sm_count(moe_ctx *ctx, int device, int *out) {
-  static std::atomic<int> cache[64]; // devices 0-63; 0 until queried
-  const bool cached = device >= 0 && device < 64;
-  int n = cached ? cache[device].load(std::memory_order_relaxed) : 0;
-  if (n <= 0) {
-    MOE_CUDA_TRY(ctx, "device", cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    if (cached) cache[device].store(n, std::memory_order_relaxed);
-  }
-  *out = n;
+// A device attribute, asked of the runtime once a device.
+static int cached_attribute(moe_ctx *ctx, std::atomic<int> (&cache)[64], cudaDeviceAttr attr, int device, int *out) {
+  cudaError_t attribute_query = cudaSuccess;
+  *out = once_per_device(cache, device, [&] {
+    int v = 0;
+    attribute_query = cudaDeviceGetAttribute(&v, attr, device);
+    return attribute_query == cudaSuccess ? v : -1;
+  });
+  MOE_CUDA_TRY(ctx, "device", attribute_query);
   return MOE_OK;
 }
 
+int moeI_cuda_raise_smem(moe_ctx *ctx, const char *stage, const void *kernel, std::atomic<int> (&raised)[64],
+                         int device) {
+  cudaError_t raise_smem_limit = cudaSuccess;
+  once_per_device(raised, device, [&] {
+    int optin = 0;
+    raise_smem_limit = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (raise_smem_limit == cudaSuccess)
+      raise_smem_limit = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+    return raise_smem_limit == cudaSuccess ? 0 : -1;
+  });
+  MOE_CUDA_TRY(ctx, stage, raise_smem_limit);
+  return MOE_OK;
+}
+
+int moeI_cuda_sm_count(moe_ctx *ctx, int device, int *out) {
+  static std::atomic<int> cache[64];
+  return cached_attribute(ctx, cache, cudaDevAttrMultiProcessorCount, device, out);
+}
+
 int moeI_cuda_coop_sms(moe_ctx *ctx, int device, int *out) {
-  static std::atomic<int> cache[64]; // 0 until queried, then 1 + (the device launches cooperative kernels)
-  const bool cached = device >= 0 && device < 64;
-  int coop = cached ? cache[device].load(std::memory_order_relaxed) - 1 : -1;
-  if (coop < 0) {
-    MOE_CUDA_TRY(ctx, "device", cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
-    coop = coop != 0;
-    if (cached) cache[device].store(coop + 1, std::memory_order_relaxed);
-  }
+  static std::atomic<int> cache[64];
+  int coop = 0;
   *out = 0;
+  if (int rc = cached_attribute(ctx, cache, cudaDevAttrCooperativeLaunch, device, &coop)) return rc;
   return coop ? moeI_cuda_sm_count(ctx, device, out) : MOE_OK;
 }
 

@@ -44,25 +44,20 @@ template <int NVM> bool encode_rows(CUtensorMap m[2], const void *base, long lon
 // Clusters of two that fit at once (the persistent grid), cached per device, pass and tiling; 0: none.
 template <int MODE, int NVM, bool TM> int resident_clusters(int dev) {
   static std::atomic<int> cache[64];
-  if (dev >= 0 && dev < 64) {
-    const int c = cache[dev].load(std::memory_order_relaxed);
-    if (c > 0) return c - 1;
-  }
-  auto kernel = sm90_e4m3_kernel<MODE, NVM, TM>;
-  constexpr int smem = smem8_bytes<NVM>();
-  int n = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  cudaLaunchAttribute attr[2];
-  const cudaLaunchConfig_t cfg = launch_config(attr, 2, 2 * 64, THREADS, smem, 0);
-  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  if (dev >= 0 && dev < 64) cache[dev].store(n + 1, std::memory_order_relaxed);
-  return n;
+  const int n = once_per_device(cache, dev, [] {
+    auto kernel = sm90_e4m3_kernel<MODE, NVM, TM>;
+    constexpr int smem = smem8_bytes<NVM>();
+    int clusters = 0;
+    cudaLaunchAttribute attr[2];
+    const cudaLaunchConfig_t cfg = launch_config(attr, 2, 2 * 64, THREADS, smem, 0);
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return -1;
+    }
+    return clusters;
+  });
+  return n < 0 ? 0 : n;
 }
 
 // One GEMM pass: the operand maps, out and its map, the weights' scales.

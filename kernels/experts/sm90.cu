@@ -21,35 +21,25 @@ bool encode_ab(CUtensorMap *m, const void *base, long long rows, long long k, in
 // Cached per device and kernel; 0 when none fit.
 template <int MODE, int CM, bool WT> int resident_groups(int dev) {
   static std::atomic<int> cache[64];
-  if (dev >= 0 && dev < 64) {
-    const int c = cache[dev].load(std::memory_order_relaxed);
-    if (c > 0) return c - 1;
-  }
-  auto kernel = sm90_gemm_kernel<MODE, CM, WT>;
-  constexpr int smem = smem_bytes<WT>();
-  int n = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  if (CM == 1) {
-    int sms = 0, per_sm = 0;
-    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return 0;
+  const int n = once_per_device(cache, dev, [dev] {
+    auto kernel = sm90_gemm_kernel<MODE, CM, WT>;
+    constexpr int smem = smem_bytes<WT>();
+    auto failed = [] { (void)cudaGetLastError(); return -1; };
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return failed();
+    if (CM == 1) {
+      int sms = 0, per_sm = 0;
+      if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem) != cudaSuccess)
+        return failed();
+      return sms * per_sm;
     }
-    n = sms * per_sm;
-  } else {
+    int clusters = 0;
     cudaLaunchAttribute attr[2];
     const cudaLaunchConfig_t cfg = launch_config(attr, CM, CM * 64, THREADS, smem, 0);
-    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return 0;
-    }
-  }
-  if (dev >= 0 && dev < 64) cache[dev].store(n + 1, std::memory_order_relaxed);
-  return n;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) return failed();
+    return clusters;
+  });
+  return n < 0 ? 0 : n;
 }
 
 template <int MODE, int CM, bool WT>

@@ -397,8 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_bitmap_kernel(const Para
 
 // ---- host ----
 
-constexpr int kDevices = 64;
-std::atomic<bool> raised[kDevices][4]; // an instance's dynamic shared memory limit raised (past 48 KiB)
+std::atomic<int> raised[4][64]; // an instance's dynamic shared memory limit raised (past 48 KiB), a device
 
 } // namespace
 
@@ -505,13 +504,7 @@ int moeI_schedule_bitmap_run(moe_ctx *ctx, const moe_schedule_args *a) {
   cudaStream_t st;
   int rc = moeI_cuda_ctx_stream(ctx, device, &st);
   if (rc) return rc;
-  const bool cached = device >= 0 && device < kDevices;
-  if (smem > 48 * 1024 && !(cached && raised[device][lgs].load())) {
-    int optin = 0;
-    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    MOE_CUDA_TRY(ctx, STAGE, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
-    if (cached) raised[device][lgs].store(true);
-  }
+  if (smem > 48 * 1024 && (rc = moeI_cuda_raise_smem(ctx, STAGE, (const void *)kernel, raised[lgs], device))) return rc;
 
   // scratch: the header (barrier, totals), then hist [G][hs]
   const size_t nbytes = MOE_SCRATCH_HEADER + sizeof(int32_t) * (size_t)g * hs;

@@ -579,7 +579,7 @@ __global__ void __launch_bounds__(kThreads, 1) schedule_kernel(const Params P) {
 
 // Per device: blocks of schedule_kernel per SM for a few shared-memory sizes.
 constexpr int kDevices = 64, kOccSlots = 8;
-std::atomic<bool> smem_raised[kDevices][2];
+std::atomic<int> smem_raised[2][64];
 std::atomic<long long> occ_cache[kDevices][kOccSlots]; // (smem << 17) | (resident << 16) | blocks per SM
 std::atomic<int> occ_next[kDevices];
 
@@ -590,12 +590,8 @@ int device_limits(moe_ctx *ctx, int device, bool resident, size_t smem, int *nsm
   if (int rc = moeI_cuda_coop_sms(ctx, device, nsm)) return rc;
   if (*nsm == 0)
     return moeI_seterr(ctx, MOE_ERR_UNSUPPORTED, STAGE ": cuda:%d cannot launch cooperative kernels", device);
-  if (smem > 48 * 1024 && !(cached && smem_raised[device][resident].load())) {
-    int optin = 0;
-    MOE_CUDA_TRY(ctx, STAGE, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    MOE_CUDA_TRY(ctx, STAGE, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
-    if (cached) smem_raised[device][resident].store(true);
-  }
+  if (smem > 48 * 1024)
+    if (int rc = moeI_cuda_raise_smem(ctx, STAGE, (const void *)kernel, smem_raised[resident], device)) return rc;
   if (cached)
     for (int i = 0; i < kOccSlots; i++) {
       const long long v = occ_cache[device][i].load(std::memory_order_relaxed);
