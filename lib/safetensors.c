@@ -508,7 +508,8 @@ static const char *shape_text(const int64_t *shape, int ndim, char *buf, size_t 
   return buf;
 }
 
-/* Each entry's shape against its bytes and the file, and no name twice. */
+/* Each entry's shape against its bytes and the file, the tensors tiling the data, and no name twice;
+ * the entries are left in the order of their names. */
 static int check_entries(moe_ctx *ctx, moe_safetensors *f) {
   char s[160];
   for (int i = 0; i < f->count; i++) {
@@ -540,16 +541,9 @@ static int check_entries(moe_ctx *ctx, moe_safetensors *f) {
                          (unsigned long long)(e->end - e->begin), e->dtype->name,
                          shape_text(e->shape, e->ndim, s, sizeof s), (unsigned long long)numel, e->dtype->size);
   }
-  /* (no sort of 0 or 1 entries: entries is NULL without any, which qsort may not be given) */
-  if (f->count > 1) qsort(f->entries, (size_t)f->count, sizeof *f->entries, by_name);
-  for (int i = 1; i < f->count; i++)
-    if (strcmp(f->entries[i - 1].name, f->entries[i].name) == 0) {
-      size_t a = f->entries[i - 1].at, b = f->entries[i].at;
-      return moeI_seterr(ctx, MOE_ERR_IO, "safetensors: '%s': tensor '%s' is named twice (header bytes %zu and %zu)",
-                         f->path, f->entries[i].name, 8 + (a < b ? a : b), 8 + (a < b ? b : a));
-    }
   /* The tensors tile the data, as the format wants: in the order of their offsets each begins
-   * where the one before ends, from 0 to the data's end (no byte shared, none left over). */
+   * where the one before ends, from 0 to the data's end (no byte shared, none left over).  (No
+   * sort of 0 or 1 entries: entries is NULL without any, which qsort may not be given.) */
   if (f->count > 1) qsort(f->entries, (size_t)f->count, sizeof *f->entries, by_offsets);
   uint64_t at = 0;
   for (int i = 0; i < f->count; i++) {
@@ -568,7 +562,14 @@ static int check_entries(moe_ctx *ctx, moe_safetensors *f) {
   if (at != f->data_size)
     return moeI_seterr(ctx, MOE_ERR_IO, "safetensors: '%s': data bytes [%llu, %llu] past the last tensor belong to no "
                        "tensor", f->path, (unsigned long long)at, (unsigned long long)f->data_size);
+  /* then in the order of their names, which lookups search */
   if (f->count > 1) qsort(f->entries, (size_t)f->count, sizeof *f->entries, by_name);
+  for (int i = 1; i < f->count; i++)
+    if (strcmp(f->entries[i - 1].name, f->entries[i].name) == 0) {
+      size_t a = f->entries[i - 1].at, b = f->entries[i].at;
+      return moeI_seterr(ctx, MOE_ERR_IO, "safetensors: '%s': tensor '%s' is named twice (header bytes %zu and %zu)",
+                         f->path, f->entries[i].name, 8 + (a < b ? a : b), 8 + (a < b ? b : a));
+    }
   return MOE_OK;
 }
 

@@ -136,8 +136,8 @@ static void test_malformed(void) {
     {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,0]}}", "end before they begin"},
     {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,4]}}", "hold 4 bytes, but F32 [2] needs 2 x 4"},
     {"{\"a\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296],\"data_offsets\":[0,4]}}", "more than 2^63"},
-    {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
-     "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", "tensor 'a' is named twice"},
+    {"{\"a\":{\"dtype\":\"BF16\",\"shape\":[1],\"data_offsets\":[0,2]},"
+     "\"a\":{\"dtype\":\"BF16\",\"shape\":[1],\"data_offsets\":[2,4]}}", "tensor 'a' is named twice"},
     {"{\"__metadata__\":[]}", "\"__metadata__\" must be an object"},
     {"{\"__metadata__\":{},\"__metadata__\":{}}", "\"__metadata__\" given twice"},
     {"{\"__metadata__\":{\"a\":[1,2,]}}", "expected a value, got ']'"},
