@@ -46,7 +46,7 @@ template <int MODE, int NVM, bool TM> int resident_clusters(int dev) {
   static std::atomic<int> cache[64];
   const int n = once_per_device(cache, dev, [] {
     auto kernel = sm90_e4m3_kernel<MODE, NVM, TM>;
-    constexpr int smem = smem8_bytes<NVM>();
+    constexpr int smem = smem8_bytes<NVM, TM>();
     int clusters = 0;
     cudaLaunchAttribute attr[2];
     const cudaLaunchConfig_t cfg = launch_config(attr, 2, 2 * 64, THREADS, smem, 0);
@@ -73,7 +73,7 @@ struct Pass {
 template <int MODE, int NVM, bool TM>
 cudaError_t launch(cudaStream_t stream, int clusters, const Pass &p, const int *meta, int EL, int F) {
   auto kernel = sm90_e4m3_kernel<MODE, NVM, TM>;
-  constexpr int smem = smem8_bytes<NVM>();
+  constexpr int smem = smem8_bytes<NVM, TM>();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   cudaLaunchAttribute attr[2];
@@ -91,7 +91,7 @@ template <int NVM, bool TM = false> int fits(moe_ctx *ctx, const moe_experts_fp8
   const long long C = a->x->shape[0], H = a->x->shape[1];
   const long long EL = a->w_gate_up->shape[0], F = a->w_gate_up->shape[1] / 2;
   const int dev = a->x->device.index;
-  constexpr int smem = smem8_bytes<NVM>();
+  constexpr int smem = smem8_bytes<NVM, TM>();
   int major = 0, minor = 0, optin = 0;
   *fit = CANNOT;
   why[0] = 0;
@@ -182,7 +182,8 @@ template <int NVM, bool TM = false> int run(moe_ctx *ctx, const moe_experts_fp8_
       (!ROWS || encode_2d(&gu.out_map, h, C, F, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B)) &&
       encode_rows<NVM>(dn.a, hq, C, F) && encode_e4m3(&dn.b, a->w_down->data, EL * H, F, b_box) &&
       encode_scales(&dn.sx, hs, F / 128, C4) &&
-      encode_2d(&dn.out_map, dn.out, C, H, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B);
+      (TM ? encode_2d(&dn.out_map, dn.out, C, H, 64, 64, CU_TENSOR_MAP_SWIZZLE_128B)
+          : encode_2d(&dn.out_map, dn.out, C, H, 32, 16, CU_TENSOR_MAP_SWIZZLE_32B));
   if (!maps) err = cudaErrorInvalidValue;
   if (err == cudaSuccess && C4 != C) {
     what = "cudaMemcpy2DAsync(x_scale)";

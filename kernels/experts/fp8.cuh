@@ -15,8 +15,9 @@
 //   sm90t_fp8   the tokens-as-M tiles (TM): sm90w_fp8's units (packed: 128 rows a CTA but an
 //               expert's last ones) and stages, a consumer warpgroup's 64 of the CTA's tokens as
 //               wgmma's M and each 128-row weight half as its N (m64n128k32), so a thread's
-//               promotion takes two token scales; gate_up's epilogue quantizes h (t8_epilogue_q8).
-//               The default where the experts average more than 64 rows.
+//               promotion takes two token scales; gate_up's epilogue quantizes h (t8_epilogue_q8),
+//               down's sends its tile out by bulk tensor stores (t8_epilogue_down).  The default
+//               where the experts average more than 64 rows.
 //   sm90w_fp8   the weights-as-M tiles (!ROWS): sm90_wt.cuh's frame (clusters of two sharing 256
 //               weight rows by multicast, the tokens as wgmma's N, decode_w's units, w_epilogue's
 //               bulk stores for down), up to 128 tokens a CTA; 3 stages of 49 KiB.  gate_up's
@@ -77,10 +78,15 @@ template <int NVM> constexpr int amax8_bytes() { return 2 * 8 * NVM * 4; }
 template <int NVM> constexpr int smem_w8_bytes() {
   return stages8<NVM>() * stage8_bytes<NVM>() + 2 * STG_W_BYTES + 2 * stages8<NVM>() * 8 + amax8_bytes<NVM>() + 1024;
 }
+// The tokens-as-M tiles: a consumer warpgroup's staging holds its whole down tile (64 tokens x
+// 256 outputs in bf16) for the bulk stores (t8_epilogue_down); no amax exchange.
+constexpr int STG_T8_BYTES = 64 * 256 * 2;
+constexpr int SMEM_T8_BYTES =
+    stages8<NV8_MAX>() * stage8_bytes<NV8_MAX>() + 2 * STG_T8_BYTES + 2 * stages8<NV8_MAX>() * 8 + 1024;
 static_assert(B_HALF == 128 * BK8, "a weight half is 128 rows of 128 e4m3, as of 64 bf16");
 static_assert(stage8_bytes<NV8_MAX>() % 1024 == 0 && stage8_bytes<NV8_NARROW>() % 1024 == 0 &&
                   NV8_NARROW * BK8 % 1024 == 0, "operands on 1024-byte swizzle atoms");
-static_assert(smem_w8_bytes<NV8_MAX>() <= 232448 && smem_w8_bytes<NV8_NARROW>() <= 232448,
+static_assert(smem_w8_bytes<NV8_MAX>() <= 232448 && smem_w8_bytes<NV8_NARROW>() <= 232448 && SMEM_T8_BYTES <= 232448,
               "fits the 227 KiB a Hopper block may opt in to");
 static_assert(S8_COUNT * 4 <= S8_BYTES && S8_COUNT * 4 % 16 == 0, "a stage's token scales fit their slot");
 // The row tiles (ROWS): BM tokens x BN8 weight rows a CTA, the weights in halves of BN8 / 2 rows
@@ -94,8 +100,11 @@ constexpr int SMEM_R8_BYTES = STAGES_R8 * STAGE_R8_BYTES + 2 * STG_R8_BYTES + 2 
 static_assert(BM * BK8 % 1024 == 0 && STAGE_R8_BYTES % 1024 == 0 && B8_HALF % 1024 == 0,
               "the row tiles' operands on 1024-byte swizzle atoms");
 static_assert(SMEM_R8_BYTES <= 232448, "the row tiles' ring fits too");
-// NVM: the weights-as-M tiles' width, or 0 for the row tiles (one kernel's template argument).
-template <int NVM> constexpr int smem8_bytes() { return NVM ? smem_w8_bytes<NVM>() : SMEM_R8_BYTES; }
+// NVM: the weights-as-M tiles' width, or 0 for the row tiles; TM the tokens-as-M tiles (the
+// kernel's template arguments).
+template <int NVM, bool TM> constexpr int smem8_bytes() {
+  return TM ? SMEM_T8_BYTES : NVM ? smem_w8_bytes<NVM>() : SMEM_R8_BYTES;
+}
 
 #if defined(MOE_SM90A)
 
@@ -393,15 +402,54 @@ __device__ __forceinline__ void t8_epilogue_q8(float (&d)[128], uint32_t stg, ui
   }
 }
 
+// down's epilogue: the warpgroup's 64 tokens x 256 outputs (col0 on) in bf16 into its staging as
+// four boxes of 64 x 64 (128-byte rows, 16-byte chunk c of row r at c ^ (r & 7): TMA's 128-byte
+// swizzle; a warp's 4-byte writes, 8 rows x 4 lanes, meet no bank twice).  A whole 64 rows go out
+// as bulk tensor stores from the warpgroup's first thread, which drain while the next unit's MMAs
+// run (the warpgroups' own stores cost ~3% of a pass at Kimi K2, docs/perf/experts.md); the next
+// epilogue waits for their reads of the staging.  A part (an expert's last rows, the
+// rows after them the next expert's) goes out by plain 16-byte stores.
+__device__ __forceinline__ void t8_epilogue_down(const float (&d)[128], uint32_t stg, const CUtensorMap *tmo,
+                                                 uint16_t *__restrict__ out, int N, int row0, int rows, int col0,
+                                                 int bar_id, int t) {
+  const int lane = t & 31, ra = 16 * (t >> 5) + (lane >> 2), sw = lane >> 2; // rows ra, ra + 8; ra & 7
+  if (t == 0) bulk_wait_read<0>(); // the last unit's bulk stores have read the staging
+  named_bar_sync(bar_id, 128);     // ... and so have the warpgroup's plain ones
+#pragma unroll
+  for (int j = 0; j < 32; j++) { // registers 4 j .. 4 j + 3: outputs 8 j + 2 (lane % 4) + 0, 1
+    const uint32_t at = stg + (uint32_t)((j >> 3) * 8192 + ra * 128 + (((j & 7) ^ sw) << 4) + 4 * (lane & 3));
+    st_shared_b32(at, pack_bf16(d[4 * j], d[4 * j + 1]));
+    st_shared_b32(at + 8 * 128, pack_bf16(d[4 * j + 2], d[4 * j + 3]));
+  }
+  if (rows >= 64) {
+    fence_proxy_async(); // the writes, seen by the bulk stores
+    named_bar_sync(bar_id, 128);
+    if (t == 0) {
+      for (int b = 0; b < 4; b++)
+        if (col0 + 64 * b < N) tma_store(tmo, col0 + 64 * b, row0, stg + (uint32_t)(b * 8192));
+      bulk_commit();
+    }
+  } else {
+    named_bar_sync(bar_id, 128);
+#pragma unroll
+    for (int k = 0; k < 16; k++) { // a warp one row's 32 chunks
+      const int r = (t >> 5) + 4 * k, j = lane, col = col0 + 8 * j;
+      const uint4 v = ld_shared_v4(stg + (uint32_t)((j >> 3) * 8192 + r * 128 + (((j & 7) ^ (r & 7)) << 4)));
+      if (r < rows && col < N) *reinterpret_cast<uint4 *>(out + (long long)(row0 + r) * N + col) = v;
+    }
+  }
+}
+
 // A consumer warpgroup's tokens-as-M tile: its 64 token rows (from row0, my_rows of them the
 // expert's) x the 256 weight rows over KT k blocks; ws0, ws1 the two slices' weight scales (a k
 // block's float each), first this thread's first token's scale in a stage's box (its second is 8
-// tokens on).  gate_up's h goes out quantized (t8_epilogue_q8), down's in bf16 (the row tiles'
-// epilogue: d is m64n256's layout).
+// tokens on).  gate_up's h goes out quantized (t8_epilogue_q8), down's in bf16 (t8_epilogue_down,
+// through tmo).
 template <int MODE>
 __device__ __forceinline__ void t8_tile(int &s, uint32_t &ph, uint32_t ring, uint32_t bars, uint32_t stg, int cw,
-                                        int t, int KT, void *__restrict__ out, float *__restrict__ hs, int C4, int N,
-                                        int row0, int my_rows, int col0, uint32_t first,
+                                        int t, int KT, const CUtensorMap *tmo, void *__restrict__ out,
+                                        float *__restrict__ hs, int C4, int N, int row0, int my_rows, int col0,
+                                        uint32_t first,
                                         const float *__restrict__ ws0, const float *__restrict__ ws1) {
   constexpr int STAGE = stage8_bytes<NV8_MAX>(), NST = stages8<NV8_MAX>();
   const int lane = t & 31;
@@ -426,7 +474,7 @@ __device__ __forceinline__ void t8_tile(int &s, uint32_t &ph, uint32_t ring, uin
   }
   if constexpr (MODE == GATE_UP)
     t8_epilogue_q8(d, stg, (uint8_t *)out, hs, C4, N, row0, my_rows, col0, 1 + cw, t);
-  else epilogue<MODE, 128>(d, stg, (uint16_t *)out, N, row0, my_rows, col0, 1 + cw, t);
+  else t8_epilogue_down(d, stg, tmo, (uint16_t *)out, N, row0, my_rows, col0, 1 + cw, t);
 }
 
 #endif // MOE_SM90A
@@ -439,7 +487,7 @@ __device__ __forceinline__ void t8_tile(int &s, uint32_t &ph, uint32_t ring, uin
 //   tma_b     W [b_rows, K] e4m3: w_gate_up [EL * 2F, H] or w_down [EL * H, F], box {128, BN8 / 2
 //             rows} (ROWS) or {128, 128}
 //   tma_sx    A's scales [K / 128, C4] f32 (C4: C rounded up to 4), box {S8_COUNT, 1}
-//   tma_out   out in w_epilogue's boxes {16, 32} (!ROWS, down)
+//   tma_out   down's out in w_epilogue's boxes {16, 32} (!ROWS, !TM), t8_epilogue_down's {64, 64} (TM)
 //   wscale    W's scales [EL, b_rows / EL / 128, K / 128]
 //   N         output columns (F for gate_up, H for down); F the up rows' offset inside an expert
 template <int MODE, int NVM, bool TM>
@@ -454,13 +502,13 @@ __global__ void __launch_bounds__(THREADS, 1)
   static_assert(ROWS || NVM == NV8_MAX || NVM == NV8_NARROW, "a tiling whose ring stages8 sizes");
   static_assert(!TM || NVM == NV8_MAX, "the tokens-as-M tiles run on sm90w_fp8's stages");
   constexpr int NST = ROWS ? STAGES_R8 : stages8<NVM>(), STAGE = ROWS ? STAGE_R8_BYTES : stage8_bytes<NVM>();
-  constexpr int STG = ROWS ? STG_R8_BYTES : STG_W_BYTES, B_SLOT = ROWS ? BN8 * BK8 : 2 * B_HALF;
+  constexpr int STG = ROWS ? STG_R8_BYTES : TM ? STG_T8_BYTES : STG_W_BYTES, B_SLOT = ROWS ? BN8 * BK8 : 2 * B_HALF;
   constexpr int A_SLOT = ROWS ? BM * BK8 : NVM * BK8;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t staging = ring + NST * STAGE;
   const uint32_t bars = staging + 2 * STG; // full[NST], then empty[NST]
-  const uint32_t amax = bars + 16u * NST;   // !ROWS: w_epilogue_q8's exchange
+  const uint32_t amax = bars + 16u * NST;   // the weights-as-M tiles: w_epilogue_q8's exchange
   auto full_bar = [&](int s) { return bars + 8u * (uint32_t)s; };
   auto empty_bar = [&](int s) { return bars + 8u * (uint32_t)(NST + s); };
 
@@ -579,7 +627,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             // 128 outputs; down its two blocks of 128 (the second past H when H % 256 != 0: any
             // row, those are not stored)
             const int r0 = MODE == GATE_UP ? w.n : 2 * w.n, r1 = MODE == GATE_UP ? F / 128 + w.n : min(r0 + 1, nblk - 1);
-            t8_tile<MODE>(s, ph, ring, bars, stg, cw, t, KT, out, out_scale, C4, N, w.row0 + cw * 64, my_rows,
+            t8_tile<MODE>(s, ph, ring, bars, stg, cw, t, KT, &tma_out, out, out_scale, C4, N, w.row0 + cw * 64, my_rows,
                           w.n * (MODE == GATE_UP ? BN / 2 : BN), first, ws + r0 * KT, ws + r1 * KT);
           }
         } else {
